@@ -1,0 +1,332 @@
+#!/usr/bin/env bash
+# scripts/test.sh — THE test command for amqp-delay.
+#
+#   ./scripts/test.sh [CARGO_TEST_ARGS...]
+#   ./scripts/test.sh --broker-only
+#
+# What it does, in order:
+#   1. Makes sure a RabbitMQ broker answers AMQP 0-9-1 at $AMQP_URL
+#      (default amqp://guest:guest@127.0.0.1:5672/%2f). If nothing answers
+#      there and the URL points at this machine, it brings a broker up, trying
+#      in this order:
+#        a) something already answers AMQP on the port   -> use it as is
+#        b) a usable Docker engine (`docker info` works)
+#           and ./docker-compose.yml exists               -> docker compose up -d rabbitmq
+#        c) `rabbitmq-server` is installed                -> rabbitmq-server -detached
+#        d) running as root with apt-get                  -> apt-get install rabbitmq-server,
+#                                                            then as in c)
+#        e) otherwise                                     -> explain what to install, exit 1
+#      and then waits (up to $BROKER_WAIT_SECS, default 120 s) until the broker
+#      really answers the AMQP protocol header, not just until a process exists.
+#   2. Makes sure Python 3 can `import pika` (the integration tests drive a
+#      Python AMQP client as an independent peer).
+#   3. Runs `cargo test "$@"` (unit, integration and doc tests) with AMQP_URL
+#      exported, and exits with cargo's exit code.
+#
+# Options / environment:
+#   --broker-only        (first argument) stop after step 1: only make sure the
+#                        broker is up. Same as BROKER_ONLY=1.
+#   AMQP_URL             broker the tests use; exported to cargo test.
+#   BROKER_WAIT_SECS     how long to wait for the broker to come up (default 120).
+#   Anything else (RUST_BACKTRACE, RUST_LOG, ...) passes through to cargo test.
+#
+# Needs bash (for /dev/tcp) and coreutils `timeout`. Runs unattended in CI
+# (CI=true, no stdin, as root).
+
+set -euo pipefail
+
+# --- setup -------------------------------------------------------------------
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_ROOT="$(cd "${SCRIPT_DIR}/.." && pwd)"
+cd "${REPO_ROOT}"
+
+BROKER_ONLY="${BROKER_ONLY:-0}"
+if [[ "${1:-}" == "--broker-only" ]]; then
+    BROKER_ONLY=1
+    shift
+fi
+
+: "${AMQP_URL:=amqp://guest:guest@127.0.0.1:5672/%2f}"
+export AMQP_URL
+BROKER_WAIT_SECS="${BROKER_WAIT_SECS:-120}"
+
+# Last error seen by a probe; printed when we give up.
+LAST_ERR=""
+# Set once `apt-get update` has run in this invocation.
+APT_UPDATED=0
+
+log() { printf '[test.sh] %s\n' "$*" >&2; }
+die() {
+    log "ERROR: $*"
+    exit 1
+}
+have() { command -v "$1" >/dev/null 2>&1; }
+is_root() { [[ "$(id -u)" -eq 0 ]]; }
+
+# --- where is the broker? ----------------------------------------------------
+
+# Split AMQP_URL (amqp[s]://[user[:pass]@]host[:port][/vhost][?query]) into
+# BROKER_SCHEME, BROKER_HOST and BROKER_PORT.
+parse_amqp_url() {
+    local rest hostport
+    BROKER_SCHEME="${AMQP_URL%%://*}"
+    rest="${AMQP_URL#*://}"
+    hostport="${rest%%/*}"        # drop /vhost
+    hostport="${hostport%%\?*}"   # drop ?query (when there is no vhost)
+    hostport="${hostport##*@}"    # drop user:pass@
+    if [[ "${hostport}" == \[* ]]; then
+        # IPv6 literal: [::1]:5672
+        BROKER_HOST="${hostport#\[}"
+        BROKER_HOST="${BROKER_HOST%%\]*}"
+        rest="${hostport#*\]}"
+        BROKER_PORT="${rest#:}"
+    elif [[ "${hostport}" == *:* ]]; then
+        BROKER_HOST="${hostport%%:*}"
+        BROKER_PORT="${hostport##*:}"
+    else
+        BROKER_HOST="${hostport}"
+        BROKER_PORT=""
+    fi
+    [[ -n "${BROKER_HOST}" ]] || BROKER_HOST="localhost"
+    if [[ -z "${BROKER_PORT}" ]]; then
+        if [[ "${BROKER_SCHEME}" == "amqps" ]]; then BROKER_PORT=5671; else BROKER_PORT=5672; fi
+    fi
+    [[ "${BROKER_PORT}" =~ ^[0-9]+$ ]] || die "cannot parse a port out of AMQP_URL=${AMQP_URL}"
+}
+
+# True when BROKER_HOST is this machine, i.e. a broker we may start ourselves.
+broker_is_local() {
+    case "${BROKER_HOST}" in
+        localhost | 127.* | ::1 | 0.0.0.0) return 0 ;;
+        *) return 1 ;;
+    esac
+}
+
+# --- probes ------------------------------------------------------------------
+
+# Succeeds when an AMQP 0-9-1 server answers on BROKER_HOST:BROKER_PORT: we
+# send the protocol header and expect either a frame (first byte 0x01, the
+# METHOD frame carrying connection.start) or the server's own protocol header
+# ("AMQP...", sent on a version mismatch: still an AMQP server). For amqps we
+# can only check that the TCP port accepts connections. On failure the reason
+# is left in LAST_ERR.
+amqp_probe() {
+    local out
+    # The inner script runs in its own bash under `timeout`, so a connect or
+    # read that hangs cannot hang us. Arguments: $1 host, $2 port, $3 scheme,
+    # $4 the byte 0x01 (passed in to keep the quoting readable).
+    # shellcheck disable=SC2016  # expanded by the inner bash, on purpose
+    if out="$(timeout 8 bash -c '
+            exec 3<>"/dev/tcp/$1/$2" || exit 2
+            [[ "$3" == "amqps" ]] && exit 0
+            printf "AMQP\x00\x00\x09\x01" >&3
+            first=""
+            if ! IFS= read -r -t 5 -N 1 first <&3; then
+                echo "port $2 accepted the connection but sent no AMQP reply"
+                exit 3
+            fi
+            if [[ "$first" == "$4" || "$first" == A ]]; then
+                exit 0
+            fi
+            echo "port $2 answered, but not with AMQP 0-9-1"
+            exit 4
+        ' amqp-probe "${BROKER_HOST}" "${BROKER_PORT}" "${BROKER_SCHEME}" $'\x01' 2>&1)"; then
+        return 0
+    fi
+    # Keep one line: bash reports a refused connect twice, prefixed "amqp-probe: line N:".
+    out="$(printf '%s\n' "${out}" | head -n 1 | sed -E 's/^amqp-probe: (line [0-9]+: )?//')"
+    LAST_ERR="AMQP probe of ${BROKER_HOST}:${BROKER_PORT}: ${out:-timed out}"
+    return 1
+}
+
+# Print the tail of the local broker's logs (best effort) to help diagnose a
+# broker that never came up.
+dump_broker_logs() {
+    local f
+    for f in /var/log/rabbitmq/startup_err /var/log/rabbitmq/startup_log /var/log/rabbitmq/rabbit@*.log; do
+        [[ -s "${f}" ]] || continue
+        log "---- last lines of ${f} ----"
+        tail -n 25 "${f}" >&2 || true
+    done
+}
+
+# Wait until the broker answers. With "native", also require
+# `rabbitmqctl await_startup` to succeed (the local node finished booting);
+# for a broker in a container the local rabbitmqctl cannot reach the node,
+# so only the AMQP probe is used.
+wait_for_broker() {
+    local mode="$1" start=${SECONDS} deadline=$((SECONDS + BROKER_WAIT_SECS)) ready err
+    log "waiting up to ${BROKER_WAIT_SECS}s for the broker at ${BROKER_HOST}:${BROKER_PORT} ..."
+    while :; do
+        ready=1
+        if [[ "${mode}" == "native" ]] && have rabbitmqctl; then
+            if ! err="$(rabbitmqctl await_startup --timeout 5 2>&1)"; then
+                ready=0
+                LAST_ERR="rabbitmqctl await_startup: $(printf '%s' "${err}" | grep -v '^[[:space:]]*$' | head -n 3 | tr '\n' ' ')"
+            fi
+        fi
+        if [[ ${ready} -eq 1 ]] && amqp_probe; then
+            log "broker is up (answered AMQP after $((SECONDS - start))s)"
+            return 0
+        fi
+        if ((SECONDS >= deadline)); then
+            [[ "${mode}" == "native" ]] && dump_broker_logs
+            die "broker did not come up within ${BROKER_WAIT_SECS}s. Last error: ${LAST_ERR}"
+        fi
+        log "  ... not up yet ($((SECONDS - start))s): ${LAST_ERR}"
+        sleep 2
+    done
+}
+
+# --- bring-up strategies -----------------------------------------------------
+
+apt_update_once() {
+    if [[ ${APT_UPDATED} -eq 0 ]]; then
+        log "apt-get update"
+        apt-get update -qq
+        APT_UPDATED=1
+    fi
+}
+
+# (b) A Docker engine that actually works (not just the client binary) plus
+# our compose file.
+docker_usable() {
+    have docker && [[ -f "${REPO_ROOT}/docker-compose.yml" ]] && docker info >/dev/null 2>&1
+}
+
+start_with_docker() {
+    log "starting RabbitMQ with Docker Compose (service 'rabbitmq')"
+    if docker compose version >/dev/null 2>&1; then
+        docker compose -f "${REPO_ROOT}/docker-compose.yml" up -d rabbitmq
+    elif have docker-compose; then
+        docker-compose -f "${REPO_ROOT}/docker-compose.yml" up -d rabbitmq
+    else
+        return 1
+    fi
+    wait_for_broker container
+}
+
+# (c) A natively installed broker. `rabbitmq-server -detached` returns
+# before the node has booted, hence the wait afterwards. (Debian's wrapper
+# switches to the rabbitmq user when run as root.)
+start_native() {
+    if have rabbitmq-diagnostics && rabbitmq-diagnostics -q ping >/dev/null 2>&1; then
+        # The node runs but does not answer AMQP yet: it is still booting.
+        log "a local RabbitMQ node is running but not answering yet; waiting for it"
+    else
+        log "starting the local RabbitMQ node: rabbitmq-server -detached"
+        # Not fatal by itself (e.g. a node started by a package's postinst
+        # won the race): the wait below decides, and prints the logs if not.
+        rabbitmq-server -detached || log "'rabbitmq-server -detached' exited with $?; waiting anyway"
+    fi
+    wait_for_broker native
+}
+
+# (d) Install Debian's rabbitmq-server. Its postinst tries to start the
+# service and may fail (no systemd in containers, or policy-rc.d forbids
+# it): that is tolerated, we start it ourselves afterwards.
+install_with_apt() {
+    log "rabbitmq-server is not installed; installing it with apt-get"
+    apt_update_once
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rabbitmq-server \
+        || log "apt-get install reported an error (often just the service failing to start without systemd); continuing"
+    have rabbitmq-server || die "apt-get did not install rabbitmq-server"
+}
+
+ensure_broker() {
+    parse_amqp_url
+    log "broker: ${BROKER_HOST}:${BROKER_PORT} (from AMQP_URL)"
+
+    # (a) something already answers
+    if amqp_probe; then
+        log "a broker already answers AMQP on ${BROKER_HOST}:${BROKER_PORT}; using it"
+        return 0
+    fi
+    log "nothing answers AMQP yet (${LAST_ERR})"
+
+    if ! broker_is_local; then
+        die "AMQP_URL points at ${BROKER_HOST}, which is not this machine and does not answer; start that broker, or unset AMQP_URL to use a local one"
+    fi
+
+    # (b) Docker
+    if docker_usable; then
+        start_with_docker && return 0
+        log "Docker Compose could not start the broker; trying a native broker"
+    fi
+
+    # (c) native install
+    if have rabbitmq-server; then
+        start_native
+        return 0
+    fi
+
+    # (d) install it
+    if is_root && have apt-get; then
+        install_with_apt
+        # The postinst may have started it after all.
+        if amqp_probe; then
+            log "the package's postinst started the broker"
+            return 0
+        fi
+        start_native
+        return 0
+    fi
+
+    # (e) give up with instructions
+    die "no RabbitMQ broker answers on ${BROKER_HOST}:${BROKER_PORT}, and none could be started.
+  Do one of:
+    - start Docker and run:  docker compose up -d rabbitmq
+    - install RabbitMQ:      sudo apt-get install rabbitmq-server   (Debian/Ubuntu)
+                             brew install rabbitmq                  (macOS)
+    - point AMQP_URL at a running broker, e.g.
+                             AMQP_URL=amqp://guest:guest@host:5672/%2f ./scripts/test.sh"
+}
+
+# --- Python client for the integration tests ---------------------------------
+
+ensure_pika() {
+    if ! have python3; then
+        if is_root && have apt-get; then
+            log "python3 is missing; installing python3 and python3-pika with apt-get"
+            apt_update_once
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-pika
+        else
+            die "python3 is required by the integration tests; please install Python 3 and the 'pika' package"
+        fi
+    fi
+    if python3 -c 'import pika' >/dev/null 2>&1; then
+        return 0
+    fi
+    log "installing the Python package 'pika' (python3 -m pip install --quiet pika)"
+    # Quiet pip: no "running as root" warning and no version nag in CI logs.
+    if ! PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 \
+        python3 -m pip install --quiet pika; then
+        # e.g. Debian's own python3 refuses pip installs (PEP 668).
+        if is_root && have apt-get; then
+            log "pip failed; trying Debian's python3-pika"
+            apt_update_once
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pika || true
+        fi
+    fi
+    python3 -c 'import pika' || die "python3 cannot import pika; install it (pip install pika) and retry"
+}
+
+# --- main --------------------------------------------------------------------
+
+ensure_broker
+
+if [[ "${BROKER_ONLY}" == "1" ]]; then
+    log "--broker-only: broker is up, not running the tests"
+    exit 0
+fi
+
+ensure_pika
+
+log "running: cargo test $*  (broker ${BROKER_HOST}:${BROKER_PORT})"
+set +e
+cargo test "$@"
+rc=$?
+set -e
+log "cargo test exited with ${rc}"
+exit "${rc}"

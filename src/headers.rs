@@ -1,0 +1,150 @@
+//! Header rules, pure: the headers we set on every scheduled message, the reserved names, the
+//! stripping of the broker's dead-letter history before anything is re-published (design.md
+//! rule 3), and conversion of JSON header values into AMQP field values.
+
+use std::collections::BTreeMap;
+
+use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+
+/// Requested delay in whole milliseconds.
+pub const DELAY_MS: &str = "x-delay-ms";
+/// Due time, milliseconds since the Unix epoch.
+pub const DUE_AT: &str = "x-delay-due-at";
+/// Delivery attempt: 0 on first schedule, +1 per retry.
+pub const ATTEMPT: &str = "x-delay-attempt";
+
+/// Headers only we set.
+pub const RESERVED: [&str; 3] = [DELAY_MS, DUE_AT, ATTEMPT];
+
+/// The broker's dead-letter history headers.
+pub fn is_death_header(name: &str) -> bool {
+    name == "x-death" || name.starts_with("x-first-death-") || name.starts_with("x-last-death-")
+}
+
+/// Returns `table` without `x-death`, `x-first-death-*` and `x-last-death-*`.
+pub fn strip_death(table: &FieldTable) -> FieldTable {
+    filter(table, |k| !is_death_header(k))
+}
+
+/// Returns `table` without the keys for which `keep` is false.
+pub fn filter(table: &FieldTable, keep: impl Fn(&str) -> bool) -> FieldTable {
+    let m: BTreeMap<ShortString, AMQPValue> = table
+        .inner()
+        .iter()
+        .filter(|(k, _)| keep(k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    FieldTable::from(m)
+}
+
+/// Fails if the caller set one of our headers.
+pub fn check_not_reserved(table: &FieldTable) -> Result<(), String> {
+    for name in RESERVED {
+        if table.contains_key(name) {
+            return Err(format!(
+                "header '{name}' is reserved: amqp-delay sets it on every message"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Sets our three headers.
+pub fn set_schedule_headers(table: &mut FieldTable, delay_ms: u64, due_at_ms: u64, attempt: u32) {
+    table.insert(DELAY_MS.into(), AMQPValue::LongLongInt(delay_ms as i64));
+    table.insert(DUE_AT.into(), AMQPValue::LongLongInt(due_at_ms as i64));
+    table.insert(ATTEMPT.into(), AMQPValue::LongLongInt(i64::from(attempt)));
+}
+
+/// Reads an integer header of any AMQP integer type.
+pub fn get_int(table: &FieldTable, name: &str) -> Option<i64> {
+    as_int(table.inner().get(name)?)
+}
+
+/// An AMQP integer field as i64 (any width, signed or not).
+pub fn as_int(v: &AMQPValue) -> Option<i64> {
+    Some(match *v {
+        AMQPValue::ShortShortInt(n) => n.into(),
+        AMQPValue::ShortShortUInt(n) => n.into(),
+        AMQPValue::ShortInt(n) => n.into(),
+        AMQPValue::ShortUInt(n) => n.into(),
+        AMQPValue::LongInt(n) => n.into(),
+        AMQPValue::LongUInt(n) => n.into(),
+        AMQPValue::LongLongInt(n) => n,
+        AMQPValue::Timestamp(n) => i64::try_from(n).ok()?,
+        _ => return None,
+    })
+}
+
+/// Converts a JSON object into a header table: strings → long strings, integers → signed
+/// 64-bit, other numbers → double, booleans, null → void, arrays and objects nested.
+pub fn json_to_table(obj: &serde_json::Map<String, serde_json::Value>) -> Result<FieldTable, String> {
+    let mut t = FieldTable::default();
+    for (k, v) in obj {
+        let key = ShortString::try_new(k.as_str())
+            .map_err(|_| format!("header name '{k:.40}…' is longer than 255 bytes"))?;
+        t.insert(key, json_to_value(v)?);
+    }
+    Ok(t)
+}
+
+fn json_to_value(v: &serde_json::Value) -> Result<AMQPValue, String> {
+    use serde_json::Value;
+    Ok(match v {
+        Value::Null => AMQPValue::Void,
+        Value::Bool(b) => AMQPValue::Boolean(*b),
+        Value::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                AMQPValue::LongLongInt(i)
+            } else if let Some(f) = n.as_f64() {
+                AMQPValue::Double(f)
+            } else {
+                return Err(format!("header value {n} does not fit a 64-bit number"));
+            }
+        }
+        Value::String(s) => AMQPValue::LongString(LongString::from(s.as_bytes())),
+        Value::Array(a) => AMQPValue::FieldArray(FieldArray::from(
+            a.iter().map(json_to_value).collect::<Result<Vec<_>, _>>()?,
+        )),
+        Value::Object(o) => AMQPValue::FieldTable(json_to_table(o)?),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_death_history_only() {
+        let mut t = FieldTable::default();
+        t.insert("x-death".into(), AMQPValue::Void);
+        t.insert("x-first-death-queue".into(), AMQPValue::Void);
+        t.insert("x-last-death-reason".into(), AMQPValue::Void);
+        t.insert("x-deathly".into(), AMQPValue::Boolean(true));
+        t.insert("app".into(), AMQPValue::Boolean(true));
+        let s = strip_death(&t);
+        let keys: Vec<_> = s.inner().keys().map(|k| k.as_str()).collect();
+        assert_eq!(keys, ["app", "x-deathly"]);
+    }
+
+    #[test]
+    fn reserved_headers_are_refused_by_name() {
+        let mut t = FieldTable::default();
+        t.insert(ATTEMPT.into(), AMQPValue::LongInt(3));
+        assert_eq!(
+            check_not_reserved(&t).unwrap_err(),
+            "header 'x-delay-attempt' is reserved: amqp-delay sets it on every message"
+        );
+    }
+
+    #[test]
+    fn json_headers_convert() {
+        let v: serde_json::Value =
+            serde_json::json!({"s": "x", "i": -3, "f": 1.5, "b": true, "n": null, "a": [1, "y"], "o": {"k": 1}});
+        let t = json_to_table(v.as_object().unwrap()).unwrap();
+        assert_eq!(get_int(&t, "i"), Some(-3));
+        assert_eq!(t.inner()["f"], AMQPValue::Double(1.5));
+        assert_eq!(t.inner()["s"], AMQPValue::LongString("x".into()));
+        assert!(matches!(t.inner()["o"], AMQPValue::FieldTable(_)));
+    }
+}

@@ -1,0 +1,112 @@
+//! The bulk input format of `delay-publisher send --jsonl`: one JSON object per line, turned
+//! into a [`Message`] or a reason why not. Pure.
+//!
+//! `{"queue": "orders.timeout", "delay_ms": 1500 | "delay": "1m30s", "body": "...",
+//!   "id": "...", "content_type": "...", "headers": {...}}`
+//!
+//! `body` may be a string (sent as its UTF-8 bytes) or any other JSON value (sent as compact
+//! JSON with content type `application/json` unless one is given).
+
+use lapin::BasicProperties;
+use serde::Deserialize;
+
+use crate::headers;
+use crate::publisher::Message;
+use crate::settings::parse_duration_ms;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Line {
+    queue: String,
+    #[serde(default)]
+    delay_ms: Option<serde_json::Value>,
+    #[serde(default)]
+    delay: Option<serde_json::Value>,
+    body: serde_json::Value,
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    content_type: Option<String>,
+    #[serde(default)]
+    headers: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// Parses one line. `Ok(None)` for a blank line.
+pub fn parse_line(line: &str) -> Result<Option<Message>, String> {
+    if line.trim().is_empty() {
+        return Ok(None);
+    }
+    let l: Line = serde_json::from_str(line).map_err(|e| format!("not a valid request: {e}"))?;
+    let delay_ms = match (&l.delay_ms, &l.delay) {
+        (Some(_), Some(_)) => return Err("give either 'delay_ms' or 'delay', not both".into()),
+        (None, None) => return Err("missing 'delay_ms' or 'delay'".into()),
+        (Some(v), None) => match v {
+            serde_json::Value::Number(n) => match n.as_u64() {
+                Some(ms) => ms,
+                None if n.as_i64().is_some() => {
+                    return Err(format!("'delay_ms' must not be negative, got {n}"));
+                }
+                None => return Err(format!("'delay_ms' must be a whole number of ms, got {n}")),
+            },
+            other => return Err(format!("'delay_ms' must be an integer, got {other}")),
+        },
+        (None, Some(v)) => match v {
+            serde_json::Value::String(s) => parse_duration_ms(s).map_err(|e| format!("'delay': {e}"))?,
+            serde_json::Value::Number(n) if n.as_u64().is_some() => n.as_u64().unwrap_or(0),
+            other => return Err(format!("'delay' must be a duration string such as \"1m30s\", got {other}")),
+        },
+    };
+    let (body, default_ct) = match l.body {
+        serde_json::Value::String(s) => (s.into_bytes(), None),
+        v => (v.to_string().into_bytes(), Some("application/json")),
+    };
+    let mut props = BasicProperties::default();
+    if let Some(ct) = l.content_type.as_deref().or(default_ct) {
+        props = props.with_content_type(ct.into());
+    }
+    if let Some(id) = l.id {
+        if id.is_empty() || id.len() > 255 {
+            return Err("'id' must be 1 to 255 bytes".into());
+        }
+        props = props.with_message_id(id.as_str().into());
+    }
+    if let Some(h) = l.headers {
+        let t = headers::json_to_table(&h)?;
+        headers::check_not_reserved(&t)?;
+        props = props.with_headers(t);
+    }
+    Ok(Some(Message::new(l.queue, delay_ms, body).with_properties(props)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn good_lines() {
+        let m = parse_line(r#"{"queue":"a.b","delay":"1m30s","body":"hi","id":"x1"}"#).unwrap().unwrap();
+        assert_eq!((m.destination.as_str(), m.delay_ms, m.body.as_slice()), ("a.b", 90_000, &b"hi"[..]));
+        assert_eq!(m.properties.message_id().as_ref().unwrap().as_str(), "x1");
+        let m = parse_line(r#"{"queue":"q","delay_ms":1500,"body":{"order":42}}"#).unwrap().unwrap();
+        assert_eq!(m.body, br#"{"order":42}"#);
+        assert_eq!(m.properties.content_type().as_ref().unwrap().as_str(), "application/json");
+        assert!(parse_line("   ").unwrap().is_none());
+    }
+
+    #[test]
+    fn bad_lines_say_why() {
+        let cases = [
+            ("not json", "not a valid request"),
+            (r#"{"queue":"q","body":"x"}"#, "missing 'delay_ms' or 'delay'"),
+            (r#"{"queue":"q","delay_ms":-5,"body":"x"}"#, "must not be negative"),
+            (r#"{"queue":"q","delay":"soon","body":"x"}"#, "invalid duration 'soon'"),
+            (r#"{"queue":"q","delay_ms":1,"delay":"1s","body":"x"}"#, "not both"),
+            (r#"{"queue":"q","delay_ms":1,"body":"x","colour":1}"#, "unknown field"),
+            (r#"{"queue":"q","delay_ms":1,"body":"x","headers":{"x-delay-ms":1}}"#, "reserved"),
+        ];
+        for (line, want) in cases {
+            let e = parse_line(line).unwrap_err();
+            assert!(e.contains(want), "{line}: {e}");
+        }
+    }
+}

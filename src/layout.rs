@@ -1,0 +1,432 @@
+//! The shape of the delay topology, computed from settings without any I/O: which tier queues
+//! exist, their TTLs, their names, where each one dead-letters to, and the binding patterns.
+//!
+//! Three kinds of tier (see design.md, "The shape we aim for"):
+//! * **cascade levels** `0..levels`: level `k` holds one queue per digit `d = 1..radix` with
+//!   TTL `d · radix^k · unit`, and one topic exchange. The routing key carries one word per level
+//!   (highest level first) followed by the destination. Digit 0 passes through an
+//!   exchange-to-exchange binding to the next level down; level 0 ends in the delivery exchange.
+//! * **fixed levels**: one queue per configured common delay (e.g. 30m) that dead-letters into the
+//!   top of the cascade, so that delay is exactly one hop.
+//! * **overflow chain**: a broker TTL is at most 2^32−1 ms, so a cascade of 1 ms units cannot
+//!   reach a year. Delays beyond the cascade's range first walk `q` equal-TTL queues of a chain
+//!   (each visited once), whose last element dead-letters into the top of the cascade.
+
+use std::fmt;
+
+use crate::settings::{QueueType, TopologySettings};
+
+/// The broker's limit for `x-message-ttl` (milliseconds, unsigned 32-bit).
+pub const BROKER_MAX_TTL_MS: u64 = u32::MAX as u64;
+/// Topic routing keys are at most 255 bytes.
+pub const MAX_ROUTING_KEY_LEN: usize = 255;
+/// Upper bound on the overflow chain, so a misconfiguration cannot create thousands of queues.
+pub const MAX_OVERFLOW_QUEUES: u64 = 64;
+/// Digit alphabet of routing-key words (radix up to 36).
+const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+
+/// One tier queue of the topology.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tier {
+    pub kind: TierKind,
+    /// Queue name.
+    pub queue: String,
+    /// Queue-level `x-message-ttl` in milliseconds.
+    pub ttl_ms: u64,
+    /// Exchange the queue dead-letters into (routing key kept).
+    pub dead_letter_exchange: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TierKind {
+    /// Cascade level `level`, digit `digit`.
+    Cascade { level: u32, digit: u32 },
+    /// Fixed level with this TTL.
+    Fixed { ttl_ms: u64 },
+    /// Element `index` (1-based) of the overflow chain.
+    Overflow { index: u32 },
+}
+
+/// The computed topology. Cheap to clone; every name the code uses comes from here.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layout {
+    prefix: String,
+    radix: u32,
+    unit_ms: u64,
+    levels: u32,
+    overflow_ttl_ms: u64,
+    overflow_count: u32,
+    fixed_ms: Vec<u64>,
+    max_delay_ms: u64,
+    queue_type: QueueType,
+    max_tier_length: Option<u64>,
+}
+
+/// A configuration that cannot produce a valid topology.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid topology settings: {0}")]
+pub struct LayoutError(pub String);
+
+impl Layout {
+    /// Computes the layout, validating everything the broker would otherwise reject later.
+    pub fn new(prefix: &str, t: &TopologySettings) -> Result<Layout, LayoutError> {
+        let err = |m: String| Err(LayoutError(m));
+        validate_prefix(prefix).map_err(LayoutError)?;
+        let radix = t.radix;
+        if !(2..=36).contains(&radix) {
+            return err(format!("radix must be between 2 and 36, got {radix}"));
+        }
+        let unit = t.unit_ms;
+        let max_ttl = t.max_tier_ttl_ms;
+        if max_ttl == 0 || max_ttl > BROKER_MAX_TTL_MS {
+            return err(format!(
+                "max_tier_ttl_ms must be between 1 and {BROKER_MAX_TTL_MS} (the broker's limit), got {max_ttl}"
+            ));
+        }
+        if unit == 0 || unit > max_ttl {
+            return err(format!(
+                "unit_ms must be between 1 and max_tier_ttl_ms ({max_ttl}), got {unit}"
+            ));
+        }
+        let r = u64::from(radix);
+        // Cascade levels: add levels while the range is not covered and the new level's largest
+        // digit still fits the TTL limit.
+        let mut levels: u32 = 1;
+        let mut weight = unit; // r^(levels-1) * unit, the weight of the top level
+        let cap = |levels: u32| -> u64 {
+            // (r^levels - 1) * unit, saturating
+            r.checked_pow(levels)
+                .and_then(|p| (p - 1).checked_mul(unit))
+                .unwrap_or(u64::MAX)
+        };
+        if (r - 1).saturating_mul(unit) > max_ttl {
+            return err(format!(
+                "the largest level-0 tier ({} x {unit} ms) exceeds max_tier_ttl_ms ({max_ttl}); use a smaller radix or unit",
+                r - 1
+            ));
+        }
+        let max_delay_ms = t.max_delay.as_millis();
+        while cap(levels) < max_delay_ms {
+            let next_weight = weight.saturating_mul(r);
+            if (r - 1).saturating_mul(next_weight) > max_ttl {
+                break;
+            }
+            weight = next_weight;
+            levels += 1;
+        }
+        let cascade_ms = cap(levels);
+        // Overflow chain: equal tiers of T ms, T a multiple of the unit, at most one unit more
+        // than the cascade can represent, so every remainder is reachable.
+        let overflow_ttl_ms = ((max_ttl / unit).min(cascade_ms / unit + 1)) * unit;
+        let overflow_count = if max_delay_ms > cascade_ms {
+            (max_delay_ms - cascade_ms).div_ceil(overflow_ttl_ms)
+        } else {
+            0
+        };
+        if overflow_count > MAX_OVERFLOW_QUEUES {
+            return err(format!(
+                "max_delay {} ms needs {overflow_count} overflow tiers of {overflow_ttl_ms} ms beyond the cascade's {cascade_ms} ms (limit {MAX_OVERFLOW_QUEUES}); raise unit_ms or max_tier_ttl_ms, or lower max_delay",
+                max_delay_ms
+            ));
+        }
+        let mut fixed_ms = Vec::new();
+        for f in &t.fixed_levels {
+            let ms = f.as_millis();
+            if ms == 0 || ms > max_ttl {
+                return err(format!(
+                    "fixed level {f} must be between 1 ms and max_tier_ttl_ms ({max_ttl} ms)"
+                ));
+            }
+            if ms > max_delay_ms {
+                return err(format!(
+                    "fixed level {f} is longer than max_delay ({max_delay_ms} ms)"
+                ));
+            }
+            fixed_ms.push(ms);
+        }
+        fixed_ms.sort_unstable();
+        fixed_ms.dedup();
+        if let Some(0) = t.max_tier_length {
+            return err("max_tier_length must be at least 1 when set".into());
+        }
+        Ok(Layout {
+            prefix: prefix.to_string(),
+            radix,
+            unit_ms: unit,
+            levels,
+            overflow_ttl_ms,
+            overflow_count: overflow_count as u32,
+            fixed_ms,
+            max_delay_ms,
+            queue_type: t.queue_type,
+            max_tier_length: t.max_tier_length,
+        })
+    }
+
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+    pub fn radix(&self) -> u32 {
+        self.radix
+    }
+    pub fn unit_ms(&self) -> u64 {
+        self.unit_ms
+    }
+    /// Number of cascade levels (= digit words in every routing key).
+    pub fn levels(&self) -> u32 {
+        self.levels
+    }
+    pub fn queue_type(&self) -> QueueType {
+        self.queue_type
+    }
+    pub fn max_tier_length(&self) -> Option<u64> {
+        self.max_tier_length
+    }
+    /// Longest accepted delay.
+    pub fn max_delay_ms(&self) -> u64 {
+        self.max_delay_ms
+    }
+    /// Largest delay the cascade alone represents: `(radix^levels − 1) · unit`.
+    pub fn cascade_max_ms(&self) -> u64 {
+        (u64::from(self.radix).pow(self.levels) - 1) * self.unit_ms
+    }
+    pub fn overflow_ttl_ms(&self) -> u64 {
+        self.overflow_ttl_ms
+    }
+    pub fn overflow_count(&self) -> u32 {
+        self.overflow_count
+    }
+    /// Fixed-level TTLs, ascending.
+    pub fn fixed_ms(&self) -> &[u64] {
+        &self.fixed_ms
+    }
+    /// Weight of one digit at `level`: `radix^level · unit` ms.
+    pub fn level_weight_ms(&self, level: u32) -> u64 {
+        u64::from(self.radix).pow(level) * self.unit_ms
+    }
+
+    /// One line that identifies everything the shape of the topology depends on. Stored in the
+    /// broker at declare time so a re-declare with other settings fails with a clear message.
+    pub fn signature(&self) -> String {
+        format!(
+            "amqp-delay/1 radix={} unit_ms={} levels={} overflow={}x{}ms queue_type={} max_tier_length={}",
+            self.radix,
+            self.unit_ms,
+            self.levels,
+            self.overflow_count,
+            self.overflow_ttl_ms,
+            self.queue_type,
+            self.max_tier_length
+                .map_or_else(|| "none".to_string(), |n| n.to_string()),
+        )
+    }
+
+    // ---- names -------------------------------------------------------------------------------
+
+    /// Topic exchange of cascade level `k`.
+    pub fn level_exchange(&self, k: u32) -> String {
+        format!("{}.level{k}", self.prefix)
+    }
+    pub fn cascade_queue(&self, k: u32, d: u32) -> String {
+        format!("{}.level{k}.d{d}", self.prefix)
+    }
+    /// Exchange at the top of the cascade (where fixed levels and the overflow chain end).
+    pub fn top_exchange(&self) -> String {
+        self.level_exchange(self.levels - 1)
+    }
+    /// Fanout exchange in front of overflow queue `i` (1-based).
+    pub fn overflow_exchange(&self, i: u32) -> String {
+        format!("{}.overflow{i}", self.prefix)
+    }
+    pub fn overflow_queue(&self, i: u32) -> String {
+        self.overflow_exchange(i)
+    }
+    /// Fanout exchange in front of the fixed level of `ms`.
+    pub fn fixed_exchange(&self, ms: u64) -> String {
+        format!("{}.fixed.{}", self.prefix, compact_duration(ms))
+    }
+    pub fn fixed_queue(&self, ms: u64) -> String {
+        self.fixed_exchange(ms)
+    }
+    /// Topic exchange routing due messages to their destination queue.
+    pub fn delivery_exchange(&self) -> String {
+        format!("{}.deliver", self.prefix)
+    }
+    /// Fanout exchange, alternate exchange of the delivery exchange.
+    pub fn parking_exchange(&self) -> String {
+        format!("{}.parking", self.prefix)
+    }
+    /// Queue holding messages whose destination did not exist at delivery time.
+    pub fn parked_queue(&self) -> String {
+        format!("{}.parked", self.prefix)
+    }
+    /// Queue that never holds messages; its arguments record the layout signature.
+    pub fn layout_marker_queue(&self) -> String {
+        format!("{}.layout", self.prefix)
+    }
+
+    /// Every tier queue, in declaration order (lowest level first, so each dead-letter target
+    /// exists before the queue pointing at it).
+    pub fn tiers(&self) -> Vec<Tier> {
+        let mut out = Vec::new();
+        for k in 0..self.levels {
+            let dlx = if k == 0 {
+                self.delivery_exchange()
+            } else {
+                self.level_exchange(k - 1)
+            };
+            for d in 1..self.radix {
+                out.push(Tier {
+                    kind: TierKind::Cascade { level: k, digit: d },
+                    queue: self.cascade_queue(k, d),
+                    ttl_ms: u64::from(d) * self.level_weight_ms(k),
+                    dead_letter_exchange: dlx.clone(),
+                });
+            }
+        }
+        for &ms in &self.fixed_ms {
+            out.push(Tier {
+                kind: TierKind::Fixed { ttl_ms: ms },
+                queue: self.fixed_queue(ms),
+                ttl_ms: ms,
+                dead_letter_exchange: self.top_exchange(),
+            });
+        }
+        for i in (1..=self.overflow_count).rev() {
+            let dlx = if i == self.overflow_count {
+                self.top_exchange()
+            } else {
+                self.overflow_exchange(i + 1)
+            };
+            out.push(Tier {
+                kind: TierKind::Overflow { index: i },
+                queue: self.overflow_queue(i),
+                ttl_ms: self.overflow_ttl_ms,
+                dead_letter_exchange: dlx,
+            });
+        }
+        out
+    }
+
+    // ---- routing keys --------------------------------------------------------------------------
+
+    /// The digit word for `digit`.
+    pub fn digit_word(digit: u32) -> char {
+        DIGITS[digit as usize] as char
+    }
+
+    /// Binding pattern on level `k`'s exchange for digit `d` (`*` in every other digit position,
+    /// `#` for the destination).
+    pub fn level_binding(&self, k: u32, d: u32) -> String {
+        let mut words: Vec<String> = (0..self.levels).map(|_| "*".to_string()).collect();
+        words[(self.levels - 1 - k) as usize] = Self::digit_word(d).to_string();
+        words.push("#".into());
+        words.join(".")
+    }
+
+    /// Binding pattern of a destination queue on the delivery exchange: one `*` per digit word,
+    /// then the destination's own words, which contain no wildcard (see [`Layout::validate_destination`]).
+    pub fn destination_binding(&self, destination: &str) -> String {
+        let mut s = "*.".repeat(self.levels as usize);
+        s.push_str(destination);
+        s
+    }
+
+    /// Routing key for `digits` (indexed by level) and `destination`.
+    pub fn routing_key(&self, digits: &[u32], destination: &str) -> String {
+        let mut s = String::with_capacity(2 * self.levels as usize + destination.len());
+        for k in (0..self.levels).rev() {
+            s.push(Self::digit_word(digits.get(k as usize).copied().unwrap_or(0)));
+            s.push('.');
+        }
+        s.push_str(destination);
+        s
+    }
+
+    /// Longest destination name that still fits the 255-byte routing key.
+    pub fn max_destination_len(&self) -> usize {
+        MAX_ROUTING_KEY_LEN - 2 * self.levels as usize
+    }
+
+    /// Rules for a destination queue name (design.md rule 9): non-empty, fits the routing key,
+    /// no empty word and no `*` / `#` word that would turn its binding into a wildcard.
+    pub fn validate_destination(&self, destination: &str) -> Result<(), String> {
+        if destination.is_empty() {
+            return Err("destination queue name is empty".into());
+        }
+        let max = self.max_destination_len();
+        if destination.len() > max {
+            return Err(format!(
+                "destination queue name is {} bytes; at most {max} fit in the routing key with {} digit words",
+                destination.len(),
+                self.levels
+            ));
+        }
+        for word in destination.split('.') {
+            if word.is_empty() {
+                return Err(format!(
+                    "destination queue name '{destination}' has an empty dot-separated word (leading, trailing or double dot)"
+                ));
+            }
+            if word == "*" || word == "#" {
+                return Err(format!(
+                    "destination queue name '{destination}' contains the wildcard word '{word}', which would make its binding match other queues' messages"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Prefix rules: it names every exchange and queue we create.
+pub fn validate_prefix(prefix: &str) -> Result<(), String> {
+    if prefix.is_empty() {
+        return Err("prefix must not be empty".into());
+    }
+    if prefix.len() > 200 {
+        return Err(format!(
+            "prefix is {} bytes; at most 200 leave room for the suffixes",
+            prefix.len()
+        ));
+    }
+    if prefix.starts_with("amq.") {
+        return Err("prefix must not start with 'amq.' (reserved by the broker)".into());
+    }
+    if prefix.contains(['*', '#']) {
+        return Err("prefix must not contain '*' or '#'".into());
+    }
+    Ok(())
+}
+
+/// `1800000` → `30m`, `86400000` → `24h`, `1500` → `1500ms`.
+pub fn compact_duration(ms: u64) -> String {
+    const UNITS: [(u64, &str); 3] = [(3_600_000, "h"), (60_000, "m"), (1000, "s")];
+    for (size, name) in UNITS {
+        if ms >= size && ms % size == 0 {
+            return format!("{}{name}", ms / size);
+        }
+    }
+    format!("{ms}ms")
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "radix {} x {} ms units, {} levels (cascade up to {} ms), {} overflow tiers of {} ms, fixed levels [{}], max delay {} ms, {} queues",
+            self.radix,
+            self.unit_ms,
+            self.levels,
+            self.cascade_max_ms(),
+            self.overflow_count,
+            self.overflow_ttl_ms,
+            self.fixed_ms
+                .iter()
+                .map(|&m| compact_duration(m))
+                .collect::<Vec<_>>()
+                .join(", "),
+            self.max_delay_ms,
+            self.queue_type,
+        )
+    }
+}

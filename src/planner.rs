@@ -1,0 +1,430 @@
+//! The delay planner: requested delay + precision policy → route through the tiers. Pure.
+//!
+//! A route is an optional "pre-tier" (one fixed level, or `q` overflow tiers) followed by the
+//! cascade digits of the remainder. The planner is never early (the route's total TTL is at
+//! least the requested delay) and, within the lateness budget, picks the route with the fewest
+//! hops (dead-letter hops are what the broker pays for), then the least lateness.
+//!
+//! The minimum-hop value in an interval `[lo, hi]` of cascade units is found in closed form: an
+//! optimal value is either `lo` itself or `lo` rounded up at some digit position
+//! (`(lo / r^i + 1) · r^i`). The property tests check this against brute force.
+
+use serde::{Deserialize, Serialize};
+
+use crate::layout::{Layout, TierKind};
+
+/// How late a message may be delivered so that its route needs fewer hops. The budget for a
+/// delay `D` is `max(lateness_ms, floor(lateness_ratio · D))`, never less than one unit − 1 ms
+/// (a delay is rounded up to whole units).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Precision {
+    /// Absolute lateness budget in milliseconds.
+    pub lateness_ms: u64,
+    /// Relative lateness budget, a fraction of the delay (0.001 = 0.1%).
+    pub lateness_ratio: f64,
+}
+
+impl Default for Precision {
+    fn default() -> Self {
+        Precision {
+            lateness_ms: 0,
+            lateness_ratio: 0.001,
+        }
+    }
+}
+
+impl Precision {
+    /// Exact: no lateness beyond unit rounding.
+    pub const EXACT: Precision = Precision {
+        lateness_ms: 0,
+        lateness_ratio: 0.0,
+    };
+
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.lateness_ratio.is_finite() && (0.0..=1.0).contains(&self.lateness_ratio)) {
+            return Err(format!(
+                "precision.lateness_ratio must be between 0 and 1, got {}",
+                self.lateness_ratio
+            ));
+        }
+        Ok(())
+    }
+
+    /// The lateness budget for `delay_ms` (before unit rounding).
+    pub fn budget_ms(&self, delay_ms: u64) -> u64 {
+        let rel = (self.lateness_ratio * delay_ms as f64).floor();
+        self.lateness_ms.max(rel as u64)
+    }
+}
+
+/// Where a route first enters the topology.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Entry {
+    /// No tier at all: straight to the delivery exchange.
+    Deliver,
+    /// A cascade level's topic exchange.
+    Level(u32),
+    /// A fixed level of this TTL.
+    Fixed(u64),
+    /// The overflow chain, walking the last `hops` of its queues.
+    Overflow { hops: u32 },
+}
+
+/// The planned path of one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// Requested delay.
+    pub delay_ms: u64,
+    /// Sum of the TTLs of the tiers visited: when the broker will deliver it (plus latency).
+    pub total_ms: u64,
+    pub entry: Entry,
+    /// Cascade digit per level (index = level).
+    pub digits: Vec<u32>,
+    /// Tiers in visiting order.
+    pub tiers: Vec<TierKind>,
+}
+
+impl Route {
+    /// Dead-letter hops (tier queues visited).
+    pub fn hops(&self) -> usize {
+        self.tiers.len()
+    }
+    /// Planned lateness: `total_ms − delay_ms`.
+    pub fn lateness_ms(&self) -> u64 {
+        self.total_ms - self.delay_ms
+    }
+    /// Exchange to publish to.
+    pub fn exchange(&self, layout: &Layout) -> String {
+        match self.entry {
+            Entry::Deliver => layout.delivery_exchange(),
+            Entry::Level(k) => layout.level_exchange(k),
+            Entry::Fixed(ms) => layout.fixed_exchange(ms),
+            Entry::Overflow { hops } => {
+                layout.overflow_exchange(layout.overflow_count() - hops + 1)
+            }
+        }
+    }
+    /// Routing key for `destination`.
+    pub fn routing_key(&self, layout: &Layout, destination: &str) -> String {
+        layout.routing_key(&self.digits, destination)
+    }
+}
+
+/// A delay the topology cannot serve.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error("delay {delay_ms} ms is longer than the configured maximum of {max_ms} ms")]
+    TooLong { delay_ms: u64, max_ms: u64 },
+}
+
+/// Plans `delay_ms` through `layout` under `precision`.
+pub fn plan(layout: &Layout, precision: &Precision, delay_ms: u64) -> Result<Route, PlanError> {
+    if delay_ms > layout.max_delay_ms() {
+        return Err(PlanError::TooLong {
+            delay_ms,
+            max_ms: layout.max_delay_ms(),
+        });
+    }
+    let unit = layout.unit_ms();
+    let budget = precision.budget_ms(delay_ms).max(unit - 1);
+    let hi = delay_ms.saturating_add(budget);
+    let cascade_units = layout.cascade_max_ms() / unit;
+
+    // (pre-tier hops, pre-tier ms, pre-tier entry)
+    let mut pres: Vec<(u32, u64, Option<Entry>)> = vec![(0, 0, None)];
+    for &f in layout.fixed_ms() {
+        pres.push((1, f, Some(Entry::Fixed(f))));
+    }
+    for q in 1..=layout.overflow_count() {
+        let ms = u64::from(q) * layout.overflow_ttl_ms();
+        pres.push((q, ms, Some(Entry::Overflow { hops: q })));
+    }
+
+    // best: (hops, total_ms, pre index, cascade units)
+    let mut best: Option<(u32, u64, usize, u64)> = None;
+    for (i, &(pre_hops, pre_ms, _)) in pres.iter().enumerate() {
+        if pre_ms > hi {
+            continue;
+        }
+        let lo_u = delay_ms.saturating_sub(pre_ms).div_ceil(unit);
+        let hi_u = ((hi - pre_ms) / unit).min(cascade_units);
+        if lo_u > hi_u {
+            continue;
+        }
+        let n = fewest_digits_in(lo_u, hi_u, layout.radix());
+        let hops = pre_hops + nonzero_digits(n, layout.radix());
+        let total = pre_ms + n * unit;
+        let cand = (hops, total, i, n);
+        if best.is_none_or(|b| (cand.0, cand.1) < (b.0, b.1)) {
+            best = Some(cand);
+        }
+    }
+    let (_, total_ms, pre_i, n) = best.expect("the layout covers every delay up to max_delay");
+    let (_, _, pre_entry) = pres[pre_i];
+
+    let r = u64::from(layout.radix());
+    let mut digits = Vec::with_capacity(layout.levels() as usize);
+    let mut rest = n;
+    for _ in 0..layout.levels() {
+        digits.push((rest % r) as u32);
+        rest /= r;
+    }
+    let mut tiers = Vec::new();
+    match pre_entry {
+        Some(Entry::Fixed(ms)) => tiers.push(TierKind::Fixed { ttl_ms: ms }),
+        Some(Entry::Overflow { hops }) => {
+            let m = layout.overflow_count();
+            for index in (m - hops + 1)..=m {
+                tiers.push(TierKind::Overflow { index });
+            }
+        }
+        _ => {}
+    }
+    for k in (0..layout.levels()).rev() {
+        let d = digits[k as usize];
+        if d != 0 {
+            tiers.push(TierKind::Cascade { level: k, digit: d });
+        }
+    }
+    let entry = match pre_entry {
+        Some(e) => e,
+        None => match (0..layout.levels()).rev().find(|&k| digits[k as usize] != 0) {
+            Some(k) => Entry::Level(k),
+            None => Entry::Deliver,
+        },
+    };
+    Ok(Route {
+        delay_ms,
+        total_ms,
+        entry,
+        digits,
+        tiers,
+    })
+}
+
+/// Number of non-zero base-`radix` digits of `n` (= cascade hops).
+pub fn nonzero_digits(mut n: u64, radix: u32) -> u32 {
+    let r = u64::from(radix);
+    let mut c = 0;
+    while n > 0 {
+        if n % r != 0 {
+            c += 1;
+        }
+        n /= r;
+    }
+    c
+}
+
+/// The value in `[lo, hi]` with the fewest non-zero base-`radix` digits, the smallest such.
+/// Requires `lo <= hi`.
+pub fn fewest_digits_in(lo: u64, hi: u64, radix: u32) -> u64 {
+    debug_assert!(lo <= hi);
+    let r = u64::from(radix);
+    let mut best = lo;
+    let mut best_nz = nonzero_digits(lo, radix);
+    let mut p: u64 = 1; // r^i
+    loop {
+        // lo rounded up at position i: (lo / r^i + 1) * r^i
+        let Some(c) = (lo / p).checked_add(1).and_then(|x| x.checked_mul(p)) else {
+            break;
+        };
+        if c > hi {
+            if lo / p == 0 {
+                break; // higher positions only give larger values
+            }
+        } else {
+            let nz = nonzero_digits(c, radix);
+            if nz < best_nz {
+                best = c;
+                best_nz = nz;
+            }
+        }
+        match p.checked_mul(r) {
+            Some(np) if lo / p > 0 || np <= hi => p = np,
+            _ => break,
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::settings::{DurationMs, TopologySettings};
+    use proptest::prelude::*;
+
+    fn layout(radix: u32, unit: u64, max: u64, max_ttl: u64, fixed: &[u64]) -> Layout {
+        let t = TopologySettings {
+            radix,
+            unit_ms: unit,
+            max_delay: DurationMs(max),
+            fixed_levels: fixed.iter().map(|&f| DurationMs(f)).collect(),
+            max_tier_ttl_ms: max_ttl,
+            ..TopologySettings::default()
+        };
+        Layout::new("t", &t).unwrap()
+    }
+
+    fn route_ttl_sum(l: &Layout, r: &Route) -> u64 {
+        r.tiers
+            .iter()
+            .map(|t| match *t {
+                TierKind::Cascade { level, digit } => u64::from(digit) * l.level_weight_ms(level),
+                TierKind::Fixed { ttl_ms } => ttl_ms,
+                TierKind::Overflow { .. } => l.overflow_ttl_ms(),
+            })
+            .sum()
+    }
+
+    /// Brute force: minimal hops over every pre-tier and every cascade value.
+    fn brute_min_hops(l: &Layout, delay: u64, hi: u64) -> u32 {
+        let unit = l.unit_ms();
+        let mut pres = vec![(0u32, 0u64)];
+        pres.extend(l.fixed_ms().iter().map(|&f| (1, f)));
+        for q in 1..=l.overflow_count() {
+            pres.push((q, u64::from(q) * l.overflow_ttl_ms()));
+        }
+        let mut best = u32::MAX;
+        for (h, ms) in pres {
+            for n in 0..=l.cascade_max_ms() / unit {
+                let total = ms + n * unit;
+                if total >= delay && total <= hi {
+                    best = best.min(h + nonzero_digits(n, l.radix()));
+                }
+            }
+        }
+        best
+    }
+
+    #[test]
+    fn default_layout_covers_a_year_within_the_ttl_limit() {
+        let l = Layout::new("amqp-delay", &TopologySettings::default()).unwrap();
+        assert!(l.max_delay_ms() >= 365 * 24 * 3_600_000);
+        for t in l.tiers() {
+            assert!(t.ttl_ms <= u64::from(u32::MAX), "{t:?}");
+            assert!(t.ttl_ms > 0);
+        }
+        let year = plan(&l, &Precision::EXACT, 365 * 24 * 3_600_000).unwrap();
+        assert_eq!(year.total_ms, 365 * 24 * 3_600_000);
+    }
+
+    #[test]
+    fn zero_goes_straight_to_delivery() {
+        let l = layout(16, 1, 100_000, u64::from(u32::MAX), &[]);
+        let r = plan(&l, &Precision::EXACT, 0).unwrap();
+        assert_eq!(r.entry, Entry::Deliver);
+        assert_eq!(r.hops(), 0);
+        assert_eq!(r.routing_key(&l, "q"), "0.0.0.0.0.q");
+    }
+
+    #[test]
+    fn fixed_level_is_one_hop_and_remainder_follows() {
+        let l = layout(16, 1, 4_000_000, u64::from(u32::MAX), &[1_800_000]);
+        let r = plan(&l, &Precision::EXACT, 1_800_000).unwrap();
+        assert_eq!(r.tiers, vec![TierKind::Fixed { ttl_ms: 1_800_000 }]);
+        let r = plan(&l, &Precision::EXACT, 1_800_250).unwrap();
+        assert_eq!(r.tiers[0], TierKind::Fixed { ttl_ms: 1_800_000 });
+        assert_eq!(r.total_ms, 1_800_250);
+        assert_eq!(r.hops(), 1 + nonzero_digits(250, 16) as usize);
+    }
+
+    #[test]
+    fn too_long_is_an_error_naming_both_numbers() {
+        let l = layout(4, 1, 1000, u64::from(u32::MAX), &[]);
+        let e = plan(&l, &Precision::EXACT, 1001).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "delay 1001 ms is longer than the configured maximum of 1000 ms"
+        );
+    }
+
+    #[test]
+    fn budget_reduces_hops() {
+        let l = layout(16, 1, 100_000, u64::from(u32::MAX), &[]);
+        // 4095 = 0xfff: 3 hops exact; 4096 = 0x1000 is one hop and 1 ms late.
+        let exact = plan(&l, &Precision::EXACT, 4095).unwrap();
+        assert_eq!(exact.hops(), 3);
+        let p = Precision {
+            lateness_ms: 1,
+            lateness_ratio: 0.0,
+        };
+        let r = plan(&l, &p, 4095).unwrap();
+        assert_eq!((r.hops(), r.total_ms), (1, 4096));
+    }
+
+    #[test]
+    fn coarse_unit_rounds_up_never_early() {
+        let l = layout(4, 1000, 60_000, u64::from(u32::MAX), &[]);
+        let r = plan(&l, &Precision::EXACT, 1).unwrap();
+        assert_eq!(r.total_ms, 1000);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(400))]
+
+        #[test]
+        fn fewest_digits_matches_brute_force(lo in 0u64..3000, span in 0u64..3000, radix in 2u32..12) {
+            let hi = lo + span;
+            let got = fewest_digits_in(lo, hi, radix);
+            let want = (lo..=hi).min_by_key(|&n| (nonzero_digits(n, radix), n)).unwrap();
+            prop_assert_eq!(got, want);
+        }
+
+        #[test]
+        fn routes_are_never_early_within_budget_and_hop_minimal(
+            radix in 2u32..9,
+            unit in 1u64..4,
+            max_ttl in 20u64..400,
+            max in 0u64..3000,
+            fixed in proptest::collection::vec(1u64..400, 0..3),
+            delay_frac in 0.0f64..=1.0,
+            lateness_ms in 0u64..20,
+            ratio in 0.0f64..0.05,
+        ) {
+            let max_ttl = max_ttl.max(unit * u64::from(radix - 1));
+            let fixed: Vec<u64> = fixed.into_iter().filter(|&f| f <= max_ttl && f <= max).collect();
+            let t = TopologySettings {
+                radix, unit_ms: unit, max_delay: DurationMs(max),
+                fixed_levels: fixed.iter().map(|&f| DurationMs(f)).collect(),
+                max_tier_ttl_ms: max_ttl, ..TopologySettings::default()
+            };
+            let Ok(l) = Layout::new("t", &t) else { return Ok(()); };
+            let delay = (max as f64 * delay_frac) as u64;
+            let p = Precision { lateness_ms, lateness_ratio: ratio };
+            let r = plan(&l, &p, delay).unwrap();
+            // never early, and the tiers really add up to the total
+            prop_assert!(r.total_ms >= delay);
+            prop_assert_eq!(route_ttl_sum(&l, &r), r.total_ms);
+            // within budget (never tighter than one unit)
+            let budget = p.budget_ms(delay).max(unit - 1);
+            prop_assert!(r.total_ms - delay <= budget, "late by {} > {}", r.total_ms - delay, budget);
+            // each tier at most once
+            let mut seen = r.tiers.clone();
+            seen.sort();
+            seen.dedup();
+            prop_assert_eq!(seen.len(), r.tiers.len());
+            // minimal hops
+            prop_assert_eq!(r.hops() as u32, brute_min_hops(&l, delay, delay + budget));
+            // every TTL fits
+            for tier in l.tiers() { prop_assert!(tier.ttl_ms <= max_ttl); }
+        }
+
+        #[test]
+        fn routing_key_fits_for_every_accepted_destination(
+            radix in 2u32..37,
+            levels_hint in 0u32..40,
+            dest in "[a-z]{1,8}(\\.[a-z0-9_-]{1,8}){0,40}",
+        ) {
+            let max = (u64::from(radix)).saturating_pow(levels_hint.min(12)).min(u64::from(u32::MAX));
+            let l = layout(radix, 1, max, u64::from(u32::MAX), &[]);
+            if l.validate_destination(&dest).is_ok() {
+                let key = l.routing_key(&vec![radix - 1; l.levels() as usize], &dest);
+                prop_assert!(key.len() <= 255);
+                prop_assert_eq!(key.split('.').count(), l.levels() as usize + dest.split('.').count());
+            } else {
+                prop_assert!(dest.len() > l.max_destination_len());
+            }
+        }
+    }
+}
