@@ -208,8 +208,9 @@ impl Layout {
     /// One line that identifies everything the shape of the topology depends on. Stored in the
     /// broker at declare time so a re-declare with other settings fails with a clear message.
     pub fn signature(&self) -> String {
+        // Compact: the broker's error text quoting two of these must fit in 255 bytes.
         format!(
-            "amqp-delay/1 radix={} unit_ms={} levels={} overflow={}x{}ms queue_type={} max_tier_length={}",
+            "r={} u={} L={} o={}x{} t={} m={}",
             self.radix,
             self.unit_ms,
             self.levels,
@@ -217,8 +218,21 @@ impl Layout {
             self.overflow_ttl_ms,
             self.queue_type,
             self.max_tier_length
-                .map_or_else(|| "none".to_string(), |n| n.to_string()),
+                .map_or_else(|| "-".to_string(), |n| n.to_string()),
         )
+    }
+
+    /// Names of the [`Layout::signature`] keys, for error messages.
+    pub fn signature_key_name(key: &str) -> &str {
+        match key {
+            "r" => "radix",
+            "u" => "unit_ms",
+            "L" => "levels",
+            "o" => "overflow tiers",
+            "t" => "queue_type",
+            "m" => "max_tier_length",
+            other => other,
+        }
     }
 
     // ---- names -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod cli;
 pub mod connection;
 pub mod error;
 pub mod headers;

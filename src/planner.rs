@@ -105,6 +105,23 @@ impl Route {
             }
         }
     }
+    /// Human-readable path, e.g. `fixed 30m → level1 d3 → level0 d2` (or `direct`).
+    pub fn describe(&self) -> String {
+        if self.tiers.is_empty() {
+            return "direct".into();
+        }
+        self.tiers
+            .iter()
+            .map(|t| match *t {
+                TierKind::Cascade { level, digit } => format!("level{level} d{digit}"),
+                TierKind::Fixed { ttl_ms } => {
+                    format!("fixed {}", crate::layout::compact_duration(ttl_ms))
+                }
+                TierKind::Overflow { index } => format!("overflow{index}"),
+            })
+            .collect::<Vec<_>>()
+            .join(" → ")
+    }
     /// Routing key for `destination`.
     pub fn routing_key(&self, layout: &Layout, destination: &str) -> String {
         layout.routing_key(&self.digits, destination)

@@ -392,10 +392,12 @@ pub fn parse_inequivalent(text: &str) -> Option<Inequivalent> {
     let argument = between(text, "inequivalent arg '", "'")?;
     let received_part = between(text, "received ", " but current is ")?;
     let current_part = text.split(" but current is ").nth(1)?;
+    // 3.10 writes `the value 'v' of type 't'` for some types and `'v'` for strings.
     let value = |s: &str| {
+        let s = s.trim().trim_end_matches('"');
         between(s, "the value '", "' of type")
             .map(str::to_string)
-            .unwrap_or_else(|| s.trim().to_string())
+            .unwrap_or_else(|| s.trim_matches('\'').to_string())
     };
     Some(Inequivalent {
         argument: argument.to_string(),
@@ -425,8 +427,8 @@ fn describe_differences(existing: &str, wanted: &str) -> String {
             let before = old.iter().find(|(ok, _)| *ok == k).map(|(_, ov)| ov.as_str());
             match before {
                 Some(b) if b == v => None,
-                Some(b) => Some(format!("{k}: {b} → {v}")),
-                None => Some(format!("{k}: (unset) → {v}")),
+                Some(b) => Some(format!("{}: {b} → {v}", Layout::signature_key_name(&k))),
+                None => Some(format!("{}: ? → {v}", Layout::signature_key_name(&k))),
             }
         })
         .collect();
@@ -455,12 +457,15 @@ mod tests {
         let t = "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'q' in vhost '/': received none but current is the value 'quorum' of type 'longstr'";
         let i = parse_inequivalent(t).unwrap();
         assert_eq!((i.received.as_str(), i.current.as_str()), ("none", "quorum"));
+        let t = "PRECONDITION_FAILED - inequivalent arg 'x-dead-letter-exchange' for queue 'p.layout' in vhost '/': received 'r=8 u=1' but current is 'r=4 u=1'";
+        let i = parse_inequivalent(t).unwrap();
+        assert_eq!((i.received.as_str(), i.current.as_str()), ("r=8 u=1", "r=4 u=1"));
     }
 
     #[test]
     fn differences_are_named() {
         assert_eq!(
-            describe_differences("a=1 radix=16 unit_ms=1", "a=1 radix=8 unit_ms=1"),
+            describe_differences("r=16 u=1 t=quorum", "r=8 u=1 t=quorum"),
             "radix: 16 → 8"
         );
     }

@@ -1,1 +1,283 @@
-fn main() {}
+//! `delay-publisher`: declare the topology, schedule messages (one, or a JSONL bulk file), show
+//! tier depths, plan a delay, remove the topology. Thin: the work is in the library.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
+use amqp_delay::headers;
+use amqp_delay::jsonl;
+use amqp_delay::settings::{DurationMs, Settings};
+use amqp_delay::{Error, Message, Publisher, Topology, connection};
+use clap::{Parser, Subcommand};
+use futures::StreamExt;
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+
+#[derive(Parser)]
+#[command(name = "delay-publisher", version, about = "Delayed delivery for RabbitMQ: declare the tier topology, schedule and inspect delayed messages")]
+struct Cli {
+    #[command(flatten)]
+    global: GlobalArgs,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Create (idempotently) every exchange, tier queue and binding
+    Declare,
+    /// Schedule one message, or many from a JSONL file
+    Send(SendArgs),
+    /// Message count of every tier queue and of the parking queue
+    Stats {
+        /// Print JSON instead of a table
+        #[arg(long)]
+        json: bool,
+        /// Only list queues holding messages
+        #[arg(long)]
+        non_empty: bool,
+    },
+    /// Show the route a delay takes through the tiers (no broker needed)
+    Plan {
+        /// Delay: 1500 (ms), 30s, 1m30s, 24h ...
+        delay: DurationMs,
+    },
+    /// Delete every exchange and queue of the topology
+    Teardown {
+        /// Delete even if tiers or the parking queue still hold messages (they are lost)
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(clap::Args)]
+struct SendArgs {
+    /// Destination queue (must exist)
+    #[arg(long, required_unless_present = "jsonl", conflicts_with = "jsonl")]
+    queue: Option<String>,
+    /// Delay: 1500 (ms), 500ms, 30s, 1m30s, 24h ...
+    #[arg(long, required_unless_present = "jsonl")]
+    delay: Option<DurationMs>,
+    /// Message body
+    #[arg(long, required_unless_present = "jsonl")]
+    body: Option<String>,
+    /// Message id (default: a generated UUID v7)
+    #[arg(long)]
+    id: Option<String>,
+    /// Content type
+    #[arg(long)]
+    content_type: Option<String>,
+    /// Header NAME=VALUE (string value), repeatable
+    #[arg(long = "header", value_name = "NAME=VALUE")]
+    headers: Vec<String>,
+    /// Schedule one message per line of FILE ('-' for stdin): {"queue","delay_ms"|"delay","body","id","content_type","headers"}
+    #[arg(long, value_name = "FILE")]
+    jsonl: Option<PathBuf>,
+}
+
+#[tokio::main]
+async fn main() {
+    cli::init_logging();
+    let args = Cli::parse();
+    let settings = match args.global.settings() {
+        Ok(s) => s,
+        Err(e) => cli::fail(&e, EXIT_USAGE),
+    };
+    let code = match run(args.cmd, settings).await {
+        Ok(code) => code,
+        Err(e) => {
+            let code = match e {
+                Error::Settings(_) | Error::Invalid(_) | Error::Plan(_) => EXIT_USAGE,
+                _ => EXIT_FAILURES,
+            };
+            cli::fail(&e, code)
+        }
+    };
+    std::process::exit(code);
+}
+
+async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
+    let layout = settings.layout().map_err(amqp_delay::settings::SettingsError::from)?;
+    match cmd {
+        Cmd::Plan { delay } => {
+            let r = amqp_delay::plan(&layout, &settings.precision, delay.as_millis())?;
+            println!(
+                "{}",
+                serde_json::json!({
+                    "delay_ms": r.delay_ms,
+                    "total_ms": r.total_ms,
+                    "lateness_ms": r.lateness_ms(),
+                    "hops": r.hops(),
+                    "route": r.describe(),
+                    "exchange": r.exchange(&layout),
+                    "routing_key": r.routing_key(&layout, "<queue>"),
+                })
+            );
+            Ok(0)
+        }
+        Cmd::Declare => {
+            let conn = connection::connect(&settings.url, "amqp-delay declare").await?;
+            Topology::new(layout.clone()).declare(&conn).await?;
+            let _ = conn.close(200, "bye".into()).await;
+            println!(
+                "declared '{}' on {}: {layout}",
+                layout.prefix(),
+                connection::redact_url(&settings.url)
+            );
+            Ok(0)
+        }
+        Cmd::Stats { json, non_empty } => {
+            let conn = connection::connect(&settings.url, "amqp-delay stats").await?;
+            let stats = Topology::new(layout).stats(&conn).await?;
+            let _ = conn.close(200, "bye".into()).await;
+            let shown: Vec<_> = stats
+                .iter()
+                .filter(|s| !non_empty || s.messages > 0)
+                .collect();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&shown).expect("serialisable"));
+            } else {
+                println!("{:<48} {:>9} {:>14} {:>10}", "queue", "kind", "ttl_ms", "messages");
+                for s in &shown {
+                    let ttl = s.ttl_ms.map_or_else(|| "-".into(), |t| t.to_string());
+                    println!("{:<48} {:>9} {:>14} {:>10}", s.queue, s.kind, ttl, s.messages);
+                }
+                let total: u64 = stats.iter().filter(|s| s.kind != "parked").map(|s| u64::from(s.messages)).sum();
+                let parked: u64 = stats.iter().filter(|s| s.kind == "parked").map(|s| u64::from(s.messages)).sum();
+                println!("total in tiers: {total}, parked: {parked}");
+            }
+            Ok(0)
+        }
+        Cmd::Teardown { force } => {
+            let conn = connection::connect(&settings.url, "amqp-delay teardown").await?;
+            let topo = Topology::new(layout);
+            if !force {
+                let held: u64 = topo.stats(&conn).await?.iter().map(|s| u64::from(s.messages)).sum();
+                if held > 0 {
+                    return Err(Error::Invalid(format!(
+                        "{held} messages are still in the tiers or parked; they would be lost. Wait for them to drain, or pass --force"
+                    )));
+                }
+            }
+            topo.delete(&conn).await?;
+            let _ = conn.close(200, "bye".into()).await;
+            println!("removed the topology under prefix '{}'", topo.layout().prefix());
+            Ok(0)
+        }
+        Cmd::Send(a) => {
+            let publisher = Publisher::connect(&settings).await?;
+            let code = match &a.jsonl {
+                Some(path) => send_jsonl(&publisher, path).await?,
+                None => send_one(&publisher, a).await?,
+            };
+            publisher.close().await;
+            Ok(code)
+        }
+    }
+}
+
+async fn send_one(p: &Publisher, a: SendArgs) -> amqp_delay::Result<i32> {
+    let (Some(queue), Some(delay), Some(body)) = (a.queue, a.delay, a.body) else {
+        return Err(Error::Invalid("--queue, --delay and --body are required without --jsonl".into()));
+    };
+    let mut m = Message::new(queue.clone(), delay.as_millis(), body);
+    if let Some(id) = a.id {
+        m = m.with_id(id);
+    }
+    if let Some(ct) = a.content_type {
+        m = m.with_content_type(ct);
+    }
+    if !a.headers.is_empty() {
+        let mut obj = serde_json::Map::new();
+        for h in &a.headers {
+            let Some((k, v)) = h.split_once('=') else {
+                return Err(Error::Invalid(format!("--header '{h}' is not NAME=VALUE")));
+            };
+            obj.insert(k.to_string(), serde_json::Value::String(v.to_string()));
+        }
+        m = m.with_headers(headers::json_to_table(&obj).map_err(Error::Invalid)?);
+    }
+    let s = p.schedule(m).await?;
+    println!(
+        "{}",
+        serde_json::json!({
+            "id": s.message_id,
+            "queue": queue,
+            "delay_ms": s.route.delay_ms,
+            "due_at": s.due_at_ms,
+            "hops": s.route.hops(),
+            "route": s.route.describe(),
+        })
+    );
+    Ok(0)
+}
+
+/// Reads lines as bytes so a non-UTF-8 line is reported, not fatal.
+fn lines<R: AsyncRead + Unpin>(r: R) -> impl futures::Stream<Item = (usize, std::io::Result<String>)> {
+    futures::stream::unfold((BufReader::new(r), 0usize, false), |(mut r, n, done)| async move {
+        if done {
+            return None;
+        }
+        let mut buf = Vec::new();
+        match r.read_until(b'\n', &mut buf).await {
+            Ok(0) => None,
+            Ok(_) => {
+                let line = String::from_utf8(buf).map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidData, "line is not valid UTF-8")
+                });
+                Some(((n + 1, line), (r, n + 1, false)))
+            }
+            Err(e) => Some(((n + 1, Err(e)), (r, n + 1, true))),
+        }
+    })
+}
+
+async fn send_jsonl(p: &Publisher, path: &std::path::Path) -> amqp_delay::Result<i32> {
+    let input: Box<dyn AsyncRead + Unpin + Send> = if path.as_os_str() == "-" {
+        Box::new(tokio::io::stdin())
+    } else {
+        Box::new(tokio::fs::File::open(path).await.map_err(|e| {
+            Error::Invalid(format!("cannot open {}: {e}", path.display()))
+        })?)
+    };
+    let failed = std::cell::Cell::new(0u64);
+    let good = lines(input).filter_map(|(n, line)| {
+        let out = match line.map_err(|e| e.to_string()).and_then(|l| jsonl::parse_line(&l)) {
+            Ok(Some(m)) => Some((n, m)),
+            Ok(None) => None,
+            Err(reason) => {
+                eprintln!("line {n}: {reason}");
+                failed.set(failed.get() + 1);
+                None
+            }
+        };
+        futures::future::ready(out)
+    });
+    let progress = std::io::stderr().is_terminal();
+    let mut results = std::pin::pin!(p.schedule_all(good));
+    let mut confirmed = 0u64;
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        tokio::select! {
+            r = results.next() => match r {
+                Some((_, Ok(_))) => confirmed += 1,
+                Some((n, Err(e))) => {
+                    if progress { eprint!("\r\x1b[K"); }
+                    eprintln!("line {n}: {}", cli::chain(&e));
+                    failed.set(failed.get() + 1);
+                }
+                None => break,
+            },
+            _ = tick.tick(), if progress => {
+                eprint!("\r\x1b[K{confirmed} confirmed, {} failed", failed.get());
+            }
+        }
+    }
+    if progress {
+        eprint!("\r\x1b[K");
+    }
+    let failed = failed.get();
+    println!("{confirmed} confirmed, {failed} failed");
+    Ok(if failed > 0 { EXIT_FAILURES } else { 0 })
+}

@@ -1,0 +1,238 @@
+//! Test harness: a real broker (tests FAIL loudly when none answers), a random name prefix per
+//! test, a small fast topology (1 ms units), and clean-up of everything a test declared.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use amqp_delay::layout::Layout;
+use amqp_delay::planner::Precision;
+use amqp_delay::publisher::now_ms;
+use amqp_delay::settings::{DurationMs, QueueType, Settings, TopologySettings};
+use amqp_delay::{Publisher, Topology};
+use futures::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Connection};
+use rand::Rng;
+
+pub fn broker_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| amqp_delay::settings::DEFAULT_URL.into())
+}
+
+/// Connects or panics with a message saying how to get a broker.
+pub async fn connect() -> Connection {
+    match amqp_delay::connection::connect(&broker_url(), "amqp-delay tests").await {
+        Ok(c) => c,
+        Err(e) => panic!(
+            "NO RABBITMQ BROKER: {e}\nThese tests need a real broker; run ./scripts/test.sh, which starts one."
+        ),
+    }
+}
+
+pub fn random_prefix() -> String {
+    let n: u64 = rand::rng().random();
+    format!("t{:012x}", n & 0xffff_ffff_ffff)
+}
+
+/// The small topology most tests use: radix 4, 1 ms units, delays up to 1.5 s, tiers capped at
+/// 200 ms so the overflow chain is exercised, one 150 ms fixed level.
+pub fn small_topology() -> TopologySettings {
+    TopologySettings {
+        radix: 4,
+        unit_ms: 1,
+        max_delay: DurationMs(1500),
+        fixed_levels: vec![DurationMs(150)],
+        queue_type: QueueType::Quorum,
+        max_tier_length: None,
+        max_tier_ttl_ms: 200,
+    }
+}
+
+/// One test's world: its prefix, settings, declared topology and destination queues.
+pub struct Env {
+    pub settings: Settings,
+    pub conn: Connection,
+    queues: Vec<String>,
+    declared: Vec<Layout>,
+}
+
+impl Env {
+    pub async fn new(topology: TopologySettings) -> Env {
+        let settings = Settings {
+            url: broker_url(),
+            prefix: random_prefix(),
+            topology,
+            precision: Precision::EXACT,
+            ..Settings::default()
+        };
+        let conn = connect().await;
+        let mut env = Env {
+            settings,
+            conn,
+            queues: Vec::new(),
+            declared: Vec::new(),
+        };
+        env.declare().await.expect("declare");
+        env
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.settings.layout().unwrap()
+    }
+
+    pub async fn declare(&mut self) -> amqp_delay::Result<()> {
+        let layout = self.layout();
+        self.declared.push(layout.clone());
+        Topology::new(layout).declare(&self.conn).await
+    }
+
+    pub async fn publisher(&self) -> Publisher {
+        Publisher::connect(&self.settings).await.expect("publisher")
+    }
+
+    /// A destination queue named `<prefix>-<name>` (classic, durable), deleted on clean-up.
+    pub async fn queue(&mut self, name: &str) -> String {
+        let q = format!("{}-{name}", self.settings.prefix);
+        self.declare_queue(&q).await;
+        q
+    }
+
+    /// Declares exactly `q` (deleted on clean-up).
+    pub async fn declare_queue(&mut self, q: &str) {
+        let ch = self.conn.create_channel().await.unwrap();
+        ch.queue_declare(
+            q.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        let _ = ch.close(200, "ok".into()).await;
+        self.queues.push(q.to_string());
+    }
+
+    pub async fn delete_queue(&self, q: &str) {
+        let ch = self.conn.create_channel().await.unwrap();
+        ch.queue_delete(q.into(), QueueDeleteOptions::default())
+            .await
+            .unwrap();
+        let _ = ch.close(200, "ok".into()).await;
+    }
+
+    /// Deletes everything this test declared.
+    pub async fn cleanup(self) {
+        for q in &self.queues {
+            self.delete_queue(q).await;
+        }
+        for l in &self.declared {
+            Topology::new(l.clone()).delete(&self.conn).await.expect("teardown");
+        }
+        let _ = self.conn.close(200, "bye".into()).await;
+    }
+}
+
+/// A message as a consumer saw it.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub body: Vec<u8>,
+    pub properties: BasicProperties,
+    pub routing_key: String,
+    pub arrived_ms: u64,
+}
+
+impl Received {
+    pub fn header(&self, name: &str) -> Option<&AMQPValue> {
+        self.properties.headers().as_ref()?.inner().get(name)
+    }
+    pub fn int_header(&self, name: &str) -> Option<i64> {
+        amqp_delay::headers::get_int(self.properties.headers().as_ref()?, name)
+    }
+    pub fn id(&self) -> String {
+        self.properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.to_string())
+            .unwrap_or_default()
+    }
+    /// Queues named in `x-death`, in the broker's order (most recent first).
+    pub fn death_queues(&self) -> Vec<(String, i64)> {
+        let Some(AMQPValue::FieldArray(a)) = self.header("x-death") else {
+            return vec![];
+        };
+        a.as_slice()
+            .iter()
+            .filter_map(|v| match v {
+                AMQPValue::FieldTable(t) => {
+                    let q = match t.inner().get("queue") {
+                        Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).to_string(),
+                        _ => return None,
+                    };
+                    let n = t.inner().get("count").and_then(amqp_delay::headers::as_int).unwrap_or(0);
+                    Some((q, n))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// Consumes from `queue` until `n` messages arrived or `timeout` passed, then waits `linger`
+/// more for duplicates. Acks everything.
+pub async fn collect(conn: &Connection, queue: &str, n: usize, timeout: Duration, linger: Duration) -> Vec<Received> {
+    let ch = conn.create_channel().await.unwrap();
+    ch.basic_qos(500, BasicQosOptions::default()).await.unwrap();
+    let mut consumer = ch
+        .basic_consume(queue.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    let start = Instant::now();
+    let mut deadline = start + timeout;
+    let mut lingering = false;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, consumer.next()).await {
+            Ok(Some(Ok(d))) => {
+                out.push(Received {
+                    body: d.data.clone(),
+                    properties: d.properties.clone(),
+                    routing_key: d.routing_key.to_string(),
+                    arrived_ms: now_ms(),
+                });
+                d.ack(BasicAckOptions::default()).await.unwrap();
+                if out.len() >= n && !lingering {
+                    lingering = true;
+                    deadline = Instant::now() + linger;
+                }
+            }
+            Ok(Some(Err(e))) => panic!("consumer error: {e}"),
+            Ok(None) | Err(_) => break,
+        }
+    }
+    let _ = ch.close(200, "ok".into()).await;
+    out
+}
+
+/// Counts per message id.
+pub fn counts(msgs: &[Received]) -> HashMap<String, usize> {
+    let mut m = HashMap::new();
+    for r in msgs {
+        *m.entry(r.id()).or_insert(0) += 1;
+    }
+    m
+}
+
+pub fn percentile(sorted: &[i64], p: f64) -> i64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i]
+}
