@@ -22,10 +22,14 @@ pub enum Error {
     #[error("topology conflict: {0}")]
     Conflict(String),
     /// The broker refused the message (nack): a tier is full or unavailable.
-    #[error("the broker rejected the message (nack) publishing to '{exchange}': a tier queue is full (x-max-length with reject-publish) or unavailable; nothing was scheduled")]
+    #[error(
+        "the broker rejected the message (nack) publishing to '{exchange}': a tier queue is full (x-max-length with reject-publish) or unavailable; nothing was scheduled"
+    )]
     Nacked { exchange: String },
     /// The broker returned the message as unroutable (topology incomplete).
-    #[error("the broker returned the message as unroutable ({code} {text}) from exchange '{exchange}' with key '{routing_key}': is the topology declared (`delay-publisher declare`)?")]
+    #[error(
+        "the broker returned the message as unroutable ({code} {text}) from exchange '{exchange}' with key '{routing_key}': is the topology declared (`delay-publisher declare`)?"
+    )]
     Returned {
         exchange: String,
         routing_key: String,
@@ -65,10 +69,9 @@ impl<T> Context<T> for std::result::Result<T, lapin::Error> {
 /// The broker's reply code and text when `e` is a channel or connection error it sent.
 pub fn broker_error(e: &lapin::Error) -> Option<(u16, String)> {
     match e.kind() {
-        lapin::ErrorKind::ProtocolError(amqp) => Some((
-            amqp.get_id(),
-            amqp.get_message().as_str().to_string(),
-        )),
+        lapin::ErrorKind::ProtocolError(amqp) => {
+            Some((amqp.get_id(), amqp.get_message().as_str().to_string()))
+        }
         _ => None,
     }
 }

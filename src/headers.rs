@@ -78,7 +78,9 @@ pub fn as_int(v: &AMQPValue) -> Option<i64> {
 
 /// Converts a JSON object into a header table: strings → long strings, integers → signed
 /// 64-bit, other numbers → double, booleans, null → void, arrays and objects nested.
-pub fn json_to_table(obj: &serde_json::Map<String, serde_json::Value>) -> Result<FieldTable, String> {
+pub fn json_to_table(
+    obj: &serde_json::Map<String, serde_json::Value>,
+) -> Result<FieldTable, String> {
     let mut t = FieldTable::default();
     for (k, v) in obj {
         let key = ShortString::try_new(k.as_str())
@@ -139,8 +141,7 @@ mod tests {
 
     #[test]
     fn json_headers_convert() {
-        let v: serde_json::Value =
-            serde_json::json!({"s": "x", "i": -3, "f": 1.5, "b": true, "n": null, "a": [1, "y"], "o": {"k": 1}});
+        let v: serde_json::Value = serde_json::json!({"s": "x", "i": -3, "f": 1.5, "b": true, "n": null, "a": [1, "y"], "o": {"k": 1}});
         let t = json_to_table(v.as_object().unwrap()).unwrap();
         assert_eq!(get_int(&t, "i"), Some(-3));
         assert_eq!(t.inner()["f"], AMQPValue::Double(1.5));

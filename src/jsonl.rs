@@ -51,9 +51,15 @@ pub fn parse_line(line: &str) -> Result<Option<Message>, String> {
             other => return Err(format!("'delay_ms' must be an integer, got {other}")),
         },
         (None, Some(v)) => match v {
-            serde_json::Value::String(s) => parse_duration_ms(s).map_err(|e| format!("'delay': {e}"))?,
+            serde_json::Value::String(s) => {
+                parse_duration_ms(s).map_err(|e| format!("'delay': {e}"))?
+            }
             serde_json::Value::Number(n) if n.as_u64().is_some() => n.as_u64().unwrap_or(0),
-            other => return Err(format!("'delay' must be a duration string such as \"1m30s\", got {other}")),
+            other => {
+                return Err(format!(
+                    "'delay' must be a duration string such as \"1m30s\", got {other}"
+                ));
+            }
         },
     };
     let (body, default_ct) = match l.body {
@@ -75,7 +81,9 @@ pub fn parse_line(line: &str) -> Result<Option<Message>, String> {
         headers::check_not_reserved(&t)?;
         props = props.with_headers(t);
     }
-    Ok(Some(Message::new(l.queue, delay_ms, body).with_properties(props)))
+    Ok(Some(
+        Message::new(l.queue, delay_ms, body).with_properties(props),
+    ))
 }
 
 #[cfg(test)]
@@ -84,12 +92,22 @@ mod tests {
 
     #[test]
     fn good_lines() {
-        let m = parse_line(r#"{"queue":"a.b","delay":"1m30s","body":"hi","id":"x1"}"#).unwrap().unwrap();
-        assert_eq!((m.destination.as_str(), m.delay_ms, m.body.as_slice()), ("a.b", 90_000, &b"hi"[..]));
+        let m = parse_line(r#"{"queue":"a.b","delay":"1m30s","body":"hi","id":"x1"}"#)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (m.destination.as_str(), m.delay_ms, m.body.as_slice()),
+            ("a.b", 90_000, &b"hi"[..])
+        );
         assert_eq!(m.properties.message_id().as_ref().unwrap().as_str(), "x1");
-        let m = parse_line(r#"{"queue":"q","delay_ms":1500,"body":{"order":42}}"#).unwrap().unwrap();
+        let m = parse_line(r#"{"queue":"q","delay_ms":1500,"body":{"order":42}}"#)
+            .unwrap()
+            .unwrap();
         assert_eq!(m.body, br#"{"order":42}"#);
-        assert_eq!(m.properties.content_type().as_ref().unwrap().as_str(), "application/json");
+        assert_eq!(
+            m.properties.content_type().as_ref().unwrap().as_str(),
+            "application/json"
+        );
         assert!(parse_line("   ").unwrap().is_none());
     }
 
@@ -97,12 +115,30 @@ mod tests {
     fn bad_lines_say_why() {
         let cases = [
             ("not json", "not a valid request"),
-            (r#"{"queue":"q","body":"x"}"#, "missing 'delay_ms' or 'delay'"),
-            (r#"{"queue":"q","delay_ms":-5,"body":"x"}"#, "must not be negative"),
-            (r#"{"queue":"q","delay":"soon","body":"x"}"#, "invalid duration 'soon'"),
-            (r#"{"queue":"q","delay_ms":1,"delay":"1s","body":"x"}"#, "not both"),
-            (r#"{"queue":"q","delay_ms":1,"body":"x","colour":1}"#, "unknown field"),
-            (r#"{"queue":"q","delay_ms":1,"body":"x","headers":{"x-delay-ms":1}}"#, "reserved"),
+            (
+                r#"{"queue":"q","body":"x"}"#,
+                "missing 'delay_ms' or 'delay'",
+            ),
+            (
+                r#"{"queue":"q","delay_ms":-5,"body":"x"}"#,
+                "must not be negative",
+            ),
+            (
+                r#"{"queue":"q","delay":"soon","body":"x"}"#,
+                "invalid duration 'soon'",
+            ),
+            (
+                r#"{"queue":"q","delay_ms":1,"delay":"1s","body":"x"}"#,
+                "not both",
+            ),
+            (
+                r#"{"queue":"q","delay_ms":1,"body":"x","colour":1}"#,
+                "unknown field",
+            ),
+            (
+                r#"{"queue":"q","delay_ms":1,"body":"x","headers":{"x-delay-ms":1}}"#,
+                "reserved",
+            ),
         ];
         for (line, want) in cases {
             let e = parse_line(line).unwrap_err();

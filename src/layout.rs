@@ -350,7 +350,9 @@ impl Layout {
     pub fn routing_key(&self, digits: &[u32], destination: &str) -> String {
         let mut s = String::with_capacity(2 * self.levels as usize + destination.len());
         for k in (0..self.levels).rev() {
-            s.push(Self::digit_word(digits.get(k as usize).copied().unwrap_or(0)));
+            s.push(Self::digit_word(
+                digits.get(k as usize).copied().unwrap_or(0),
+            ));
             s.push('.');
         }
         s.push_str(destination);
@@ -416,7 +418,7 @@ pub fn validate_prefix(prefix: &str) -> Result<(), String> {
 pub fn compact_duration(ms: u64) -> String {
     const UNITS: [(u64, &str); 3] = [(3_600_000, "h"), (60_000, "m"), (1000, "s")];
     for (size, name) in UNITS {
-        if ms >= size && ms % size == 0 {
+        if ms >= size && ms.is_multiple_of(size) {
             return format!("{}{name}", ms / size);
         }
     }

@@ -13,16 +13,20 @@
 //! # Ok(()) }
 //! ```
 
+pub mod actions;
 pub mod cli;
 pub mod connection;
+pub mod envelope;
 pub mod error;
 pub mod headers;
 pub mod jsonl;
 pub mod layout;
 pub mod planner;
 pub mod publisher;
+pub mod retry;
 pub mod settings;
 pub mod topology;
+pub mod worker;
 
 pub use error::{Error, Result};
 pub use layout::Layout;

@@ -206,7 +206,10 @@ pub fn plan(layout: &Layout, precision: &Precision, delay_ms: u64) -> Result<Rou
     }
     let entry = match pre_entry {
         Some(e) => e,
-        None => match (0..layout.levels()).rev().find(|&k| digits[k as usize] != 0) {
+        None => match (0..layout.levels())
+            .rev()
+            .find(|&k| digits[k as usize] != 0)
+        {
             Some(k) => Entry::Level(k),
             None => Entry::Deliver,
         },
@@ -225,7 +228,7 @@ pub fn nonzero_digits(mut n: u64, radix: u32) -> u32 {
     let r = u64::from(radix);
     let mut c = 0;
     while n > 0 {
-        if n % r != 0 {
+        if !n.is_multiple_of(r) {
             c += 1;
         }
         n /= r;
@@ -241,11 +244,8 @@ pub fn fewest_digits_in(lo: u64, hi: u64, radix: u32) -> u64 {
     let mut best = lo;
     let mut best_nz = nonzero_digits(lo, radix);
     let mut p: u64 = 1; // r^i
-    loop {
-        // lo rounded up at position i: (lo / r^i + 1) * r^i
-        let Some(c) = (lo / p).checked_add(1).and_then(|x| x.checked_mul(p)) else {
-            break;
-        };
+    // lo rounded up at position i: (lo / r^i + 1) * r^i
+    while let Some(c) = (lo / p).checked_add(1).and_then(|x| x.checked_mul(p)) {
         if c > hi {
             if lo / p == 0 {
                 break; // higher positions only give larger values

@@ -3,7 +3,7 @@
 //! publisher confirms. A nack or a return is an error for that message, never silent.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::{Stream, StreamExt};
@@ -85,7 +85,7 @@ pub fn now_ms() -> u64 {
 
 /// Schedules messages. Cheap to share (`&Publisher` from many tasks); publishes are pipelined.
 pub struct Publisher {
-    conn: Connection,
+    conn: Arc<Connection>,
     owns_conn: bool,
     channel: Channel,
     admin: tokio::sync::Mutex<Option<Channel>>,
@@ -98,10 +98,12 @@ pub struct Publisher {
 impl Publisher {
     /// Connects with `settings` and checks that the topology is declared with the same shape.
     pub async fn connect(settings: &Settings) -> Result<Publisher> {
-        let layout = settings.layout().map_err(crate::settings::SettingsError::from)?;
+        let layout = settings
+            .layout()
+            .map_err(crate::settings::SettingsError::from)?;
         let conn = crate::connection::connect(&settings.url, "amqp-delay publisher").await?;
         let mut p = Publisher::with_connection(
-            conn,
+            Arc::new(conn),
             layout,
             settings.precision,
             settings.publisher.clone(),
@@ -113,7 +115,7 @@ impl Publisher {
 
     /// Uses an existing connection (not closed by [`Publisher::close`]).
     pub async fn with_connection(
-        conn: Connection,
+        conn: Arc<Connection>,
         layout: Layout,
         precision: Precision,
         settings: PublisherSettings,
@@ -200,11 +202,14 @@ impl Publisher {
     pub async fn schedule_batch(&self, msgs: Vec<Message>) -> Vec<Result<Scheduled>> {
         let n = msgs.len();
         let mut out: Vec<Option<Result<Scheduled>>> = (0..n).map(|_| None).collect();
-        let mut s = std::pin::pin!(self.schedule_all(futures::stream::iter(msgs.into_iter().enumerate())));
+        let mut s =
+            std::pin::pin!(self.schedule_all(futures::stream::iter(msgs.into_iter().enumerate())));
         while let Some((i, r)) = s.next().await {
             out[i] = Some(r);
         }
-        out.into_iter().map(|r| r.expect("every message answered")).collect()
+        out.into_iter()
+            .map(|r| r.expect("every message answered"))
+            .collect()
     }
 
     /// Publishes with `mandatory` and waits for the confirm; nack and return are errors.

@@ -31,6 +31,7 @@ pub struct Settings {
     pub topology: TopologySettings,
     pub precision: Precision,
     pub publisher: PublisherSettings,
+    pub consumer: ConsumerSettings,
 }
 
 impl Default for Settings {
@@ -41,6 +42,7 @@ impl Default for Settings {
             topology: TopologySettings::default(),
             precision: Precision::default(),
             publisher: PublisherSettings::default(),
+            consumer: ConsumerSettings::default(),
         }
     }
 }
@@ -123,6 +125,109 @@ impl Default for PublisherSettings {
             max_in_flight: 512,
             binding_cache_secs: 60,
         }
+    }
+}
+
+/// Worker (`delay-consumer`) settings.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ConsumerSettings {
+    /// Unacknowledged deliveries the broker sends ahead, per queue.
+    pub prefetch: u16,
+    /// Handlers running at once, over all queues.
+    pub concurrency: usize,
+    /// A handler running longer counts as a retryable failure.
+    pub handler_timeout: DurationMs,
+    /// The broker's `consumer_timeout` (30 min by default): handler_timeout must stay below it,
+    /// or the broker closes the channel under a slow handler.
+    pub consumer_timeout: DurationMs,
+    /// On SIGTERM/SIGINT, how long in-flight handlers may finish before the worker exits
+    /// (what did not finish is returned to the queue by the broker).
+    pub shutdown_grace: DurationMs,
+    pub retry: crate::retry::RetryPolicy,
+    /// Exit code of an `exec` action that means "permanent failure: park, don't retry".
+    pub permanent_exit_code: i32,
+    /// Queue → action mappings for `delay-consumer` (instead of `--queue` + action flag).
+    pub routes: Vec<RouteConfig>,
+}
+
+impl Default for ConsumerSettings {
+    fn default() -> Self {
+        ConsumerSettings {
+            prefetch: 32,
+            concurrency: 8,
+            handler_timeout: DurationMs(5 * 60_000),
+            consumer_timeout: DurationMs(30 * 60_000),
+            shutdown_grace: DurationMs(30_000),
+            retry: crate::retry::RetryPolicy::default(),
+            permanent_exit_code: 65,
+            routes: Vec::new(),
+        }
+    }
+}
+
+/// One queue and the action `delay-consumer` runs for its messages (exactly one of
+/// `exec`, `http`, `forward`, `log`).
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouteConfig {
+    pub queue: String,
+    /// Command line; the body on stdin, DELAY_MESSAGE_ID / DELAY_ATTEMPT / DELAY_DUE_AT set.
+    pub exec: Option<String>,
+    /// URL to POST the body to.
+    pub http: Option<String>,
+    /// `EXCHANGE[:ROUTING_KEY]` to re-publish to.
+    pub forward: Option<String>,
+    /// Print one JSON line per message to stdout.
+    pub log: bool,
+}
+
+impl RouteConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.queue.is_empty() {
+            return Err("consumer.routes: every route needs a 'queue'".into());
+        }
+        let n = [
+            self.exec.is_some(),
+            self.http.is_some(),
+            self.forward.is_some(),
+            self.log,
+        ]
+        .iter()
+        .filter(|b| **b)
+        .count();
+        if n != 1 {
+            return Err(format!(
+                "consumer.routes: queue '{}' needs exactly one action of exec, http, forward, log (has {n})",
+                self.queue
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl ConsumerSettings {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.prefetch == 0 {
+            return Err("consumer.prefetch must be at least 1".into());
+        }
+        if self.concurrency == 0 {
+            return Err("consumer.concurrency must be at least 1".into());
+        }
+        if self.handler_timeout.as_millis() == 0 {
+            return Err("consumer.handler_timeout must be positive".into());
+        }
+        if self.handler_timeout >= self.consumer_timeout {
+            return Err(format!(
+                "consumer.handler_timeout ({}) must be shorter than the broker's consumer_timeout ({}), or the broker closes the channel under a slow handler and the message is redelivered",
+                self.handler_timeout, self.consumer_timeout
+            ));
+        }
+        self.retry.validate()?;
+        for r in &self.routes {
+            r.validate()?;
+        }
+        Ok(())
     }
 }
 
@@ -241,7 +346,8 @@ impl Settings {
             .separator("__")
             .try_parsing(true)
             .list_separator(",")
-            .with_list_parse_key("topology.fixed_levels");
+            .with_list_parse_key("topology.fixed_levels")
+            .ignore_empty(true);
         if let Some(map) = env {
             envsrc = envsrc.source(Some(map));
         }
@@ -254,6 +360,7 @@ impl Settings {
     /// Checks everything that can be checked without a broker.
     pub fn validate(&self) -> Result<(), SettingsError> {
         self.precision.validate().map_err(SettingsError::Invalid)?;
+        self.consumer.validate().map_err(SettingsError::Invalid)?;
         if self.publisher.max_in_flight == 0 {
             return Err(SettingsError::Invalid(
                 "publisher.max_in_flight must be at least 1".into(),

@@ -52,8 +52,13 @@ impl Topology {
 
         // Parking first: the delivery exchange's alternate exchange must exist before anything
         // can be delivered.
-        declare_exchange(&ch, &l.parking_exchange(), ExchangeKind::Fanout, FieldTable::default())
-            .await?;
+        declare_exchange(
+            &ch,
+            &l.parking_exchange(),
+            ExchangeKind::Fanout,
+            FieldTable::default(),
+        )
+        .await?;
         let parked = l.parked_queue();
         declare_queue(&ch, &parked, self.parked_args()).await?;
         ch.queue_bind(
@@ -73,8 +78,13 @@ impl Topology {
         );
         declare_exchange(&ch, &l.delivery_exchange(), ExchangeKind::Topic, ae).await?;
         for k in 0..l.levels() {
-            declare_exchange(&ch, &l.level_exchange(k), ExchangeKind::Topic, FieldTable::default())
-                .await?;
+            declare_exchange(
+                &ch,
+                &l.level_exchange(k),
+                ExchangeKind::Topic,
+                FieldTable::default(),
+            )
+            .await?;
         }
 
         // Tier queues (declared concurrently on a few channels: quorum queue creation is slow).
@@ -293,12 +303,18 @@ impl Topology {
     /// dead-lettering with reject-publish on quorum queues, never `x-expires`).
     pub fn tier_args(&self, t: &Tier) -> FieldTable {
         let mut a = self.base_queue_args();
-        a.insert("x-message-ttl".into(), AMQPValue::LongLongInt(t.ttl_ms as i64));
+        a.insert(
+            "x-message-ttl".into(),
+            AMQPValue::LongLongInt(t.ttl_ms as i64),
+        );
         a.insert(
             "x-dead-letter-exchange".into(),
             AMQPValue::LongString(LongString::from(t.dead_letter_exchange.as_str())),
         );
-        a.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+        a.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
         if self.layout.queue_type() == QueueType::Quorum {
             a.insert(
                 "x-dead-letter-strategy".into(),
@@ -320,10 +336,17 @@ fn not_declared(l: &Layout) -> Error {
 }
 
 async fn open(conn: &Connection) -> Result<Channel> {
-    conn.create_channel().await.context(|| "opening a channel".into())
+    conn.create_channel()
+        .await
+        .context(|| "opening a channel".into())
 }
 
-async fn declare_exchange(ch: &Channel, name: &str, kind: ExchangeKind, args: FieldTable) -> Result<()> {
+async fn declare_exchange(
+    ch: &Channel,
+    name: &str,
+    kind: ExchangeKind,
+    args: FieldTable,
+) -> Result<()> {
     let opts = ExchangeDeclareOptions {
         durable: true,
         ..ExchangeDeclareOptions::default()
@@ -424,7 +447,10 @@ fn describe_differences(existing: &str, wanted: &str) -> String {
     let diffs: Vec<String> = parse(wanted)
         .into_iter()
         .filter_map(|(k, v)| {
-            let before = old.iter().find(|(ok, _)| *ok == k).map(|(_, ov)| ov.as_str());
+            let before = old
+                .iter()
+                .find(|(ok, _)| *ok == k)
+                .map(|(_, ov)| ov.as_str());
             match before {
                 Some(b) if b == v => None,
                 Some(b) => Some(format!("{}: {b} → {v}", Layout::signature_key_name(&k))),
@@ -456,10 +482,16 @@ mod tests {
         );
         let t = "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'q' in vhost '/': received none but current is the value 'quorum' of type 'longstr'";
         let i = parse_inequivalent(t).unwrap();
-        assert_eq!((i.received.as_str(), i.current.as_str()), ("none", "quorum"));
+        assert_eq!(
+            (i.received.as_str(), i.current.as_str()),
+            ("none", "quorum")
+        );
         let t = "PRECONDITION_FAILED - inequivalent arg 'x-dead-letter-exchange' for queue 'p.layout' in vhost '/': received 'r=8 u=1' but current is 'r=4 u=1'";
         let i = parse_inequivalent(t).unwrap();
-        assert_eq!((i.received.as_str(), i.current.as_str()), ("r=8 u=1", "r=4 u=1"));
+        assert_eq!(
+            (i.received.as_str(), i.current.as_str()),
+            ("r=8 u=1", "r=4 u=1")
+        );
     }
 
     #[test]

@@ -20,7 +20,10 @@ async fn random_delays_across_every_level_arrive_once_and_never_early() {
     let b = env.queue("x.a").await; // dotted, and a word-suffix relation to `a`
     let p = env.publisher().await;
     let layout = p.layout().clone();
-    assert!(layout.overflow_count() > 0 && layout.levels() >= 3, "{layout}");
+    assert!(
+        layout.overflow_count() > 0 && layout.levels() >= 3,
+        "{layout}"
+    );
 
     let n = 300;
     let mut rng = rand::rng();
@@ -39,23 +42,59 @@ async fn random_delays_across_every_level_arrive_once_and_never_early() {
         let s = r.expect("scheduled");
         tiers_used.extend(s.route.tiers.iter().copied());
     }
-    assert!(tiers_used.iter().any(|t| matches!(t, TierKind::Overflow { .. })));
-    assert!(tiers_used.iter().any(|t| matches!(t, TierKind::Fixed { .. })));
+    assert!(
+        tiers_used
+            .iter()
+            .any(|t| matches!(t, TierKind::Overflow { .. }))
+    );
+    assert!(
+        tiers_used
+            .iter()
+            .any(|t| matches!(t, TierKind::Fixed { .. }))
+    );
     for k in 0..layout.levels() {
-        assert!(tiers_used.iter().any(|t| matches!(t, TierKind::Cascade { level, .. } if *level == k)), "level {k} unused");
+        assert!(
+            tiers_used
+                .iter()
+                .any(|t| matches!(t, TierKind::Cascade { level, .. } if *level == k)),
+            "level {k} unused"
+        );
     }
 
-    let got_a = collect(&env.conn, &a, n / 2, Duration::from_secs(20), Duration::from_millis(500)).await;
-    let got_b = collect(&env.conn, &b, n / 2, Duration::from_secs(20), Duration::from_millis(500)).await;
+    let got_a = collect(
+        &env.conn,
+        &a,
+        n / 2,
+        Duration::from_secs(20),
+        Duration::from_millis(500),
+    )
+    .await;
+    let got_b = collect(
+        &env.conn,
+        &b,
+        n / 2,
+        Duration::from_secs(20),
+        Duration::from_millis(500),
+    )
+    .await;
     for (q, got, parity) in [(&a, &got_a, 0), (&b, &got_b, 1)] {
         let c = counts(got);
-        let want: HashSet<String> = (0..n).filter(|i| i % 2 == parity).map(|i| format!("id-{i}")).collect();
+        let want: HashSet<String> = (0..n)
+            .filter(|i| i % 2 == parity)
+            .map(|i| format!("id-{i}"))
+            .collect();
         let missing: Vec<_> = want.iter().filter(|id| !c.contains_key(*id)).collect();
         assert!(missing.is_empty(), "{q}: missing {missing:?}");
         let foreign: Vec<_> = c.keys().filter(|id| !want.contains(*id)).collect();
-        assert!(foreign.is_empty(), "{q} received other queue's messages {foreign:?}");
+        assert!(
+            foreign.is_empty(),
+            "{q} received other queue's messages {foreign:?}"
+        );
         let dups: usize = c.values().map(|v| v - 1).sum();
-        eprintln!("{q}: {} messages, {dups} at-least-once duplicates", got.len());
+        eprintln!(
+            "{q}: {} messages, {dups} at-least-once duplicates",
+            got.len()
+        );
     }
     let mut lateness: Vec<i64> = got_a
         .iter()
@@ -70,8 +109,16 @@ async fn random_delays_across_every_level_arrive_once_and_never_early() {
         percentile(&lateness, 0.99),
         lateness[lateness.len() - 1]
     );
-    assert!(lateness[0] >= 0, "a message arrived {} ms early", -lateness[0]);
-    assert!(*lateness.last().unwrap() < 5_000, "a message was stuck for {} ms", lateness.last().unwrap());
+    assert!(
+        lateness[0] >= 0,
+        "a message arrived {} ms early",
+        -lateness[0]
+    );
+    assert!(
+        *lateness.last().unwrap() < 5_000,
+        "a message was stuck for {} ms",
+        lateness.last().unwrap()
+    );
 
     // the tiers are empty again and nothing was parked
     let stats = Topology::new(layout).stats(&env.conn).await.unwrap();
@@ -87,9 +134,15 @@ async fn body_properties_and_headers_arrive_byte_for_byte() {
     let p = env.publisher().await;
     let body: Vec<u8> = (0..=255u8).collect();
     let mut h = FieldTable::default();
-    h.insert("app-id".into(), AMQPValue::LongString(LongString::from("shop")));
+    h.insert(
+        "app-id".into(),
+        AMQPValue::LongString(LongString::from("shop")),
+    );
     h.insert("n".into(), AMQPValue::LongInt(-7));
-    h.insert("x-death".into(), AMQPValue::LongString(LongString::from("forged")));
+    h.insert(
+        "x-death".into(),
+        AMQPValue::LongString(LongString::from("forged")),
+    );
     let props = lapin::BasicProperties::default()
         .with_content_type("application/octet-stream".into())
         .with_correlation_id("corr-1".into())
@@ -99,23 +152,43 @@ async fn body_properties_and_headers_arrive_byte_for_byte() {
         .schedule(Message::new(q.clone(), 40, body.clone()).with_properties(props))
         .await
         .unwrap();
-    let got = collect(&env.conn, &q, 1, Duration::from_secs(10), Duration::from_millis(200)).await;
+    let got = collect(
+        &env.conn,
+        &q,
+        1,
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+    )
+    .await;
     assert_eq!(got.len(), 1);
     let r = &got[0];
     assert_eq!(r.body, body);
     assert_eq!(r.id(), s.message_id);
     assert_eq!(uuid::Uuid::parse_str(&r.id()).unwrap().get_version_num(), 7);
-    assert_eq!(r.properties.content_type().as_ref().unwrap().as_str(), "application/octet-stream");
-    assert_eq!(r.properties.correlation_id().as_ref().unwrap().as_str(), "corr-1");
+    assert_eq!(
+        r.properties.content_type().as_ref().unwrap().as_str(),
+        "application/octet-stream"
+    );
+    assert_eq!(
+        r.properties.correlation_id().as_ref().unwrap().as_str(),
+        "corr-1"
+    );
     assert_eq!(*r.properties.delivery_mode(), Some(2));
-    assert_eq!(r.header("app-id"), Some(&AMQPValue::LongString(LongString::from("shop"))));
+    assert_eq!(
+        r.header("app-id"),
+        Some(&AMQPValue::LongString(LongString::from("shop")))
+    );
     assert_eq!(r.header("n"), Some(&AMQPValue::LongInt(-7)));
     assert_eq!(r.int_header("x-delay-ms"), Some(40));
     assert_eq!(r.int_header("x-delay-attempt"), Some(0));
     let due = r.int_header("x-delay-due-at").unwrap() as u64;
     assert!(due >= before + 40 && due == s.due_at_ms);
     // the forged x-death was stripped; what is there now is the broker's own history
-    assert!(r.death_queues().iter().all(|(q, _)| q.starts_with(env.settings.prefix.as_str())));
+    assert!(
+        r.death_queues()
+            .iter()
+            .all(|(q, _)| q.starts_with(env.settings.prefix.as_str()))
+    );
     p.close().await;
     env.cleanup().await;
 }
@@ -127,7 +200,14 @@ async fn delay_zero_is_delivered_directly() {
     let p = env.publisher().await;
     let s = p.schedule(Message::new(q.clone(), 0, "now")).await.unwrap();
     assert_eq!(s.route.hops(), 0);
-    let got = collect(&env.conn, &q, 1, Duration::from_secs(5), Duration::from_millis(100)).await;
+    let got = collect(
+        &env.conn,
+        &q,
+        1,
+        Duration::from_secs(5),
+        Duration::from_millis(100),
+    )
+    .await;
     assert_eq!(got.len(), 1);
     assert!(got[0].header("x-death").is_none(), "went through a tier");
     p.close().await;
@@ -140,7 +220,14 @@ async fn a_fixed_level_is_exactly_one_hop() {
     let q = env.queue("fixed").await;
     let p = env.publisher().await;
     p.schedule(Message::new(q.clone(), 150, "f")).await.unwrap();
-    let got = collect(&env.conn, &q, 1, Duration::from_secs(5), Duration::from_millis(100)).await;
+    let got = collect(
+        &env.conn,
+        &q,
+        1,
+        Duration::from_secs(5),
+        Duration::from_millis(100),
+    )
+    .await;
     assert_eq!(got.len(), 1);
     let fixed = p.layout().fixed_queue(150);
     assert_eq!(got[0].death_queues(), vec![(fixed, 1)]);
@@ -159,14 +246,26 @@ async fn dotted_names_do_not_receive_each_others_messages() {
     env.declare_queue(&long).await;
     let publ = env.publisher().await;
     for (i, q) in [&short, &long, &short, &long].iter().enumerate() {
-        publ.schedule(Message::new(q.to_string(), 20 * i as u64, q.to_string()).with_id(format!("{i}")))
-            .await
-            .unwrap();
+        publ.schedule(
+            Message::new(q.to_string(), 20 * i as u64, q.to_string()).with_id(format!("{i}")),
+        )
+        .await
+        .unwrap();
     }
     for q in [&short, &long] {
-        let got = collect(&env.conn, q, 2, Duration::from_secs(5), Duration::from_millis(300)).await;
+        let got = collect(
+            &env.conn,
+            q,
+            2,
+            Duration::from_secs(5),
+            Duration::from_millis(300),
+        )
+        .await;
         assert_eq!(got.len(), 2, "{q}");
-        assert!(got.iter().all(|r| r.body == q.as_bytes()), "{q} got another queue's message");
+        assert!(
+            got.iter().all(|r| r.body == q.as_bytes()),
+            "{q} got another queue's message"
+        );
     }
     publ.close().await;
     env.cleanup().await;
@@ -178,17 +277,39 @@ async fn a_destination_deleted_in_flight_is_parked_and_others_keep_flowing() {
     let gone = env.queue("gone").await;
     let live = env.queue("live").await;
     let p = env.publisher().await;
-    p.schedule(Message::new(gone.clone(), 300, "lost?").with_id("parked-1")).await.unwrap();
+    p.schedule(Message::new(gone.clone(), 300, "lost?").with_id("parked-1"))
+        .await
+        .unwrap();
     env.delete_queue(&gone).await;
     for i in 0..5 {
-        p.schedule(Message::new(live.clone(), 50 + i * 60, "ok")).await.unwrap();
+        p.schedule(Message::new(live.clone(), 50 + i * 60, "ok"))
+            .await
+            .unwrap();
     }
-    let got = collect(&env.conn, &live, 5, Duration::from_secs(10), Duration::from_millis(100)).await;
+    let got = collect(
+        &env.conn,
+        &live,
+        5,
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+    )
+    .await;
     assert_eq!(got.len(), 5);
-    let parked = collect(&env.conn, &p.layout().parked_queue(), 1, Duration::from_secs(10), Duration::from_millis(100)).await;
+    let parked = collect(
+        &env.conn,
+        &p.layout().parked_queue(),
+        1,
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+    )
+    .await;
     assert_eq!(parked.len(), 1);
     assert_eq!(parked[0].id(), "parked-1");
-    assert!(parked[0].routing_key.ends_with(&gone), "{}", parked[0].routing_key);
+    assert!(
+        parked[0].routing_key.ends_with(&gone),
+        "{}",
+        parked[0].routing_key
+    );
     p.close().await;
     env.cleanup().await;
 }
@@ -202,9 +323,18 @@ async fn bad_destinations_and_delays_are_refused_with_clear_errors() {
         (Message::new("orders.#.x", 10, "x"), "wildcard word '#'"),
         (Message::new("", 10, "x"), "empty"),
         (Message::new("a..b", 10, "x"), "empty dot-separated word"),
-        (Message::new("x".repeat(250), 10, "x"), "fit in the routing key"),
-        (Message::new(format!("{}-never-declared", env.settings.prefix), 10, "x"), "does not exist"),
-        (Message::new("q", 1501, "x"), "longer than the configured maximum of 1500 ms"),
+        (
+            Message::new("x".repeat(250), 10, "x"),
+            "fit in the routing key",
+        ),
+        (
+            Message::new(format!("{}-never-declared", env.settings.prefix), 10, "x"),
+            "does not exist",
+        ),
+        (
+            Message::new("q", 1501, "x"),
+            "longer than the configured maximum of 1500 ms",
+        ),
     ];
     for (m, want) in cases {
         let e = p.schedule(m).await.unwrap_err();
@@ -214,7 +344,18 @@ async fn bad_destinations_and_delays_are_refused_with_clear_errors() {
     let mut env = env;
     let q = env.queue("after").await;
     p.schedule(Message::new(q.clone(), 5, "x")).await.unwrap();
-    assert_eq!(collect(&env.conn, &q, 1, Duration::from_secs(5), Duration::from_millis(50)).await.len(), 1);
+    assert_eq!(
+        collect(
+            &env.conn,
+            &q,
+            1,
+            Duration::from_secs(5),
+            Duration::from_millis(50)
+        )
+        .await
+        .len(),
+        1
+    );
     p.close().await;
     env.cleanup().await;
 }
@@ -229,7 +370,10 @@ async fn conflicting_redeclare_names_the_difference() {
     assert!(text.contains("radix: 4 → 8"), "{text}");
     assert!(text.contains(&env.settings.prefix), "{text}");
     // a publisher configured differently from the declared topology is refused too
-    let e = amqp_delay::Publisher::connect(&env.settings).await.err().expect("refused");
+    let e = amqp_delay::Publisher::connect(&env.settings)
+        .await
+        .err()
+        .expect("refused");
     assert!(e.to_string().contains("radix: 4 → 8"), "{e}");
 
     // and an existing queue with other arguments is named with its argument
@@ -237,12 +381,23 @@ async fn conflicting_redeclare_names_the_difference() {
     t.queue_type = QueueType::Classic;
     let mut other = Env::new(t).await;
     let ch = other.conn.create_channel().await.unwrap();
-    ch.queue_delete(other.layout().layout_marker_queue().as_str().into(), Default::default()).await.unwrap();
+    ch.queue_delete(
+        other.layout().layout_marker_queue().as_str().into(),
+        Default::default(),
+    )
+    .await
+    .unwrap();
     other.settings.topology.queue_type = QueueType::Quorum;
     let e = other.declare().await.unwrap_err();
     let text = e.to_string();
-    assert!(text.contains(&format!("queue '{}.", other.settings.prefix)), "{text}");
-    assert!(text.contains("x-queue-type = classic but these settings need quorum"), "{text}");
+    assert!(
+        text.contains(&format!("queue '{}.", other.settings.prefix)),
+        "{text}"
+    );
+    assert!(
+        text.contains("x-queue-type = classic but these settings need quorum"),
+        "{text}"
+    );
     other.settings.topology.queue_type = QueueType::Classic;
     env.settings.topology.radix = 4;
     other.cleanup().await;
@@ -261,7 +416,10 @@ async fn a_full_tier_is_an_error_not_a_silent_loss() {
     let mut accepted = Vec::new();
     let mut nacked = 0;
     for i in 0..6 {
-        match p.schedule(Message::new(q.clone(), 150, format!("{i}"))).await {
+        match p
+            .schedule(Message::new(q.clone(), 150, format!("{i}")))
+            .await
+        {
             Ok(_) => accepted.push(format!("{i}").into_bytes()),
             Err(e) => {
                 assert!(matches!(e, Error::Nacked { .. }), "{e}");
@@ -271,7 +429,14 @@ async fn a_full_tier_is_an_error_not_a_silent_loss() {
         }
     }
     assert!(nacked > 0, "a full tier accepted everything");
-    let got = collect(&env.conn, &q, accepted.len(), Duration::from_secs(5), Duration::from_millis(300)).await;
+    let got = collect(
+        &env.conn,
+        &q,
+        accepted.len(),
+        Duration::from_secs(5),
+        Duration::from_millis(300),
+    )
+    .await;
     let mut bodies: Vec<Vec<u8>> = got.into_iter().map(|r| r.body).collect();
     bodies.sort();
     assert_eq!(bodies, accepted);
@@ -290,8 +455,18 @@ async fn declare_is_idempotent_and_stats_count_waiting_messages() {
     let fixed = stats.iter().find(|s| s.kind == "fixed").unwrap();
     assert_eq!(fixed.messages, 1);
     assert!(stats.iter().any(|s| s.kind == "parked"));
-    assert_eq!(stats.iter().filter(|s| s.kind == "overflow").count() as u32, env.layout().overflow_count());
-    collect(&env.conn, &q, 1, Duration::from_secs(5), Duration::from_millis(50)).await;
+    assert_eq!(
+        stats.iter().filter(|s| s.kind == "overflow").count() as u32,
+        env.layout().overflow_count()
+    );
+    collect(
+        &env.conn,
+        &q,
+        1,
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+    )
+    .await;
     p.close().await;
     env.cleanup().await;
 }
@@ -305,9 +480,18 @@ async fn classic_tiers_work_too() {
     let q = env.queue("classic").await;
     let p = env.publisher().await;
     for d in [0u64, 7, 100, 333, 1200] {
-        p.schedule(Message::new(q.clone(), d, d.to_string())).await.unwrap();
+        p.schedule(Message::new(q.clone(), d, d.to_string()))
+            .await
+            .unwrap();
     }
-    let got = collect(&env.conn, &q, 5, Duration::from_secs(10), Duration::from_millis(100)).await;
+    let got = collect(
+        &env.conn,
+        &q,
+        5,
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+    )
+    .await;
     assert_eq!(got.len(), 5);
     for r in &got {
         assert!(r.arrived_ms as i64 >= r.int_header("x-delay-due-at").unwrap());

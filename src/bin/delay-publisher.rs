@@ -15,7 +15,11 @@ use futures::StreamExt;
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 
 #[derive(Parser)]
-#[command(name = "delay-publisher", version, about = "Delayed delivery for RabbitMQ: declare the tier topology, schedule and inspect delayed messages")]
+#[command(
+    name = "delay-publisher",
+    version,
+    about = "Delayed delivery for RabbitMQ: declare the tier topology, schedule and inspect delayed messages"
+)]
 struct Cli {
     #[command(flatten)]
     global: GlobalArgs,
@@ -98,7 +102,9 @@ async fn main() {
 }
 
 async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
-    let layout = settings.layout().map_err(amqp_delay::settings::SettingsError::from)?;
+    let layout = settings
+        .layout()
+        .map_err(amqp_delay::settings::SettingsError::from)?;
     match cmd {
         Cmd::Plan { delay } => {
             let r = amqp_delay::plan(&layout, &settings.precision, delay.as_millis())?;
@@ -136,15 +142,32 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                 .filter(|s| !non_empty || s.messages > 0)
                 .collect();
             if json {
-                println!("{}", serde_json::to_string_pretty(&shown).expect("serialisable"));
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&shown).expect("serialisable")
+                );
             } else {
-                println!("{:<48} {:>9} {:>14} {:>10}", "queue", "kind", "ttl_ms", "messages");
+                println!(
+                    "{:<48} {:>9} {:>14} {:>10}",
+                    "queue", "kind", "ttl_ms", "messages"
+                );
                 for s in &shown {
                     let ttl = s.ttl_ms.map_or_else(|| "-".into(), |t| t.to_string());
-                    println!("{:<48} {:>9} {:>14} {:>10}", s.queue, s.kind, ttl, s.messages);
+                    println!(
+                        "{:<48} {:>9} {:>14} {:>10}",
+                        s.queue, s.kind, ttl, s.messages
+                    );
                 }
-                let total: u64 = stats.iter().filter(|s| s.kind != "parked").map(|s| u64::from(s.messages)).sum();
-                let parked: u64 = stats.iter().filter(|s| s.kind == "parked").map(|s| u64::from(s.messages)).sum();
+                let total: u64 = stats
+                    .iter()
+                    .filter(|s| s.kind != "parked")
+                    .map(|s| u64::from(s.messages))
+                    .sum();
+                let parked: u64 = stats
+                    .iter()
+                    .filter(|s| s.kind == "parked")
+                    .map(|s| u64::from(s.messages))
+                    .sum();
                 println!("total in tiers: {total}, parked: {parked}");
             }
             Ok(0)
@@ -153,7 +176,12 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             let conn = connection::connect(&settings.url, "amqp-delay teardown").await?;
             let topo = Topology::new(layout);
             if !force {
-                let held: u64 = topo.stats(&conn).await?.iter().map(|s| u64::from(s.messages)).sum();
+                let held: u64 = topo
+                    .stats(&conn)
+                    .await?
+                    .iter()
+                    .map(|s| u64::from(s.messages))
+                    .sum();
                 if held > 0 {
                     return Err(Error::Invalid(format!(
                         "{held} messages are still in the tiers or parked; they would be lost. Wait for them to drain, or pass --force"
@@ -162,7 +190,10 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             }
             topo.delete(&conn).await?;
             let _ = conn.close(200, "bye".into()).await;
-            println!("removed the topology under prefix '{}'", topo.layout().prefix());
+            println!(
+                "removed the topology under prefix '{}'",
+                topo.layout().prefix()
+            );
             Ok(0)
         }
         Cmd::Send(a) => {
@@ -179,7 +210,9 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
 
 async fn send_one(p: &Publisher, a: SendArgs) -> amqp_delay::Result<i32> {
     let (Some(queue), Some(delay), Some(body)) = (a.queue, a.delay, a.body) else {
-        return Err(Error::Invalid("--queue, --delay and --body are required without --jsonl".into()));
+        return Err(Error::Invalid(
+            "--queue, --delay and --body are required without --jsonl".into(),
+        ));
     };
     let mut m = Message::new(queue.clone(), delay.as_millis(), body);
     if let Some(id) = a.id {
@@ -214,36 +247,49 @@ async fn send_one(p: &Publisher, a: SendArgs) -> amqp_delay::Result<i32> {
 }
 
 /// Reads lines as bytes so a non-UTF-8 line is reported, not fatal.
-fn lines<R: AsyncRead + Unpin>(r: R) -> impl futures::Stream<Item = (usize, std::io::Result<String>)> {
-    futures::stream::unfold((BufReader::new(r), 0usize, false), |(mut r, n, done)| async move {
-        if done {
-            return None;
-        }
-        let mut buf = Vec::new();
-        match r.read_until(b'\n', &mut buf).await {
-            Ok(0) => None,
-            Ok(_) => {
-                let line = String::from_utf8(buf).map_err(|_| {
-                    std::io::Error::new(std::io::ErrorKind::InvalidData, "line is not valid UTF-8")
-                });
-                Some(((n + 1, line), (r, n + 1, false)))
+fn lines<R: AsyncRead + Unpin>(
+    r: R,
+) -> impl futures::Stream<Item = (usize, std::io::Result<String>)> {
+    futures::stream::unfold(
+        (BufReader::new(r), 0usize, false),
+        |(mut r, n, done)| async move {
+            if done {
+                return None;
             }
-            Err(e) => Some(((n + 1, Err(e)), (r, n + 1, true))),
-        }
-    })
+            let mut buf = Vec::new();
+            match r.read_until(b'\n', &mut buf).await {
+                Ok(0) => None,
+                Ok(_) => {
+                    let line = String::from_utf8(buf).map_err(|_| {
+                        std::io::Error::new(
+                            std::io::ErrorKind::InvalidData,
+                            "line is not valid UTF-8",
+                        )
+                    });
+                    Some(((n + 1, line), (r, n + 1, false)))
+                }
+                Err(e) => Some(((n + 1, Err(e)), (r, n + 1, true))),
+            }
+        },
+    )
 }
 
 async fn send_jsonl(p: &Publisher, path: &std::path::Path) -> amqp_delay::Result<i32> {
     let input: Box<dyn AsyncRead + Unpin + Send> = if path.as_os_str() == "-" {
         Box::new(tokio::io::stdin())
     } else {
-        Box::new(tokio::fs::File::open(path).await.map_err(|e| {
-            Error::Invalid(format!("cannot open {}: {e}", path.display()))
-        })?)
+        Box::new(
+            tokio::fs::File::open(path)
+                .await
+                .map_err(|e| Error::Invalid(format!("cannot open {}: {e}", path.display())))?,
+        )
     };
     let failed = std::cell::Cell::new(0u64);
     let good = lines(input).filter_map(|(n, line)| {
-        let out = match line.map_err(|e| e.to_string()).and_then(|l| jsonl::parse_line(&l)) {
+        let out = match line
+            .map_err(|e| e.to_string())
+            .and_then(|l| jsonl::parse_line(&l))
+        {
             Ok(Some(m)) => Some((n, m)),
             Ok(None) => None,
             Err(reason) => {

@@ -12,8 +12,7 @@ use amqp_delay::settings::{DurationMs, QueueType, Settings, TopologySettings};
 use amqp_delay::{Publisher, Topology};
 use futures::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
@@ -132,7 +131,10 @@ impl Env {
             self.delete_queue(q).await;
         }
         for l in &self.declared {
-            Topology::new(l.clone()).delete(&self.conn).await.expect("teardown");
+            Topology::new(l.clone())
+                .delete(&self.conn)
+                .await
+                .expect("teardown");
         }
         let _ = self.conn.close(200, "bye".into()).await;
     }
@@ -171,10 +173,16 @@ impl Received {
             .filter_map(|v| match v {
                 AMQPValue::FieldTable(t) => {
                     let q = match t.inner().get("queue") {
-                        Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).to_string(),
+                        Some(AMQPValue::LongString(s)) => {
+                            String::from_utf8_lossy(s.as_bytes()).to_string()
+                        }
                         _ => return None,
                     };
-                    let n = t.inner().get("count").and_then(amqp_delay::headers::as_int).unwrap_or(0);
+                    let n = t
+                        .inner()
+                        .get("count")
+                        .and_then(amqp_delay::headers::as_int)
+                        .unwrap_or(0);
                     Some((q, n))
                 }
                 _ => None,
@@ -185,11 +193,22 @@ impl Received {
 
 /// Consumes from `queue` until `n` messages arrived or `timeout` passed, then waits `linger`
 /// more for duplicates. Acks everything.
-pub async fn collect(conn: &Connection, queue: &str, n: usize, timeout: Duration, linger: Duration) -> Vec<Received> {
+pub async fn collect(
+    conn: &Connection,
+    queue: &str,
+    n: usize,
+    timeout: Duration,
+    linger: Duration,
+) -> Vec<Received> {
     let ch = conn.create_channel().await.unwrap();
     ch.basic_qos(500, BasicQosOptions::default()).await.unwrap();
     let mut consumer = ch
-        .basic_consume(queue.into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let mut out = Vec::new();

@@ -1,0 +1,278 @@
+//! The actions `delay-consumer` runs without any Rust from the user: `exec` a command, POST to
+//! an `http` URL, `forward` to an exchange, or `log` a JSON line. Each maps its result onto
+//! success / retryable / permanent as documented in the README.
+
+use std::io::Write;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::AsyncWriteExt;
+
+use crate::envelope::{self, Delivery};
+use crate::error::Error;
+use crate::headers;
+use crate::publisher::now_ms;
+use crate::settings::RouteConfig;
+use crate::worker::{Context, Handler, Outcome};
+
+/// A configured action.
+#[derive(Debug, Clone)]
+pub enum Action {
+    Exec {
+        argv: Vec<String>,
+        permanent_exit_code: i32,
+    },
+    Http {
+        url: String,
+        agent: ureq::Agent,
+    },
+    Forward {
+        exchange: String,
+        routing_key: Option<String>,
+        levels: u32,
+    },
+    Log(Arc<std::sync::Mutex<()>>),
+}
+
+impl Action {
+    /// Builds the action of a route. `timeout` bounds HTTP requests; `levels` is the number of
+    /// digit words in our routing keys.
+    pub fn from_route(
+        r: &RouteConfig,
+        permanent_exit_code: i32,
+        timeout: Duration,
+        levels: u32,
+    ) -> Result<Action, String> {
+        r.validate()?;
+        if let Some(cmd) = &r.exec {
+            let argv = shell_words::split(cmd)
+                .map_err(|e| format!("exec command '{cmd}' cannot be split into words: {e}"))?;
+            if argv.is_empty() {
+                return Err("exec command is empty".into());
+            }
+            return Ok(Action::Exec {
+                argv,
+                permanent_exit_code,
+            });
+        }
+        if let Some(url) = &r.http {
+            let parsed = url::Url::parse(url).map_err(|e| format!("http URL '{url}': {e}"))?;
+            if !matches!(parsed.scheme(), "http" | "https") {
+                return Err(format!(
+                    "http URL '{url}' must start with http:// or https://"
+                ));
+            }
+            let agent: ureq::Agent = ureq::Agent::config_builder()
+                .timeout_global(Some(timeout))
+                .http_status_as_error(false)
+                .build()
+                .into();
+            return Ok(Action::Http {
+                url: url.clone(),
+                agent,
+            });
+        }
+        if let Some(f) = &r.forward {
+            let (exchange, key) = match f.split_once(':') {
+                Some((x, k)) => (x.to_string(), Some(k.to_string())),
+                None => (f.clone(), None),
+            };
+            return Ok(Action::Forward {
+                exchange,
+                routing_key: key,
+                levels,
+            });
+        }
+        Ok(Action::Log(Arc::new(std::sync::Mutex::new(()))))
+    }
+}
+
+impl Handler for Action {
+    async fn handle(&self, d: &Delivery, ctx: &Context) -> Outcome {
+        match self {
+            Action::Exec {
+                argv,
+                permanent_exit_code,
+            } => exec(argv, *permanent_exit_code, d).await,
+            Action::Http { url, agent } => http(url, agent, d).await,
+            Action::Forward {
+                exchange,
+                routing_key,
+                levels,
+            } => {
+                let key = routing_key
+                    .clone()
+                    .unwrap_or_else(|| d.original_routing_key(*levels));
+                forward(ctx, exchange, &key, d).await
+            }
+            Action::Log(lock) => {
+                log_line(lock, d);
+                Outcome::Success
+            }
+        }
+    }
+}
+
+/// The JSON line of the `log` action.
+pub fn log_json(d: &Delivery, fired_at: u64) -> serde_json::Value {
+    serde_json::json!({
+        "id": d.message_id,
+        "queue": d.queue,
+        "attempt": d.attempt,
+        "due_at": d.due_at_ms,
+        "fired_at": fired_at,
+        "lateness_ms": d.due_at_ms.map(|due| fired_at as i64 - due as i64),
+        "redelivered": d.redelivered,
+        "body": String::from_utf8_lossy(&d.body),
+    })
+}
+
+fn log_line(lock: &std::sync::Mutex<()>, d: &Delivery) {
+    let line = log_json(d, now_ms()).to_string();
+    let _guard = lock.lock();
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+async fn exec(argv: &[String], permanent: i32, d: &Delivery) -> Outcome {
+    let mut cmd = tokio::process::Command::new(&argv[0]);
+    cmd.args(&argv[1..])
+        .stdin(Stdio::piped())
+        .kill_on_drop(true) // the worker's handler timeout drops this future: the child dies
+        .env("DELAY_MESSAGE_ID", &d.message_id)
+        .env("DELAY_ATTEMPT", d.attempt.to_string())
+        .env("DELAY_QUEUE", &d.queue)
+        .env(
+            "DELAY_DUE_AT",
+            d.due_at_ms.map(|v| v.to_string()).unwrap_or_default(),
+        );
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => return Outcome::Retry(format!("cannot start '{}': {e}", argv[0])),
+    };
+    if let Some(mut stdin) = child.stdin.take() {
+        // a command that does not read its input is fine
+        let _ = stdin.write_all(&d.body).await;
+        drop(stdin);
+    }
+    match child.wait().await {
+        Ok(st) if st.success() => Outcome::Success,
+        Ok(st) => match st.code() {
+            Some(c) if c == permanent => {
+                Outcome::Permanent(format!("'{}' exited with {c} (permanent failure)", argv[0]))
+            }
+            Some(c) => Outcome::Retry(format!("'{}' exited with {c}", argv[0])),
+            None => Outcome::Retry(format!("'{}' was killed by a signal", argv[0])),
+        },
+        Err(e) => Outcome::Retry(format!("waiting for '{}': {e}", argv[0])),
+    }
+}
+
+/// Maps an HTTP status onto an outcome: 2xx success; 408, 429, 5xx retryable; other 4xx
+/// permanent; anything else retryable.
+pub fn http_outcome(status: u16, url: &str) -> Outcome {
+    match status {
+        200..=299 => Outcome::Success,
+        408 | 429 | 500..=599 => Outcome::Retry(format!("POST {url} answered {status}")),
+        400..=499 => Outcome::Permanent(format!("POST {url} answered {status}")),
+        _ => Outcome::Retry(format!("POST {url} answered {status}")),
+    }
+}
+
+async fn http(url: &str, agent: &ureq::Agent, d: &Delivery) -> Outcome {
+    let agent = agent.clone();
+    let url = url.to_string();
+    let body = d.body.clone();
+    let ct = d
+        .properties
+        .content_type()
+        .as_ref()
+        .map(|c| c.to_string())
+        .unwrap_or_else(|| "application/octet-stream".into());
+    let id = d.message_id.clone();
+    let attempt = d.attempt.to_string();
+    let res = tokio::task::spawn_blocking(move || {
+        agent
+            .post(&url)
+            .header("content-type", &ct)
+            .header("x-delay-message-id", &id)
+            .header("x-delay-attempt", &attempt)
+            .send(&body[..])
+            .map(|r| r.status().as_u16())
+            .map_err(|e| e.to_string())
+            .map(|s| (s, url.clone()))
+            .map_err(|e| (e, url))
+    })
+    .await;
+    match res {
+        Ok(Ok((status, url))) => http_outcome(status, &url),
+        Ok(Err((e, url))) => Outcome::Retry(format!("POST {url} failed: {e}")),
+        Err(e) => Outcome::Retry(format!("HTTP task failed: {e}")),
+    }
+}
+
+async fn forward(ctx: &Context, exchange: &str, key: &str, d: &Delivery) -> Outcome {
+    let empty = lapin::types::FieldTable::default();
+    let h = headers::filter(d.headers().unwrap_or(&empty), |k| {
+        !headers::is_death_header(k) && k != envelope::ROUTING_KEY
+    });
+    let props = d.properties.clone().with_headers(h);
+    match ctx
+        .publisher()
+        .publish_confirmed(exchange, key, &d.body, props)
+        .await
+    {
+        Ok(()) => Outcome::Success,
+        Err(Error::Returned { .. }) => Outcome::Permanent(format!(
+            "unroutable: exchange '{exchange}' has no binding for routing key '{key}'"
+        )),
+        Err(e) => Outcome::Retry(format!(
+            "forward to '{exchange}': {}",
+            crate::cli::chain(&e)
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn http_statuses_map_to_outcomes() {
+        assert_eq!(http_outcome(204, "u"), Outcome::Success);
+        for s in [408, 429, 500, 503] {
+            assert!(matches!(http_outcome(s, "u"), Outcome::Retry(_)), "{s}");
+        }
+        for s in [400, 404, 422] {
+            assert!(matches!(http_outcome(s, "u"), Outcome::Permanent(_)), "{s}");
+        }
+    }
+
+    #[test]
+    fn routes_need_exactly_one_action() {
+        let r = RouteConfig {
+            queue: "q".into(),
+            log: true,
+            exec: Some("x".into()),
+            ..RouteConfig::default()
+        };
+        let e = Action::from_route(&r, 65, Duration::from_secs(1), 3).unwrap_err();
+        assert!(e.contains("exactly one action"), "{e}");
+        let r = RouteConfig {
+            queue: "q".into(),
+            exec: Some("'unterminated".into()),
+            ..RouteConfig::default()
+        };
+        assert!(Action::from_route(&r, 65, Duration::from_secs(1), 3).is_err());
+        let r = RouteConfig {
+            queue: "q".into(),
+            forward: Some("x:a.b".into()),
+            ..RouteConfig::default()
+        };
+        assert!(
+            matches!(Action::from_route(&r, 65, Duration::from_secs(1), 3).unwrap(), Action::Forward { routing_key: Some(k), .. } if k == "a.b")
+        );
+    }
+}

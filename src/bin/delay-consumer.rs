@@ -1,0 +1,168 @@
+//! `delay-consumer`: a worker that runs an action (exec, http, forward, log) on every due
+//! message of one or more destination queues. Thin: the work is in `worker` and `actions`.
+
+use std::time::Duration;
+
+use amqp_delay::actions::Action;
+use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
+use amqp_delay::settings::{DurationMs, RouteConfig};
+use amqp_delay::worker::Worker;
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(
+    name = "delay-consumer",
+    version,
+    about = "Run an action on every due delayed message: exec a command, POST to a URL, forward to an exchange, or log JSON",
+    after_help = "Without --queue, the queues and actions come from [[consumer.routes]] in the config file.\nExit codes of --exec: 0 = success, --permanent-exit-code (default 65) = permanent failure (parked), anything else = retry."
+)]
+struct Cli {
+    #[command(flatten)]
+    global: GlobalArgs,
+    /// Destination queue to consume
+    #[arg(long, short = 'q', requires = "action")]
+    queue: Option<String>,
+    #[command(flatten)]
+    action: ActionArgs,
+    /// Unacknowledged deliveries the broker sends ahead per queue
+    #[arg(long)]
+    prefetch: Option<u16>,
+    /// Handlers running at once
+    #[arg(long)]
+    concurrency: Option<usize>,
+    /// A handler running longer counts as a retryable failure (e.g. 30s, 5m)
+    #[arg(long)]
+    handler_timeout: Option<DurationMs>,
+    /// Executions in all before a failing message is parked
+    #[arg(long)]
+    max_attempts: Option<u32>,
+    /// Delay before the first retry
+    #[arg(long)]
+    retry_base: Option<DurationMs>,
+    /// Backoff growth per attempt
+    #[arg(long)]
+    retry_factor: Option<f64>,
+    /// Longest backoff
+    #[arg(long)]
+    retry_cap: Option<DurationMs>,
+    /// Fraction of the backoff taken off at random (0..1)
+    #[arg(long)]
+    retry_jitter: Option<f64>,
+    /// Exit code of --exec meaning "permanent failure"
+    #[arg(long)]
+    permanent_exit_code: Option<i32>,
+    /// How long in-flight handlers may finish after SIGTERM/SIGINT
+    #[arg(long)]
+    shutdown_grace: Option<DurationMs>,
+}
+
+#[derive(clap::Args)]
+#[group(id = "action", multiple = false)]
+struct ActionArgs {
+    /// Run CMD with the body on stdin (DELAY_MESSAGE_ID, DELAY_ATTEMPT, DELAY_DUE_AT, DELAY_QUEUE set)
+    #[arg(long, value_name = "CMD")]
+    exec: Option<String>,
+    /// POST the body to URL (2xx success; 408, 429, 5xx, timeout retry; other 4xx permanent)
+    #[arg(long, value_name = "URL")]
+    http: Option<String>,
+    /// Re-publish to EXCHANGE with ROUTING_KEY (default: the message's original key)
+    #[arg(long, value_name = "EXCHANGE[:ROUTING_KEY]")]
+    forward: Option<String>,
+    /// Print one JSON line per message (id, queue, attempt, due_at, fired_at, lateness_ms)
+    #[arg(long)]
+    log: bool,
+}
+
+#[tokio::main]
+async fn main() {
+    cli::init_logging();
+    let a = Cli::parse();
+    let mut s = match a.global.settings() {
+        Ok(s) => s,
+        Err(e) => cli::fail(&e, EXIT_USAGE),
+    };
+    let c = &mut s.consumer;
+    if let Some(v) = a.prefetch {
+        c.prefetch = v;
+    }
+    if let Some(v) = a.concurrency {
+        c.concurrency = v;
+    }
+    if let Some(v) = a.handler_timeout {
+        c.handler_timeout = v;
+    }
+    if let Some(v) = a.max_attempts {
+        c.retry.max_attempts = v;
+    }
+    if let Some(v) = a.retry_base {
+        c.retry.base = v;
+    }
+    if let Some(v) = a.retry_factor {
+        c.retry.factor = v;
+    }
+    if let Some(v) = a.retry_cap {
+        c.retry.cap = v;
+    }
+    if let Some(v) = a.retry_jitter {
+        c.retry.jitter = v;
+    }
+    if let Some(v) = a.permanent_exit_code {
+        c.permanent_exit_code = v;
+    }
+    if let Some(v) = a.shutdown_grace {
+        c.shutdown_grace = v;
+    }
+    if let Some(queue) = a.queue {
+        c.routes = vec![RouteConfig {
+            queue,
+            exec: a.action.exec,
+            http: a.action.http,
+            forward: a.action.forward,
+            log: a.action.log,
+        }];
+    }
+    if let Err(e) = s.validate() {
+        cli::fail(&e, EXIT_USAGE);
+    }
+    if s.consumer.routes.is_empty() {
+        eprintln!(
+            "error: nothing to consume: give --queue Q with an action, or [[consumer.routes]] in --config"
+        );
+        std::process::exit(EXIT_USAGE);
+    }
+    let levels = match s.layout() {
+        Ok(l) => l.levels(),
+        Err(e) => cli::fail(&e, EXIT_USAGE),
+    };
+    let timeout = Duration::from_millis(s.consumer.handler_timeout.as_millis());
+    let mut worker = Worker::new(s.clone());
+    for r in &s.consumer.routes {
+        match Action::from_route(r, s.consumer.permanent_exit_code, timeout, levels) {
+            Ok(action) => worker = worker.subscribe(r.queue.clone(), action),
+            Err(e) => {
+                eprintln!("error: {e}");
+                std::process::exit(EXIT_USAGE);
+            }
+        }
+    }
+    if let Err(e) = worker.run(shutdown_signal()).await {
+        cli::fail(&e, EXIT_FAILURES);
+    }
+}
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing the SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutdown requested");
+}

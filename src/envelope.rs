@@ -1,0 +1,236 @@
+//! What a worker hands its handler, decoded from a raw delivery, pure: attempt, due time and
+//! message id from our headers, with clear reasons when a header has the wrong type (such a
+//! message is parked, never retried in a loop).
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable};
+
+use crate::headers::{self, ATTEMPT, DELAY_MS, DUE_AT};
+
+/// Headers the worker sets when it parks a message.
+pub const PARKED_REASON: &str = "x-delay-parked-reason";
+pub const PARKED_AT: &str = "x-delay-parked-at";
+pub const PARKED_ATTEMPTS: &str = "x-delay-parked-attempts";
+pub const PARKED_FROM: &str = "x-delay-parked-from";
+/// Original routing key of a message relayed for a plugin-style publisher (gateway, forward).
+pub const ROUTING_KEY: &str = "x-delay-routing-key";
+
+/// A due message, as a handler sees it.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    /// Queue it was consumed from.
+    pub queue: String,
+    pub body: Vec<u8>,
+    pub properties: BasicProperties,
+    /// `message_id` property (empty if the publisher set none).
+    pub message_id: String,
+    /// 0 on the first execution, +1 per retry.
+    pub attempt: u32,
+    /// When it was due (ms since the Unix epoch), if it came through amqp-delay.
+    pub due_at_ms: Option<u64>,
+    /// The requested delay, if it came through amqp-delay.
+    pub delay_ms: Option<u64>,
+    /// The broker delivered it before (a previous worker died or gave it back).
+    pub redelivered: bool,
+    /// Routing key as delivered.
+    pub routing_key: String,
+    pub exchange: String,
+}
+
+impl Delivery {
+    pub fn headers(&self) -> Option<&FieldTable> {
+        self.properties.headers().as_ref()
+    }
+
+    /// The routing key the message had before it entered the tiers: the
+    /// `x-delay-routing-key` header if set, else the delivered key without its digit words
+    /// (`levels` of them), i.e. the destination queue name.
+    pub fn original_routing_key(&self, levels: u32) -> String {
+        if let Some(AMQPValue::LongString(s)) =
+            self.headers().and_then(|h| h.inner().get(ROUTING_KEY))
+        {
+            return String::from_utf8_lossy(s.as_bytes()).into_owned();
+        }
+        let mut rest = self.routing_key.as_str();
+        for _ in 0..levels {
+            match rest.split_once('.') {
+                Some((_, r)) => rest = r,
+                None => return self.routing_key.clone(),
+            }
+        }
+        rest.to_string()
+    }
+}
+
+fn type_name(v: &AMQPValue) -> &'static str {
+    match v {
+        AMQPValue::LongString(_) | AMQPValue::ShortString(_) => "a string",
+        AMQPValue::Boolean(_) => "a boolean",
+        AMQPValue::Float(_) | AMQPValue::Double(_) | AMQPValue::DecimalValue(_) => "a fraction",
+        AMQPValue::FieldArray(_) => "an array",
+        AMQPValue::FieldTable(_) => "a table",
+        AMQPValue::Void => "void",
+        _ => "an integer",
+    }
+}
+
+fn non_negative(table: &FieldTable, name: &str) -> Result<Option<u64>, String> {
+    let Some(v) = table.inner().get(name) else {
+        return Ok(None);
+    };
+    match headers::as_int(v) {
+        Some(n) if n >= 0 => Ok(Some(n as u64)),
+        Some(n) => Err(format!("header '{name}' must not be negative, got {n}")),
+        None => Err(format!(
+            "header '{name}' must be an integer, got {}",
+            type_name(v)
+        )),
+    }
+}
+
+/// Decodes a delivery. The second value is the reason the envelope is invalid, if it is (the
+/// delivery then carries defaults for what could not be read).
+pub fn decode(
+    queue: &str,
+    body: Vec<u8>,
+    properties: BasicProperties,
+    routing_key: &str,
+    exchange: &str,
+    redelivered: bool,
+) -> (Delivery, Option<String>) {
+    let empty = FieldTable::default();
+    let table = properties.headers().as_ref().unwrap_or(&empty);
+    let parsed = (|| {
+        let attempt = non_negative(table, ATTEMPT)?.unwrap_or(0);
+        let attempt = u32::try_from(attempt)
+            .map_err(|_| format!("header '{ATTEMPT}' is out of range: {attempt}"))?;
+        Ok::<_, String>((
+            attempt,
+            non_negative(table, DUE_AT)?,
+            non_negative(table, DELAY_MS)?,
+        ))
+    })();
+    let mut d = Delivery {
+        queue: queue.to_string(),
+        message_id: properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.to_string())
+            .unwrap_or_default(),
+        body,
+        properties,
+        attempt: 0,
+        due_at_ms: None,
+        delay_ms: None,
+        redelivered,
+        routing_key: routing_key.to_string(),
+        exchange: exchange.to_string(),
+    };
+    match parsed {
+        Ok((attempt, due, delay)) => {
+            d.attempt = attempt;
+            d.due_at_ms = due;
+            d.delay_ms = delay;
+            (d, None)
+        }
+        Err(reason) => (d, Some(format!("invalid envelope: {reason}"))),
+    }
+}
+
+/// Headers for re-scheduling a message: the original ones without the broker's death history,
+/// our schedule headers (set again by the publisher) and parking headers.
+pub fn headers_for_reschedule(original: Option<&FieldTable>) -> FieldTable {
+    let empty = FieldTable::default();
+    headers::filter(original.unwrap_or(&empty), |k| {
+        !headers::is_death_header(k)
+            && !headers::RESERVED.contains(&k)
+            && !k.starts_with("x-delay-parked-")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::types::LongString;
+
+    fn ok((d, invalid): (Delivery, Option<String>)) -> Delivery {
+        assert_eq!(invalid, None);
+        d
+    }
+
+    fn props(h: &[(&str, AMQPValue)]) -> BasicProperties {
+        let mut t = FieldTable::default();
+        for (k, v) in h {
+            t.insert((*k).into(), v.clone());
+        }
+        BasicProperties::default().with_headers(t)
+    }
+
+    #[test]
+    fn decodes_our_headers_of_any_integer_width() {
+        let p = props(&[
+            (ATTEMPT, AMQPValue::ShortShortUInt(2)),
+            (DUE_AT, AMQPValue::LongLongInt(99)),
+        ]);
+        let d = ok(decode("q", vec![], p, "0.0.q", "x", true));
+        assert_eq!((d.attempt, d.due_at_ms, d.redelivered), (2, Some(99), true));
+        // a plain message that never went through amqp-delay is fine
+        let d = ok(decode(
+            "q",
+            vec![],
+            BasicProperties::default(),
+            "q",
+            "",
+            false,
+        ));
+        assert_eq!((d.attempt, d.due_at_ms), (0, None));
+    }
+
+    #[test]
+    fn wrong_types_are_reasons_not_crashes() {
+        let p = props(&[(ATTEMPT, AMQPValue::LongString(LongString::from("two")))]);
+        let reason = decode("q", vec![], p, "q", "", false).1.unwrap();
+        assert_eq!(
+            reason,
+            "invalid envelope: header 'x-delay-attempt' must be an integer, got a string"
+        );
+        let p = props(&[(DUE_AT, AMQPValue::LongInt(-5))]);
+        assert!(
+            decode("q", vec![], p, "q", "", false)
+                .1
+                .unwrap()
+                .contains("negative")
+        );
+    }
+
+    #[test]
+    fn original_routing_key() {
+        let d = ok(decode(
+            "orders.timeout",
+            vec![],
+            BasicProperties::default(),
+            "0.1.f.orders.timeout",
+            "",
+            false,
+        ));
+        assert_eq!(d.original_routing_key(3), "orders.timeout");
+        let p = props(&[(ROUTING_KEY, AMQPValue::LongString(LongString::from("a.b")))]);
+        let d = ok(decode("q", vec![], p, "0.0.0.q", "", false));
+        assert_eq!(d.original_routing_key(3), "a.b");
+    }
+
+    #[test]
+    fn reschedule_headers_drop_history_and_ours() {
+        let p = props(&[
+            ("x-death", AMQPValue::Void),
+            (ATTEMPT, AMQPValue::LongInt(1)),
+            (PARKED_REASON, AMQPValue::Void),
+            ("app", AMQPValue::Boolean(true)),
+        ]);
+        let h = headers_for_reschedule(p.headers().as_ref());
+        assert_eq!(
+            h.inner().keys().map(|k| k.as_str()).collect::<Vec<_>>(),
+            ["app"]
+        );
+    }
+}

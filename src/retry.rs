@@ -1,0 +1,131 @@
+//! Retry policy, pure: how long to wait before attempt `n + 1`, and when to give up.
+//! Exponential backoff with jitter: `min(cap, base · factor^attempt)`, then reduced by a random
+//! fraction of at most `jitter` (0 = exact, 0.5 = "equal jitter", 1 = "full jitter").
+
+use serde::{Deserialize, Serialize};
+
+use crate::settings::DurationMs;
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetryPolicy {
+    /// Delay before the first retry.
+    pub base: DurationMs,
+    /// Growth per attempt.
+    pub factor: f64,
+    /// Longest delay between attempts.
+    pub cap: DurationMs,
+    /// Executions in all (first try included) before the message is parked.
+    pub max_attempts: u32,
+    /// Fraction of the delay that may be taken off at random (0..=1).
+    pub jitter: f64,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            base: DurationMs(1000),
+            factor: 2.0,
+            cap: DurationMs(3_600_000),
+            max_attempts: 5,
+            jitter: 0.5,
+        }
+    }
+}
+
+impl RetryPolicy {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_attempts == 0 {
+            return Err("retry.max_attempts must be at least 1".into());
+        }
+        if !(self.factor.is_finite() && self.factor >= 1.0) {
+            return Err(format!(
+                "retry.factor must be at least 1, got {}",
+                self.factor
+            ));
+        }
+        if !(self.jitter.is_finite() && (0.0..=1.0).contains(&self.jitter)) {
+            return Err(format!(
+                "retry.jitter must be between 0 and 1, got {}",
+                self.jitter
+            ));
+        }
+        if self.cap < self.base {
+            return Err(format!(
+                "retry.cap ({}) must not be shorter than retry.base ({})",
+                self.cap, self.base
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether execution number `attempt` (0-based) failing leaves another try.
+    pub fn may_retry(&self, attempt: u32) -> bool {
+        attempt.saturating_add(1) < self.max_attempts
+    }
+
+    /// Longest backoff after execution `attempt` (0-based) failed, before jitter.
+    pub fn ceiling_ms(&self, attempt: u32) -> u64 {
+        let raw = self.base.as_millis() as f64 * self.factor.powi(attempt.min(1000) as i32);
+        let cap = self.cap.as_millis();
+        if raw.is_finite() && raw < cap as f64 {
+            raw as u64
+        } else {
+            cap
+        }
+    }
+
+    /// Backoff after execution `attempt` failed, with `random` in `[0, 1)` choosing the jitter.
+    pub fn backoff_ms(&self, attempt: u32, random: f64) -> u64 {
+        let c = self.ceiling_ms(attempt);
+        let off = (c as f64 * self.jitter * random.clamp(0.0, 1.0)) as u64;
+        c - off.min(c)
+    }
+
+    /// Shortest possible backoff after execution `attempt` failed.
+    pub fn floor_ms(&self, attempt: u32) -> u64 {
+        self.backoff_ms(attempt, 1.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn exponential_and_capped() {
+        let p = RetryPolicy {
+            jitter: 0.0,
+            ..RetryPolicy::default()
+        };
+        let seq: Vec<u64> = (0..14).map(|a| p.backoff_ms(a, 0.7)).collect();
+        assert_eq!(&seq[..4], &[1000, 2000, 4000, 8000]);
+        assert_eq!(seq[13], 3_600_000);
+        assert!(p.may_retry(3) && !p.may_retry(4));
+    }
+
+    #[test]
+    fn bad_policies_are_named() {
+        let p = RetryPolicy {
+            jitter: 2.0,
+            ..RetryPolicy::default()
+        };
+        assert!(p.validate().unwrap_err().contains("retry.jitter"));
+        let p = RetryPolicy {
+            max_attempts: 0,
+            ..RetryPolicy::default()
+        };
+        assert!(p.validate().unwrap_err().contains("max_attempts"));
+    }
+
+    proptest! {
+        #[test]
+        fn jitter_stays_within_bounds(attempt in 0u32..40, r in 0.0f64..1.0, j in 0.0f64..=1.0) {
+            let p = RetryPolicy { jitter: j, ..RetryPolicy::default() };
+            let b = p.backoff_ms(attempt, r);
+            prop_assert!(b <= p.ceiling_ms(attempt));
+            prop_assert!(b >= p.floor_ms(attempt));
+        }
+    }
+}
