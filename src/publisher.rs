@@ -159,6 +159,11 @@ impl Publisher {
         self.layout
             .validate_destination(&msg.destination)
             .map_err(Error::Invalid)?;
+        if msg.properties.expiration().is_some() {
+            return Err(Error::Invalid(
+                "the 'expiration' property is not allowed on a delayed message: it would expire inside a tier and be delivered early (design.md rule 1); set it when the message is delivered instead".into(),
+            ));
+        }
         let route = self.plan(msg.delay_ms)?;
         let caller_headers = msg.properties.headers().clone().unwrap_or_default();
         let mut hdrs = headers::strip_death(&caller_headers);
