@@ -211,8 +211,11 @@ start_with_docker() {
 # before the node has booted, hence the wait afterwards. (Debian's wrapper
 # switches to the rabbitmq user when run as root.)
 start_native() {
-    if have rabbitmq-diagnostics && rabbitmq-diagnostics -q ping >/dev/null 2>&1; then
-        # The node runs but does not answer AMQP yet: it is still booting.
+    if pgrep -f -- '-s rabbit boot' >/dev/null 2>&1 \
+        || { have rabbitmq-diagnostics && timeout 15 rabbitmq-diagnostics -q ping >/dev/null 2>&1; }; then
+        # A node process exists but does not answer AMQP yet: it is still booting (or
+        # wedged). Never start a second node next to it: it would spin fighting for the
+        # node name and the port.
         log "a local RabbitMQ node is running but not answering yet; waiting for it"
     else
         log "starting the local RabbitMQ node: rabbitmq-server -detached"

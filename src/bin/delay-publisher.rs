@@ -1,11 +1,13 @@
 //! `delay-publisher`: declare the topology, schedule messages (one, or a JSONL bulk file), show
-//! tier depths, plan a delay, remove the topology. Thin: the work is in the library.
+//! tier depths, plan a delay, remove the topology, run the `x-delay` gateway. Thin: the work is
+//! in the library.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
+use amqp_delay::gateway::{Gateway, GatewaySettings};
 use amqp_delay::headers;
 use amqp_delay::jsonl;
 use amqp_delay::settings::{DurationMs, Settings};
@@ -47,6 +49,10 @@ enum Cmd {
         /// Delay: 1500 (ms), 30s, 1m30s, 24h ...
         delay: DurationMs,
     },
+    /// Relay plugin-style messages: publish with an `x-delay` header (ms) to the ingress
+    /// exchange, get them on the target exchange with their routing key after the delay.
+    /// Declares what it needs; runs until SIGTERM/SIGINT
+    Gateway(GatewayArgs),
     /// Delete every exchange and queue of the topology
     Teardown {
         /// Delete even if tiers or the parking queue still hold messages (they are lost)
@@ -61,7 +67,7 @@ struct SendArgs {
     #[arg(long, required_unless_present = "jsonl", conflicts_with = "jsonl")]
     queue: Option<String>,
     /// Delay: 1500 (ms), 500ms, 30s, 1m30s, 24h ...
-    #[arg(long, required_unless_present = "jsonl")]
+    #[arg(long, required_unless_present = "jsonl", allow_hyphen_values = true)]
     delay: Option<DurationMs>,
     /// Message body
     #[arg(long, required_unless_present = "jsonl")]
@@ -78,6 +84,19 @@ struct SendArgs {
     /// Schedule one message per line of FILE ('-' for stdin): {"queue","delay_ms"|"delay","body","id","content_type","headers"}
     #[arg(long, value_name = "FILE")]
     jsonl: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+#[command(
+    after_help = "Pairs match in order: --ingress a --target x --ingress b --target y. Without flags, the pairs come from [[gateway.pairs]] in --config. Refused x-delay values and messages unroutable at the target are parked in <prefix>.parked.<prefix>.gw.due.<ingress>."
+)]
+struct GatewayArgs {
+    /// Exchange applications publish to with `x-delay` (declared as a durable fanout); repeatable
+    #[arg(long, value_name = "EXCHANGE")]
+    ingress: Vec<String>,
+    /// Existing exchange that receives the message when due, with its original routing key; one per --ingress
+    #[arg(long, value_name = "EXCHANGE")]
+    target: Vec<String>,
 }
 
 #[tokio::main]
@@ -194,6 +213,15 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                 "removed the topology under prefix '{}'",
                 topo.layout().prefix()
             );
+            Ok(0)
+        }
+        Cmd::Gateway(a) => {
+            let mut settings = settings;
+            if !a.ingress.is_empty() || !a.target.is_empty() {
+                settings.gateway =
+                    GatewaySettings::from_flags(&a.ingress, &a.target).map_err(Error::Invalid)?;
+            }
+            Gateway::new(settings)?.run(cli::shutdown_signal()).await?;
             Ok(0)
         }
         Cmd::Send(a) => {

@@ -57,6 +57,42 @@ pub struct Env {
     pub conn: Connection,
     queues: Vec<String>,
     declared: Vec<Layout>,
+    cleaned: bool,
+}
+
+impl Drop for Env {
+    /// A test that panicked did not reach `cleanup`: delete its objects anyway, on a fresh
+    /// connection in a thread (the test's runtime may be gone).
+    fn drop(&mut self) {
+        if self.cleaned {
+            return;
+        }
+        let queues = std::mem::take(&mut self.queues);
+        let declared = std::mem::take(&mut self.declared);
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let Ok(conn) = amqp_delay::connection::connect(&broker_url(), "test cleanup").await
+                else {
+                    return;
+                };
+                for q in &queues {
+                    if let Ok(ch) = conn.create_channel().await {
+                        let _ = ch
+                            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                            .await;
+                    }
+                }
+                for l in declared {
+                    let _ = Topology::new(l).delete(&conn).await;
+                }
+            });
+        })
+        .join();
+    }
 }
 
 impl Env {
@@ -74,6 +110,7 @@ impl Env {
             conn,
             queues: Vec::new(),
             declared: Vec::new(),
+            cleaned: false,
         };
         env.declare().await.expect("declare");
         env
@@ -126,7 +163,7 @@ impl Env {
     }
 
     /// Deletes everything this test declared.
-    pub async fn cleanup(self) {
+    pub async fn cleanup(mut self) {
         for q in &self.queues {
             self.delete_queue(q).await;
         }
@@ -137,6 +174,7 @@ impl Env {
                 .expect("teardown");
         }
         let _ = self.conn.close(200, "bye".into()).await;
+        self.cleaned = true;
     }
 }
 
@@ -200,6 +238,7 @@ pub async fn collect(
     timeout: Duration,
     linger: Duration,
 ) -> Vec<Received> {
+    wait_for_queue(conn, queue, timeout).await;
     let ch = conn.create_channel().await.unwrap();
     ch.basic_qos(500, BasicQosOptions::default()).await.unwrap();
     let mut consumer = ch
@@ -239,6 +278,31 @@ pub async fn collect(
     out
 }
 
+/// Waits until `queue` exists and answers (it may be declared by the process under test).
+pub async fn wait_for_queue(conn: &Connection, queue: &str, timeout: Duration) {
+    let start = Instant::now();
+    loop {
+        let ch = conn.create_channel().await.unwrap();
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        match ch
+            .queue_declare(queue.into(), passive, FieldTable::default())
+            .await
+        {
+            Ok(_) => {
+                let _ = ch.close(200, "ok".into()).await;
+                return;
+            }
+            Err(e) if start.elapsed() < timeout && e.to_string().contains("NOT_FOUND") => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("queue {queue} did not appear: {e}"),
+        }
+    }
+}
+
 /// Counts per message id.
 pub fn counts(msgs: &[Received]) -> HashMap<String, usize> {
     let mut m = HashMap::new();
@@ -254,4 +318,63 @@ pub fn percentile(sorted: &[i64], p: f64) -> i64 {
     }
     let i = ((sorted.len() - 1) as f64 * p).round() as usize;
     sorted[i]
+}
+
+impl Env {
+    /// Also delete `q` on clean-up (queues the code under test declared, e.g. parking queues).
+    pub fn track_queue(&mut self, q: &str) {
+        self.queues.push(q.to_string());
+    }
+
+    /// Writes this test's settings as a TOML config file for the binaries; returns its path.
+    pub fn write_config(&self, extra: &str) -> std::path::PathBuf {
+        let t = &self.settings.topology;
+        let fixed: Vec<String> = t
+            .fixed_levels
+            .iter()
+            .map(|f| f.as_millis().to_string())
+            .collect();
+        let text = format!(
+            "prefix = \"{}\"\n{extra}\n[topology]\nradix = {}\nunit_ms = {}\nmax_delay = {}\nfixed_levels = [{}]\nmax_tier_ttl_ms = {}\nqueue_type = \"{}\"\n{}\n[precision]\nlateness_ms = {}\nlateness_ratio = {}\n",
+            self.settings.prefix,
+            t.radix,
+            t.unit_ms,
+            t.max_delay.as_millis(),
+            fixed.join(", "),
+            t.max_tier_ttl_ms,
+            t.queue_type,
+            t.max_tier_length
+                .map(|n| format!("max_tier_length = {n}"))
+                .unwrap_or_default(),
+            self.settings.precision.lateness_ms,
+            self.settings.precision.lateness_ratio,
+        );
+        let path = std::env::temp_dir().join(format!("{}.toml", self.settings.prefix));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+}
+
+/// A temporary file path unique to this test.
+pub fn temp_path(prefix: &str, name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("{prefix}-{name}"))
+}
+
+/// Lines of a file (empty if it does not exist).
+pub fn read_lines(path: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .map(|s| s.lines().map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// Polls `cond` every 50 ms until it holds or `timeout` passes; returns whether it held.
+pub async fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + timeout;
+    while Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cond()
 }

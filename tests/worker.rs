@@ -1,0 +1,576 @@
+//! The worker against a real RabbitMQ: retries through the tiers, parking, poison messages,
+//! crash and graceful stop of the `delay-consumer` process, and its exec and http actions.
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use amqp_delay::envelope::Delivery;
+use amqp_delay::publisher::now_ms;
+use amqp_delay::retry::RetryPolicy;
+use amqp_delay::settings::DurationMs;
+use amqp_delay::worker::{Context, Handler, Outcome, Worker, parked_queue};
+use amqp_delay::{Message, Topology};
+use common::*;
+use lapin::options::BasicPublishOptions;
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::oneshot;
+
+/// Records every execution (id, attempt, time) and answers from a script.
+#[derive(Clone)]
+struct Scripted {
+    log: Arc<Mutex<Vec<(String, u32, u64)>>>,
+    answer: fn(&Delivery) -> Outcome,
+}
+
+impl Handler for Scripted {
+    async fn handle(&self, d: &Delivery, _ctx: &Context) -> Outcome {
+        self.log
+            .lock()
+            .unwrap()
+            .push((d.message_id.clone(), d.attempt, now_ms()));
+        (self.answer)(d)
+    }
+}
+
+fn retry(base: u64, factor: f64, max_attempts: u32) -> RetryPolicy {
+    RetryPolicy {
+        base: DurationMs(base),
+        factor,
+        cap: DurationMs(10_000),
+        max_attempts,
+        jitter: 0.0,
+    }
+}
+
+/// Runs a library worker on `queue` until `stop` fires.
+fn spawn_worker(
+    env: &Env,
+    queue: &str,
+    handler: Scripted,
+    policy: RetryPolicy,
+) -> (
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<amqp_delay::Result<()>>,
+) {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn,amqp_delay=info".into()),
+        ))
+        .with_test_writer()
+        .try_init();
+    let mut s = env.settings.clone();
+    s.consumer.retry = policy;
+    let (tx, rx) = oneshot::channel::<()>();
+    let w = Worker::new(s).subscribe(queue.to_string(), handler);
+    let h = tokio::spawn(w.run(async {
+        let _ = rx.await;
+    }));
+    (tx, h)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fails_twice_then_succeeds_on_attempt_2_through_the_same_tiers() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("flaky").await;
+    env.track_queue(&parked_queue(&env.settings.prefix, &q));
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let h = Scripted {
+        log: log.clone(),
+        answer: |d| {
+            if d.attempt < 2 {
+                Outcome::Retry(format!("flaky {}", d.attempt))
+            } else {
+                Outcome::Success
+            }
+        },
+    };
+    // first trip 100 ms; the first retry waits 100 ms too, so it visits exactly the tiers the
+    // first trip visited (the broker's cycle detection must not drop it); the second 200 ms.
+    let (stop, run) = spawn_worker(&env, &q, h, retry(100, 2.0, 5));
+    let p = env.publisher().await;
+    let first = p.plan(100).unwrap();
+    assert!(first.hops() > 0);
+    p.schedule(Message::new(q.clone(), 100, "x").with_id("m1"))
+        .await
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || log.lock().unwrap().len() >= 3).await);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    let runs = log.lock().unwrap().clone();
+    let attempts: Vec<u32> = runs.iter().map(|r| r.1).collect();
+    assert_eq!(attempts, vec![0, 1, 2], "{runs:?}");
+    assert!(runs[1].2 - runs[0].2 >= 100, "first retry early: {runs:?}");
+    assert!(runs[2].2 - runs[1].2 >= 200, "second retry early: {runs:?}");
+    let stats = Topology::new(env.layout()).stats(&env.conn).await.unwrap();
+    assert!(stats.iter().all(|s| s.messages == 0), "{stats:?}");
+    p.close().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn always_failing_is_parked_after_max_attempts_with_the_reason() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("doomed").await;
+    let parked = parked_queue(&env.settings.prefix, &q);
+    env.track_queue(&parked);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let h = Scripted {
+        log: log.clone(),
+        answer: |d| match d.body.as_slice() {
+            b"perm" => Outcome::Permanent("invalid order".into()),
+            _ => Outcome::Retry("boom".into()),
+        },
+    };
+    let (stop, run) = spawn_worker(&env, &q, h, retry(20, 2.0, 3));
+    let p = env.publisher().await;
+    p.schedule(Message::new(q.clone(), 10, "x").with_id("m1"))
+        .await
+        .unwrap();
+    p.schedule(Message::new(q.clone(), 10, "perm").with_id("m2"))
+        .await
+        .unwrap();
+    let got = collect(
+        &env.conn,
+        &parked,
+        2,
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+    )
+    .await;
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    assert_eq!(got.len(), 2);
+    let by_id: HashMap<String, &Received> = got.iter().map(|r| (r.id(), r)).collect();
+    let m1 = by_id["m1"];
+    let reason = match m1.header("x-delay-parked-reason") {
+        Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).to_string(),
+        other => panic!("no reason: {other:?}"),
+    };
+    assert_eq!(reason, "gave up after 3 attempts; last error: boom");
+    assert_eq!(m1.int_header("x-delay-parked-attempts"), Some(3));
+    assert!(m1.int_header("x-delay-parked-at").unwrap() > 0);
+    assert!(
+        m1.header("x-death").is_none(),
+        "x-death must be stripped when parking"
+    );
+    let m2 = by_id["m2"];
+    assert_eq!(m2.int_header("x-delay-parked-attempts"), Some(1));
+    assert!(
+        matches!(m2.header("x-delay-parked-reason"), Some(AMQPValue::LongString(s)) if s.as_bytes() == b"invalid order")
+    );
+    let executions = log.lock().unwrap().iter().filter(|r| r.0 == "m1").count();
+    assert_eq!(executions, 3);
+    let stats = Topology::new(env.layout()).stats(&env.conn).await.unwrap();
+    assert!(
+        stats.iter().all(|s| s.messages == 0),
+        "left in tiers: {stats:?}"
+    );
+    p.close().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_is_parked_and_the_rest_processed() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("poison").await;
+    let parked = parked_queue(&env.settings.prefix, &q);
+    env.track_queue(&parked);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let h = Scripted {
+        log: log.clone(),
+        answer: |_| Outcome::Success,
+    };
+    let (stop, run) = spawn_worker(&env, &q, h, retry(20, 2.0, 3));
+    // a message with a string where our attempt counter should be, straight into the queue
+    let ch = env.conn.create_channel().await.unwrap();
+    let mut t = FieldTable::default();
+    t.insert(
+        "x-delay-attempt".into(),
+        AMQPValue::LongString(LongString::from("two")),
+    );
+    ch.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        BasicPublishOptions::default(),
+        b"poison",
+        lapin::BasicProperties::default()
+            .with_message_id("poison".into())
+            .with_headers(t),
+    )
+    .await
+    .unwrap();
+    let p = env.publisher().await;
+    for i in 0..3 {
+        p.schedule(Message::new(q.clone(), 5, "ok").with_id(format!("ok{i}")))
+            .await
+            .unwrap();
+    }
+    let got = collect(
+        &env.conn,
+        &parked,
+        1,
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+    )
+    .await;
+    assert!(wait_until(Duration::from_secs(5), || log.lock().unwrap().len() >= 3).await);
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].id(), "poison");
+    assert!(
+        matches!(got[0].header("x-delay-parked-reason"), Some(AMQPValue::LongString(s))
+        if String::from_utf8_lossy(s.as_bytes()).contains("invalid envelope: header 'x-delay-attempt' must be an integer"))
+    );
+    let ids: Vec<String> = log.lock().unwrap().iter().map(|r| r.0.clone()).collect();
+    assert!(
+        !ids.contains(&"poison".to_string()),
+        "the handler saw the poison message"
+    );
+    let _ = ch.close(200, "ok".into()).await;
+    p.close().await;
+    env.cleanup().await;
+}
+
+/// `delay-consumer` as a child process, killed when dropped.
+fn consumer(_env: &Env, config: &std::path::Path, args: &[&str]) -> tokio::process::Child {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-consumer"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .env("AMQP_URL", broker_url())
+        .env("RUST_LOG", "warn,amqp_delay=info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start delay-consumer")
+}
+
+fn ids(lines: &[String]) -> HashMap<String, usize> {
+    let mut m = HashMap::new();
+    for l in lines {
+        let id = l.split_whitespace().next().unwrap_or("").to_string();
+        *m.entry(id).or_insert(0) += 1;
+    }
+    m
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_batch_then_restart_executes_everything_at_least_once() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("crash").await;
+    env.track_queue(&parked_queue(&env.settings.prefix, &q));
+    let out = temp_path(&env.settings.prefix, "crash.out");
+    let cfg = env.write_config("");
+    let cmd = format!(
+        "sh -c 'sleep 0.05; echo \"$DELAY_MESSAGE_ID $DELAY_ATTEMPT\" >> {}'",
+        out.display()
+    );
+    let args = [
+        "--queue",
+        q.as_str(),
+        "--exec",
+        cmd.as_str(),
+        "--concurrency",
+        "2",
+    ];
+    let p = env.publisher().await;
+    let n = 60;
+    let msgs = (0..n)
+        .map(|i| Message::new(q.clone(), (i * 5) as u64, "x").with_id(format!("c{i}")))
+        .collect();
+    for r in p.schedule_batch(msgs).await {
+        r.unwrap();
+    }
+    let mut child = consumer(&env, &cfg, &args);
+    assert!(
+        wait_until(Duration::from_secs(20), || read_lines(&out).len() >= 15).await,
+        "worker did not start"
+    );
+    child.start_kill().unwrap(); // SIGKILL
+    child.wait().await.unwrap();
+    let after_kill = read_lines(&out).len();
+    assert!(
+        after_kill < n,
+        "the worker finished before it was killed; the test proves nothing"
+    );
+    let mut child = consumer(&env, &cfg, &args);
+    let ok = wait_until(Duration::from_secs(30), || {
+        ids(&read_lines(&out)).len() >= n
+    })
+    .await;
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    let seen = ids(&read_lines(&out));
+    let missing: Vec<String> = (0..n)
+        .map(|i| format!("c{i}"))
+        .filter(|id| !seen.contains_key(id))
+        .collect();
+    assert!(ok && missing.is_empty(), "lost: {missing:?}");
+    let dups: usize = seen.values().map(|c| c - 1).sum();
+    eprintln!(
+        "kill -9 after {after_kill} executions: {n} messages, {dups} executed twice (at-least-once)"
+    );
+    let _ = std::fs::remove_file(&out);
+    let _ = std::fs::remove_file(&cfg);
+    p.close().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_in_flight_handlers_finish_and_loses_nothing() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("term").await;
+    env.track_queue(&parked_queue(&env.settings.prefix, &q));
+    let out = temp_path(&env.settings.prefix, "term.out");
+    let started = temp_path(&env.settings.prefix, "term.started");
+    let cfg = env.write_config("");
+    let cmd = format!(
+        "sh -c 'echo $DELAY_MESSAGE_ID >> {}; sleep 1; echo $DELAY_MESSAGE_ID >> {}'",
+        started.display(),
+        out.display()
+    );
+    let args = [
+        "--queue",
+        q.as_str(),
+        "--exec",
+        cmd.as_str(),
+        "--concurrency",
+        "4",
+    ];
+    let p = env.publisher().await;
+    let n = 12;
+    for i in 0..n {
+        p.schedule(Message::new(q.clone(), 0, "x").with_id(format!("t{i}")))
+            .await
+            .unwrap();
+    }
+    let mut child = consumer(&env, &cfg, &args);
+    assert!(wait_until(Duration::from_secs(20), || !read_lines(&started).is_empty()).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid = child.id().unwrap();
+    assert!(
+        std::process::Command::new("kill")
+            .arg("-TERM")
+            .arg(pid.to_string())
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
+        .await
+        .expect("stopped in time")
+        .unwrap();
+    assert!(status.success(), "exit status {status}");
+    let started_at_exit = ids(&read_lines(&started));
+    let done_at_exit = ids(&read_lines(&out));
+    // every handler that had started finished before the process exited
+    for id in started_at_exit.keys() {
+        assert!(done_at_exit.contains_key(id), "{id} was cut off");
+    }
+    assert!(
+        done_at_exit.len() < n,
+        "it kept taking new deliveries after SIGTERM"
+    );
+    // what it did not take is still there for the next worker
+    let mut child = consumer(&env, &cfg, &args);
+    let ok = wait_until(Duration::from_secs(30), || {
+        ids(&read_lines(&out)).len() >= n
+    })
+    .await;
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    assert!(ok, "lost messages: {:?}", ids(&read_lines(&out)));
+    for f in [&out, &started, &cfg] {
+        let _ = std::fs::remove_file(f);
+    }
+    p.close().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_action_maps_exit_codes_and_passes_body_and_environment() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("exec").await;
+    let parked = parked_queue(&env.settings.prefix, &q);
+    env.track_queue(&parked);
+    let out = temp_path(&env.settings.prefix, "exec.out");
+    let cfg = env.write_config("[consumer.retry]\nbase = 30\nmax_attempts = 2\njitter = 0.0\n");
+    let script = format!(
+        "sh -c 'b=$(cat); echo \"$DELAY_MESSAGE_ID $DELAY_ATTEMPT $b $DELAY_DUE_AT\" >> {}; case \"$b\" in ok) exit 0;; perm) exit 65;; *) exit 1;; esac'",
+        out.display()
+    );
+    let p = env.publisher().await;
+    for (id, body) in [("e-ok", "ok"), ("e-perm", "perm"), ("e-retry", "flaky")] {
+        p.schedule(Message::new(q.clone(), 20, body).with_id(id))
+            .await
+            .unwrap();
+    }
+    let mut child = consumer(&env, &cfg, &["--queue", &q, "--exec", &script]);
+    let got = collect(
+        &env.conn,
+        &parked,
+        2,
+        Duration::from_secs(15),
+        Duration::from_millis(300),
+    )
+    .await;
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    let lines = read_lines(&out);
+    let runs = ids(&lines);
+    assert_eq!(runs.get("e-ok"), Some(&1), "{lines:?}");
+    assert_eq!(
+        runs.get("e-perm"),
+        Some(&1),
+        "permanent failures are not retried: {lines:?}"
+    );
+    assert_eq!(
+        runs.get("e-retry"),
+        Some(&2),
+        "retried up to max_attempts: {lines:?}"
+    );
+    assert!(
+        lines.iter().any(|l| l.starts_with("e-retry 1 flaky ")),
+        "attempt and body passed: {lines:?}"
+    );
+    let due: u64 = lines[0].split_whitespace().nth(3).unwrap().parse().unwrap();
+    assert!(due > 0);
+    let mut parked_ids: Vec<String> = got.iter().map(|r| r.id()).collect();
+    parked_ids.sort();
+    assert_eq!(parked_ids, ["e-perm", "e-retry"]);
+    let _ = std::fs::remove_file(&out);
+    let _ = std::fs::remove_file(&cfg);
+    p.close().await;
+    env.cleanup().await;
+}
+
+/// A tiny HTTP server answering by body: `ok` → 200, `bad` → 400, `flaky` → 503 the first
+/// time then 200. Records (body, message-id header, content-type) of every request.
+async fn http_server() -> (String, Arc<Mutex<Vec<(String, String, String)>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let rec = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            let rec = rec.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                let (head, body) = loop {
+                    let n = s.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..i]).to_lowercase();
+                        let len: usize = head
+                            .lines()
+                            .find_map(|l| {
+                                l.strip_prefix("content-length:")
+                                    .map(|v| v.trim().parse().unwrap_or(0))
+                            })
+                            .unwrap_or(0);
+                        while buf.len() < i + 4 + len {
+                            let n = s.read(&mut chunk).await.unwrap_or(0);
+                            if n == 0 {
+                                break;
+                            }
+                            buf.extend_from_slice(&chunk[..n]);
+                        }
+                        break (head, String::from_utf8_lossy(&buf[i + 4..]).to_string());
+                    }
+                };
+                let header = |name: &str| {
+                    head.lines()
+                        .find_map(|l| {
+                            l.strip_prefix(&format!("{name}:"))
+                                .map(|v| v.trim().to_string())
+                        })
+                        .unwrap_or_default()
+                };
+                let status = {
+                    let mut r = rec.lock().unwrap();
+                    let earlier = r.iter().filter(|(b, _, _)| *b == body).count();
+                    r.push((
+                        body.clone(),
+                        header("x-delay-message-id"),
+                        header("content-type"),
+                    ));
+                    match body.as_str() {
+                        "ok" => "200 OK",
+                        "bad" => "400 Bad Request",
+                        "flaky" if earlier == 0 => "503 Service Unavailable",
+                        _ => "200 OK",
+                    }
+                };
+                let resp =
+                    format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                let _ = s.write_all(resp.as_bytes()).await;
+            });
+        }
+    });
+    (url, seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_action_posts_and_maps_statuses() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("http").await;
+    let parked = parked_queue(&env.settings.prefix, &q);
+    env.track_queue(&parked);
+    let (url, seen) = http_server().await;
+    let cfg = env.write_config("[consumer.retry]\nbase = 30\nmax_attempts = 3\njitter = 0.0\n");
+    let p = env.publisher().await;
+    for (id, body) in [("h-ok", "ok"), ("h-bad", "bad"), ("h-flaky", "flaky")] {
+        p.schedule(
+            Message::new(q.clone(), 20, body)
+                .with_id(id)
+                .with_content_type("text/plain"),
+        )
+        .await
+        .unwrap();
+    }
+    let mut child = consumer(&env, &cfg, &["--queue", &q, "--http", &url]);
+    let got = collect(
+        &env.conn,
+        &parked,
+        1,
+        Duration::from_secs(15),
+        Duration::from_millis(200),
+    )
+    .await;
+    assert!(wait_until(Duration::from_secs(10), || seen.lock().unwrap().len() >= 4).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    let reqs = seen.lock().unwrap().clone();
+    let count = |b: &str| reqs.iter().filter(|r| r.0 == b).count();
+    assert_eq!(
+        (count("ok"), count("bad"), count("flaky")),
+        (1, 1, 2),
+        "{reqs:?}"
+    );
+    assert!(
+        reqs.iter()
+            .any(|r| r.0 == "ok" && r.1 == "h-ok" && r.2 == "text/plain"),
+        "{reqs:?}"
+    );
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].id(), "h-bad");
+    let _ = std::fs::remove_file(&cfg);
+    p.close().await;
+    env.cleanup().await;
+}
