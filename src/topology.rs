@@ -141,6 +141,42 @@ impl Topology {
         Ok(())
     }
 
+    /// Makes sure destination queue `queue` exists (creating it durable, of the tiers' queue type,
+    /// when it does not; an existing queue is left as it is) and is bound on the delivery
+    /// exchange. Returns whether it was created.
+    pub async fn declare_destination(&self, conn: &Connection, queue: &str) -> Result<bool> {
+        let l = &self.layout;
+        l.validate_destination(queue).map_err(Error::Invalid)?;
+        let ch = open(conn).await?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let created = match ch
+            .queue_declare(queue.into(), passive, FieldTable::default())
+            .await
+        {
+            Ok(_) => false,
+            Err(e) if broker_error(&e).is_some_and(|(c, _)| c == NOT_FOUND) => {
+                let ch = open(conn).await?;
+                declare_queue(&ch, queue, self.base_queue_args()).await?;
+                let _ = ch.close(200, "declared".into()).await;
+                true
+            }
+            Err(e) => return Err(e).context(|| format!("checking queue '{queue}'")),
+        };
+        let ch = open(conn).await?;
+        bind_queue(
+            &ch,
+            queue,
+            &l.delivery_exchange(),
+            &l.destination_binding(queue),
+        )
+        .await?;
+        let _ = ch.close(200, "declared".into()).await;
+        Ok(created)
+    }
+
     /// Checks that the topology exists and was declared with these settings, without creating
     /// anything else. Used by publishers before their first message.
     pub async fn verify(&self, conn: &Connection) -> Result<()> {
