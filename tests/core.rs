@@ -578,7 +578,10 @@ async fn bulk_jsonl_confirms_good_lines_and_reports_bad_ones_by_line_number() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cli_send_stats_and_clear_errors() {
-    let mut env = Env::new(small_topology()).await;
+    let mut t = small_topology();
+    t.max_delay = DurationMs(60_000);
+    t.max_tier_ttl_ms = 20_000;
+    let mut env = Env::new(t).await;
     let q = env.queue("cli").await;
     let cfg = env.write_config("");
     let run = |args: Vec<String>| {
@@ -600,7 +603,7 @@ async fn cli_send_stats_and_clear_errors() {
         "--queue",
         &q,
         "--delay",
-        "1500",
+        "50s",
         "--body",
         "{\"order\":42}",
         "--id",
@@ -624,6 +627,14 @@ async fn cli_send_stats_and_clear_errors() {
         .map(|s| s["messages"].as_u64().unwrap())
         .sum();
     assert_eq!(held, 1, "{stats}");
+    // teardown refuses while messages wait (they would be lost)
+    let out = run(s(&["teardown"])).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("1 messages are still in the tiers"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // clear errors, non-zero exit, nothing scheduled
     let out = run(s(&["send", "--queue", &q, "--delay", "-5s", "--body", "x"])).await; // hyphen value reaches our parser
     assert_eq!(out.status.code(), Some(2));
@@ -657,14 +668,20 @@ async fn cli_send_stats_and_clear_errors() {
         "{err}"
     );
     assert!(!err.contains("s3cr3t-pw"), "password leaked: {err}");
-    collect(
-        &env.conn,
-        &q,
-        1,
-        Duration::from_secs(5),
-        Duration::from_millis(50),
-    )
-    .await;
+    // declare --queue creates a missing destination queue and leaves an existing one alone
+    let fresh = format!("{}-fresh", env.settings.prefix);
+    env.track_queue(&fresh);
+    let out = run(s(&["declare", "--queue", &fresh, "--queue", &q])).await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains(&format!("'{fresh}' created")) && text.contains(&format!("'{q}' exists")),
+        "{text}"
+    );
     let _ = std::fs::remove_file(&cfg);
     env.cleanup().await;
 }
