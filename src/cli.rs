@@ -17,7 +17,7 @@ pub struct GlobalArgs {
     #[arg(long, env = "AMQP_URL", global = true, hide_env_values = true)]
     pub url: Option<String>,
     /// Prefix of every exchange and queue amqp-delay creates [default: amqp-delay]
-    #[arg(long, env = "AMQP_DELAY_PREFIX", global = true)]
+    #[arg(long, env = "AMQP_DELAY_PREFIX", global = true, hide_env_values = true)]
     pub prefix: Option<String>,
     /// TOML configuration file (see README, "Configuration"); AMQP_DELAY_* variables override it
     #[arg(long, short = 'c', global = true, value_name = "FILE")]
@@ -42,7 +42,7 @@ impl GlobalArgs {
 /// Logs to stderr; `RUST_LOG` overrides the default level (`info` for our crate).
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,amqp_delay=info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,lapin::channel=off,amqp_delay=info"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -68,4 +68,21 @@ pub fn chain(e: &dyn std::error::Error) -> String {
         cur = c.source();
     }
     s
+}
+
+/// Completes on SIGINT or SIGTERM (what the long-running commands stop on).
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing the SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutdown requested");
 }
