@@ -35,6 +35,10 @@ pub enum Outcome {
     Retry(String),
     /// Failed for good: parked with the reason.
     Permanent(String),
+    /// Not processed now: the message goes back to its queue unchanged (nack with requeue after
+    /// a 1 s pause) and is delivered again. For a dependency that is down when a re-scheduled,
+    /// modified copy would be wrong (the gateway's ingress). No attempt is counted.
+    Requeue(String),
 }
 
 /// Business logic run on every due message. Must be idempotent: delivery is at-least-once.
@@ -116,9 +120,10 @@ impl<H: Handler> Worker<H> {
         }
         let mut shutdown = std::pin::pin!(shutdown);
         let mut backoff = Duration::from_millis(500);
+        let conn_name = format!("amqp-delay worker {}", self.settings.prefix);
         loop {
             let conn = tokio::select! {
-                c = crate::connection::connect(&self.settings.url, "amqp-delay worker") => c,
+                c = crate::connection::connect(&self.settings.url, &conn_name) => c,
                 _ = &mut shutdown => return Ok(()),
             };
             let outcome = match conn {
@@ -398,6 +403,9 @@ async fn process<H: Handler>(
                     park(&d, &why, ctx).await.map(|_| "parked")
                 }
                 Outcome::Permanent(reason) => park(&d, reason, ctx).await.map(|_| "parked"),
+                Outcome::Requeue(reason) => Err(Error::Invalid(format!(
+                    "the handler could not process it now: {reason}"
+                ))),
             };
             (d, r)
         }

@@ -574,3 +574,61 @@ async fn http_action_posts_and_maps_statuses() {
     p.close().await;
     env.cleanup().await;
 }
+
+/// Closes, from the broker's side, every connection whose name contains `needle`.
+fn close_connections_named(needle: &str) -> usize {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(["-q", "list_connections", "pid", "client_properties"])
+        .output()
+        .expect("rabbitmqctl (the broker must be local for this test)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut n = 0;
+    for line in text.lines().filter(|l| l.contains(needle)) {
+        let pid = line.split_whitespace().next().unwrap();
+        let st = std::process::Command::new("rabbitmqctl")
+            .args([
+                "-q",
+                "close_connection",
+                pid,
+                "test: simulated connection loss",
+            ])
+            .status()
+            .unwrap();
+        assert!(st.success());
+        n += 1;
+    }
+    n
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_reconnects_after_losing_its_connection() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("reconnect").await;
+    env.track_queue(&parked_queue(&env.settings.prefix, &q));
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let h = Scripted {
+        log: log.clone(),
+        answer: |_| Outcome::Success,
+    };
+    let (stop, run) = spawn_worker(&env, &q, h, retry(20, 2.0, 3));
+    let p = env.publisher().await;
+    p.schedule(Message::new(q.clone(), 10, "a").with_id("before"))
+        .await
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || log.lock().unwrap().len() == 1).await);
+    let closed = close_connections_named(&format!("amqp-delay worker {}", env.settings.prefix));
+    assert_eq!(closed, 1, "the worker's connection was not found");
+    p.schedule(Message::new(q.clone(), 10, "b").with_id("after"))
+        .await
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(20), || log.lock().unwrap().len() >= 2).await,
+        "no message processed after the connection was lost"
+    );
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    let ids: Vec<String> = log.lock().unwrap().iter().map(|r| r.0.clone()).collect();
+    assert!(ids.contains(&"after".to_string()), "{ids:?}");
+    p.close().await;
+    env.cleanup().await;
+}
