@@ -14,10 +14,12 @@
 //! ```
 
 pub mod actions;
+pub mod bench;
 pub mod cli;
 pub mod connection;
 pub mod envelope;
 pub mod error;
+pub mod gateway;
 pub mod headers;
 pub mod jsonl;
 pub mod layout;

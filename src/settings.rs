@@ -32,6 +32,8 @@ pub struct Settings {
     pub precision: Precision,
     pub publisher: PublisherSettings,
     pub consumer: ConsumerSettings,
+    /// `x-delay` gateway pairs (`delay-publisher gateway`).
+    pub gateway: crate::gateway::GatewaySettings,
 }
 
 impl Default for Settings {
@@ -43,6 +45,7 @@ impl Default for Settings {
             precision: Precision::default(),
             publisher: PublisherSettings::default(),
             consumer: ConsumerSettings::default(),
+            gateway: crate::gateway::GatewaySettings::default(),
         }
     }
 }
@@ -361,6 +364,7 @@ impl Settings {
     pub fn validate(&self) -> Result<(), SettingsError> {
         self.precision.validate().map_err(SettingsError::Invalid)?;
         self.consumer.validate().map_err(SettingsError::Invalid)?;
+        self.gateway.validate().map_err(SettingsError::Invalid)?;
         if self.publisher.max_in_flight == 0 {
             return Err(SettingsError::Invalid(
                 "publisher.max_in_flight must be at least 1".into(),
@@ -373,5 +377,91 @@ impl Settings {
     /// The topology layout these settings describe.
     pub fn layout(&self) -> Result<Layout, LayoutError> {
         Layout::new(&self.prefix, &self.topology)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> Option<HashMap<String, String>> {
+        Some(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn deploy_example_config_loads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/amqp-delay.toml");
+        let s = Settings::load_with_env(Some(&path), env(&[])).unwrap();
+        assert_eq!(s.topology, TopologySettings::default());
+        assert_eq!(s.consumer.routes.len(), 2);
+        assert_eq!(s.consumer.routes[0].queue, "orders.timeout");
+    }
+
+    #[test]
+    fn environment_overrides_the_file_and_lists_split() {
+        let s = Settings::load_with_env(
+            None,
+            env(&[
+                ("AMQP_DELAY_PREFIX", "custom"),
+                ("AMQP_DELAY_TOPOLOGY__RADIX", "8"),
+                ("AMQP_DELAY_TOPOLOGY__FIXED_LEVELS", "30s,5m"),
+                ("AMQP_DELAY_CONSUMER__RETRY__MAX_ATTEMPTS", "3"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.prefix, "custom");
+        assert_eq!(s.topology.radix, 8);
+        assert_eq!(
+            s.topology.fixed_levels,
+            vec![DurationMs(30_000), DurationMs(300_000)]
+        );
+        assert_eq!(s.consumer.retry.max_attempts, 3);
+    }
+
+    #[test]
+    fn bad_settings_are_named() {
+        let e = Settings::load_with_env(None, env(&[("AMQP_DELAY_TOPOLOGY__RADIX", "1")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("radix must be between 2 and 36"), "{e}");
+        let e = Settings::load_with_env(None, env(&[("AMQP_DELAY_TOPOLGY__RADIX", "8")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("topolgy"), "unknown key named: {e}");
+        let e = Settings::load_with_env(
+            None,
+            env(&[("AMQP_DELAY_CONSUMER__HANDLER_TIMEOUT", "45m")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("consumer_timeout"), "{e}");
+        let e = Settings::load_with_env(Some(Path::new("/nonexistent.toml")), env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/nonexistent.toml does not exist"), "{e}");
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration_ms("1500"), Ok(1500));
+        assert_eq!(parse_duration_ms("1m30s"), Ok(90_000));
+        assert_eq!(parse_duration_ms("24h"), Ok(86_400_000));
+        assert!(parse_duration_ms("-5s").unwrap_err().contains("negative"));
+        assert!(
+            parse_duration_ms("soon")
+                .unwrap_err()
+                .contains("invalid duration 'soon'")
+        );
+        assert!(
+            parse_duration_ms("1us")
+                .unwrap_err()
+                .contains("sub-millisecond")
+        );
     }
 }

@@ -145,24 +145,7 @@ async fn main() {
             }
         }
     }
-    if let Err(e) = worker.run(shutdown_signal()).await {
+    if let Err(e) = worker.run(cli::shutdown_signal()).await {
         cli::fail(&e, EXIT_FAILURES);
     }
-}
-
-/// SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("installing the SIGTERM handler");
-        tokio::select! {
-            _ = ctrl_c => {},
-            _ = term.recv() => {},
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-    tracing::info!("shutdown requested");
 }

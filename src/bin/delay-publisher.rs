@@ -32,7 +32,12 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Create (idempotently) every exchange, tier queue and binding
-    Declare,
+    Declare {
+        /// Also make sure this destination queue exists (created durable, of the tiers' queue
+        /// type, if missing) and is bound; repeatable
+        #[arg(long = "queue", value_name = "QUEUE")]
+        queues: Vec<String>,
+    },
     /// Schedule one message, or many from a JSONL file
     Send(SendArgs),
     /// Message count of every tier queue and of the parking queue
@@ -141,9 +146,17 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             );
             Ok(0)
         }
-        Cmd::Declare => {
+        Cmd::Declare { queues } => {
             let conn = connection::connect(&settings.url, "amqp-delay declare").await?;
-            Topology::new(layout.clone()).declare(&conn).await?;
+            let topo = Topology::new(layout.clone());
+            topo.declare(&conn).await?;
+            for q in &queues {
+                let created = topo.declare_destination(&conn, q).await?;
+                println!(
+                    "destination queue '{q}' {}",
+                    if created { "created" } else { "exists" }
+                );
+            }
             let _ = conn.close(200, "bye".into()).await;
             println!(
                 "declared '{}' on {}: {layout}",

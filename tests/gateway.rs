@@ -1,0 +1,620 @@
+//! The `x-delay` gateway against a real RabbitMQ, driven by a real non-Rust client: the Python
+//! app in `tests/py/plugin_app.py` (pika) is written for the delayed-message-exchange plugin. It
+//! publishes with `x-delay` to the ingress exchange and consumes from its own queues bound to
+//! the target exchange. The gateway runs as the real `delay-publisher gateway` binary.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use amqp_delay::gateway::{Gateway, GatewaySettings, Pair};
+use amqp_delay::settings::Settings;
+use common::*;
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{Connection, ExchangeKind};
+
+const APP: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/plugin_app.py");
+
+/// The tests need Python 3 with pika (installed by ./scripts/test.sh): fail, never skip.
+fn require_pika() {
+    let ok = Command::new("python3")
+        .args(["-c", "import pika"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "PYTHON 3 WITH PIKA IS REQUIRED: `python3 -c 'import pika'` failed. \
+         Run ./scripts/test.sh (it installs pika), or `python3 -m pip install pika`."
+    );
+}
+
+/// A temporary `--config` file, removed when dropped.
+struct ConfigFile(PathBuf);
+
+impl Drop for ConfigFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The test's topology (the harness's small one) and `extra` TOML, as a `--config` file.
+fn write_config(env: &Env, extra: &str) -> ConfigFile {
+    let t = &env.settings.topology;
+    let fixed: Vec<String> = t
+        .fixed_levels
+        .iter()
+        .map(|f| f.as_millis().to_string())
+        .collect();
+    let text = format!(
+        "[topology]\nradix = {}\nunit_ms = {}\nmax_delay = {}\nfixed_levels = [{}]\n\
+         max_tier_ttl_ms = {}\nqueue_type = \"{}\"\n{}\n[precision]\nlateness_ms = 0\n\
+         lateness_ratio = 0.0\n\n[consumer]\nshutdown_grace = \"2s\"\n\n{extra}\n",
+        t.radix,
+        t.unit_ms,
+        t.max_delay.as_millis(),
+        fixed.join(", "),
+        t.max_tier_ttl_ms,
+        t.queue_type,
+        t.max_tier_length
+            .map(|n| format!("max_tier_length = {n}\n"))
+            .unwrap_or_default(),
+    );
+    let path = std::env::temp_dir().join(format!("{}-gateway.toml", env.settings.prefix));
+    std::fs::write(&path, text).unwrap();
+    ConfigFile(path)
+}
+
+/// A `delay-publisher gateway` process; killed when dropped.
+struct GatewayProc {
+    child: Child,
+    log: PathBuf,
+}
+
+impl GatewayProc {
+    fn start(env: &Env, config: &Path, pairs: &[(&str, &str)], name: &str) -> GatewayProc {
+        let log = std::env::temp_dir().join(format!("{}-{name}.log", env.settings.prefix));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_delay-publisher"));
+        cmd.arg("--config")
+            .arg(config)
+            .args(["--url", &env.settings.url])
+            .args(["--prefix", &env.settings.prefix])
+            .arg("gateway");
+        for (i, t) in pairs {
+            cmd.args(["--ingress", i, "--target", t]);
+        }
+        let child = cmd
+            .env("RUST_LOG", "warn,amqp_delay=info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("starting delay-publisher gateway");
+        GatewayProc { child, log }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGKILL: no chance to finish anything.
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, then waits for a clean exit.
+    async fn stop(&mut self) {
+        Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                assert!(
+                    st.success(),
+                    "gateway exited with {st} after SIGTERM:\n{}",
+                    self.log()
+                );
+                return;
+            }
+            assert!(
+                Instant::now() < end,
+                "gateway did not stop after SIGTERM:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for GatewayProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+fn settings_with(env: &Env, pairs: &[(&str, &str)]) -> Settings {
+    let ingress: Vec<String> = pairs.iter().map(|p| p.0.to_string()).collect();
+    let target: Vec<String> = pairs.iter().map(|p| p.1.to_string()).collect();
+    Settings {
+        gateway: GatewaySettings::from_flags(&ingress, &target).unwrap(),
+        ..env.settings.clone()
+    }
+}
+
+fn pairs_of(env: &Env, pairs: &[(&str, &str)]) -> Vec<Pair> {
+    Gateway::new(settings_with(env, pairs))
+        .unwrap()
+        .pairs()
+        .to_vec()
+}
+
+async fn declare_exchange(conn: &Connection, name: &str, kind: ExchangeKind) {
+    let ch = conn.create_channel().await.unwrap();
+    ch.exchange_declare(
+        name.into(),
+        kind,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let _ = ch.close(200, "ok".into()).await;
+}
+
+async fn bind(conn: &Connection, queue: &str, exchange: &str, key: &str) {
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        key.into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let _ = ch.close(200, "ok".into()).await;
+}
+
+/// Waits until every gateway queue has `n` consumers (the gateways are ready).
+async fn wait_for_consumers(conn: &Connection, pairs: &[Pair], n: u32, gws: &[&GatewayProc]) {
+    let end = Instant::now() + Duration::from_secs(20);
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    loop {
+        // a fresh channel each round: a missing queue (not declared yet) closes it
+        let ch = conn.create_channel().await.unwrap();
+        let mut ready = true;
+        for q in pairs.iter().flat_map(|p| [&p.ingress_queue, &p.due_queue]) {
+            match ch
+                .queue_declare(q.as_str().into(), passive, FieldTable::default())
+                .await
+            {
+                Ok(d) => ready &= d.consumer_count() >= n,
+                Err(_) => {
+                    ready = false;
+                    break;
+                }
+            }
+        }
+        let _ = ch.close(200, "ok".into()).await;
+        if ready {
+            return;
+        }
+        let logs: Vec<String> = gws.iter().map(|g| g.log()).collect();
+        assert!(
+            Instant::now() < end,
+            "the gateway did not start consuming within 20 s:\n{}",
+            logs.join("\n---\n")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Starts the Python app; `finish` waits for its JSON report.
+fn start_app(mode: &str, cfg: serde_json::Value) -> tokio::process::Child {
+    tokio::process::Command::new("python3")
+        .arg(APP)
+        .arg(mode)
+        .arg(cfg.to_string())
+        .env("AMQP_URL", broker_url())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("starting python3")
+}
+
+async fn finish(app: tokio::process::Child, gws: &[&GatewayProc]) -> serde_json::Value {
+    let out = tokio::time::timeout(Duration::from_secs(40), app.wait_with_output())
+        .await
+        .expect("the Python app did not finish within 40 s")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let logs: Vec<String> = gws.iter().map(|g| g.log()).collect();
+    assert!(
+        out.status.success(),
+        "the Python app failed ({}):\n{}\n{stdout}\ngateway logs:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        logs.join("\n---\n")
+    );
+    let report: serde_json::Value = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("the Python app printed no JSON report ({e}):\n{stdout}"));
+    let errors = report["errors"].as_array().expect("errors");
+    assert!(
+        errors.is_empty(),
+        "the app saw differences from what it published:\n{}\ngateway logs:\n{}",
+        errors
+            .iter()
+            .map(|e| e.as_str().unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n"),
+        logs.join("\n---\n")
+    );
+    report
+}
+
+/// Deletes the gateway's objects (ingress exchanges, gateway and parking queues) and the
+/// targets when the test ends, passed or not, on a fresh connection in a thread (the test's
+/// runtime may be gone after a panic). The topology is the harness's `Env` to delete.
+struct GatewayObjects {
+    settings: Settings,
+    targets: Vec<String>,
+}
+
+impl GatewayObjects {
+    fn new(env: &Env, pairs: &[(&str, &str)], targets: &[&str]) -> GatewayObjects {
+        GatewayObjects {
+            settings: settings_with(env, pairs),
+            targets: targets.iter().map(|t| t.to_string()).collect(),
+        }
+    }
+}
+
+impl Drop for GatewayObjects {
+    fn drop(&mut self) {
+        let settings = self.settings.clone();
+        let targets = std::mem::take(&mut self.targets);
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let Ok(conn) = amqp_delay::connection::connect(&broker_url(), "test cleanup").await
+                else {
+                    return;
+                };
+                if let Err(e) = Gateway::new(settings).unwrap().delete(&conn).await {
+                    eprintln!("deleting the gateway objects: {e}");
+                }
+                if let Ok(ch) = conn.create_channel().await {
+                    for x in &targets {
+                        let _ = ch
+                            .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+                            .await;
+                    }
+                }
+                let _ = conn.close(200, "bye".into()).await;
+            });
+        })
+        .join();
+    }
+}
+
+/// A hung broker operation fails the test instead of hanging it.
+async fn within(test: impl std::future::Future<Output = ()>) {
+    tokio::time::timeout(Duration::from_secs(90), test)
+        .await
+        .expect("the test did not finish within 90 s (broker unresponsive?)");
+}
+
+fn text(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s))
+}
+
+/// The plugin's delivered form of an ingress message: `x-delay` → minus the delay when
+/// positive; `user_id` moved into `x-delay-user-id` (documented limit).
+fn expected_headers(original: &Received) -> Option<FieldTable> {
+    let mut h = original.properties.headers().clone();
+    if let Some(n) = original
+        .int_header("x-delay")
+        .or_else(|| match original.header("x-delay") {
+            Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).parse().ok(),
+            _ => None,
+        })
+        .filter(|n| *n > 0)
+    {
+        h.get_or_insert_with(FieldTable::default)
+            .insert("x-delay".into(), AMQPValue::LongInt(-(n as i32)));
+    }
+    if let Some(u) = original.properties.user_id() {
+        h.get_or_insert_with(FieldTable::default)
+            .insert("x-delay-user-id".into(), text(u.as_str()));
+    }
+    h
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_and_topic_targets_get_the_message_as_published() {
+    within(direct_and_topic_targets_get_the_message_as_published_body()).await;
+}
+
+async fn direct_and_topic_targets_get_the_message_as_published_body() {
+    require_pika();
+    let mut env = Env::new(small_topology()).await;
+    let p = env.settings.prefix.clone();
+    let (d_in, d_x) = (format!("{p}-delayed-direct"), format!("{p}-direct"));
+    let (t_in, t_x) = (format!("{p}-delayed-topic"), format!("{p}-topic"));
+    declare_exchange(&env.conn, &d_x, ExchangeKind::Direct).await;
+    declare_exchange(&env.conn, &t_x, ExchangeKind::Topic).await;
+    let pairs = [(d_in.as_str(), d_x.as_str()), (t_in.as_str(), t_x.as_str())];
+    let _objects = GatewayObjects::new(&env, &pairs, &[&d_x, &t_x]);
+    let config = write_config(&env, "");
+    let mut gw = GatewayProc::start(&env, &config.0, &pairs, "gw");
+    wait_for_consumers(&env.conn, &pairs_of(&env, &pairs), 1, &[&gw]).await;
+
+    // Taps: a copy of every message as the app published it (the ingress is a fanout) and as
+    // it reached the targets, to compare the raw AMQP values, types included.
+    let tap_in = env.queue("tap-in").await;
+    bind(&env.conn, &tap_in, &d_in, "").await;
+    bind(&env.conn, &tap_in, &t_in, "").await;
+    let tap_out = env.queue("tap-out").await;
+    bind(&env.conn, &tap_out, &d_x, "alpha").await;
+    bind(&env.conn, &tap_out, &d_x, "beta").await;
+    bind(&env.conn, &tap_out, &t_x, "#").await;
+
+    let app = start_app(
+        "routing",
+        serde_json::json!({
+            "prefix": p,
+            "direct": {"ingress": d_in, "target": d_x},
+            "topic": {"ingress": t_in, "target": t_x},
+        }),
+    );
+    let report = finish(app, &[&gw]).await;
+    assert_eq!(report["published"], 9);
+    assert_eq!(report["received"], 10, "{report}"); // eu.payments matches two bindings
+
+    let ins = collect(
+        &env.conn,
+        &tap_in,
+        9,
+        Duration::from_secs(5),
+        Duration::from_millis(100),
+    )
+    .await;
+    let outs = collect(
+        &env.conn,
+        &tap_out,
+        9,
+        Duration::from_secs(10),
+        Duration::from_millis(300),
+    )
+    .await;
+    assert_eq!((ins.len(), outs.len()), (9, 9));
+    for i in &ins {
+        let o = outs
+            .iter()
+            .find(|o| o.body == i.body)
+            .unwrap_or_else(|| panic!("{:?} never reached the target", i.id()));
+        let (a, b) = (&i.properties, &o.properties);
+        assert_eq!(o.routing_key, i.routing_key);
+        assert_eq!(b.content_type(), a.content_type());
+        assert_eq!(b.content_encoding(), a.content_encoding());
+        assert_eq!(b.delivery_mode(), a.delivery_mode(), "{:?}", i.id());
+        assert_eq!(b.priority(), a.priority());
+        assert_eq!(b.correlation_id(), a.correlation_id());
+        assert_eq!(b.reply_to(), a.reply_to());
+        assert_eq!(b.expiration(), a.expiration());
+        assert_eq!(b.message_id(), a.message_id());
+        assert_eq!(b.timestamp(), a.timestamp());
+        assert_eq!(b.kind(), a.kind());
+        assert_eq!(b.app_id(), a.app_id());
+        assert_eq!(b.cluster_id(), a.cluster_id());
+        assert_eq!(b.user_id(), &None);
+        assert_eq!(b.headers(), &expected_headers(i), "{:?}", i.id());
+    }
+    // a message published with no properties at all arrives with none
+    let bare = outs
+        .iter()
+        .find(|o| o.body.starts_with(b"bare"))
+        .expect("bare");
+    assert_eq!(bare.properties, lapin::BasicProperties::default());
+
+    gw.stop().await;
+    let parked = pairs_of(&env, &pairs)
+        .iter()
+        .map(|pr| pr.parked_queue(&p))
+        .collect::<Vec<_>>();
+    for q in &parked {
+        let got = collect(&env.conn, q, 0, Duration::from_millis(200), Duration::ZERO).await;
+        assert!(got.is_empty(), "{q} holds {} messages", got.len());
+    }
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn x_delay_edge_values_and_unroutable_messages() {
+    within(x_delay_edge_values_and_unroutable_messages_body()).await;
+}
+
+async fn x_delay_edge_values_and_unroutable_messages_body() {
+    require_pika();
+    let env = Env::new(small_topology()).await;
+    let p = env.settings.prefix.clone();
+    let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
+    declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+    let pairs = [(x_in.as_str(), x_t.as_str())];
+    let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
+    // this one takes its pair from the config file
+    let config = write_config(
+        &env,
+        &format!("[[gateway.pairs]]\ningress = \"{x_in}\"\ntarget = \"{x_t}\"\n"),
+    );
+    let gw = GatewayProc::start(&env, &config.0, &[], "gw");
+    let pair = pairs_of(&env, &pairs).remove(0);
+    wait_for_consumers(&env.conn, std::slice::from_ref(&pair), 1, &[&gw]).await;
+
+    let app = start_app(
+        "edges",
+        serde_json::json!({"prefix": p, "ingress": x_in, "target": x_t}),
+    );
+    let report = finish(app, &[&gw]).await;
+    assert_eq!(report["received"], 5, "{report}");
+
+    let parked = collect(
+        &env.conn,
+        &pair.parked_queue(&p),
+        3,
+        Duration::from_secs(10),
+        Duration::from_millis(300),
+    )
+    .await;
+    let reason = |body: &str| -> (String, String) {
+        let m = parked
+            .iter()
+            .find(|m| m.body == body.as_bytes())
+            .unwrap_or_else(|| panic!("'{body}' was not parked; parked: {parked:?}"));
+        let get = |h: &str| match m.header(h) {
+            Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            other => panic!("'{body}': header {h} is {other:?}"),
+        };
+        (get("x-delay-parked-reason"), get("x-delay-routing-key"))
+    };
+    assert_eq!(parked.len(), 3, "{parked:?}");
+    let (r, key) = reason("edge abc");
+    assert!(
+        r.contains("x-delay 'abc' is not an integer number of milliseconds"),
+        "{r}"
+    );
+    assert_eq!(key, "edge");
+    let (r, _) = reason("edge over-range");
+    assert!(
+        r.contains("x-delay 999999 ms is longer") && r.contains("1500 ms"),
+        "{r}"
+    );
+    let (r, key) = reason("edge unroutable");
+    assert_eq!(
+        r,
+        format!(
+            "unroutable at exchange '{x_t}' with routing key 'nobody-binds-this': no binding matches"
+        )
+    );
+    assert_eq!(key, "nobody-binds-this");
+    drop(gw);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_killed_mid_stream_lose_nothing() {
+    within(gateways_killed_mid_stream_lose_nothing_body()).await;
+}
+
+async fn gateways_killed_mid_stream_lose_nothing_body() {
+    require_pika();
+    let env = Env::new(small_topology()).await;
+    let p = env.settings.prefix.clone();
+    let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
+    declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+    let pairs = [(x_in.as_str(), x_t.as_str())];
+    let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
+    let config = write_config(&env, "");
+    // two competing gateways
+    let mut a = GatewayProc::start(&env, &config.0, &pairs, "a");
+    let mut b = GatewayProc::start(&env, &config.0, &pairs, "b");
+    let pair = pairs_of(&env, &pairs);
+    wait_for_consumers(&env.conn, &pair, 2, &[&a, &b]).await;
+
+    let n = 300;
+    let app = start_app(
+        "stream",
+        serde_json::json!({"prefix": p, "ingress": x_in, "target": x_t, "n": n, "publish_seconds": 3.0}),
+    );
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    a.kill9();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    b.kill9(); // no gateway at all for a while: the ingress fills up
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let a2 = GatewayProc::start(&env, &config.0, &pairs, "a2");
+    let report = finish(app, &[&a2]).await;
+    eprintln!(
+        "kill -9 x2 mid-stream: {} published, {} received, {} duplicates",
+        report["published"], report["received"], report["duplicates"]
+    );
+    assert_eq!(report["published"], n);
+    assert_eq!(report["missing"], serde_json::json!([]), "{report}");
+    let parked = collect(
+        &env.conn,
+        &pair[0].parked_queue(&p),
+        0,
+        Duration::from_millis(300),
+        Duration::ZERO,
+    )
+    .await;
+    assert!(parked.is_empty(), "{} parked", parked.len());
+    drop((a, b, a2));
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_tier_keeps_messages_in_the_ingress_unchanged() {
+    within(a_full_tier_keeps_messages_in_the_ingress_unchanged_body()).await;
+}
+
+/// Tiers of one message each (`max_tier_length = 1`, reject-publish): most tier publishes are
+/// nacked. The ingress message must then stay in the ingress queue as published (requeued,
+/// not re-scheduled as a copy that would lose its routing key) until there is room.
+async fn a_full_tier_keeps_messages_in_the_ingress_unchanged_body() {
+    require_pika();
+    let mut topology = small_topology();
+    topology.max_tier_length = Some(1);
+    let env = Env::new(topology).await;
+    let p = env.settings.prefix.clone();
+    let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
+    declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+    let pairs = [(x_in.as_str(), x_t.as_str())];
+    let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
+    let config = write_config(&env, "");
+    let gw = GatewayProc::start(&env, &config.0, &pairs, "gw");
+    let pair = pairs_of(&env, &pairs);
+    wait_for_consumers(&env.conn, &pair, 1, &[&gw]).await;
+
+    // every message takes the one-hop 150 ms fixed tier, which holds one at a time
+    let n = 24;
+    let app = start_app(
+        "stream",
+        serde_json::json!({"prefix": p, "ingress": x_in, "target": x_t, "n": n,
+                           "publish_seconds": 0.2, "delay": 150}),
+    );
+    let report = finish(app, &[&gw]).await;
+    assert_eq!(report["missing"], serde_json::json!([]), "{report}");
+    assert!(
+        gw.log().contains("nack"),
+        "no tier publish was refused: the test did not fill a tier\n{}",
+        gw.log()
+    );
+    let parked = collect(
+        &env.conn,
+        &pair[0].parked_queue(&p),
+        0,
+        Duration::from_millis(300),
+        Duration::ZERO,
+    )
+    .await;
+    assert!(parked.is_empty(), "{} parked", parked.len());
+    drop(gw);
+    env.cleanup().await;
+}
