@@ -216,9 +216,9 @@ async fn http(url: &str, agent: &ureq::Agent, d: &Delivery) -> Outcome {
 async fn forward(ctx: &Context, exchange: &str, key: &str, d: &Delivery) -> Outcome {
     let empty = lapin::types::FieldTable::default();
     let h = headers::filter(d.headers().unwrap_or(&empty), |k| {
-        !headers::is_death_header(k) && k != envelope::ROUTING_KEY
+        !headers::is_broker_header(k) && k != envelope::ROUTING_KEY
     });
-    let props = d.properties.clone().with_headers(h);
+    let props = envelope::republish_properties(&d.properties, h);
     match ctx
         .publisher()
         .publish_confirmed(exchange, key, &d.body, props)

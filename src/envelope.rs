@@ -137,12 +137,53 @@ pub fn decode(
     }
 }
 
+/// Properties for anything the worker re-publishes (retry, park, forward): `expiration`
+/// dropped (it would make a scheduled copy fail and a parked copy vanish) and `user_id`
+/// dropped (the broker refuses a publish whose user_id is not the connection's user).
+pub fn republish_properties(p: &BasicProperties, headers: FieldTable) -> BasicProperties {
+    let mut out = BasicProperties::default().with_headers(headers);
+    if let Some(v) = p.content_type() {
+        out = out.with_content_type(v.clone());
+    }
+    if let Some(v) = p.content_encoding() {
+        out = out.with_content_encoding(v.clone());
+    }
+    if let Some(v) = p.delivery_mode() {
+        out = out.with_delivery_mode(*v);
+    }
+    if let Some(v) = p.priority() {
+        out = out.with_priority(*v);
+    }
+    if let Some(v) = p.correlation_id() {
+        out = out.with_correlation_id(v.clone());
+    }
+    if let Some(v) = p.reply_to() {
+        out = out.with_reply_to(v.clone());
+    }
+    if let Some(v) = p.message_id() {
+        out = out.with_message_id(v.clone());
+    }
+    if let Some(v) = p.timestamp() {
+        out = out.with_timestamp(*v);
+    }
+    if let Some(v) = p.kind() {
+        out = out.with_type(v.clone());
+    }
+    if let Some(v) = p.app_id() {
+        out = out.with_app_id(v.clone());
+    }
+    if let Some(v) = p.cluster_id() {
+        out = out.with_cluster_id(v.clone());
+    }
+    out
+}
+
 /// Headers for re-scheduling a message: the original ones without the broker's death history,
 /// our schedule headers (set again by the publisher) and parking headers.
 pub fn headers_for_reschedule(original: Option<&FieldTable>) -> FieldTable {
     let empty = FieldTable::default();
     headers::filter(original.unwrap_or(&empty), |k| {
-        !headers::is_death_header(k)
+        !headers::is_broker_header(k)
             && !headers::RESERVED.contains(&k)
             && !k.starts_with("x-delay-parked-")
     })
@@ -220,9 +261,27 @@ mod tests {
     }
 
     #[test]
+    fn republished_copies_drop_expiration_and_user_id_only() {
+        let p = BasicProperties::default()
+            .with_expiration("5000".into())
+            .with_user_id("someone-else".into())
+            .with_correlation_id("c".into())
+            .with_priority(3)
+            .with_app_id("shop".into());
+        let out = republish_properties(&p, FieldTable::default());
+        assert!(out.expiration().is_none() && out.user_id().is_none());
+        assert_eq!(out.correlation_id().as_ref().unwrap().as_str(), "c");
+        assert_eq!(
+            (*out.priority(), out.app_id().as_ref().unwrap().as_str()),
+            (Some(3), "shop")
+        );
+    }
+
+    #[test]
     fn reschedule_headers_drop_history_and_ours() {
         let p = props(&[
             ("x-death", AMQPValue::Void),
+            ("x-delivery-count", AMQPValue::LongInt(2)),
             (ATTEMPT, AMQPValue::LongInt(1)),
             (PARKED_REASON, AMQPValue::Void),
             ("app", AMQPValue::Boolean(true)),

@@ -21,9 +21,16 @@ pub fn is_death_header(name: &str) -> bool {
     name == "x-death" || name.starts_with("x-first-death-") || name.starts_with("x-last-death-")
 }
 
-/// Returns `table` without `x-death`, `x-first-death-*` and `x-last-death-*`.
+/// Headers the broker adds on its own: the dead-letter history and the quorum queues'
+/// redelivery counter. Never carried into anything we re-publish.
+pub fn is_broker_header(name: &str) -> bool {
+    is_death_header(name) || name == "x-delivery-count"
+}
+
+/// Returns `table` without `x-death`, `x-first-death-*`, `x-last-death-*` and
+/// `x-delivery-count`.
 pub fn strip_death(table: &FieldTable) -> FieldTable {
-    filter(table, |k| !is_death_header(k))
+    filter(table, |k| !is_broker_header(k))
 }
 
 /// Returns `table` without the keys for which `keep` is false.

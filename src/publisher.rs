@@ -87,7 +87,9 @@ pub fn now_ms() -> u64 {
 pub struct Publisher {
     conn: Arc<Connection>,
     owns_conn: bool,
-    channel: Channel,
+    /// The confirm channel; replaced when the broker closed it (e.g. after a publish to a
+    /// missing exchange), so one bad publish does not stop all later ones.
+    channel: tokio::sync::RwLock<Channel>,
     admin: tokio::sync::Mutex<Option<Channel>>,
     layout: Layout,
     precision: Precision,
@@ -121,18 +123,11 @@ impl Publisher {
         settings: PublisherSettings,
     ) -> Result<Publisher> {
         Topology::new(layout.clone()).verify(&conn).await?;
-        let channel = conn
-            .create_channel()
-            .await
-            .context(|| "opening the publish channel".into())?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .context(|| "enabling publisher confirms".into())?;
+        let channel = open_confirm_channel(&conn).await?;
         Ok(Publisher {
             conn,
             owns_conn: false,
-            channel,
+            channel: tokio::sync::RwLock::new(channel),
             admin: tokio::sync::Mutex::new(None),
             layout,
             precision,
@@ -232,8 +227,8 @@ impl Publisher {
                 routing_key.len()
             ))
         })?;
-        let confirm = self
-            .channel
+        let channel = self.publish_channel().await?;
+        let confirm = channel
             .basic_publish(
                 exchange.into(),
                 key,
@@ -262,6 +257,22 @@ impl Publisher {
             });
         }
         Ok(())
+    }
+
+    /// The confirm channel, reopened if the broker closed it.
+    async fn publish_channel(&self) -> Result<Channel> {
+        {
+            let ch = self.channel.read().await;
+            if ch.status().connected() {
+                return Ok(ch.clone());
+            }
+        }
+        let mut ch = self.channel.write().await;
+        if !ch.status().connected() {
+            tracing::info!("the publish channel was closed by the broker; reopening it");
+            *ch = open_confirm_channel(&self.conn).await?;
+        }
+        Ok(ch.clone())
     }
 
     /// Binds `destination` on the delivery exchange unless it was bound recently by us.
@@ -325,7 +336,7 @@ impl Publisher {
 
     /// Closes the channels (and the connection when we opened it).
     pub async fn close(self) {
-        let _ = self.channel.close(200, "bye".into()).await;
+        let _ = self.channel.read().await.close(200, "bye".into()).await;
         if let Some(c) = self.admin.lock().await.take() {
             let _ = c.close(200, "bye".into()).await;
         }
@@ -333,4 +344,16 @@ impl Publisher {
             let _ = self.conn.close(200, "bye".into()).await;
         }
     }
+}
+
+async fn open_confirm_channel(conn: &Connection) -> Result<Channel> {
+    let channel = conn
+        .create_channel()
+        .await
+        .context(|| "opening the publish channel".into())?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .context(|| "enabling publisher confirms".into())?;
+    Ok(channel)
 }

@@ -435,10 +435,10 @@ async fn process<H: Handler>(
 async fn reschedule(d: &Delivery, reason: &str, ctx: &TaskCtx) -> Result<()> {
     let random: f64 = rand::rng().random();
     let delay = ctx.settings.retry.backoff_ms(d.attempt, random);
-    let props = d
-        .properties
-        .clone()
-        .with_headers(envelope::headers_for_reschedule(d.headers()));
+    let props = envelope::republish_properties(
+        &d.properties,
+        envelope::headers_for_reschedule(d.headers()),
+    );
     let msg = Message::new(d.queue.clone(), delay, d.body.clone())
         .with_properties(props)
         .with_attempt(d.attempt + 1);
@@ -467,7 +467,7 @@ async fn park(d: &Delivery, reason: &str, ctx: &TaskCtx) -> Result<()> {
         envelope::PARKED_FROM.into(),
         AMQPValue::LongString(LongString::from(d.queue.as_str())),
     );
-    let props = d.properties.clone().with_headers(h).with_delivery_mode(2);
+    let props = envelope::republish_properties(&d.properties, h).with_delivery_mode(2);
     let target = parked_queue(&ctx.prefix, &d.queue);
     ctx.publisher
         .publish_confirmed("", &target, &d.body, props)

@@ -340,7 +340,13 @@ async fn bad_destinations_and_delays_are_refused_with_clear_errors() {
         let e = p.schedule(m).await.unwrap_err();
         assert!(e.to_string().contains(want), "{e} should mention {want}");
     }
-    // the publisher still works after the broker closed its binding channel
+    // a publish the broker answers by closing the channel is an error for that message only
+    let e = p
+        .publish_confirmed("no-such-exchange-here", "k", b"x", Default::default())
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("no-such-exchange-here"), "{e}");
+    // the publisher still works after the broker closed its binding and publish channels
     let mut env = env;
     let q = env.queue("after").await;
     p.schedule(Message::new(q.clone(), 5, "x")).await.unwrap();
