@@ -41,8 +41,9 @@ impl GlobalArgs {
 
 /// Logs to stderr; `RUST_LOG` overrides the default level (`info` for our crate).
 pub fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,lapin::channel=off,amqp_delay=info"));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("warn,lapin::channel=off,amqp_delay=info")
+    });
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
