@@ -207,6 +207,21 @@ start_with_docker() {
     wait_for_broker container
 }
 
+# Every quorum queue holds ~3 file handles and the broker stops accepting connections,
+# silently, when it runs out. Debian's wrapper starts the node through `su`, which resets
+# the soft open-files limit to 1024 (~900 handles for RabbitMQ, ~300 quorum queues), so as
+# root we start it the same way but raise the soft limit to the hard one first.
+start_native_node() {
+    local node=/usr/lib/rabbitmq/bin/rabbitmq-server
+    if is_root && [[ -x "${node}" ]] && id rabbitmq >/dev/null 2>&1; then
+        log "starting the local RabbitMQ node with a raised open-files limit"
+        (cd /var/lib/rabbitmq && su rabbitmq -s /bin/sh -c \
+            "ulimit -n \$(ulimit -Hn) 2>/dev/null || ulimit -n 65536 2>/dev/null; ${node} -detached")
+    else
+        rabbitmq-server -detached
+    fi
+}
+
 # (c) A natively installed broker. `rabbitmq-server -detached` returns
 # before the node has booted, hence the wait afterwards. (Debian's wrapper
 # switches to the rabbitmq user when run as root.)
@@ -221,7 +236,7 @@ start_native() {
         log "starting the local RabbitMQ node: rabbitmq-server -detached"
         # Not fatal by itself (e.g. a node started by a package's postinst
         # won the race): the wait below decides, and prints the logs if not.
-        rabbitmq-server -detached || log "'rabbitmq-server -detached' exited with $?; waiting anyway"
+        start_native_node || log "starting the node exited with $?; waiting anyway"
     fi
     wait_for_broker native
 }

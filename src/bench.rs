@@ -415,9 +415,17 @@ impl Cleanup {
     fn add_queue(&self, q: &str) {
         self.inner.lock().expect("cleanup").1.push(q.to_string());
     }
-    pub fn is_empty(&self) -> bool {
-        let g = self.inner.lock().expect("cleanup");
-        g.0.is_empty() && g.1.is_empty()
+    /// `layout` was deleted already.
+    fn forget_layout(&self, l: &Layout) {
+        self.inner
+            .lock()
+            .expect("cleanup")
+            .0
+            .retain(|x| x.prefix() != l.prefix());
+    }
+    /// `q` was deleted already.
+    fn forget_queue(&self, q: &str) {
+        self.inner.lock().expect("cleanup").1.retain(|x| x != q);
     }
     /// Deletes every registered queue and topology (over a fresh connection).
     pub async fn run(&self, url: &str) -> Result<()> {
@@ -882,7 +890,13 @@ impl Bench<'_> {
             }
         }
         run.monitor.abort();
-        let leftover = delete_queue(&self.admin, &run.queue).await.unwrap_or(0);
+        let leftover = match delete_queue(&self.admin, &run.queue).await {
+            Ok(n) => {
+                self.cleanup.forget_queue(&run.queue);
+                n
+            }
+            Err(_) => 0, // Cleanup tries again at the end
+        };
         if let Some(e) = consumer_error {
             return Err(e);
         }
@@ -1086,7 +1100,9 @@ impl Bench<'_> {
     }
 
     async fn delete(&mut self, layout: &Layout) -> Result<()> {
-        Topology::new(layout.clone()).delete(&self.admin).await
+        Topology::new(layout.clone()).delete(&self.admin).await?;
+        self.cleanup.forget_layout(layout);
+        Ok(())
     }
 
     /// On a local RabbitMQ 3.x, every quorum queue takes [`HANDLES_PER_QUORUM_QUEUE`] of the

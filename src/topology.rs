@@ -202,6 +202,37 @@ impl Topology {
         let ch = open(conn).await?;
         self.declare_marker(&ch).await?;
         let _ = ch.close(200, "verified".into()).await;
+        // Fixed levels can be added to a topology later, so they are not in the signature:
+        // check that every one this configuration may use exists.
+        for &ms in self.layout.fixed_ms() {
+            let x = self.layout.fixed_exchange(ms);
+            let ch = open(conn).await?;
+            let passive = ExchangeDeclareOptions {
+                passive: true,
+                ..ExchangeDeclareOptions::default()
+            };
+            match ch
+                .exchange_declare(
+                    x.as_str().into(),
+                    ExchangeKind::Fanout,
+                    passive,
+                    FieldTable::default(),
+                )
+                .await
+            {
+                Ok(()) => {
+                    let _ = ch.close(200, "verified".into()).await;
+                }
+                Err(e) if broker_error(&e).is_some_and(|(c, _)| c == NOT_FOUND) => {
+                    return Err(Error::Invalid(format!(
+                        "fixed level {} is configured but not declared under prefix '{}'; run `delay-publisher declare` with this configuration",
+                        crate::layout::compact_duration(ms),
+                        self.layout.prefix()
+                    )));
+                }
+                Err(e) => return Err(e).context(|| format!("checking exchange '{x}'")),
+            }
+        }
         Ok(())
     }
 

@@ -382,6 +382,20 @@ async fn conflicting_redeclare_names_the_difference() {
         .expect("refused");
     assert!(e.to_string().contains("radix: 4 → 8"), "{e}");
 
+    // a fixed level added to the configuration but not declared yet is named
+    env.settings.topology.radix = 4;
+    env.settings.topology.fixed_levels.push(DurationMs(170));
+    let e = amqp_delay::Publisher::connect(&env.settings)
+        .await
+        .err()
+        .expect("refused");
+    assert!(
+        e.to_string()
+            .contains("fixed level 170ms is configured but not declared"),
+        "{e}"
+    );
+    env.settings.topology.fixed_levels.pop();
+
     // and an existing queue with other arguments is named with its argument
     let mut t = small_topology();
     t.queue_type = QueueType::Classic;
