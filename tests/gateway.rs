@@ -287,30 +287,19 @@ impl Drop for GatewayObjects {
     fn drop(&mut self) {
         let settings = self.settings.clone();
         let targets = std::mem::take(&mut self.targets);
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let Ok(conn) = amqp_delay::connection::connect(&broker_url(), "test cleanup").await
-                else {
-                    return;
-                };
-                if let Err(e) = Gateway::new(settings).unwrap().delete(&conn).await {
-                    eprintln!("deleting the gateway objects: {e}");
+        with_fresh_connection(move |conn| async move {
+            if let Err(e) = Gateway::new(settings).unwrap().delete(&conn).await {
+                eprintln!("deleting the gateway objects: {e}");
+            }
+            if let Ok(ch) = conn.create_channel().await {
+                for x in &targets {
+                    let _ = ch
+                        .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+                        .await;
                 }
-                if let Ok(ch) = conn.create_channel().await {
-                    for x in &targets {
-                        let _ = ch
-                            .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
-                            .await;
-                    }
-                }
-                let _ = conn.close(200, "bye".into()).await;
-            });
-        })
-        .join();
+            }
+            let _ = conn.close(200, "bye".into()).await;
+        });
     }
 }
 

@@ -69,30 +69,40 @@ impl Drop for Env {
         }
         let queues = std::mem::take(&mut self.queues);
         let declared = std::mem::take(&mut self.declared);
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let Ok(conn) = amqp_delay::connection::connect(&broker_url(), "test cleanup").await
-                else {
-                    return;
-                };
-                for q in &queues {
-                    if let Ok(ch) = conn.create_channel().await {
-                        let _ = ch
-                            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-                            .await;
-                    }
+        with_fresh_connection(move |conn| async move {
+            for q in &queues {
+                if let Ok(ch) = conn.create_channel().await {
+                    let _ = ch
+                        .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                        .await;
                 }
-                for l in declared {
-                    let _ = Topology::new(l).delete(&conn).await;
-                }
-            });
-        })
-        .join();
+            }
+            for l in declared {
+                let _ = Topology::new(l).delete(&conn).await;
+            }
+        });
     }
+}
+
+/// Runs `f` with a new connection on a new runtime in its own thread, and waits for it: for
+/// clean-up in `Drop`, where the test's runtime may be gone. Does nothing without a broker.
+pub fn with_fresh_connection<F, Fut>(f: F)
+where
+    F: FnOnce(Connection) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let _ = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            if let Ok(conn) = amqp_delay::connection::connect(&broker_url(), "test cleanup").await {
+                f(conn).await;
+            }
+        });
+    })
+    .join();
 }
 
 impl Env {
