@@ -199,14 +199,12 @@ impl Topology {
             }
             Err(e) => return Err(e).context(|| format!("checking '{marker}'")),
         }
-        let ch = open(conn).await?;
+        // One channel for every check: any failure ends the check anyway.
         self.declare_marker(&ch).await?;
-        let _ = ch.close(200, "verified".into()).await;
         // Fixed levels can be added to a topology later, so they are not in the signature:
         // check that every one this configuration may use exists.
         for &ms in self.layout.fixed_ms() {
             let x = self.layout.fixed_exchange(ms);
-            let ch = open(conn).await?;
             let passive = ExchangeDeclareOptions {
                 passive: true,
                 ..ExchangeDeclareOptions::default()
@@ -220,9 +218,7 @@ impl Topology {
                 )
                 .await
             {
-                Ok(()) => {
-                    let _ = ch.close(200, "verified".into()).await;
-                }
+                Ok(()) => {}
                 Err(e) if broker_error(&e).is_some_and(|(c, _)| c == NOT_FOUND) => {
                     return Err(Error::Invalid(format!(
                         "fixed level {} is configured but not declared under prefix '{}'; run `delay-publisher declare` with this configuration",
@@ -233,13 +229,14 @@ impl Topology {
                 Err(e) => return Err(e).context(|| format!("checking exchange '{x}'")),
             }
         }
+        let _ = ch.close(200, "verified".into()).await;
         Ok(())
     }
 
     /// Message count of every tier queue and of the parking queue.
     pub async fn stats(&self, conn: &Connection) -> Result<Vec<QueueStat>> {
         let l = &self.layout;
-        let mut ch = open(conn).await?;
+        let ch = open(conn).await?;
         let mut out = Vec::new();
         let mut queues: Vec<(String, &'static str, Option<u64>)> = l
             .tiers()
@@ -279,9 +276,6 @@ impl Topology {
                     )));
                 }
                 Err(e) => return Err(e).context(|| format!("reading depth of '{queue}'")),
-            }
-            if !ch.status().connected() {
-                ch = open(conn).await?;
             }
         }
         let _ = ch.close(200, "stats".into()).await;

@@ -257,6 +257,7 @@ impl<H: Handler> Worker<H> {
                     .await;
             }
             let grace = Duration::from_millis(cs.shutdown_grace.as_millis());
+            while tasks.try_join_next().is_some() {}
             tracing::info!(
                 in_flight = tasks.len(),
                 ?grace,

@@ -44,31 +44,10 @@ impl Drop for ConfigFile {
     }
 }
 
-/// The test's topology (the harness's small one) and `extra` TOML, as a `--config` file.
+/// The test's settings (the harness's small topology), a short shutdown grace and `extra` TOML,
+/// as a `--config` file.
 fn write_config(env: &Env, extra: &str) -> ConfigFile {
-    let t = &env.settings.topology;
-    let fixed: Vec<String> = t
-        .fixed_levels
-        .iter()
-        .map(|f| f.as_millis().to_string())
-        .collect();
-    let text = format!(
-        "[topology]\nradix = {}\nunit_ms = {}\nmax_delay = {}\nfixed_levels = [{}]\n\
-         max_tier_ttl_ms = {}\nqueue_type = \"{}\"\n{}\n[precision]\nlateness_ms = 0\n\
-         lateness_ratio = 0.0\n\n[consumer]\nshutdown_grace = \"2s\"\n\n{extra}\n",
-        t.radix,
-        t.unit_ms,
-        t.max_delay.as_millis(),
-        fixed.join(", "),
-        t.max_tier_ttl_ms,
-        t.queue_type,
-        t.max_tier_length
-            .map(|n| format!("max_tier_length = {n}\n"))
-            .unwrap_or_default(),
-    );
-    let path = std::env::temp_dir().join(format!("{}-gateway.toml", env.settings.prefix));
-    std::fs::write(&path, text).unwrap();
-    ConfigFile(path)
+    ConfigFile(env.write_config(&format!("[consumer]\nshutdown_grace = \"2s\"\n\n{extra}")))
 }
 
 /// A `delay-publisher gateway` process; killed when dropped.

@@ -336,7 +336,8 @@ impl Env {
         self.queues.push(q.to_string());
     }
 
-    /// Writes this test's settings as a TOML config file for the binaries; returns its path.
+    /// Writes this test's settings, then `extra` TOML (sections of its own), as a config file
+    /// for the binaries; returns its path.
     pub fn write_config(&self, extra: &str) -> std::path::PathBuf {
         let t = &self.settings.topology;
         let fixed: Vec<String> = t
@@ -345,7 +346,7 @@ impl Env {
             .map(|f| f.as_millis().to_string())
             .collect();
         let text = format!(
-            "prefix = \"{}\"\n{extra}\n[topology]\nradix = {}\nunit_ms = {}\nmax_delay = {}\nfixed_levels = [{}]\nmax_tier_ttl_ms = {}\nqueue_type = \"{}\"\n{}\n[precision]\nlateness_ms = {}\nlateness_ratio = {}\n",
+            "prefix = \"{}\"\n[topology]\nradix = {}\nunit_ms = {}\nmax_delay = {}\nfixed_levels = [{}]\nmax_tier_ttl_ms = {}\nqueue_type = \"{}\"\n{}\n[precision]\nlateness_ms = {}\nlateness_ratio = {}\n\n{extra}\n",
             self.settings.prefix,
             t.radix,
             t.unit_ms,
