@@ -17,10 +17,8 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use amqp_delay::cli::{self, GlobalArgs};
-use amqp_delay::envelope::Delivery;
-use amqp_delay::settings::DurationMs;
-use amqp_delay::worker::{Context, Handler, Outcome, Worker};
-use amqp_delay::{Message, Publisher, Topology};
+use amqp_delay::time::DurationMs;
+use amqp_delay::{Context, Delivery, Handler, Message, Outcome, Publisher, Topology, Worker};
 use clap::{Parser, Subcommand};
 
 const QUEUE: &str = "orders.timeout";

@@ -12,26 +12,37 @@ use tokio::io::AsyncWriteExt;
 use crate::envelope::{self, Delivery};
 use crate::error::Error;
 use crate::headers;
-use crate::publisher::now_ms;
 use crate::settings::RouteConfig;
+use crate::time::now_ms;
 use crate::worker::{Context, Handler, Outcome};
 
 /// A configured action.
 #[derive(Debug, Clone)]
 pub enum Action {
+    /// Run a command with the body on stdin.
     Exec {
+        /// The command and its arguments (no shell).
         argv: Vec<String>,
+        /// Exit code meaning "permanent failure: park".
         permanent_exit_code: i32,
     },
+    /// POST the body to a URL.
     Http {
+        /// Where to POST.
         url: String,
+        /// The HTTP client (with the handler timeout).
         agent: ureq::Agent,
     },
+    /// Re-publish to an exchange with confirms.
     Forward {
+        /// Exchange to publish to.
         exchange: String,
+        /// Routing key; `None` keeps the message's original key.
         routing_key: Option<String>,
+        /// Digit words in our routing keys (to recover the original key).
         levels: u32,
     },
+    /// Print one JSON line per message to stdout (the lock keeps lines whole).
     Log(Arc<std::sync::Mutex<()>>),
 }
 
@@ -216,7 +227,7 @@ async fn http(url: &str, agent: &ureq::Agent, d: &Delivery) -> Outcome {
 async fn forward(ctx: &Context, exchange: &str, key: &str, d: &Delivery) -> Outcome {
     let empty = lapin::types::FieldTable::default();
     let h = headers::filter(d.headers().unwrap_or(&empty), |k| {
-        !headers::is_broker_header(k) && k != envelope::ROUTING_KEY
+        !headers::is_broker_header(k) && k != headers::ROUTING_KEY
     });
     let props = envelope::republish_properties(&d.properties, h);
     match ctx
@@ -230,7 +241,7 @@ async fn forward(ctx: &Context, exchange: &str, key: &str, d: &Delivery) -> Outc
         )),
         Err(e) => Outcome::Retry(format!(
             "forward to '{exchange}': {}",
-            crate::cli::chain(&e)
+            crate::error::chain(&e)
         )),
     }
 }

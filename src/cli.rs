@@ -13,11 +13,23 @@ pub const EXIT_USAGE: i32 = 2;
 /// Flags every binary takes.
 #[derive(Debug, Clone, clap::Args)]
 pub struct GlobalArgs {
-    /// Broker URL [default: amqp://guest:guest@127.0.0.1:5672/%2f]
-    #[arg(long, env = "AMQP_URL", global = true, hide_env_values = true)]
+    /// Broker URL (default `amqp://guest:guest@127.0.0.1:5672/%2f`)
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        global = true,
+        hide_env_values = true,
+        help = "Broker URL [default: amqp://guest:guest@127.0.0.1:5672/%2f]"
+    )]
     pub url: Option<String>,
-    /// Prefix of every exchange and queue amqp-delay creates [default: amqp-delay]
-    #[arg(long, env = "AMQP_DELAY_PREFIX", global = true, hide_env_values = true)]
+    /// Prefix of every exchange and queue amqp-delay creates (default `amqp-delay`)
+    #[arg(
+        long,
+        env = "AMQP_DELAY_PREFIX",
+        global = true,
+        hide_env_values = true,
+        help = "Prefix of every exchange and queue amqp-delay creates [default: amqp-delay]"
+    )]
     pub prefix: Option<String>,
     /// TOML configuration file (see README, "Configuration"); AMQP_DELAY_* variables override it
     #[arg(long, short = 'c', global = true, value_name = "FILE")]
@@ -56,20 +68,7 @@ pub fn fail(e: &dyn std::error::Error, code: i32) -> ! {
     std::process::exit(code)
 }
 
-/// `outer: inner: innermost` (skipping a cause already contained in the text before it).
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let t = c.to_string();
-        if !s.contains(&t) {
-            s.push_str(": ");
-            s.push_str(&t);
-        }
-        cur = c.source();
-    }
-    s
-}
+pub use crate::error::chain;
 
 /// Completes on SIGINT or SIGTERM (what the long-running commands stop on).
 pub async fn shutdown_signal() {

@@ -1,5 +1,7 @@
 //! Connecting to the broker, and URL redaction so credentials never reach a log line.
 
+use std::time::Duration;
+
 use lapin::{Connection, ConnectionProperties};
 
 use crate::error::{Error, Result};
@@ -18,15 +20,23 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
-/// Opens a connection named `name` (shown in the broker's connection list).
+/// How long connecting (TCP, TLS and the AMQP handshake) may take before it is given up.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Opens a connection named `name` (shown in the broker's connection list), giving up after
+/// [`CONNECT_TIMEOUT`].
 pub async fn connect(url: &str, name: &str) -> Result<Connection> {
     let props = ConnectionProperties::default().with_connection_name(name.into());
-    Connection::connect(url, props)
-        .await
-        .map_err(|source| Error::Connect {
+    match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(url, props)).await {
+        Ok(r) => r.map_err(|source| Error::Connect {
             url: redact_url(url),
             source,
-        })
+        }),
+        Err(_) => Err(Error::Timeout {
+            context: format!("connecting to {}", redact_url(url)),
+            timeout_ms: CONNECT_TIMEOUT.as_millis() as u64,
+        }),
+    }
 }
 
 #[cfg(test)]

@@ -5,22 +5,16 @@
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
 
-use crate::headers::{self, ATTEMPT, DELAY_MS, DUE_AT};
-
-/// Headers the worker sets when it parks a message.
-pub const PARKED_REASON: &str = "x-delay-parked-reason";
-pub const PARKED_AT: &str = "x-delay-parked-at";
-pub const PARKED_ATTEMPTS: &str = "x-delay-parked-attempts";
-pub const PARKED_FROM: &str = "x-delay-parked-from";
-/// Original routing key of a message relayed for a plugin-style publisher (gateway, forward).
-pub const ROUTING_KEY: &str = "x-delay-routing-key";
+use crate::headers::{self, ATTEMPT, DELAY_MS, DUE_AT, ROUTING_KEY};
 
 /// A due message, as a handler sees it.
 #[derive(Debug, Clone)]
 pub struct Delivery {
     /// Queue it was consumed from.
     pub queue: String,
+    /// Body, byte for byte as published.
     pub body: Vec<u8>,
+    /// Properties as delivered (headers include ours and the broker's).
     pub properties: BasicProperties,
     /// `message_id` property (empty if the publisher set none).
     pub message_id: String,
@@ -34,10 +28,12 @@ pub struct Delivery {
     pub redelivered: bool,
     /// Routing key as delivered.
     pub routing_key: String,
+    /// Exchange it was delivered from.
     pub exchange: String,
 }
 
 impl Delivery {
+    /// The headers table, if any.
     pub fn headers(&self) -> Option<&FieldTable> {
         self.properties.headers().as_ref()
     }
@@ -137,45 +133,83 @@ pub fn decode(
     }
 }
 
-/// Properties for anything the worker re-publishes (retry, park, forward): `expiration`
-/// dropped (it would make a scheduled copy fail and a parked copy vanish) and `user_id`
-/// dropped (the broker refuses a publish whose user_id is not the connection's user).
-pub fn republish_properties(p: &BasicProperties, headers: FieldTable) -> BasicProperties {
-    let mut out = BasicProperties::default().with_headers(headers);
+/// Which properties [`copy_properties`] leaves out.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Omit {
+    /// Leave out `headers`.
+    pub headers: bool,
+    /// Leave out `delivery_mode`.
+    pub delivery_mode: bool,
+    /// Leave out `expiration`.
+    pub expiration: bool,
+    /// Leave out `message_id`.
+    pub message_id: bool,
+    /// Leave out `user_id`.
+    pub user_id: bool,
+}
+
+/// `p` without the properties named in `omit` (lapin has setters but no way to unset).
+pub fn copy_properties(p: &BasicProperties, omit: Omit) -> BasicProperties {
+    let mut o = BasicProperties::default();
     if let Some(v) = p.content_type() {
-        out = out.with_content_type(v.clone());
+        o = o.with_content_type(v.clone());
     }
     if let Some(v) = p.content_encoding() {
-        out = out.with_content_encoding(v.clone());
+        o = o.with_content_encoding(v.clone());
     }
-    if let Some(v) = p.delivery_mode() {
-        out = out.with_delivery_mode(*v);
+    if let Some(v) = p.headers().as_ref().filter(|_| !omit.headers) {
+        o = o.with_headers(v.clone());
+    }
+    if let Some(v) = p.delivery_mode().filter(|_| !omit.delivery_mode) {
+        o = o.with_delivery_mode(v);
     }
     if let Some(v) = p.priority() {
-        out = out.with_priority(*v);
+        o = o.with_priority(*v);
     }
     if let Some(v) = p.correlation_id() {
-        out = out.with_correlation_id(v.clone());
+        o = o.with_correlation_id(v.clone());
     }
     if let Some(v) = p.reply_to() {
-        out = out.with_reply_to(v.clone());
+        o = o.with_reply_to(v.clone());
     }
-    if let Some(v) = p.message_id() {
-        out = out.with_message_id(v.clone());
+    if let Some(v) = p.expiration().as_ref().filter(|_| !omit.expiration) {
+        o = o.with_expiration(v.clone());
+    }
+    if let Some(v) = p.message_id().as_ref().filter(|_| !omit.message_id) {
+        o = o.with_message_id(v.clone());
     }
     if let Some(v) = p.timestamp() {
-        out = out.with_timestamp(*v);
+        o = o.with_timestamp(*v);
     }
     if let Some(v) = p.kind() {
-        out = out.with_type(v.clone());
+        o = o.with_type(v.clone());
+    }
+    if let Some(v) = p.user_id().as_ref().filter(|_| !omit.user_id) {
+        o = o.with_user_id(v.clone());
     }
     if let Some(v) = p.app_id() {
-        out = out.with_app_id(v.clone());
+        o = o.with_app_id(v.clone());
     }
     if let Some(v) = p.cluster_id() {
-        out = out.with_cluster_id(v.clone());
+        o = o.with_cluster_id(v.clone());
     }
-    out
+    o
+}
+
+/// Properties for anything a worker re-publishes (retry, park, forward): `headers` replaced,
+/// `expiration` dropped (it would make a scheduled copy fail and a parked copy vanish) and
+/// `user_id` dropped (the broker refuses a publish whose user_id is not the connection's user).
+pub fn republish_properties(p: &BasicProperties, headers: FieldTable) -> BasicProperties {
+    copy_properties(
+        p,
+        Omit {
+            headers: true,
+            expiration: true,
+            user_id: true,
+            ..Omit::default()
+        },
+    )
+    .with_headers(headers)
 }
 
 /// Headers for re-scheduling a message: the original ones without the broker's death history,
@@ -192,6 +226,7 @@ pub fn headers_for_reschedule(original: Option<&FieldTable>) -> FieldTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::headers::PARKED_REASON;
     use lapin::types::LongString;
 
     fn ok((d, invalid): (Delivery, Option<String>)) -> Delivery {

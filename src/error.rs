@@ -1,15 +1,24 @@
 //! The crate's error type: every failure a caller can see, with text that says what happened
-//! and, where we know, what to do about it.
+//! and, where we know, what to do about it. Pure: it names lapin's error type but does no I/O.
 
+use crate::layout::LayoutError;
 use crate::planner::PlanError;
 use crate::settings::SettingsError;
 
+/// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Everything that can go wrong, by what the caller can do about it.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
+    /// The configuration is invalid (named key and value).
     #[error(transparent)]
     Settings(#[from] SettingsError),
+    /// The topology settings cannot produce a valid layout.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// The delay cannot be served by this topology.
     #[error(transparent)]
     Plan(#[from] PlanError),
     /// The request itself is malformed (bad destination, reserved header, ...).
@@ -18,6 +27,16 @@ pub enum Error {
     /// The destination queue does not exist, so nothing was scheduled.
     #[error("destination queue '{0}' does not exist (declare it first); nothing was scheduled")]
     UnknownDestination(String),
+    /// The delay topology (or a part of it) is missing on the broker.
+    #[error(
+        "the delay topology under prefix '{prefix}' is not declared on this broker{detail}; run `delay-publisher declare` (with the same --prefix and settings) first"
+    )]
+    NotDeclared {
+        /// The prefix looked for.
+        prefix: String,
+        /// What exactly is missing, as `": queue 'x' is missing"` (may be empty).
+        detail: String,
+    },
     /// The existing broker objects were declared with other settings.
     #[error("topology conflict: {0}")]
     Conflict(String),
@@ -25,39 +44,71 @@ pub enum Error {
     #[error(
         "the broker rejected the message (nack) publishing to '{exchange}': a tier queue is full (x-max-length with reject-publish) or unavailable; nothing was scheduled"
     )]
-    Nacked { exchange: String },
+    Nacked {
+        /// The exchange published to.
+        exchange: String,
+    },
     /// The broker returned the message as unroutable (topology incomplete).
     #[error(
         "the broker returned the message as unroutable ({code} {text}) from exchange '{exchange}' with key '{routing_key}': is the topology declared (`delay-publisher declare`)?"
     )]
     Returned {
+        /// The exchange published to.
         exchange: String,
+        /// The routing key used.
         routing_key: String,
+        /// The broker's reply code.
         code: u16,
+        /// The broker's reply text.
         text: String,
+    },
+    /// The broker cancelled a worker's consumer (its queue was deleted, or the node holding it
+    /// went away).
+    #[error("the broker cancelled the consumer of queue '{queue}' (queue deleted or unavailable)")]
+    ConsumerCancelled {
+        /// The queue whose consumer was cancelled.
+        queue: String,
+    },
+    /// A handler asked for the message to be put back unchanged ([`crate::Outcome::Requeue`]).
+    #[error("the handler could not process the message now and put it back: {reason}")]
+    Requeued {
+        /// What the handler said.
+        reason: String,
     },
     /// Connecting to the broker failed.
     #[error("cannot connect to the broker at {url}: {source}")]
     Connect {
+        /// The broker URL, password redacted.
         url: String,
         #[source]
+        /// lapin's error.
         source: lapin::Error,
+    },
+    /// The broker did not answer in time.
+    #[error("{context}: no answer from the broker within {timeout_ms} ms")]
+    Timeout {
+        /// What we were doing.
+        context: String,
+        /// How long we waited.
+        timeout_ms: u64,
     },
     /// Any other AMQP failure, with what we were doing.
     #[error("{context}: {source}")]
     Amqp {
+        /// What we were doing.
         context: String,
         #[source]
+        /// lapin's error.
         source: lapin::Error,
     },
 }
 
-/// Adds context to a lapin result.
-pub trait Context<T> {
+/// Adds what we were doing to a lapin result.
+pub(crate) trait ResultExt<T> {
     fn context(self, what: impl FnOnce() -> String) -> Result<T>;
 }
 
-impl<T> Context<T> for std::result::Result<T, lapin::Error> {
+impl<T> ResultExt<T> for std::result::Result<T, lapin::Error> {
     fn context(self, what: impl FnOnce() -> String) -> Result<T> {
         self.map_err(|source| Error::Amqp {
             context: what(),
@@ -66,12 +117,37 @@ impl<T> Context<T> for std::result::Result<T, lapin::Error> {
     }
 }
 
-/// The broker's reply code and text when `e` is a channel or connection error it sent.
-pub fn broker_error(e: &lapin::Error) -> Option<(u16, String)> {
-    match e.kind() {
-        lapin::ErrorKind::ProtocolError(amqp) => {
-            Some((amqp.get_id(), amqp.get_message().as_str().to_string()))
+/// `outer: inner: innermost` (skipping a cause already contained in the text before it): how
+/// every error is printed.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
         }
-        _ => None,
+        cur = c.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("outer: inner detail")]
+    struct Outer(#[source] Inner);
+    #[derive(Debug, thiserror::Error)]
+    #[error("inner detail")]
+    struct Inner;
+
+    #[test]
+    fn chain_skips_repeated_causes() {
+        assert_eq!(chain(&Outer(Inner)), "outer: inner detail");
+        let e = Error::Invalid("bad".into());
+        assert_eq!(chain(&e), "invalid request: bad");
     }
 }

@@ -1,5 +1,5 @@
 //! Header rules, pure: the headers we set on every scheduled message, the reserved names, the
-//! stripping of the broker's dead-letter history before anything is re-published (design.md
+//! stripping of the broker's dead-letter history before anything is re-published (docs/DESIGN.md
 //! rule 3), and conversion of JSON header values into AMQP field values.
 
 use std::collections::BTreeMap;
@@ -13,8 +13,39 @@ pub const DUE_AT: &str = "x-delay-due-at";
 /// Delivery attempt: 0 on first schedule, +1 per retry.
 pub const ATTEMPT: &str = "x-delay-attempt";
 
-/// Headers only we set.
+/// Headers only we set on every scheduled message.
 pub const RESERVED: [&str; 3] = [DELAY_MS, DUE_AT, ATTEMPT];
+
+/// Why a worker parked a message.
+pub const PARKED_REASON: &str = "x-delay-parked-reason";
+/// When it was parked (ms since the Unix epoch).
+pub const PARKED_AT: &str = "x-delay-parked-at";
+/// How many executions it had.
+pub const PARKED_ATTEMPTS: &str = "x-delay-parked-attempts";
+/// The queue it was consumed from.
+pub const PARKED_FROM: &str = "x-delay-parked-from";
+
+/// Original routing key of a message relayed for a plugin-style publisher (gateway, forward).
+pub const ROUTING_KEY: &str = "x-delay-routing-key";
+/// The plugin's delay header, in milliseconds (read at a gateway ingress).
+pub const X_DELAY: &str = "x-delay";
+/// Gateway: the `expiration` the application set (re-applied on delivery).
+pub const EXPIRATION: &str = "x-delay-expiration";
+/// Gateway: the `delivery_mode` the application set.
+pub const DELIVERY_MODE: &str = "x-delay-delivery-mode";
+/// Gateway: the application set no `message_id` (the publisher generated one).
+pub const NO_MESSAGE_ID: &str = "x-delay-no-message-id";
+/// Gateway: the application set no `headers` table.
+pub const NO_HEADERS: &str = "x-delay-no-headers";
+/// Gateway: the `user_id` the application published with; kept on the delivered message.
+pub const USER_ID: &str = "x-delay-user-id";
+/// Gateway: why the ingress refused the message; the due handler parks it with this reason.
+pub const INVALID: &str = "x-delay-invalid";
+
+/// Every `x-delay-*` name is ours: reserved on every input path.
+pub fn is_ours(name: &str) -> bool {
+    name.starts_with("x-delay-")
+}
 
 /// The broker's dead-letter history headers.
 pub fn is_death_header(name: &str) -> bool {

@@ -11,8 +11,8 @@ use lapin::BasicProperties;
 use serde::Deserialize;
 
 use crate::headers;
-use crate::publisher::Message;
-use crate::settings::parse_duration_ms;
+use crate::message::Message;
+use crate::time::parse_duration_ms;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -1,7 +1,7 @@
 //! The shape of the delay topology, computed from settings without any I/O: which tier queues
 //! exist, their TTLs, their names, where each one dead-letters to, and the binding patterns.
 //!
-//! Three kinds of tier (see design.md, "The shape we aim for"):
+//! Three kinds of tier (see docs/DESIGN.md, "The shape"):
 //! * **cascade levels** `0..levels`: level `k` holds one queue per digit `d = 1..radix` with
 //!   TTL `d · radix^k · unit`, and one topic exchange. The routing key carries one word per level
 //!   (highest level first) followed by the destination. Digit 0 passes through an
@@ -14,7 +14,9 @@
 
 use std::fmt;
 
-use crate::settings::{QueueType, TopologySettings};
+use serde::{Deserialize, Serialize};
+
+use crate::time::{DurationMs, compact_duration};
 
 /// The broker's limit for `x-message-ttl` (milliseconds, unsigned 32-bit).
 pub const BROKER_MAX_TTL_MS: u64 = u32::MAX as u64;
@@ -25,9 +27,71 @@ pub const MAX_OVERFLOW_QUEUES: u64 = 64;
 /// Digit alphabet of routing-key words (radix up to 36).
 const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
 
+/// The shape of the tier topology. Changing any of these for an existing prefix is refused at
+/// declare time (see `Topology::declare`).
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TopologySettings {
+    /// Digits per cascade level (2..=36). Larger means fewer hops and more queues.
+    pub radix: u32,
+    /// Time unit of the lowest level, in milliseconds: the finest precision.
+    pub unit_ms: u64,
+    /// Longest accepted delay.
+    pub max_delay: DurationMs,
+    /// Delays that get their own one-hop tier.
+    pub fixed_levels: Vec<DurationMs>,
+    /// `quorum` (at-least-once dead-lettering, the default) or `classic` (at-most-once).
+    pub queue_type: QueueType,
+    /// Optional `x-max-length` of every tier; a full tier makes publishes fail (nack).
+    pub max_tier_length: Option<u64>,
+    /// Largest TTL of a single tier queue; the broker's limit unless lowered (tests lower it to
+    /// exercise the overflow chain quickly).
+    pub max_tier_ttl_ms: u64,
+}
+
+impl Default for TopologySettings {
+    fn default() -> Self {
+        TopologySettings {
+            radix: 16,
+            unit_ms: 1,
+            max_delay: DurationMs(365 * 24 * 3_600_000),
+            fixed_levels: ["30s", "5m", "30m", "24h"]
+                .iter()
+                .map(|s| s.parse().expect("valid default"))
+                .collect(),
+            queue_type: QueueType::Quorum,
+            max_tier_length: None,
+            max_tier_ttl_ms: BROKER_MAX_TTL_MS,
+        }
+    }
+}
+
+/// Queue type of tier and parking queues.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum QueueType {
+    /// Quorum queues, `x-dead-letter-strategy=at-least-once`, `x-overflow=reject-publish`:
+    /// nothing is lost on dead-lettering (duplicates are possible).
+    #[default]
+    Quorum,
+    /// Classic queues: dead-lettering is at-most-once (a message can be lost if the broker
+    /// fails while moving it between tiers).
+    Classic,
+}
+
+impl fmt::Display for QueueType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            QueueType::Quorum => "quorum",
+            QueueType::Classic => "classic",
+        })
+    }
+}
+
 /// One tier queue of the topology.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tier {
+    /// What kind of tier it is.
     pub kind: TierKind,
     /// Queue name.
     pub queue: String,
@@ -38,13 +102,25 @@ pub struct Tier {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// Which kind of tier a queue is.
 pub enum TierKind {
     /// Cascade level `level`, digit `digit`.
-    Cascade { level: u32, digit: u32 },
+    Cascade {
+        /// Cascade level (0 = finest).
+        level: u32,
+        /// Digit `1..radix`.
+        digit: u32,
+    },
     /// Fixed level with this TTL.
-    Fixed { ttl_ms: u64 },
+    Fixed {
+        /// Its TTL.
+        ttl_ms: u64,
+    },
     /// Element `index` (1-based) of the overflow chain.
-    Overflow { index: u32 },
+    Overflow {
+        /// 1-based index in the chain.
+        index: u32,
+    },
 }
 
 /// The computed topology. Cheap to clone; every name the code uses comes from here.
@@ -163,12 +239,15 @@ impl Layout {
         })
     }
 
+    /// Prefix of every name.
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
+    /// Digits per cascade level.
     pub fn radix(&self) -> u32 {
         self.radix
     }
+    /// Finest precision in ms.
     pub fn unit_ms(&self) -> u64 {
         self.unit_ms
     }
@@ -176,9 +255,11 @@ impl Layout {
     pub fn levels(&self) -> u32 {
         self.levels
     }
+    /// Queue type of tiers and parking queues.
     pub fn queue_type(&self) -> QueueType {
         self.queue_type
     }
+    /// `x-max-length` of every tier, if set.
     pub fn max_tier_length(&self) -> Option<u64> {
         self.max_tier_length
     }
@@ -190,9 +271,11 @@ impl Layout {
     pub fn cascade_max_ms(&self) -> u64 {
         (u64::from(self.radix).pow(self.levels) - 1) * self.unit_ms
     }
+    /// TTL of each overflow tier.
     pub fn overflow_ttl_ms(&self) -> u64 {
         self.overflow_ttl_ms
     }
+    /// Number of overflow tiers.
     pub fn overflow_count(&self) -> u32 {
         self.overflow_count
     }
@@ -241,6 +324,7 @@ impl Layout {
     pub fn level_exchange(&self, k: u32) -> String {
         format!("{}.level{k}", self.prefix)
     }
+    /// Queue of cascade level `k`, digit `d`.
     pub fn cascade_queue(&self, k: u32, d: u32) -> String {
         format!("{}.level{k}.d{d}", self.prefix)
     }
@@ -252,6 +336,7 @@ impl Layout {
     pub fn overflow_exchange(&self, i: u32) -> String {
         format!("{}.overflow{i}", self.prefix)
     }
+    /// Queue `i` (1-based) of the overflow chain.
     pub fn overflow_queue(&self, i: u32) -> String {
         self.overflow_exchange(i)
     }
@@ -259,6 +344,7 @@ impl Layout {
     pub fn fixed_exchange(&self, ms: u64) -> String {
         format!("{}.fixed.{}", self.prefix, compact_duration(ms))
     }
+    /// Queue of the fixed level of `ms`.
     pub fn fixed_queue(&self, ms: u64) -> String {
         self.fixed_exchange(ms)
     }
@@ -270,9 +356,32 @@ impl Layout {
     pub fn parking_exchange(&self) -> String {
         format!("{}.parking", self.prefix)
     }
-    /// Queue holding messages whose destination did not exist at delivery time.
-    pub fn parked_queue(&self) -> String {
+    /// Queue holding messages whose destination did not exist at delivery time (the parking
+    /// exchange's queue).
+    pub fn unroutable_queue(&self) -> String {
         format!("{}.parked", self.prefix)
+    }
+    /// Where a worker parks the messages of `queue` it gave up on (permanent failure, last
+    /// attempt failed, invalid envelope).
+    pub fn parked_queue(&self, queue: &str) -> String {
+        format!("{}.parked.{queue}", self.prefix)
+    }
+    /// Queue of gateway ingress exchange `ingress`: bound to it, consumed by the gateway.
+    pub fn gateway_ingress_queue(&self, ingress: &str) -> String {
+        format!("{}.gw.in.{ingress}", self.prefix)
+    }
+    /// Destination queue of gateway ingress `ingress`'s messages while they wait.
+    pub fn gateway_due_queue(&self, ingress: &str) -> String {
+        format!("{}.gw.due.{ingress}", self.prefix)
+    }
+    /// The control stream: gateway pairs and other records the topology remembers.
+    pub fn control_stream(&self) -> String {
+        format!("{}.control", self.prefix)
+    }
+    /// How long the control stream keeps a record: the longest delay plus a week (for
+    /// retries after it), in seconds.
+    pub fn control_max_age_secs(&self) -> u64 {
+        self.max_delay_ms.div_ceil(1000) + 7 * 24 * 3600
     }
     /// Queue that never holds messages; its arguments record the layout signature.
     pub fn layout_marker_queue(&self) -> String {
@@ -364,7 +473,7 @@ impl Layout {
         MAX_ROUTING_KEY_LEN - 2 * self.levels as usize
     }
 
-    /// Rules for a destination queue name (design.md rule 9): non-empty, fits the routing key,
+    /// Rules for a destination queue name (DESIGN rule 9): non-empty, fits the routing key,
     /// no empty word and no `*` / `#` word that would turn its binding into a wildcard.
     pub fn validate_destination(&self, destination: &str) -> Result<(), String> {
         if destination.is_empty() {
@@ -412,17 +521,6 @@ pub fn validate_prefix(prefix: &str) -> Result<(), String> {
         return Err("prefix must not contain '*' or '#'".into());
     }
     Ok(())
-}
-
-/// `1800000` → `30m`, `86400000` → `24h`, `1500` → `1500ms`.
-pub fn compact_duration(ms: u64) -> String {
-    const UNITS: [(u64, &str); 3] = [(3_600_000, "h"), (60_000, "m"), (1000, "s")];
-    for (size, name) in UNITS {
-        if ms >= size && ms.is_multiple_of(size) {
-            return format!("{}{name}", ms / size);
-        }
-    }
-    format!("{ms}ms")
 }
 
 impl fmt::Display for Layout {

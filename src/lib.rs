@@ -1,38 +1,68 @@
 //! amqp-delay: delayed delivery for RabbitMQ built only from stock features — tier queues with
-//! one fixed TTL each, dead-letter exchanges and topic routing. See `ARCHITECTURE.md` for the map.
+//! one fixed TTL each, dead-letter exchanges and topic routing. `ARCHITECTURE.md` is the map;
+//! `docs/DESIGN.md` has the broker rules and the cost model.
+//!
+//! What an application needs is at the root: [`Topology`] declares the tiers, [`Publisher`]
+//! schedules [`Message`]s, a [`Worker`] runs a [`Handler`] on every due [`Delivery`] and acts on
+//! its [`Outcome`]. [`Settings`] holds every setting (defaults < TOML file < environment).
 //!
 //! ```no_run
 //! # async fn demo() -> amqp_delay::Result<()> {
 //! use amqp_delay::{Message, Publisher, Settings, Topology};
 //! let settings = Settings::default();
 //! let conn = amqp_delay::connection::connect(&settings.url, "example").await?;
-//! Topology::new(settings.layout().unwrap()).declare(&conn).await?;
+//! Topology::new(settings.layout()?).declare(&conn).await?;
 //! let publisher = Publisher::connect(&settings).await?;
 //! let s = publisher.schedule(Message::new("orders.timeout", 30 * 60_000, r#"{"order":42}"#)).await?;
 //! println!("{} due at {}", s.message_id, s.due_at_ms);
 //! # Ok(()) }
 //! ```
+//!
+//! The modules are layered and only point down (checked by a test, see `ARCHITECTURE.md`):
+//! pure core ([`time`], [`layout`], [`planner`], [`headers`], `envelope`, `message`, `retry`,
+//! [`jsonl`], [`settings`], `error`) → broker edge ([`broker`], [`connection`], `topology`,
+//! `publisher`, `worker`) → applications ([`gateway`], [`actions`]) → the binaries' shared
+//! [`cli`] pieces.
 
-pub mod actions;
-pub mod bench;
-pub mod cli;
-pub mod connection;
-pub mod envelope;
-pub mod error;
-pub mod gateway;
+#![warn(missing_docs)]
+
+// ---- pure core: no I/O ---------------------------------------------------------------------
+mod envelope;
+mod error;
 pub mod headers;
 pub mod jsonl;
 pub mod layout;
+mod message;
 pub mod planner;
-pub mod publisher;
-pub mod retry;
+mod retry;
 pub mod settings;
-pub mod topology;
-pub mod worker;
+pub mod time;
 
-pub use error::{Error, Result};
-pub use layout::Layout;
+// ---- broker edge ---------------------------------------------------------------------------
+pub mod broker;
+pub mod connection;
+mod control;
+mod publisher;
+mod topology;
+mod worker;
+
+// ---- applications --------------------------------------------------------------------------
+pub mod actions;
+pub mod gateway;
+
+// ---- shared by the binaries ----------------------------------------------------------------
+pub mod cli;
+
+pub use envelope::{Delivery, Omit, copy_properties};
+pub use error::{Error, Result, chain as error_chain};
+pub use layout::{Layout, QueueType, TopologySettings};
+pub use message::{Message, Scheduled};
 pub use planner::{Precision, Route, plan};
-pub use publisher::{Message, Publisher, Scheduled};
+pub use publisher::Publisher;
+pub use retry::RetryPolicy;
 pub use settings::Settings;
-pub use topology::Topology;
+pub use topology::{QueueStat, Topology};
+pub use worker::{Context, Counters, Handler, Outcome, Worker};
+
+#[cfg(test)]
+mod layering;

@@ -41,6 +41,7 @@ impl Precision {
         lateness_ratio: 0.0,
     };
 
+    /// Checks the ratio is within 0..=1.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.lateness_ratio.is_finite() && (0.0..=1.0).contains(&self.lateness_ratio)) {
             return Err(format!(
@@ -68,7 +69,10 @@ pub enum Entry {
     /// A fixed level of this TTL.
     Fixed(u64),
     /// The overflow chain, walking the last `hops` of its queues.
-    Overflow { hops: u32 },
+    Overflow {
+        /// Overflow tiers to walk.
+        hops: u32,
+    },
 }
 
 /// The planned path of one message.
@@ -78,6 +82,7 @@ pub struct Route {
     pub delay_ms: u64,
     /// Sum of the TTLs of the tiers visited: when the broker will deliver it (plus latency).
     pub total_ms: u64,
+    /// Where the route enters the topology.
     pub entry: Entry,
     /// Cascade digit per level (index = level).
     pub digits: Vec<u32>,
@@ -115,7 +120,7 @@ impl Route {
             .map(|t| match *t {
                 TierKind::Cascade { level, digit } => format!("level{level} d{digit}"),
                 TierKind::Fixed { ttl_ms } => {
-                    format!("fixed {}", crate::layout::compact_duration(ttl_ms))
+                    format!("fixed {}", crate::time::compact_duration(ttl_ms))
                 }
                 TierKind::Overflow { index } => format!("overflow{index}"),
             })
@@ -132,11 +137,26 @@ impl Route {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlanError {
     #[error("delay {delay_ms} ms is longer than the configured maximum of {max_ms} ms")]
-    TooLong { delay_ms: u64, max_ms: u64 },
+    /// Longer than the topology accepts.
+    TooLong {
+        /// The requested delay.
+        delay_ms: u64,
+        /// `topology.max_delay`.
+        max_ms: u64,
+    },
 }
 
 /// Plans `delay_ms` through `layout` under `precision`.
 pub fn plan(layout: &Layout, precision: &Precision, delay_ms: u64) -> Result<Route, PlanError> {
+    let budget = precision.budget_ms(delay_ms);
+    plan_window(layout, delay_ms, delay_ms.saturating_add(budget))
+}
+
+/// The route with the fewest hops (then the least lateness) whose total TTL lies in
+/// `[delay_ms, latest_ms]` (widened to one unit when the unit is coarser than the window):
+/// never early, never later than `latest_ms`. A batch is planned this way, with the window
+/// every member accepts.
+pub fn plan_window(layout: &Layout, delay_ms: u64, latest_ms: u64) -> Result<Route, PlanError> {
     if delay_ms > layout.max_delay_ms() {
         return Err(PlanError::TooLong {
             delay_ms,
@@ -144,8 +164,7 @@ pub fn plan(layout: &Layout, precision: &Precision, delay_ms: u64) -> Result<Rou
         });
     }
     let unit = layout.unit_ms();
-    let budget = precision.budget_ms(delay_ms).max(unit - 1);
-    let hi = delay_ms.saturating_add(budget);
+    let hi = latest_ms.max(delay_ms.saturating_add(unit - 1));
     let cascade_units = layout.cascade_max_ms() / unit;
 
     // (pre-tier hops, pre-tier ms, pre-tier entry)
@@ -268,7 +287,8 @@ pub fn fewest_digits_in(lo: u64, hi: u64, radix: u32) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::settings::{DurationMs, TopologySettings};
+    use crate::layout::TopologySettings;
+    use crate::time::DurationMs;
     use proptest::prelude::*;
 
     fn layout(radix: u32, unit: u64, max: u64, max_ttl: u64, fixed: &[u64]) -> Layout {

@@ -4,84 +4,22 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 
-use crate::error::{Context, Error, Result, broker_error};
+use crate::broker::{self, NOT_FOUND};
+use crate::error::{Error, Result, ResultExt};
 use crate::headers;
 use crate::layout::Layout;
+use crate::message::{Message, Scheduled};
 use crate::planner::{self, Precision, Route};
 use crate::settings::{PublisherSettings, Settings};
+use crate::time::now_ms;
 use crate::topology::Topology;
-
-/// A message to deliver to `destination` (a queue name) after `delay_ms`.
-#[derive(Debug, Clone)]
-pub struct Message {
-    /// Destination queue.
-    pub destination: String,
-    /// Requested delay in milliseconds.
-    pub delay_ms: u64,
-    /// Body, delivered byte-for-byte.
-    pub body: Vec<u8>,
-    /// The caller's properties (content type, headers, correlation id, ...), kept as they are.
-    /// `message_id` is generated (UUID v7) when absent; `delivery_mode` is always persistent.
-    pub properties: BasicProperties,
-    /// Delivery attempt written to `x-delay-attempt` (0 on first schedule).
-    pub attempt: u32,
-}
-
-impl Message {
-    pub fn new(destination: impl Into<String>, delay_ms: u64, body: impl Into<Vec<u8>>) -> Self {
-        Message {
-            destination: destination.into(),
-            delay_ms,
-            body: body.into(),
-            properties: BasicProperties::default(),
-            attempt: 0,
-        }
-    }
-    pub fn with_id(mut self, id: impl Into<String>) -> Self {
-        self.properties = self.properties.with_message_id(id.into().as_str().into());
-        self
-    }
-    pub fn with_content_type(mut self, ct: impl Into<String>) -> Self {
-        self.properties = self.properties.with_content_type(ct.into().as_str().into());
-        self
-    }
-    pub fn with_headers(mut self, h: FieldTable) -> Self {
-        self.properties = self.properties.with_headers(h);
-        self
-    }
-    pub fn with_properties(mut self, p: BasicProperties) -> Self {
-        self.properties = p;
-        self
-    }
-    pub fn with_attempt(mut self, attempt: u32) -> Self {
-        self.attempt = attempt;
-        self
-    }
-}
-
-/// A message the broker has confirmed.
-#[derive(Debug, Clone)]
-pub struct Scheduled {
-    pub message_id: String,
-    /// Requested due time, ms since the Unix epoch.
-    pub due_at_ms: u64,
-    pub route: Route,
-}
-
-/// Milliseconds since the Unix epoch.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
 
 /// Schedules messages. Cheap to share (`&Publisher` from many tasks); publishes are pipelined.
 pub struct Publisher {
@@ -136,10 +74,12 @@ impl Publisher {
         })
     }
 
+    /// The topology layout it publishes into.
     pub fn layout(&self) -> &Layout {
         &self.layout
     }
 
+    /// The lateness budget it plans with.
     pub fn precision(&self) -> &Precision {
         &self.precision
     }
@@ -156,7 +96,7 @@ impl Publisher {
             .map_err(Error::Invalid)?;
         if msg.properties.expiration().is_some() {
             return Err(Error::Invalid(
-                "the 'expiration' property is not allowed on a delayed message: it would expire inside a tier and be delivered early (design.md rule 1); set it when the message is delivered instead".into(),
+                "the 'expiration' property is not allowed on a delayed message: it would expire inside a tier and be delivered early (docs/DESIGN.md rule 1); set it when the message is delivered instead".into(),
             ));
         }
         let route = self.plan(msg.delay_ms)?;
@@ -321,13 +261,14 @@ impl Publisher {
             }
             Err(e) => {
                 *admin = None; // the broker closed the channel
-                match broker_error(&e) {
-                    Some((404, text)) if text.contains("no queue") => {
+                match broker::reply(&e) {
+                    Some((NOT_FOUND, text)) if text.contains("no queue") => {
                         Err(Error::UnknownDestination(destination.into()))
                     }
-                    Some((404, _)) => Err(Error::Invalid(format!(
-                        "the delivery exchange '{exchange}' is missing: run `delay-publisher declare` first"
-                    ))),
+                    Some((NOT_FOUND, _)) => Err(Error::NotDeclared {
+                        prefix: self.layout.prefix().to_string(),
+                        detail: format!(": the delivery exchange '{exchange}' is missing"),
+                    }),
                     _ => Err(e).context(|| format!("binding destination '{destination}'")),
                 }
             }

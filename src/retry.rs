@@ -4,10 +4,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::settings::DurationMs;
+use crate::time::DurationMs;
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
+/// When and how a failed message is retried, and when it is parked.
 pub struct RetryPolicy {
     /// Delay before the first retry.
     pub base: DurationMs,
@@ -34,6 +35,7 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// Checks factor, jitter, attempts and cap.
     pub fn validate(&self) -> Result<(), String> {
         if self.max_attempts == 0 {
             return Err("retry.max_attempts must be at least 1".into());

@@ -6,14 +6,14 @@
 //! (`AMQP_DELAY_<KEY>` at the top level, `AMQP_DELAY_<SECTION>__<KEY>` in a section, e.g.
 //! `AMQP_DELAY_TOPOLOGY__RADIX=8`), then command-line flags.
 
-use std::fmt;
 use std::path::Path;
-use std::str::FromStr;
 
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
-use crate::layout::{BROKER_MAX_TTL_MS, Layout, LayoutError};
+use crate::layout::{Layout, LayoutError, TopologySettings};
 use crate::planner::Precision;
+use crate::retry::RetryPolicy;
+use crate::time::DurationMs;
 
 /// Default broker URL.
 pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -28,12 +28,16 @@ pub struct Settings {
     pub url: String,
     /// Prefix of every exchange and queue name we create.
     pub prefix: String,
+    /// Shape of the tier topology.
     pub topology: TopologySettings,
+    /// Lateness budget of the planner.
     pub precision: Precision,
+    /// Publisher tuning.
     pub publisher: PublisherSettings,
+    /// Worker settings.
     pub consumer: ConsumerSettings,
     /// `x-delay` gateway pairs (`delay-publisher gateway`).
-    pub gateway: crate::gateway::GatewaySettings,
+    pub gateway: GatewaySettings,
 }
 
 impl Default for Settings {
@@ -45,69 +49,8 @@ impl Default for Settings {
             precision: Precision::default(),
             publisher: PublisherSettings::default(),
             consumer: ConsumerSettings::default(),
-            gateway: crate::gateway::GatewaySettings::default(),
+            gateway: GatewaySettings::default(),
         }
-    }
-}
-
-/// The shape of the tier topology. Changing any of these for an existing prefix is refused at
-/// declare time (see `Topology::declare`).
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct TopologySettings {
-    /// Digits per cascade level (2..=36). Larger means fewer hops and more queues.
-    pub radix: u32,
-    /// Time unit of the lowest level, in milliseconds: the finest precision.
-    pub unit_ms: u64,
-    /// Longest accepted delay.
-    pub max_delay: DurationMs,
-    /// Delays that get their own one-hop tier.
-    pub fixed_levels: Vec<DurationMs>,
-    /// `quorum` (at-least-once dead-lettering, the default) or `classic` (at-most-once).
-    pub queue_type: QueueType,
-    /// Optional `x-max-length` of every tier; a full tier makes publishes fail (nack).
-    pub max_tier_length: Option<u64>,
-    /// Largest TTL of a single tier queue; the broker's limit unless lowered (tests lower it to
-    /// exercise the overflow chain quickly).
-    pub max_tier_ttl_ms: u64,
-}
-
-impl Default for TopologySettings {
-    fn default() -> Self {
-        TopologySettings {
-            radix: 16,
-            unit_ms: 1,
-            max_delay: DurationMs(365 * 24 * 3_600_000),
-            fixed_levels: ["30s", "5m", "30m", "24h"]
-                .iter()
-                .map(|s| s.parse().expect("valid default"))
-                .collect(),
-            queue_type: QueueType::Quorum,
-            max_tier_length: None,
-            max_tier_ttl_ms: BROKER_MAX_TTL_MS,
-        }
-    }
-}
-
-/// Queue type of tier and parking queues.
-#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum QueueType {
-    /// Quorum queues, `x-dead-letter-strategy=at-least-once`, `x-overflow=reject-publish`:
-    /// nothing is lost on dead-lettering (duplicates are possible).
-    #[default]
-    Quorum,
-    /// Classic queues: dead-lettering is at-most-once (a message can be lost if the broker
-    /// fails while moving it between tiers).
-    Classic,
-}
-
-impl fmt::Display for QueueType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            QueueType::Quorum => "quorum",
-            QueueType::Classic => "classic",
-        })
     }
 }
 
@@ -147,7 +90,8 @@ pub struct ConsumerSettings {
     /// On SIGTERM/SIGINT, how long in-flight handlers may finish before the worker exits
     /// (what did not finish is returned to the queue by the broker).
     pub shutdown_grace: DurationMs,
-    pub retry: crate::retry::RetryPolicy,
+    /// Backoff of retries.
+    pub retry: RetryPolicy,
     /// Exit code of an `exec` action that means "permanent failure: park, don't retry".
     pub permanent_exit_code: i32,
     /// Queue → action mappings for `delay-consumer` (instead of `--queue` + action flag).
@@ -162,7 +106,7 @@ impl Default for ConsumerSettings {
             handler_timeout: DurationMs(5 * 60_000),
             consumer_timeout: DurationMs(30 * 60_000),
             shutdown_grace: DurationMs(30_000),
-            retry: crate::retry::RetryPolicy::default(),
+            retry: RetryPolicy::default(),
             permanent_exit_code: 65,
             routes: Vec::new(),
         }
@@ -174,6 +118,7 @@ impl Default for ConsumerSettings {
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct RouteConfig {
+    /// Destination queue to consume.
     pub queue: String,
     /// Command line; the body on stdin, DELAY_MESSAGE_ID / DELAY_ATTEMPT / DELAY_DUE_AT set.
     pub exec: Option<String>,
@@ -186,6 +131,7 @@ pub struct RouteConfig {
 }
 
 impl RouteConfig {
+    /// Checks the route names a queue and exactly one action.
     pub fn validate(&self) -> Result<(), String> {
         if self.queue.is_empty() {
             return Err("consumer.routes: every route needs a 'queue'".into());
@@ -210,6 +156,7 @@ impl RouteConfig {
 }
 
 impl ConsumerSettings {
+    /// Checks prefetch, concurrency, timeouts and the retry policy.
     pub fn validate(&self) -> Result<(), String> {
         if self.prefetch == 0 {
             return Err("consumer.prefetch must be at least 1".into());
@@ -234,87 +181,98 @@ impl ConsumerSettings {
     }
 }
 
-/// A duration in whole milliseconds, written as `1500` (ms), `"1500ms"`, `"30s"`, `"1m30s"`,
-/// `"24h"`, `"365d"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-#[serde(into = "String")]
-pub struct DurationMs(pub u64);
-
-impl DurationMs {
-    pub fn as_millis(self) -> u64 {
-        self.0
-    }
+/// `[gateway]` section of the configuration.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct GatewaySettings {
+    /// `[[gateway.pairs]]`: ingress exchange → target exchange.
+    pub pairs: Vec<PairConfig>,
 }
 
-impl From<DurationMs> for String {
-    fn from(d: DurationMs) -> String {
-        d.to_string()
-    }
+/// One `[[gateway.pairs]]` entry.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PairConfig {
+    /// Exchange applications publish to with `x-delay` (declared by the gateway, fanout).
+    pub ingress: String,
+    /// Existing exchange the due message is published to, with its original routing key.
+    pub target: String,
 }
 
-impl fmt::Display for DurationMs {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&crate::layout::compact_duration(self.0))
-    }
-}
-
-impl FromStr for DurationMs {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        parse_duration_ms(s).map(DurationMs)
-    }
-}
-
-impl<'de> Deserialize<'de> for DurationMs {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Int(i64),
-            Str(String),
+impl GatewaySettings {
+    /// Pairs from repeated `--ingress I --target T` flags, matched in order.
+    pub fn from_flags(ingress: &[String], target: &[String]) -> Result<GatewaySettings, String> {
+        if ingress.len() != target.len() {
+            return Err(format!(
+                "give one --target per --ingress (got {} --ingress and {} --target)",
+                ingress.len(),
+                target.len()
+            ));
         }
-        match Raw::deserialize(d)? {
-            Raw::Int(n) if n >= 0 => Ok(DurationMs(n as u64)),
-            Raw::Int(n) => Err(serde::de::Error::custom(format!(
-                "duration must not be negative, got {n}"
-            ))),
-            Raw::Str(s) => s.parse().map_err(serde::de::Error::custom),
-        }
+        let pairs = ingress
+            .iter()
+            .zip(target)
+            .map(|(i, t)| PairConfig {
+                ingress: i.clone(),
+                target: t.clone(),
+            })
+            .collect();
+        let s = GatewaySettings { pairs };
+        s.validate()?;
+        Ok(s)
     }
-}
 
-/// Parses a delay: a plain integer is milliseconds; otherwise humantime syntax (`1m30s`, `24h`,
-/// `500ms`). Negative and sub-millisecond parts are errors.
-pub fn parse_duration_ms(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    if t.is_empty() {
-        return Err("empty duration".into());
+    /// Checks what can be checked without the layout or a broker.
+    pub fn validate(&self) -> Result<(), String> {
+        let mut seen = std::collections::HashSet::new();
+        for p in &self.pairs {
+            for (what, name) in [("ingress", &p.ingress), ("target", &p.target)] {
+                if name.is_empty() {
+                    return Err(format!(
+                        "gateway.pairs: every pair needs a non-empty '{what}'"
+                    ));
+                }
+                if name.len() > 255 {
+                    return Err(format!(
+                        "gateway.pairs: {what} exchange name is {} bytes, more than 255",
+                        name.len()
+                    ));
+                }
+            }
+            if p.ingress.starts_with("amq.") {
+                return Err(format!(
+                    "gateway.pairs: ingress '{}' starts with 'amq.', which the broker reserves",
+                    p.ingress
+                ));
+            }
+            if p.ingress == p.target {
+                return Err(format!(
+                    "gateway.pairs: ingress and target are both '{}'; the message would come back to the gateway",
+                    p.ingress
+                ));
+            }
+            if !seen.insert(p.ingress.as_str()) {
+                return Err(format!(
+                    "gateway.pairs: ingress '{}' appears twice; one ingress has one target",
+                    p.ingress
+                ));
+            }
+        }
+        Ok(())
     }
-    if t.starts_with('-') {
-        return Err(format!("negative duration '{t}'"));
-    }
-    if let Ok(n) = t.parse::<u64>() {
-        return Ok(n);
-    }
-    let d = humantime::parse_duration(t).map_err(|e| {
-        format!("invalid duration '{t}': {e} (use e.g. 1500, 1500ms, 30s, 1m30s, 24h)")
-    })?;
-    if d.subsec_nanos() % 1_000_000 != 0 {
-        return Err(format!(
-            "duration '{t}' has a sub-millisecond part; the finest resolution is 1 ms"
-        ));
-    }
-    u64::try_from(d.as_millis()).map_err(|_| format!("duration '{t}' is too long"))
 }
 
 /// A settings problem, with the key and value named.
 #[derive(Debug, thiserror::Error)]
 pub enum SettingsError {
     #[error("configuration: {0}")]
+    /// The file or environment could not be read or has an unknown key.
     Load(#[from] config::ConfigError),
     #[error(transparent)]
+    /// The topology settings are invalid.
     Layout(#[from] LayoutError),
     #[error("configuration: {0}")]
+    /// A setting has an invalid value.
     Invalid(String),
 }
 
@@ -446,22 +404,23 @@ mod tests {
             .to_string();
         assert!(e.contains("/nonexistent.toml does not exist"), "{e}");
     }
-
     #[test]
-    fn durations_parse() {
-        assert_eq!(parse_duration_ms("1500"), Ok(1500));
-        assert_eq!(parse_duration_ms("1m30s"), Ok(90_000));
-        assert_eq!(parse_duration_ms("24h"), Ok(86_400_000));
-        assert!(parse_duration_ms("-5s").unwrap_err().contains("negative"));
+    fn pair_settings_are_validated() {
+        let f = |i: &[&str], t: &[&str]| {
+            GatewaySettings::from_flags(
+                &i.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+                &t.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+            )
+        };
+        assert_eq!(f(&["a", "b"], &["x", "y"]).unwrap().pairs.len(), 2);
         assert!(
-            parse_duration_ms("soon")
+            f(&["a"], &[])
                 .unwrap_err()
-                .contains("invalid duration 'soon'")
+                .contains("one --target per --ingress")
         );
-        assert!(
-            parse_duration_ms("1us")
-                .unwrap_err()
-                .contains("sub-millisecond")
-        );
+        assert!(f(&["a"], &["a"]).unwrap_err().contains("come back"));
+        assert!(f(&["a", "a"], &["x", "y"]).unwrap_err().contains("twice"));
+        assert!(f(&["amq.x"], &["y"]).unwrap_err().contains("amq."));
+        assert!(f(&[""], &["y"]).is_err());
     }
 }

@@ -12,7 +12,6 @@ use std::time::Duration;
 use futures::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-    QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Connection};
@@ -20,11 +19,15 @@ use rand::Rng;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
+use crate::broker;
 use crate::envelope::{self, Delivery};
-use crate::error::{Context as _, Error, Result, broker_error};
+use crate::error::{Error, Result, ResultExt};
 use crate::headers;
-use crate::publisher::{Message, Publisher, now_ms};
+use crate::layout::Layout;
+use crate::message::Message;
+use crate::publisher::Publisher;
 use crate::settings::{ConsumerSettings, Settings};
+use crate::time::now_ms;
 
 /// What a handler decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,6 +46,7 @@ pub enum Outcome {
 
 /// Business logic run on every due message. Must be idempotent: delivery is at-least-once.
 pub trait Handler: Send + Sync + 'static {
+    /// Processes one due message and says what to do with it.
     fn handle(&self, delivery: &Delivery, ctx: &Context) -> impl Future<Output = Outcome> + Send;
 }
 
@@ -53,6 +57,7 @@ pub struct Context {
 }
 
 impl Context {
+    /// The worker's confirmed publisher.
     pub fn publisher(&self) -> &Publisher {
         &self.publisher
     }
@@ -61,9 +66,13 @@ impl Context {
 /// Counters of what a worker did, readable while it runs.
 #[derive(Debug, Default)]
 pub struct Counters {
+    /// Handlers that succeeded.
     pub succeeded: AtomicU64,
+    /// Retries scheduled.
     pub retried: AtomicU64,
+    /// Messages parked.
     pub parked: AtomicU64,
+    /// Deliveries the broker marked as redelivered.
     pub redelivered: AtomicU64,
 }
 
@@ -74,17 +83,13 @@ pub struct Worker<H: Handler> {
     counters: Arc<Counters>,
 }
 
-/// Parking queue of a destination.
-pub fn parked_queue(prefix: &str, queue: &str) -> String {
-    format!("{prefix}.parked.{queue}")
-}
-
 enum SessionEnd {
     Stopped,
     Lost(Error),
 }
 
 impl<H: Handler> Worker<H> {
+    /// A worker with `settings` and no queue yet (add them with [`Worker::subscribe`]).
     pub fn new(settings: Settings) -> Self {
         Worker {
             settings,
@@ -99,6 +104,7 @@ impl<H: Handler> Worker<H> {
         self
     }
 
+    /// The worker's counters, readable while it runs.
     pub fn counters(&self) -> Arc<Counters> {
         self.counters.clone()
     }
@@ -141,7 +147,7 @@ impl<H: Handler> Worker<H> {
                 Ok(SessionEnd::Lost(e)) => {
                     tracing::warn!(
                         "connection lost or refused: {}; reconnecting in {:?}",
-                        crate::cli::chain(&e),
+                        crate::error::chain(&e),
                         backoff
                     );
                 }
@@ -184,7 +190,7 @@ impl<H: Handler> Worker<H> {
             .context(|| "opening the consume channel".into())?;
         for (q, _) in &self.subscriptions {
             check_queue_exists(conn, q).await?;
-            declare_parking(&ch, &s.prefix, q, &layout).await?;
+            declare_parking(&ch, &layout, q).await?;
         }
         ch.basic_qos(cs.prefetch, BasicQosOptions::default())
             .await
@@ -202,7 +208,9 @@ impl<H: Handler> Worker<H> {
                 .await
                 .context(|| format!("consuming '{q}'"))?;
             tags.push(consumer.tag().clone());
-            streams.push(consumer.map(move |d| (i, d)).boxed());
+            // A consumer's stream ends when the broker cancels it: say which one ended.
+            let ended = futures::stream::once(async move { (i, None) });
+            streams.push(consumer.map(move |d| (i, Some(d))).chain(ended).boxed());
         }
         tracing::info!(
             queues = ?self.subscriptions.iter().map(|(q, _)| q.as_str()).collect::<Vec<_>>(),
@@ -224,12 +232,12 @@ impl<H: Handler> Worker<H> {
                 _ = shutdown.as_mut() => break SessionEnd::Stopped,
             };
             match next {
-                Some((i, Ok(d))) => {
+                Some((i, Some(Ok(d)))) => {
                     let (queue, handler) = self.subscriptions[i].clone();
                     let ctx = TaskCtx {
                         publisher: publisher.clone(),
                         settings: cs.clone(),
-                        prefix: s.prefix.clone(),
+                        layout: layout.clone(),
                         counters: self.counters.clone(),
                     };
                     tasks.spawn(async move {
@@ -237,15 +245,20 @@ impl<H: Handler> Worker<H> {
                         drop(permit);
                     });
                 }
-                Some((i, Err(e))) => {
+                Some((i, Some(Err(e)))) => {
                     break SessionEnd::Lost(Error::Amqp {
                         context: format!("consuming '{}'", self.subscriptions[i].0),
                         source: e,
                     });
                 }
+                Some((i, None)) => {
+                    break SessionEnd::Lost(Error::ConsumerCancelled {
+                        queue: self.subscriptions[i].0.clone(),
+                    });
+                }
                 None => {
                     break SessionEnd::Lost(Error::Invalid(
-                        "the broker cancelled the consumer (queue deleted?)".into(),
+                        "every consumer of this worker ended".into(),
                     ));
                 }
             }
@@ -294,59 +307,27 @@ impl<H: Handler> Worker<H> {
 struct TaskCtx {
     publisher: Arc<Publisher>,
     settings: ConsumerSettings,
-    prefix: String,
+    layout: Layout,
     counters: Arc<Counters>,
 }
 
 async fn check_queue_exists(conn: &Connection, q: &str) -> Result<()> {
-    let ch = conn
-        .create_channel()
-        .await
-        .context(|| "opening a channel".into())?;
-    let opts = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
-    match ch
-        .queue_declare(q.into(), opts, FieldTable::default())
-        .await
-    {
-        Ok(_) => {
-            let _ = ch.close(200, "ok".into()).await;
-            Ok(())
-        }
-        Err(e) if broker_error(&e).is_some_and(|(c, _)| c == 404) => Err(Error::Invalid(format!(
+    match broker::queue_state(conn, q).await? {
+        Some(_) => Ok(()),
+        None => Err(Error::Invalid(format!(
             "queue '{q}' does not exist; declare it (and schedule messages to it) first"
         ))),
-        Err(e) => Err(e).context(|| format!("checking queue '{q}'")),
     }
 }
 
-async fn declare_parking(
-    ch: &Channel,
-    prefix: &str,
-    q: &str,
-    layout: &crate::layout::Layout,
-) -> Result<()> {
-    let name = parked_queue(prefix, q);
+async fn declare_parking(ch: &Channel, layout: &Layout, q: &str) -> Result<()> {
+    let name = layout.parked_queue(q);
     if name.len() > 255 {
         return Err(Error::Invalid(format!(
             "parking queue name for '{q}' would be longer than 255 bytes"
         )));
     }
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString(layout.queue_type().to_string().into()),
-    );
-    let opts = QueueDeclareOptions {
-        durable: true,
-        ..QueueDeclareOptions::default()
-    };
-    ch.queue_declare(name.as_str().into(), opts, args)
-        .await
-        .map(|_| ())
-        .context(|| format!("declaring parking queue '{name}'"))
+    broker::declare_queue(ch, &name, broker::queue_type_args(layout.queue_type())).await
 }
 
 /// Handles one delivery end to end. Never panics on bad input; on an error it cannot resolve
@@ -404,9 +385,9 @@ async fn process<H: Handler>(
                     park(&d, &why, ctx).await.map(|_| "parked")
                 }
                 Outcome::Permanent(reason) => park(&d, reason, ctx).await.map(|_| "parked"),
-                Outcome::Requeue(reason) => Err(Error::Invalid(format!(
-                    "the handler could not process it now: {reason}"
-                ))),
+                Outcome::Requeue(reason) => Err(Error::Requeued {
+                    reason: reason.clone(),
+                }),
             };
             (d, r)
         }
@@ -421,7 +402,7 @@ async fn process<H: Handler>(
         Err(e) => {
             // Could not re-schedule or park: give it back so nothing is lost; a short pause
             // keeps a persistent failure from becoming a hot loop.
-            tracing::error!(queue, id = %delivery.message_id, "{}; returning the message to the queue", crate::cli::chain(&e));
+            tracing::error!(queue, id = %delivery.message_id, "{}; returning the message to the queue", crate::error::chain(&e));
             tokio::time::sleep(Duration::from_secs(1)).await;
             let _ = acker
                 .nack(BasicNackOptions {
@@ -453,23 +434,23 @@ async fn park(d: &Delivery, reason: &str, ctx: &TaskCtx) -> Result<()> {
     let empty = FieldTable::default();
     let mut h = headers::strip_death(d.headers().unwrap_or(&empty));
     h.insert(
-        envelope::PARKED_REASON.into(),
+        headers::PARKED_REASON.into(),
         AMQPValue::LongString(LongString::from(reason)),
     );
     h.insert(
-        envelope::PARKED_AT.into(),
+        headers::PARKED_AT.into(),
         AMQPValue::LongLongInt(now_ms() as i64),
     );
     h.insert(
-        envelope::PARKED_ATTEMPTS.into(),
+        headers::PARKED_ATTEMPTS.into(),
         AMQPValue::LongLongInt(i64::from(d.attempt) + 1),
     );
     h.insert(
-        envelope::PARKED_FROM.into(),
+        headers::PARKED_FROM.into(),
         AMQPValue::LongString(LongString::from(d.queue.as_str())),
     );
     let props = envelope::republish_properties(&d.properties, h).with_delivery_mode(2);
-    let target = parked_queue(&ctx.prefix, &d.queue);
+    let target = ctx.layout.parked_queue(&d.queue);
     ctx.publisher
         .publish_confirmed("", &target, &d.body, props)
         .await?;

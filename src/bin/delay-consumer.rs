@@ -3,10 +3,11 @@
 
 use std::time::Duration;
 
+use amqp_delay::Worker;
 use amqp_delay::actions::Action;
 use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
-use amqp_delay::settings::{DurationMs, RouteConfig};
-use amqp_delay::worker::Worker;
+use amqp_delay::settings::RouteConfig;
+use amqp_delay::time::DurationMs;
 use clap::Parser;
 
 #[derive(Parser)]

@@ -6,11 +6,13 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use amqp_delay::broker;
 use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
-use amqp_delay::gateway::{Gateway, GatewaySettings};
+use amqp_delay::gateway::{self, Gateway};
 use amqp_delay::headers;
 use amqp_delay::jsonl;
-use amqp_delay::settings::{DurationMs, Settings};
+use amqp_delay::settings::{GatewaySettings, Settings};
+use amqp_delay::time::DurationMs;
 use amqp_delay::{Error, Message, Publisher, Topology, connection};
 use clap::{Parser, Subcommand};
 use futures::StreamExt;
@@ -206,25 +208,37 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
         }
         Cmd::Teardown { force } => {
             let conn = connection::connect(&settings.url, "amqp-delay teardown").await?;
-            let topo = Topology::new(layout);
+            let topo = Topology::new(layout.clone());
+            let pairs = gateway::registered_pairs(&conn, &layout).await?;
             if !force {
-                let held: u64 = topo
+                let mut held: u64 = topo
                     .stats(&conn)
                     .await?
                     .iter()
                     .map(|s| u64::from(s.messages))
                     .sum();
+                for q in pairs.iter().flat_map(|p| p.queues()) {
+                    if let Some(s) = broker::queue_state(&conn, q).await? {
+                        held += u64::from(s.ready);
+                    }
+                }
                 if held > 0 {
                     return Err(Error::Invalid(format!(
-                        "{held} messages are still in the tiers or parked; they would be lost. Wait for them to drain, or pass --force"
+                        "{held} messages are still in the tiers, the gateway queues or parked; they would be lost. Wait for them to drain, or pass --force"
                     )));
                 }
             }
+            gateway::delete_pairs(&conn, &pairs).await?;
             topo.delete(&conn).await?;
             let _ = conn.close(200, "bye".into()).await;
             println!(
-                "removed the topology under prefix '{}'",
-                topo.layout().prefix()
+                "removed the topology under prefix '{}' and {} gateway pair(s){}",
+                layout.prefix(),
+                pairs.len(),
+                pairs
+                    .iter()
+                    .map(|p| format!(" '{}'", p.ingress))
+                    .collect::<String>()
             );
             Ok(0)
         }

@@ -9,9 +9,7 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use serde_json::Value;
 
-fn broker_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| amqp_delay::settings::DEFAULT_URL.into())
-}
+use crate::harness::broker_url;
 
 fn number(v: &Value, path: &str) -> f64 {
     v.as_f64()

@@ -1,15 +1,13 @@
 //! The core against a real RabbitMQ: scheduling through every kind of tier, delivery to queues,
 //! parking, validation and conflicting re-declares. 1 ms units keep it fast.
 
-mod common;
-
 use std::collections::HashSet;
-use std::time::Duration;
 
 use amqp_delay::layout::TierKind;
-use amqp_delay::settings::{DurationMs, QueueType};
-use amqp_delay::{Error, Message, Topology};
-use common::*;
+use amqp_delay::time::{DurationMs, now_ms};
+use amqp_delay::{Error, Message, QueueType, Topology};
+
+use crate::harness::*;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use rand::Rng;
 
@@ -61,22 +59,8 @@ async fn random_delays_across_every_level_arrive_once_and_never_early() {
         );
     }
 
-    let got_a = collect(
-        &env.conn,
-        &a,
-        n / 2,
-        Duration::from_secs(20),
-        Duration::from_millis(500),
-    )
-    .await;
-    let got_b = collect(
-        &env.conn,
-        &b,
-        n / 2,
-        Duration::from_secs(20),
-        Duration::from_millis(500),
-    )
-    .await;
+    let got_a = env.expect(&a, n / 2).await;
+    let got_b = env.expect(&b, n / 2).await;
     for (q, got, parity) in [(&a, &got_a, 0), (&b, &got_b, 1)] {
         let c = counts(got);
         let want: HashSet<String> = (0..n)
@@ -121,8 +105,7 @@ async fn random_delays_across_every_level_arrive_once_and_never_early() {
     );
 
     // the tiers are empty again and nothing was parked
-    let stats = Topology::new(layout).stats(&env.conn).await.unwrap();
-    assert!(stats.iter().all(|s| s.messages == 0), "{stats:?}");
+    env.assert_tiers_empty().await;
     p.close().await;
     env.cleanup().await;
 }
@@ -147,19 +130,12 @@ async fn body_properties_and_headers_arrive_byte_for_byte() {
         .with_content_type("application/octet-stream".into())
         .with_correlation_id("corr-1".into())
         .with_headers(h);
-    let before = amqp_delay::publisher::now_ms();
+    let before = now_ms();
     let s = p
         .schedule(Message::new(q.clone(), 40, body.clone()).with_properties(props))
         .await
         .unwrap();
-    let got = collect(
-        &env.conn,
-        &q,
-        1,
-        Duration::from_secs(10),
-        Duration::from_millis(200),
-    )
-    .await;
+    let got = env.expect(&q, 1).await;
     assert_eq!(got.len(), 1);
     let r = &got[0];
     assert_eq!(r.body, body);
@@ -200,14 +176,7 @@ async fn delay_zero_is_delivered_directly() {
     let p = env.publisher().await;
     let s = p.schedule(Message::new(q.clone(), 0, "now")).await.unwrap();
     assert_eq!(s.route.hops(), 0);
-    let got = collect(
-        &env.conn,
-        &q,
-        1,
-        Duration::from_secs(5),
-        Duration::from_millis(100),
-    )
-    .await;
+    let got = env.expect(&q, 1).await;
     assert_eq!(got.len(), 1);
     assert!(got[0].header("x-death").is_none(), "went through a tier");
     p.close().await;
@@ -220,14 +189,7 @@ async fn a_fixed_level_is_exactly_one_hop() {
     let q = env.queue("fixed").await;
     let p = env.publisher().await;
     p.schedule(Message::new(q.clone(), 150, "f")).await.unwrap();
-    let got = collect(
-        &env.conn,
-        &q,
-        1,
-        Duration::from_secs(5),
-        Duration::from_millis(100),
-    )
-    .await;
+    let got = env.expect(&q, 1).await;
     assert_eq!(got.len(), 1);
     let fixed = p.layout().fixed_queue(150);
     assert_eq!(got[0].death_queues(), vec![(fixed, 1)]);
@@ -253,14 +215,7 @@ async fn dotted_names_do_not_receive_each_others_messages() {
         .unwrap();
     }
     for q in [&short, &long] {
-        let got = collect(
-            &env.conn,
-            q,
-            2,
-            Duration::from_secs(5),
-            Duration::from_millis(300),
-        )
-        .await;
+        let got = env.expect(q, 2).await;
         assert_eq!(got.len(), 2, "{q}");
         assert!(
             got.iter().all(|r| r.body == q.as_bytes()),
@@ -286,23 +241,9 @@ async fn a_destination_deleted_in_flight_is_parked_and_others_keep_flowing() {
             .await
             .unwrap();
     }
-    let got = collect(
-        &env.conn,
-        &live,
-        5,
-        Duration::from_secs(10),
-        Duration::from_millis(100),
-    )
-    .await;
+    let got = env.expect(&live, 5).await;
     assert_eq!(got.len(), 5);
-    let parked = collect(
-        &env.conn,
-        &p.layout().parked_queue(),
-        1,
-        Duration::from_secs(10),
-        Duration::from_millis(100),
-    )
-    .await;
+    let parked = env.expect(&p.layout().unroutable_queue(), 1).await;
     assert_eq!(parked.len(), 1);
     assert_eq!(parked[0].id(), "parked-1");
     assert!(
@@ -350,18 +291,7 @@ async fn bad_destinations_and_delays_are_refused_with_clear_errors() {
     let mut env = env;
     let q = env.queue("after").await;
     p.schedule(Message::new(q.clone(), 5, "x")).await.unwrap();
-    assert_eq!(
-        collect(
-            &env.conn,
-            &q,
-            1,
-            Duration::from_secs(5),
-            Duration::from_millis(50)
-        )
-        .await
-        .len(),
-        1
-    );
+    assert_eq!(env.expect(&q, 1).await.len(), 1);
     p.close().await;
     env.cleanup().await;
 }
@@ -449,14 +379,7 @@ async fn a_full_tier_is_an_error_not_a_silent_loss() {
         }
     }
     assert!(nacked > 0, "a full tier accepted everything");
-    let got = collect(
-        &env.conn,
-        &q,
-        accepted.len(),
-        Duration::from_secs(5),
-        Duration::from_millis(300),
-    )
-    .await;
+    let got = env.expect(&q, accepted.len()).await;
     let mut bodies: Vec<Vec<u8>> = got.into_iter().map(|r| r.body).collect();
     bodies.sort();
     assert_eq!(bodies, accepted);
@@ -479,14 +402,7 @@ async fn declare_is_idempotent_and_stats_count_waiting_messages() {
         stats.iter().filter(|s| s.kind == "overflow").count() as u32,
         env.layout().overflow_count()
     );
-    collect(
-        &env.conn,
-        &q,
-        1,
-        Duration::from_secs(5),
-        Duration::from_millis(50),
-    )
-    .await;
+    env.expect(&q, 1).await;
     p.close().await;
     env.cleanup().await;
 }
@@ -504,204 +420,11 @@ async fn classic_tiers_work_too() {
             .await
             .unwrap();
     }
-    let got = collect(
-        &env.conn,
-        &q,
-        5,
-        Duration::from_secs(10),
-        Duration::from_millis(100),
-    )
-    .await;
+    let got = env.expect(&q, 5).await;
     assert_eq!(got.len(), 5);
     for r in &got {
         assert!(r.arrived_ms as i64 >= r.int_header("x-delay-due-at").unwrap());
     }
     p.close().await;
-    env.cleanup().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bulk_jsonl_confirms_good_lines_and_reports_bad_ones_by_line_number() {
-    let mut env = Env::new(small_topology()).await;
-    let q = env.queue("bulk").await;
-    let cfg = env.write_config("");
-    let file = temp_path(&env.settings.prefix, "bulk.jsonl");
-    let mut lines = Vec::new();
-    for i in 0..40 {
-        lines.push(format!(
-            r#"{{"queue":"{q}","delay_ms":{},"body":"b{i}","id":"j{i}"}}"#,
-            i * 7
-        ));
-    }
-    lines[3] = "this is not json".into();
-    lines[10] = format!(r#"{{"queue":"{q}","delay":"soon","body":"x"}}"#);
-    lines[20] = r#"{"queue":"no.such.*","delay_ms":5,"body":"x"}"#.into();
-    lines[30] = format!(r#"{{"queue":"{q}","delay_ms":99999,"body":"x"}}"#);
-    lines.push(String::new()); // a blank line is skipped, not an error
-    lines.push(format!(r#"{{"queue":"{q}","delay":"1s","body":{{"order":42}},"id":"j-json","headers":{{"k":"v"}}}}"#));
-    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
-        .args([
-            "--config",
-            cfg.to_str().unwrap(),
-            "send",
-            "--jsonl",
-            file.to_str().unwrap(),
-        ])
-        .env("AMQP_URL", broker_url())
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "exit code; stderr: {stderr}");
-    assert!(
-        stdout.contains("37 confirmed, 4 failed"),
-        "summary: {stdout}"
-    );
-    assert!(stderr.contains("line 4: not a valid request"), "{stderr}");
-    assert!(
-        stderr.contains("line 11: 'delay': invalid duration 'soon'"),
-        "{stderr}"
-    );
-    assert!(
-        stderr.contains("line 21: invalid request:") && stderr.contains("wildcard"),
-        "{stderr}"
-    );
-    assert!(
-        stderr.contains("line 31: delay 99999 ms is longer than the configured maximum"),
-        "{stderr}"
-    );
-    let got = collect(
-        &env.conn,
-        &q,
-        37,
-        Duration::from_secs(15),
-        Duration::from_millis(300),
-    )
-    .await;
-    let c = counts(&got);
-    assert_eq!(c.len(), 37, "{c:?}");
-    for bad in ["j3", "j10", "j20", "j30"] {
-        assert!(!c.contains_key(bad));
-    }
-    let json = got.iter().find(|r| r.id() == "j-json").unwrap();
-    assert_eq!(json.body, br#"{"order":42}"#);
-    assert_eq!(
-        json.properties.content_type().as_ref().unwrap().as_str(),
-        "application/json"
-    );
-    let _ = std::fs::remove_file(&file);
-    let _ = std::fs::remove_file(&cfg);
-    env.cleanup().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cli_send_stats_and_clear_errors() {
-    let mut t = small_topology();
-    t.max_delay = DurationMs(60_000);
-    t.max_tier_ttl_ms = 20_000;
-    let mut env = Env::new(t).await;
-    let q = env.queue("cli").await;
-    let cfg = env.write_config("");
-    let run = |args: Vec<String>| {
-        let cfg = cfg.clone();
-        async move {
-            let mut full = vec!["--config".to_string(), cfg.to_str().unwrap().to_string()];
-            full.extend(args);
-            tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
-                .args(full)
-                .env("AMQP_URL", broker_url())
-                .output()
-                .await
-                .unwrap()
-        }
-    };
-    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-    let out = run(s(&[
-        "send",
-        "--queue",
-        &q,
-        "--delay",
-        "50s",
-        "--body",
-        "{\"order\":42}",
-        "--id",
-        "cli-1",
-    ]))
-    .await;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(line["id"], "cli-1");
-    assert!(line["due_at"].as_u64().unwrap() > line["delay_ms"].as_u64().unwrap());
-    let out = run(s(&["stats", "--json", "--non-empty"])).await;
-    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let held: u64 = stats
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["messages"].as_u64().unwrap())
-        .sum();
-    assert_eq!(held, 1, "{stats}");
-    // teardown refuses while messages wait (they would be lost)
-    let out = run(s(&["teardown"])).await;
-    assert_eq!(out.status.code(), Some(2));
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("1 messages are still in the tiers"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // clear errors, non-zero exit, nothing scheduled
-    let out = run(s(&["send", "--queue", &q, "--delay", "-5s", "--body", "x"])).await; // hyphen value reaches our parser
-    assert_eq!(out.status.code(), Some(2));
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("negative duration"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let out = run(s(&[
-        "send", "--queue", "a.*", "--delay", "1s", "--body", "x",
-    ]))
-    .await;
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("wildcard"));
-    // the password never appears in what the tool prints
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
-        .args([
-            "--config",
-            cfg.to_str().unwrap(),
-            "--url",
-            "amqp://guest:s3cr3t-pw@127.0.0.1:1/%2f",
-            "declare",
-        ])
-        .output()
-        .await
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(
-        err.contains("cannot connect") && err.contains("guest:***@"),
-        "{err}"
-    );
-    assert!(!err.contains("s3cr3t-pw"), "password leaked: {err}");
-    // declare --queue creates a missing destination queue and leaves an existing one alone
-    let fresh = format!("{}-fresh", env.settings.prefix);
-    env.track_queue(&fresh);
-    let out = run(s(&["declare", "--queue", &fresh, "--queue", &q])).await;
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        text.contains(&format!("'{fresh}' created")) && text.contains(&format!("'{q}' exists")),
-        "{text}"
-    );
-    let _ = std::fs::remove_file(&cfg);
     env.cleanup().await;
 }

@@ -3,15 +3,15 @@
 //! publishes with `x-delay` to the ingress exchange and consumes from its own queues bound to
 //! the target exchange. The gateway runs as the real `delay-publisher gateway` binary.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use amqp_delay::gateway::{Gateway, GatewaySettings, Pair};
-use amqp_delay::settings::Settings;
-use common::*;
+use amqp_delay::Settings;
+use amqp_delay::gateway::{Gateway, Pair};
+use amqp_delay::settings::GatewaySettings;
+
+use crate::harness::*;
 use lapin::options::{
     ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
 };
@@ -356,22 +356,8 @@ async fn direct_and_topic_targets_get_the_message_as_published_body() {
     assert_eq!(report["published"], 9);
     assert_eq!(report["received"], 10, "{report}"); // eu.payments matches two bindings
 
-    let ins = collect(
-        &env.conn,
-        &tap_in,
-        9,
-        Duration::from_secs(5),
-        Duration::from_millis(100),
-    )
-    .await;
-    let outs = collect(
-        &env.conn,
-        &tap_out,
-        9,
-        Duration::from_secs(10),
-        Duration::from_millis(300),
-    )
-    .await;
+    let ins = env.expect(&tap_in, 9).await;
+    let outs = env.expect(&tap_out, 9).await;
     assert_eq!((ins.len(), outs.len()), (9, 9));
     for i in &ins {
         let o = outs
@@ -405,11 +391,10 @@ async fn direct_and_topic_targets_get_the_message_as_published_body() {
     gw.stop().await;
     let parked = pairs_of(&env, &pairs)
         .iter()
-        .map(|pr| pr.parked_queue(&p))
+        .map(|pr| pr.parked_queue.clone())
         .collect::<Vec<_>>();
     for q in &parked {
-        let got = collect(&env.conn, q, 0, Duration::from_millis(200), Duration::ZERO).await;
-        assert!(got.is_empty(), "{q} holds {} messages", got.len());
+        env.assert_empty(q).await;
     }
     env.cleanup().await;
 }
@@ -443,22 +428,15 @@ async fn x_delay_edge_values_and_unroutable_messages_body() {
     let report = finish(app, &[&gw]).await;
     assert_eq!(report["received"], 5, "{report}");
 
-    let parked = collect(
-        &env.conn,
-        &pair.parked_queue(&p),
-        3,
-        Duration::from_secs(10),
-        Duration::from_millis(300),
-    )
-    .await;
+    let parked = env.expect(&pair.parked_queue, 3).await;
     let reason = |body: &str| -> (String, String) {
         let m = parked
             .iter()
             .find(|m| m.body == body.as_bytes())
             .unwrap_or_else(|| panic!("'{body}' was not parked; parked: {parked:?}"));
-        let get = |h: &str| match m.header(h) {
-            Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-            other => panic!("'{body}': header {h} is {other:?}"),
+        let get = |h: &str| {
+            m.text_header(h)
+                .unwrap_or_else(|| panic!("'{body}': header {h} is {:?}", m.header(h)))
         };
         (get("x-delay-parked-reason"), get("x-delay-routing-key"))
     };
@@ -524,15 +502,7 @@ async fn gateways_killed_mid_stream_lose_nothing_body() {
     );
     assert_eq!(report["published"], n);
     assert_eq!(report["missing"], serde_json::json!([]), "{report}");
-    let parked = collect(
-        &env.conn,
-        &pair[0].parked_queue(&p),
-        0,
-        Duration::from_millis(300),
-        Duration::ZERO,
-    )
-    .await;
-    assert!(parked.is_empty(), "{} parked", parked.len());
+    env.assert_empty(&pair[0].parked_queue).await;
     drop((a, b, a2));
     env.cleanup().await;
 }
@@ -574,15 +544,90 @@ async fn a_full_tier_keeps_messages_in_the_ingress_unchanged_body() {
         "no tier publish was refused: the test did not fill a tier\n{}",
         gw.log()
     );
-    let parked = collect(
-        &env.conn,
-        &pair[0].parked_queue(&p),
-        0,
-        Duration::from_millis(300),
-        Duration::ZERO,
-    )
-    .await;
-    assert!(parked.is_empty(), "{} parked", parked.len());
+    env.assert_empty(&pair[0].parked_queue).await;
     drop(gw);
     env.cleanup().await;
+}
+
+/// `teardown` finds the gateway pairs declared under the prefix (the control stream remembers
+/// them), refuses while their queues hold messages, and removes them with the topology.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn teardown_removes_the_gateway_queues_without_a_config() {
+    within(async {
+        let env = Env::new(small_topology()).await;
+        let p = env.settings.prefix.clone();
+        let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
+        declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+        let pairs = [(x_in.as_str(), x_t.as_str())];
+        let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
+        let gw = Gateway::new(settings_with(&env, &pairs)).unwrap();
+        gw.declare(&env.conn).await.unwrap();
+        gw.declare(&env.conn).await.unwrap(); // twice: recorded twice, removed once
+        let pair = gw.pairs()[0].clone();
+        // one message waits in the ingress queue (no gateway runs)
+        let ch = env.conn.create_channel().await.unwrap();
+        ch.basic_publish(
+            x_in.as_str().into(),
+            "k".into(),
+            Default::default(),
+            b"waiting",
+            Default::default(),
+        )
+        .await
+        .unwrap();
+        let end = Instant::now() + Duration::from_secs(5);
+        while amqp_delay::broker::queue_state(&env.conn, &pair.ingress_queue)
+            .await
+            .unwrap()
+            .is_none_or(|s| s.ready == 0)
+        {
+            assert!(
+                Instant::now() < end,
+                "the message never reached the ingress queue"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let config = write_config(&env, ""); // names no gateway pair
+        let teardown = |force: bool| {
+            let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"));
+            cmd.arg("--config").arg(&config.0).arg("teardown");
+            if force {
+                cmd.arg("--force");
+            }
+            cmd.env("AMQP_URL", broker_url()).output()
+        };
+        let out = teardown(false).await.unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("1 messages are still"), "{err}");
+        let out = teardown(true).await.unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            text.contains(&format!("1 gateway pair(s) '{x_in}'")),
+            "{text}"
+        );
+        for q in pair.queues() {
+            let state = amqp_delay::broker::queue_state(&env.conn, q).await.unwrap();
+            assert!(state.is_none(), "{q} is still there");
+        }
+        assert!(
+            !amqp_delay::broker::exchange_exists(&env.conn, &x_in)
+                .await
+                .unwrap()
+        );
+        let marker = env.layout().layout_marker_queue();
+        assert!(
+            amqp_delay::broker::queue_state(&env.conn, &marker)
+                .await
+                .unwrap()
+                .is_none()
+        );
+        env.cleanup().await;
+    })
+    .await;
 }

@@ -1,23 +1,17 @@
 //! The worker against a real RabbitMQ: retries through the tiers, parking, poison messages,
 //! crash and graceful stop of the `delay-consumer` process, and its exec and http actions.
 
-mod common;
-
 use std::collections::HashMap;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use amqp_delay::envelope::Delivery;
-use amqp_delay::publisher::now_ms;
-use amqp_delay::retry::RetryPolicy;
-use amqp_delay::settings::DurationMs;
-use amqp_delay::worker::{Context, Handler, Outcome, Worker, parked_queue};
-use amqp_delay::{Message, Topology};
-use common::*;
+use amqp_delay::time::{DurationMs, now_ms};
+use amqp_delay::{Context, Delivery, Handler, Message, Outcome, RetryPolicy, Worker};
+
+use crate::harness::*;
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::oneshot;
 
 /// Records every execution (id, attempt, time) and answers from a script.
@@ -77,7 +71,7 @@ fn spawn_worker(
 async fn fails_twice_then_succeeds_on_attempt_2_through_the_same_tiers() {
     let mut env = Env::new(small_topology()).await;
     let q = env.queue("flaky").await;
-    env.track_queue(&parked_queue(&env.settings.prefix, &q));
+    env.parked_queue(&q);
     let log = Arc::new(Mutex::new(Vec::new()));
     let h = Scripted {
         log: log.clone(),
@@ -107,8 +101,7 @@ async fn fails_twice_then_succeeds_on_attempt_2_through_the_same_tiers() {
     assert_eq!(attempts, vec![0, 1, 2], "{runs:?}");
     assert!(runs[1].2 - runs[0].2 >= 100, "first retry early: {runs:?}");
     assert!(runs[2].2 - runs[1].2 >= 200, "second retry early: {runs:?}");
-    let stats = Topology::new(env.layout()).stats(&env.conn).await.unwrap();
-    assert!(stats.iter().all(|s| s.messages == 0), "{stats:?}");
+    env.assert_tiers_empty().await;
     p.close().await;
     env.cleanup().await;
 }
@@ -117,8 +110,7 @@ async fn fails_twice_then_succeeds_on_attempt_2_through_the_same_tiers() {
 async fn always_failing_is_parked_after_max_attempts_with_the_reason() {
     let mut env = Env::new(small_topology()).await;
     let q = env.queue("doomed").await;
-    let parked = parked_queue(&env.settings.prefix, &q);
-    env.track_queue(&parked);
+    let parked = env.parked_queue(&q);
     let log = Arc::new(Mutex::new(Vec::new()));
     let h = Scripted {
         log: log.clone(),
@@ -135,24 +127,16 @@ async fn always_failing_is_parked_after_max_attempts_with_the_reason() {
     p.schedule(Message::new(q.clone(), 10, "perm").with_id("m2"))
         .await
         .unwrap();
-    let got = collect(
-        &env.conn,
-        &parked,
-        2,
-        Duration::from_secs(10),
-        Duration::from_millis(200),
-    )
-    .await;
+    let got = env.expect(&parked, 2).await;
     stop.send(()).unwrap();
     run.await.unwrap().unwrap();
     assert_eq!(got.len(), 2);
     let by_id: HashMap<String, &Received> = got.iter().map(|r| (r.id(), r)).collect();
     let m1 = by_id["m1"];
-    let reason = match m1.header("x-delay-parked-reason") {
-        Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).to_string(),
-        other => panic!("no reason: {other:?}"),
-    };
-    assert_eq!(reason, "gave up after 3 attempts; last error: boom");
+    assert_eq!(
+        m1.text_header("x-delay-parked-reason").as_deref(),
+        Some("gave up after 3 attempts; last error: boom")
+    );
     assert_eq!(m1.int_header("x-delay-parked-attempts"), Some(3));
     assert!(m1.int_header("x-delay-parked-at").unwrap() > 0);
     assert!(
@@ -161,16 +145,13 @@ async fn always_failing_is_parked_after_max_attempts_with_the_reason() {
     );
     let m2 = by_id["m2"];
     assert_eq!(m2.int_header("x-delay-parked-attempts"), Some(1));
-    assert!(
-        matches!(m2.header("x-delay-parked-reason"), Some(AMQPValue::LongString(s)) if s.as_bytes() == b"invalid order")
+    assert_eq!(
+        m2.text_header("x-delay-parked-reason").as_deref(),
+        Some("invalid order")
     );
     let executions = log.lock().unwrap().iter().filter(|r| r.0 == "m1").count();
     assert_eq!(executions, 3);
-    let stats = Topology::new(env.layout()).stats(&env.conn).await.unwrap();
-    assert!(
-        stats.iter().all(|s| s.messages == 0),
-        "left in tiers: {stats:?}"
-    );
+    env.assert_tiers_empty().await;
     p.close().await;
     env.cleanup().await;
 }
@@ -179,8 +160,7 @@ async fn always_failing_is_parked_after_max_attempts_with_the_reason() {
 async fn a_poison_message_is_parked_and_the_rest_processed() {
     let mut env = Env::new(small_topology()).await;
     let q = env.queue("poison").await;
-    let parked = parked_queue(&env.settings.prefix, &q);
-    env.track_queue(&parked);
+    let parked = env.parked_queue(&q);
     let log = Arc::new(Mutex::new(Vec::new()));
     let h = Scripted {
         log: log.clone(),
@@ -211,22 +191,16 @@ async fn a_poison_message_is_parked_and_the_rest_processed() {
             .await
             .unwrap();
     }
-    let got = collect(
-        &env.conn,
-        &parked,
-        1,
-        Duration::from_secs(10),
-        Duration::from_millis(100),
-    )
-    .await;
+    let got = env.expect(&parked, 1).await;
     assert!(wait_until(Duration::from_secs(5), || log.lock().unwrap().len() >= 3).await);
     stop.send(()).unwrap();
     run.await.unwrap().unwrap();
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].id(), "poison");
+    let reason = got[0].text_header("x-delay-parked-reason").unwrap();
     assert!(
-        matches!(got[0].header("x-delay-parked-reason"), Some(AMQPValue::LongString(s))
-        if String::from_utf8_lossy(s.as_bytes()).contains("invalid envelope: header 'x-delay-attempt' must be an integer"))
+        reason.contains("invalid envelope: header 'x-delay-attempt' must be an integer"),
+        "{reason}"
     );
     let ids: Vec<String> = log.lock().unwrap().iter().map(|r| r.0.clone()).collect();
     assert!(
@@ -239,7 +213,7 @@ async fn a_poison_message_is_parked_and_the_rest_processed() {
 }
 
 /// `delay-consumer` as a child process, killed when dropped.
-fn consumer(_env: &Env, config: &std::path::Path, args: &[&str]) -> tokio::process::Child {
+pub fn consumer(_env: &Env, config: &std::path::Path, args: &[&str]) -> tokio::process::Child {
     tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-consumer"))
         .arg("--config")
         .arg(config)
@@ -253,7 +227,7 @@ fn consumer(_env: &Env, config: &std::path::Path, args: &[&str]) -> tokio::proce
         .expect("start delay-consumer")
 }
 
-fn ids(lines: &[String]) -> HashMap<String, usize> {
+pub fn ids(lines: &[String]) -> HashMap<String, usize> {
     let mut m = HashMap::new();
     for l in lines {
         let id = l.split_whitespace().next().unwrap_or("").to_string();
@@ -266,7 +240,7 @@ fn ids(lines: &[String]) -> HashMap<String, usize> {
 async fn kill_9_mid_batch_then_restart_executes_everything_at_least_once() {
     let mut env = Env::new(small_topology()).await;
     let q = env.queue("crash").await;
-    env.track_queue(&parked_queue(&env.settings.prefix, &q));
+    env.parked_queue(&q);
     let out = temp_path(&env.settings.prefix, "crash.out");
     let cfg = env.write_config("");
     let cmd = format!(
@@ -328,7 +302,7 @@ async fn kill_9_mid_batch_then_restart_executes_everything_at_least_once() {
 async fn sigterm_lets_in_flight_handlers_finish_and_loses_nothing() {
     let mut env = Env::new(small_topology()).await;
     let q = env.queue("term").await;
-    env.track_queue(&parked_queue(&env.settings.prefix, &q));
+    env.parked_queue(&q);
     let out = temp_path(&env.settings.prefix, "term.out");
     let started = temp_path(&env.settings.prefix, "term.started");
     let cfg = env.write_config("");
@@ -395,186 +369,6 @@ async fn sigterm_lets_in_flight_handlers_finish_and_loses_nothing() {
     env.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn exec_action_maps_exit_codes_and_passes_body_and_environment() {
-    let mut env = Env::new(small_topology()).await;
-    let q = env.queue("exec").await;
-    let parked = parked_queue(&env.settings.prefix, &q);
-    env.track_queue(&parked);
-    let out = temp_path(&env.settings.prefix, "exec.out");
-    let cfg = env.write_config("[consumer.retry]\nbase = 30\nmax_attempts = 2\njitter = 0.0\n");
-    let script = format!(
-        "sh -c 'b=$(cat); echo \"$DELAY_MESSAGE_ID $DELAY_ATTEMPT $b $DELAY_DUE_AT\" >> {}; case \"$b\" in ok) exit 0;; perm) exit 65;; *) exit 1;; esac'",
-        out.display()
-    );
-    let p = env.publisher().await;
-    for (id, body) in [("e-ok", "ok"), ("e-perm", "perm"), ("e-retry", "flaky")] {
-        p.schedule(Message::new(q.clone(), 20, body).with_id(id))
-            .await
-            .unwrap();
-    }
-    let mut child = consumer(&env, &cfg, &["--queue", &q, "--exec", &script]);
-    let got = collect(
-        &env.conn,
-        &parked,
-        2,
-        Duration::from_secs(15),
-        Duration::from_millis(300),
-    )
-    .await;
-    child.start_kill().unwrap();
-    child.wait().await.unwrap();
-    let lines = read_lines(&out);
-    let runs = ids(&lines);
-    assert_eq!(runs.get("e-ok"), Some(&1), "{lines:?}");
-    assert_eq!(
-        runs.get("e-perm"),
-        Some(&1),
-        "permanent failures are not retried: {lines:?}"
-    );
-    assert_eq!(
-        runs.get("e-retry"),
-        Some(&2),
-        "retried up to max_attempts: {lines:?}"
-    );
-    assert!(
-        lines.iter().any(|l| l.starts_with("e-retry 1 flaky ")),
-        "attempt and body passed: {lines:?}"
-    );
-    let due: u64 = lines[0].split_whitespace().nth(3).unwrap().parse().unwrap();
-    assert!(due > 0);
-    let mut parked_ids: Vec<String> = got.iter().map(|r| r.id()).collect();
-    parked_ids.sort();
-    assert_eq!(parked_ids, ["e-perm", "e-retry"]);
-    let _ = std::fs::remove_file(&out);
-    let _ = std::fs::remove_file(&cfg);
-    p.close().await;
-    env.cleanup().await;
-}
-
-/// A tiny HTTP server answering by body: `ok` → 200, `bad` → 400, `flaky` → 503 the first
-/// time then 200. Records (body, message-id header, content-type) of every request.
-async fn http_server() -> (String, Arc<Mutex<Vec<(String, String, String)>>>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/hook", listener.local_addr().unwrap());
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let rec = seen.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = listener.accept().await else {
-                return;
-            };
-            let rec = rec.clone();
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                let (head, body) = loop {
-                    let n = s.read(&mut chunk).await.unwrap_or(0);
-                    if n == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let head = String::from_utf8_lossy(&buf[..i]).to_lowercase();
-                        let len: usize = head
-                            .lines()
-                            .find_map(|l| {
-                                l.strip_prefix("content-length:")
-                                    .map(|v| v.trim().parse().unwrap_or(0))
-                            })
-                            .unwrap_or(0);
-                        while buf.len() < i + 4 + len {
-                            let n = s.read(&mut chunk).await.unwrap_or(0);
-                            if n == 0 {
-                                break;
-                            }
-                            buf.extend_from_slice(&chunk[..n]);
-                        }
-                        break (head, String::from_utf8_lossy(&buf[i + 4..]).to_string());
-                    }
-                };
-                let header = |name: &str| {
-                    head.lines()
-                        .find_map(|l| {
-                            l.strip_prefix(&format!("{name}:"))
-                                .map(|v| v.trim().to_string())
-                        })
-                        .unwrap_or_default()
-                };
-                let status = {
-                    let mut r = rec.lock().unwrap();
-                    let earlier = r.iter().filter(|(b, _, _)| *b == body).count();
-                    r.push((
-                        body.clone(),
-                        header("x-delay-message-id"),
-                        header("content-type"),
-                    ));
-                    match body.as_str() {
-                        "ok" => "200 OK",
-                        "bad" => "400 Bad Request",
-                        "flaky" if earlier == 0 => "503 Service Unavailable",
-                        _ => "200 OK",
-                    }
-                };
-                let resp =
-                    format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
-                let _ = s.write_all(resp.as_bytes()).await;
-            });
-        }
-    });
-    (url, seen)
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn http_action_posts_and_maps_statuses() {
-    let mut env = Env::new(small_topology()).await;
-    let q = env.queue("http").await;
-    let parked = parked_queue(&env.settings.prefix, &q);
-    env.track_queue(&parked);
-    let (url, seen) = http_server().await;
-    let cfg = env.write_config("[consumer.retry]\nbase = 30\nmax_attempts = 3\njitter = 0.0\n");
-    let p = env.publisher().await;
-    for (id, body) in [("h-ok", "ok"), ("h-bad", "bad"), ("h-flaky", "flaky")] {
-        p.schedule(
-            Message::new(q.clone(), 20, body)
-                .with_id(id)
-                .with_content_type("text/plain"),
-        )
-        .await
-        .unwrap();
-    }
-    let mut child = consumer(&env, &cfg, &["--queue", &q, "--http", &url]);
-    let got = collect(
-        &env.conn,
-        &parked,
-        1,
-        Duration::from_secs(15),
-        Duration::from_millis(200),
-    )
-    .await;
-    assert!(wait_until(Duration::from_secs(10), || seen.lock().unwrap().len() >= 4).await);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    child.start_kill().unwrap();
-    child.wait().await.unwrap();
-    let reqs = seen.lock().unwrap().clone();
-    let count = |b: &str| reqs.iter().filter(|r| r.0 == b).count();
-    assert_eq!(
-        (count("ok"), count("bad"), count("flaky")),
-        (1, 1, 2),
-        "{reqs:?}"
-    );
-    assert!(
-        reqs.iter()
-            .any(|r| r.0 == "ok" && r.1 == "h-ok" && r.2 == "text/plain"),
-        "{reqs:?}"
-    );
-    assert_eq!(got.len(), 1);
-    assert_eq!(got[0].id(), "h-bad");
-    let _ = std::fs::remove_file(&cfg);
-    p.close().await;
-    env.cleanup().await;
-}
-
 /// Closes, from the broker's side, every connection whose name contains `needle`.
 fn close_connections_named(needle: &str) -> usize {
     let out = std::process::Command::new("rabbitmqctl")
@@ -604,7 +398,7 @@ fn close_connections_named(needle: &str) -> usize {
 async fn the_worker_reconnects_after_losing_its_connection() {
     let mut env = Env::new(small_topology()).await;
     let q = env.queue("reconnect").await;
-    env.track_queue(&parked_queue(&env.settings.prefix, &q));
+    env.parked_queue(&q);
     let log = Arc::new(Mutex::new(Vec::new()));
     let h = Scripted {
         log: log.clone(),

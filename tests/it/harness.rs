@@ -1,15 +1,12 @@
 //! Test harness: a real broker (tests FAIL loudly when none answers), a random name prefix per
-//! test, a small fast topology (1 ms units), and clean-up of everything a test declared.
-#![allow(dead_code)]
+//! test, a small fast topology (1 ms units), clean-up of everything a test declared, and the
+//! set-ups the tests repeat (collect N messages, assert the tiers are empty, read a header).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use amqp_delay::layout::Layout;
-use amqp_delay::planner::Precision;
-use amqp_delay::publisher::now_ms;
-use amqp_delay::settings::{DurationMs, QueueType, Settings, TopologySettings};
-use amqp_delay::{Publisher, Topology};
+use amqp_delay::time::{DurationMs, now_ms};
+use amqp_delay::{Layout, Precision, Publisher, QueueType, Settings, Topology, TopologySettings};
 use futures::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -172,6 +169,43 @@ impl Env {
         let _ = ch.close(200, "ok".into()).await;
     }
 
+    /// Consumes `n` messages from `q` (up to 15 s), then 300 ms more for duplicates.
+    pub async fn expect(&self, q: &str, n: usize) -> Vec<Received> {
+        collect(
+            &self.conn,
+            q,
+            n,
+            Duration::from_secs(15),
+            Duration::from_millis(300),
+        )
+        .await
+    }
+
+    /// Asserts that `q` holds nothing (consumes for 300 ms).
+    pub async fn assert_empty(&self, q: &str) {
+        let got = collect(&self.conn, q, 0, Duration::from_millis(300), Duration::ZERO).await;
+        assert!(got.is_empty(), "{q} holds {} messages", got.len());
+    }
+
+    /// Asserts that every tier and the unroutable queue are empty.
+    pub async fn assert_tiers_empty(&self) {
+        let stats = Topology::new(self.layout())
+            .stats(&self.conn)
+            .await
+            .unwrap();
+        assert!(
+            stats.iter().all(|s| s.messages == 0),
+            "left in tiers: {stats:?}"
+        );
+    }
+
+    /// The worker's parking queue of `q`, deleted on clean-up.
+    pub fn parked_queue(&mut self, q: &str) -> String {
+        let parked = self.layout().parked_queue(q);
+        self.track_queue(&parked);
+        parked
+    }
+
     /// Deletes everything this test declared.
     pub async fn cleanup(mut self) {
         for q in &self.queues {
@@ -200,6 +234,14 @@ pub struct Received {
 impl Received {
     pub fn header(&self, name: &str) -> Option<&AMQPValue> {
         self.properties.headers().as_ref()?.inner().get(name)
+    }
+    /// A string header's text (`None` if absent or not a string).
+    pub fn text_header(&self, name: &str) -> Option<String> {
+        match self.header(name)? {
+            AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+            AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
+            _ => None,
+        }
     }
     pub fn int_header(&self, name: &str) -> Option<i64> {
         amqp_delay::headers::get_int(self.properties.headers().as_ref()?, name)
@@ -292,23 +334,12 @@ pub async fn collect(
 pub async fn wait_for_queue(conn: &Connection, queue: &str, timeout: Duration) {
     let start = Instant::now();
     loop {
-        let ch = conn.create_channel().await.unwrap();
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
-        match ch
-            .queue_declare(queue.into(), passive, FieldTable::default())
-            .await
-        {
-            Ok(_) => {
-                let _ = ch.close(200, "ok".into()).await;
-                return;
-            }
-            Err(e) if start.elapsed() < timeout && e.to_string().contains("NOT_FOUND") => {
+        match amqp_delay::broker::queue_state(conn, queue).await {
+            Ok(Some(_)) => return,
+            Ok(None) if start.elapsed() < timeout => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            Err(e) => panic!("queue {queue} did not appear: {e}"),
+            other => panic!("queue {queue} did not appear: {other:?}"),
         }
     }
 }

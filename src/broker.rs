@@ -1,0 +1,270 @@
+//! AMQP primitives every broker-facing module shares, in one place: the reply codes we react to,
+//! reading the broker's reply out of an error, opening and closing channels, passive checks
+//! (each on a channel of its own, since a 404 closes the channel), queue-type arguments,
+//! durable declares that turn "inequivalent arg" into a [`Error::Conflict`] naming the argument,
+//! and bindings.
+
+use lapin::options::{
+    ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{Channel, Connection, ExchangeKind};
+
+use crate::error::{Error, Result, ResultExt};
+use crate::layout::QueueType;
+
+/// AMQP reply code: the user may not access the object.
+pub const ACCESS_REFUSED: u16 = 403;
+/// AMQP reply code: the object does not exist.
+pub const NOT_FOUND: u16 = 404;
+/// AMQP reply code: the object is exclusively used by another connection.
+pub const RESOURCE_LOCKED: u16 = 405;
+/// AMQP reply code: the object exists with other properties.
+pub const PRECONDITION_FAILED: u16 = 406;
+
+/// The broker's reply code and text when `e` is a channel or connection error it sent.
+pub fn reply(e: &lapin::Error) -> Option<(u16, String)> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => {
+            Some((amqp.get_id(), amqp.get_message().as_str().to_string()))
+        }
+        _ => None,
+    }
+}
+
+/// Whether `e` is the broker's reply `code`.
+pub fn is_reply(e: &lapin::Error, code: u16) -> bool {
+    reply(e).is_some_and(|(c, _)| c == code)
+}
+
+/// Opens a channel.
+pub async fn open(conn: &Connection) -> Result<Channel> {
+    conn.create_channel()
+        .await
+        .context(|| "opening a channel".into())
+}
+
+/// Closes a channel, ignoring errors (it may already be closed by the broker).
+pub async fn close(ch: &Channel, why: &str) {
+    let _ = ch.close(200, why.into()).await;
+}
+
+/// A `LongString` field value.
+pub fn long_string(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s))
+}
+
+/// What a passive declare tells about a queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueState {
+    /// Ready messages (not those delivered and unacknowledged).
+    pub ready: u32,
+    /// Consumers attached.
+    pub consumers: u32,
+}
+
+/// Passive declare of `queue` on a channel of its own: `None` when it does not exist.
+pub async fn queue_state(conn: &Connection, queue: &str) -> Result<Option<QueueState>> {
+    let ch = open(conn).await?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    match ch
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+    {
+        Ok(q) => {
+            close(&ch, "checked").await;
+            Ok(Some(QueueState {
+                ready: q.message_count(),
+                consumers: q.consumer_count(),
+            }))
+        }
+        Err(e) if is_reply(&e, NOT_FOUND) => Ok(None),
+        Err(e) => Err(e).context(|| format!("checking queue '{queue}'")),
+    }
+}
+
+/// Passive declare of exchange `name` on a channel of its own: whether it exists.
+pub async fn exchange_exists(conn: &Connection, name: &str) -> Result<bool> {
+    let ch = open(conn).await?;
+    let passive = ExchangeDeclareOptions {
+        passive: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    match ch
+        .exchange_declare(
+            name.into(),
+            ExchangeKind::Fanout,
+            passive,
+            FieldTable::default(),
+        )
+        .await
+    {
+        Ok(()) => {
+            close(&ch, "checked").await;
+            Ok(true)
+        }
+        Err(e) if is_reply(&e, NOT_FOUND) => Ok(false),
+        Err(e) => Err(e).context(|| format!("checking exchange '{name}'")),
+    }
+}
+
+/// `x-queue-type` of every durable queue we create (tiers, parking, destinations, gateway).
+pub fn queue_type_args(qt: QueueType) -> FieldTable {
+    let mut a = FieldTable::default();
+    a.insert("x-queue-type".into(), long_string(&qt.to_string()));
+    a
+}
+
+/// Declares a durable queue; an existing one with other arguments is a [`Error::Conflict`]
+/// naming the argument.
+pub async fn declare_queue(ch: &Channel, name: &str, args: FieldTable) -> Result<()> {
+    let opts = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    ch.queue_declare(name.into(), opts, args)
+        .await
+        .map(|_| ())
+        .map_err(|e| conflict_or(e, "queue", name))
+}
+
+/// Declares a durable exchange; an existing one of another type or arguments is a
+/// [`Error::Conflict`].
+pub async fn declare_exchange(
+    ch: &Channel,
+    name: &str,
+    kind: ExchangeKind,
+    args: FieldTable,
+) -> Result<()> {
+    let opts = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    ch.exchange_declare(name.into(), kind, opts, args)
+        .await
+        .map_err(|e| conflict_or(e, "exchange", name))
+}
+
+/// Binds `queue` to `exchange` with `key`.
+pub async fn bind_queue(ch: &Channel, queue: &str, exchange: &str, key: &str) -> Result<()> {
+    ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        key.into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .context(|| format!("binding queue '{queue}' to '{exchange}' with '{key}'"))
+}
+
+/// Binds exchange `destination` to `source` with `key` (exchange-to-exchange).
+pub async fn bind_exchange(ch: &Channel, destination: &str, source: &str, key: &str) -> Result<()> {
+    ch.exchange_bind(
+        destination.into(),
+        source.into(),
+        key.into(),
+        ExchangeBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .context(|| format!("binding exchange '{destination}' to '{source}' with '{key}'"))
+}
+
+/// Turns a PRECONDITION_FAILED on declare into a [`Error::Conflict`] that names the object and
+/// the differing argument.
+pub fn conflict_or(e: lapin::Error, what: &str, name: &str) -> Error {
+    match reply(&e) {
+        Some((PRECONDITION_FAILED, text)) => match parse_inequivalent(&text) {
+            Some(i) => Error::Conflict(format!(
+                "{what} '{name}' already exists with {} = {} but these settings need {}. \
+                 It was declared with other settings (radix, unit, TTL or queue type): use the \
+                 original settings or another --prefix.",
+                i.argument, i.current, i.received
+            )),
+            None => Error::Conflict(format!(
+                "{what} '{name}' already exists with different properties: {text}"
+            )),
+        },
+        _ => Error::Amqp {
+            context: format!("declaring {what} '{name}'"),
+            source: e,
+        },
+    }
+}
+
+/// The parts of the broker's "inequivalent arg" message.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Inequivalent {
+    /// The argument that differs.
+    pub argument: String,
+    /// The value this declare asked for.
+    pub received: String,
+    /// The value the existing object has.
+    pub current: String,
+}
+
+/// Parses `PRECONDITION_FAILED - inequivalent arg 'x-message-ttl' for queue 'q' in vhost '/':
+/// received the value '2' of type 'signedint' but current is the value '1' of type 'signedint'`.
+pub fn parse_inequivalent(text: &str) -> Option<Inequivalent> {
+    let argument = between(text, "inequivalent arg '", "'")?;
+    let received_part = between(text, "received ", " but current is ")?;
+    let current_part = text.split(" but current is ").nth(1)?;
+    // 3.10 writes `the value 'v' of type 't'` for some types and `'v'` for strings.
+    let value = |s: &str| {
+        let s = s.trim().trim_end_matches('"');
+        between(s, "the value '", "' of type")
+            .map(str::to_string)
+            .unwrap_or_else(|| s.trim_matches('\'').to_string())
+    };
+    Some(Inequivalent {
+        argument: argument.to_string(),
+        received: value(received_part),
+        current: value(current_part),
+    })
+}
+
+fn between<'a>(s: &'a str, start: &str, end: &str) -> Option<&'a str> {
+    let i = s.find(start)? + start.len();
+    let j = s[i..].find(end)? + i;
+    Some(&s[i..j])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_brokers_inequivalent_arg_message() {
+        let t = "PRECONDITION_FAILED - inequivalent arg 'x-message-ttl' for queue 'p.level1.d1' in vhost '/': received the value '8' of type 'signedint' but current is the value '16' of type 'signedint'";
+        assert_eq!(
+            parse_inequivalent(t).unwrap(),
+            Inequivalent {
+                argument: "x-message-ttl".into(),
+                received: "8".into(),
+                current: "16".into()
+            }
+        );
+        let t = "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'q' in vhost '/': received none but current is the value 'quorum' of type 'longstr'";
+        let i = parse_inequivalent(t).unwrap();
+        assert_eq!(
+            (i.received.as_str(), i.current.as_str()),
+            ("none", "quorum")
+        );
+        let t = "PRECONDITION_FAILED - inequivalent arg 'x-dead-letter-exchange' for queue 'p.layout' in vhost '/': received 'r=8 u=1' but current is 'r=4 u=1'";
+        let i = parse_inequivalent(t).unwrap();
+        assert_eq!(
+            (i.received.as_str(), i.current.as_str()),
+            ("r=8 u=1", "r=4 u=1")
+        );
+    }
+
+    #[test]
+    fn queue_type_is_an_argument() {
+        let a = queue_type_args(QueueType::Quorum);
+        assert_eq!(a.inner().get("x-queue-type"), Some(&long_string("quorum")));
+    }
+}

@@ -1,0 +1,160 @@
+//! The control stream `<prefix>.control`: an append-only, replicated log (a RabbitMQ stream) of
+//! what the topology needs to remember besides messages — today the gateway pairs declared under
+//! the prefix (so `teardown` finds their queues without a configuration). Records are JSON
+//! bodies; reading never removes them (streams are read by offset), and the broker drops them
+//! after `x-max-age`.
+//!
+//! Reading "everything so far" uses a barrier: the reader appends a record of its own (with a
+//! confirm) and reads from the start until it sees it. Every record before the barrier was
+//! confirmed before it, so nothing earlier is missed.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection};
+use serde::{Deserialize, Serialize};
+
+use crate::broker;
+use crate::error::{Error, Result, ResultExt};
+use crate::layout::Layout;
+
+/// Records in the control stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Record {
+    /// A gateway pair was declared under this prefix.
+    GatewayPair {
+        /// Ingress exchange.
+        ingress: String,
+        /// Target exchange.
+        target: String,
+    },
+    /// A reader's marker: everything before it has been read.
+    Barrier {
+        /// Unique per read.
+        nonce: String,
+    },
+}
+
+/// How long reading up to a barrier may take.
+const READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Arguments of the control stream: a stream queue, records kept for `max_age_secs`.
+pub fn stream_args(max_age_secs: u64) -> FieldTable {
+    let mut a = FieldTable::default();
+    a.insert("x-queue-type".into(), broker::long_string("stream"));
+    a.insert(
+        "x-max-age".into(),
+        broker::long_string(&format!("{max_age_secs}s")),
+    );
+    a
+}
+
+/// Declares the control stream (idempotent).
+pub async fn declare(conn: &Connection, layout: &Layout) -> Result<()> {
+    let ch = broker::open(conn).await?;
+    let args = stream_args(layout.control_max_age_secs());
+    broker::declare_queue(&ch, &layout.control_stream(), args).await?;
+    broker::close(&ch, "declared").await;
+    Ok(())
+}
+
+/// Appends `record` and waits for the broker's confirm.
+pub async fn append(conn: &Connection, layout: &Layout, record: &Record) -> Result<()> {
+    let stream = layout.control_stream();
+    let ch = broker::open(conn).await?;
+    ch.confirm_select(Default::default())
+        .await
+        .context(|| "enabling publisher confirms".into())?;
+    let body = serde_json::to_vec(record).expect("records serialise");
+    let confirm = ch
+        .basic_publish(
+            "".into(),
+            stream.as_str().into(),
+            lapin::options::BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
+            &body,
+            BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_content_type("application/json".into()),
+        )
+        .await
+        .context(|| format!("appending to '{stream}'"))?
+        .await
+        .context(|| format!("awaiting the confirm from '{stream}'"))?;
+    broker::close(&ch, "appended").await;
+    if confirm.is_nack() {
+        return Err(Error::Nacked { exchange: stream });
+    }
+    if confirm.take_message().is_some() {
+        return Err(Error::NotDeclared {
+            prefix: layout.prefix().to_string(),
+            detail: format!(": the control stream '{stream}' is missing"),
+        });
+    }
+    Ok(())
+}
+
+/// Every record in the stream, oldest first (barriers left out). `Ok(vec![])` when the stream
+/// does not exist.
+pub async fn read_all(conn: &Connection, layout: &Layout) -> Result<Vec<Record>> {
+    let stream = layout.control_stream();
+    if broker::queue_state(conn, &stream).await?.is_none() {
+        return Ok(Vec::new());
+    }
+    let nonce = uuid::Uuid::now_v7().to_string();
+    append(
+        conn,
+        layout,
+        &Record::Barrier {
+            nonce: nonce.clone(),
+        },
+    )
+    .await?;
+    let ch = broker::open(conn).await?;
+    ch.basic_qos(500, BasicQosOptions::default())
+        .await
+        .context(|| "setting prefetch".into())?;
+    let mut args = FieldTable::default();
+    args.insert("x-stream-offset".into(), broker::long_string("first"));
+    let mut consumer = ch
+        .basic_consume(
+            stream.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            args,
+        )
+        .await
+        .context(|| format!("reading '{stream}'"))?;
+    let mut out = Vec::new();
+    let read = async {
+        while let Some(d) = consumer.next().await {
+            let d = d.context(|| format!("reading '{stream}'"))?;
+            let _ = d.ack(BasicAckOptions::default()).await;
+            match serde_json::from_slice::<Record>(&d.data) {
+                Ok(Record::Barrier { nonce: n }) if n == nonce => return Ok(()),
+                Ok(Record::Barrier { .. }) => {}
+                Ok(r) => out.push(r),
+                // a record of a newer version, or garbage someone published: skip it
+                Err(e) => tracing::debug!(%stream, "skipping an unreadable record: {e}"),
+            }
+        }
+        Err(Error::Invalid(format!(
+            "the broker ended the read of '{stream}' before the barrier"
+        )))
+    };
+    let r = tokio::time::timeout(READ_TIMEOUT, read).await;
+    broker::close(&ch, "read").await;
+    match r {
+        Ok(Ok(())) => Ok(out),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(Error::Timeout {
+            context: format!("reading '{stream}' up to a barrier"),
+            timeout_ms: READ_TIMEOUT.as_millis() as u64,
+        }),
+    }
+}

@@ -1,0 +1,419 @@
+//! The `x-delay` gateway: a drop-in successor to the delayed-message-exchange plugin, built on
+//! the tiers. Applications keep publishing to an exchange with an `x-delay` header (milliseconds)
+//! and their usual routing key; when the delay is over the message is published to a target
+//! exchange with its original routing key, body and properties, so the bindings the
+//! application already has on that exchange route it as before.
+//!
+//! One gateway *pair* (ingress exchange `I`, target exchange `T`) is made of:
+//! * `I`, a durable **fanout** exchange (any routing key reaches us, so `x-delayed-type` is not
+//!   needed), bound to the ingress queue `<prefix>.gw.in.<I>`;
+//! * the due queue `<prefix>.gw.due.<I>`, an ordinary amqp-delay destination (queue type of
+//!   the tiers).
+//!
+//! A [`Worker`] consumes both queues:
+//! * **ingress**: reads `x-delay` ([`x_delay::parse_x_delay`]), moves what the tiers must not carry into
+//!   `x-delay-*` headers ([`x_delay::stash`]: the routing key, `expiration`, `delivery_mode`, `user_id`,
+//!   whether `message_id` or `headers` were absent) and schedules the message to the due queue.
+//!   The ingress message is acked only after the broker confirmed that publish; if it fails the
+//!   message is requeued unchanged ([`Outcome::Requeue`]), never re-scheduled as a modified copy.
+//!   A non-numeric or over-range `x-delay` goes to the due queue at once, marked, and is parked
+//!   there with the reason.
+//! * **due**: rebuilds the message as published ([`x_delay::restore`]: original routing key and
+//!   properties, `x-delay` rewritten to minus the delay as the plugin does, our headers and the
+//!   broker's `x-death` history removed) and publishes it to `T` with `mandatory` and a confirm.
+//!   Unroutable at `T` → parked in `<prefix>.parked.<prefix>.gw.due.<I>` with the reason (the
+//!   plugin drops it); a nack or a broker error → retried with backoff, then parked.
+//!
+//! Delivery is at-least-once: a gateway that dies between a confirm and its ack leaves a message
+//! that is delivered again (a duplicate). Any number of gateway processes may consume the same
+//! pairs (competing consumers; they hold no state).
+//!
+//! `user_id` is not re-published: the broker refuses (and closes the channel of) a publish whose
+//! `user_id` differs from the publishing connection's user, and the gateway's user is generally
+//! not the application's. The value, validated by the broker when the application published it,
+//! is delivered in the header `x-delay-user-id` instead.
+
+pub mod x_delay;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+use lapin::types::FieldTable;
+use lapin::{Connection, ExchangeKind};
+
+use crate::broker;
+use crate::control;
+use crate::envelope::Delivery;
+use crate::error::{Error, Result, ResultExt};
+use crate::headers::{INVALID, X_DELAY};
+use crate::layout::Layout;
+use crate::message::Message;
+use crate::settings::{PairConfig, Settings};
+use crate::topology::Topology;
+use crate::worker::{Context, Handler, Outcome, Worker};
+use x_delay::{parse_x_delay, restore, stash, text_header};
+
+/// One ingress → target pair with its queue names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pair {
+    /// Exchange applications publish to with `x-delay`.
+    pub ingress: String,
+    /// Exchange the message is published to when due.
+    pub target: String,
+    /// Queue bound to the ingress exchange.
+    pub ingress_queue: String,
+    /// Destination queue of the pair's messages while they wait.
+    pub due_queue: String,
+    /// Where messages of this pair are parked (refused `x-delay`, unroutable at the target).
+    pub parked_queue: String,
+    /// Where the worker parks ingress messages it cannot read at all.
+    pub ingress_parked_queue: String,
+}
+
+impl Pair {
+    /// Computes the names and checks they are valid for `layout` (destination rules, lengths
+    /// of the parking queues the worker declares).
+    pub fn new(layout: &Layout, cfg: &PairConfig) -> Result<Pair, String> {
+        let due_queue = layout.gateway_due_queue(&cfg.ingress);
+        let pair = Pair {
+            ingress: cfg.ingress.clone(),
+            target: cfg.target.clone(),
+            ingress_queue: layout.gateway_ingress_queue(&cfg.ingress),
+            parked_queue: layout.parked_queue(&due_queue),
+            ingress_parked_queue: layout.parked_queue(&layout.gateway_ingress_queue(&cfg.ingress)),
+            due_queue,
+        };
+        for q in [&pair.ingress_queue, &pair.due_queue] {
+            layout
+                .validate_destination(q)
+                .map_err(|e| format!("ingress '{}': {e}", cfg.ingress))?;
+            let parked = layout.parked_queue(q);
+            if parked.len() > 255 {
+                return Err(format!(
+                    "ingress '{}': its parking queue name '{parked:.60}…' would be {} bytes, more than 255; use a shorter ingress name or prefix",
+                    cfg.ingress,
+                    parked.len()
+                ));
+            }
+        }
+        Ok(pair)
+    }
+}
+
+impl Pair {
+    /// Every queue of the pair: ingress, due and the two parking queues.
+    pub fn queues(&self) -> [&str; 4] {
+        [
+            &self.ingress_queue,
+            &self.due_queue,
+            &self.parked_queue,
+            &self.ingress_parked_queue,
+        ]
+    }
+}
+
+/// The pairs declared under `layout`'s prefix by any gateway (recorded in the control stream),
+/// each once, in the order they were first declared.
+pub async fn registered_pairs(conn: &Connection, layout: &Layout) -> Result<Vec<Pair>> {
+    let mut out: Vec<Pair> = Vec::new();
+    for r in control::read_all(conn, layout).await? {
+        if let control::Record::GatewayPair { ingress, target } = r {
+            if out.iter().any(|p| p.ingress == ingress) {
+                continue;
+            }
+            match Pair::new(layout, &PairConfig { ingress, target }) {
+                Ok(p) => out.push(p),
+                Err(e) => tracing::warn!("ignoring a gateway pair record: {e}"),
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Deletes the ingress exchanges and every queue of `pairs` (messages in them are lost);
+/// missing objects are ignored. Leaves the targets and the tier topology.
+pub async fn delete_pairs(conn: &Connection, pairs: &[Pair]) -> Result<()> {
+    let ch = broker::open(conn).await?;
+    for p in pairs {
+        for q in p.queues() {
+            ch.queue_delete(q.into(), QueueDeleteOptions::default())
+                .await
+                .context(|| format!("deleting queue '{q}'"))?;
+        }
+        ch.exchange_delete(p.ingress.as_str().into(), ExchangeDeleteOptions::default())
+            .await
+            .context(|| format!("deleting exchange '{}'", p.ingress))?;
+    }
+    broker::close(&ch, "deleted").await;
+    Ok(())
+}
+
+// ---- the handler ---------------------------------------------------------------------------
+
+struct PairCtx {
+    pair: Pair,
+    max_delay_ms: u64,
+    /// Longest wait for the tier publish's confirm before the ingress message is requeued.
+    confirm_timeout: Duration,
+}
+
+/// The gateway's [`Handler`]: one value per subscribed queue.
+#[derive(Clone)]
+pub struct GatewayHandler {
+    ctx: Arc<PairCtx>,
+    ingress: bool,
+}
+
+impl Handler for GatewayHandler {
+    async fn handle(&self, d: &Delivery, ctx: &Context) -> Outcome {
+        if self.ingress {
+            self.handle_ingress(d, ctx).await
+        } else {
+            self.handle_due(d, ctx).await
+        }
+    }
+}
+
+impl GatewayHandler {
+    async fn handle_ingress(&self, d: &Delivery, ctx: &Context) -> Outcome {
+        let c = &self.ctx;
+        let value = d.headers().and_then(|h| h.inner().get(X_DELAY));
+        let (delay_ms, invalid) = match parse_x_delay(value, c.max_delay_ms) {
+            Ok(ms) => (ms, None),
+            Err(reason) => (0, Some(reason)),
+        };
+        let msg = Message {
+            destination: c.pair.due_queue.clone(),
+            delay_ms,
+            body: d.body.clone(),
+            properties: stash(&d.properties, &d.routing_key, invalid.as_deref()),
+            attempt: 0,
+        };
+        let sent = tokio::time::timeout(c.confirm_timeout, ctx.publisher().schedule(msg)).await;
+        match sent {
+            Ok(Ok(_)) => Outcome::Success,
+            // Cannot happen: the delay was checked against the same layout.
+            Ok(Err(e @ Error::Plan(_))) => {
+                Outcome::Permanent(format!("cannot schedule: {}", crate::error::chain(&e)))
+            }
+            // Everything else (nack, lost channel, missing delivery exchange or due queue) is
+            // the infrastructure's: the message waits in the ingress queue, unchanged.
+            Ok(Err(e)) => Outcome::Requeue(format!(
+                "moving the message into the tiers failed: {}",
+                crate::error::chain(&e)
+            )),
+            Err(_) => Outcome::Requeue(format!(
+                "the broker did not confirm the tier publish within {:?}",
+                c.confirm_timeout
+            )),
+        }
+    }
+
+    async fn handle_due(&self, d: &Delivery, ctx: &Context) -> Outcome {
+        let c = &self.ctx;
+        let empty = FieldTable::default();
+        match text_header(d.headers().unwrap_or(&empty), INVALID) {
+            Ok(Some(reason)) => return Outcome::Permanent(reason),
+            Ok(None) => {}
+            Err(e) => return Outcome::Permanent(e),
+        }
+        let (key, props) = match restore(&d.properties) {
+            Ok(r) => r,
+            Err(reason) => return Outcome::Permanent(reason),
+        };
+        let target = &c.pair.target;
+        match ctx
+            .publisher()
+            .publish_confirmed(target, &key, &d.body, props)
+            .await
+        {
+            Ok(()) => Outcome::Success,
+            Err(Error::Returned { .. }) => Outcome::Permanent(format!(
+                "unroutable at exchange '{target}' with routing key '{key}': no binding matches"
+            )),
+            Err(e) => Outcome::Retry(format!(
+                "publishing to '{target}': {}",
+                crate::error::chain(&e)
+            )),
+        }
+    }
+}
+
+// ---- broker I/O ----------------------------------------------------------------------------
+
+/// The gateway of [`Settings::gateway`]'s pairs.
+pub struct Gateway {
+    settings: Settings,
+    layout: Layout,
+    pairs: Vec<Pair>,
+}
+
+impl Gateway {
+    /// Validates the pairs of `settings.gateway` against the layout (no I/O).
+    pub fn new(settings: Settings) -> Result<Gateway> {
+        settings.gateway.validate().map_err(Error::Invalid)?;
+        if settings.gateway.pairs.is_empty() {
+            return Err(Error::Invalid(
+                "the gateway has no pair: give --ingress EXCHANGE --target EXCHANGE, or [[gateway.pairs]] in --config".into(),
+            ));
+        }
+        let layout = settings
+            .layout()
+            .map_err(crate::settings::SettingsError::from)?;
+        let pairs = settings
+            .gateway
+            .pairs
+            .iter()
+            .map(|p| Pair::new(&layout, p))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(Error::Invalid)?;
+        Ok(Gateway {
+            settings,
+            layout,
+            pairs,
+        })
+    }
+
+    /// The validated pairs.
+    pub fn pairs(&self) -> &[Pair] {
+        &self.pairs
+    }
+
+    /// Declares the tier topology, then per pair the ingress exchange (durable fanout), the
+    /// ingress and due queues and the binding; checks that every target exchange exists.
+    /// Idempotent.
+    pub async fn declare(&self, conn: &Connection) -> Result<()> {
+        Topology::new(self.layout.clone()).declare(conn).await?;
+        let qargs = broker::queue_type_args(self.layout.queue_type());
+        for p in &self.pairs {
+            if !broker::exchange_exists(conn, &p.target).await? {
+                return Err(Error::Invalid(format!(
+                    "target exchange '{}' does not exist: declare it, with the bindings your queues had on the delayed exchange, before starting the gateway",
+                    p.target
+                )));
+            }
+            let ch = broker::open(conn).await?;
+            match broker::declare_exchange(
+                &ch,
+                &p.ingress,
+                ExchangeKind::Fanout,
+                FieldTable::default(),
+            )
+            .await
+            {
+                Err(Error::Conflict(text)) => {
+                    return Err(Error::Conflict(format!(
+                        "{text} (the plugin's x-delayed-message exchange?) Delete it once it is drained, or choose another ingress name"
+                    )));
+                }
+                other => other?,
+            }
+            for q in [&p.ingress_queue, &p.due_queue] {
+                broker::declare_queue(&ch, q, qargs.clone()).await?;
+            }
+            broker::bind_queue(&ch, &p.ingress_queue, &p.ingress, "").await?;
+            broker::close(&ch, "declared").await;
+            // so that `teardown` finds this pair's queues without a configuration
+            let record = control::Record::GatewayPair {
+                ingress: p.ingress.clone(),
+                target: p.target.clone(),
+            };
+            control::append(conn, &self.layout, &record).await?;
+        }
+        Ok(())
+    }
+
+    /// Deletes what [`Gateway::declare`] created for the pairs (ingress exchanges, ingress, due
+    /// and parking queues; messages in them are lost). Leaves the targets and the tier topology.
+    pub async fn delete(&self, conn: &Connection) -> Result<()> {
+        delete_pairs(conn, &self.pairs).await
+    }
+
+    /// The worker consuming every pair's ingress and due queues.
+    pub fn worker(&self) -> Worker<GatewayHandler> {
+        // The tier publish must be given up (and the ingress message requeued) before the
+        // worker's handler timeout would turn it into a retry.
+        let handler_ms = self.settings.consumer.handler_timeout.as_millis();
+        let confirm_timeout = Duration::from_millis((handler_ms / 2).clamp(1, 30_000));
+        let mut w = Worker::new(self.settings.clone());
+        for p in &self.pairs {
+            let ctx = Arc::new(PairCtx {
+                pair: p.clone(),
+                max_delay_ms: self.layout.max_delay_ms(),
+                confirm_timeout,
+            });
+            w = w
+                .subscribe(
+                    p.ingress_queue.clone(),
+                    GatewayHandler {
+                        ctx: ctx.clone(),
+                        ingress: true,
+                    },
+                )
+                .subscribe(
+                    p.due_queue.clone(),
+                    GatewayHandler {
+                        ctx,
+                        ingress: false,
+                    },
+                );
+        }
+        w
+    }
+
+    /// Declares everything, then relays messages until `shutdown` completes (the worker
+    /// reconnects after a connection loss).
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<()> {
+        let conn = crate::connection::connect(&self.settings.url, "amqp-delay gateway").await?;
+        let declared = self.declare(&conn).await;
+        let _ = conn.close(200, "declared".into()).await;
+        declared?;
+        for p in &self.pairs {
+            tracing::info!(
+                ingress = %p.ingress,
+                target = %p.target,
+                parked = %p.parked_queue,
+                "gateway pair ready"
+            );
+        }
+        self.worker().run(shutdown).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pair_names_never_collide_and_are_checked() {
+        let layout = Settings::default().layout().unwrap();
+        let pair = |i: &str| {
+            Pair::new(
+                &layout,
+                &PairConfig {
+                    ingress: i.into(),
+                    target: "t".into(),
+                },
+            )
+        };
+        let a = pair("x").unwrap();
+        let b = pair("x.due").unwrap();
+        let c = pair("due.x").unwrap();
+        let names = [
+            &a.ingress_queue,
+            &a.due_queue,
+            &b.ingress_queue,
+            &b.due_queue,
+            &c.ingress_queue,
+            &c.due_queue,
+        ];
+        let unique: std::collections::HashSet<_> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "{names:?}");
+        assert!(pair("a..b").is_err());
+        assert!(pair("a.*").is_err());
+        assert!(pair(&"x".repeat(220)).unwrap_err().contains("255"));
+        assert!(pair(&"x".repeat(240)).is_err());
+    }
+}

@@ -1,0 +1,176 @@
+//! The layer rules of ARCHITECTURE.md, checked on the source: every `crate::<module>` reference
+//! points to the same or a lower layer, the module graph has no cycle, the pure core does no
+//! broker I/O (no `async`, no tokio, no lapin connection or channel) and the planner, layout,
+//! time and retry rules know nothing about lapin at all.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// Layer of every library module: 0 pure core, 1 broker edge, 2 applications, 3 binaries' pieces.
+const LAYERS: &[(&str, u8)] = &[
+    ("time", 0),
+    ("batch", 0),
+    ("layout", 0),
+    ("planner", 0),
+    ("headers", 0),
+    ("envelope", 0),
+    ("message", 0),
+    ("retry", 0),
+    ("jsonl", 0),
+    ("settings", 0),
+    ("error", 0),
+    ("broker", 1),
+    ("connection", 1),
+    ("control", 1),
+    ("topology", 1),
+    ("publisher", 1),
+    ("worker", 1),
+    ("gateway", 2),
+    ("actions", 2),
+    ("cli", 3),
+    ("layering", 3),
+];
+
+/// Core modules that must not even name lapin.
+const LAPIN_FREE: &[&str] = &["time", "layout", "planner", "retry"];
+
+/// Source of every module, comments removed, keyed by top-level module name.
+fn sources() -> BTreeMap<String, String> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut out: BTreeMap<String, String> = BTreeMap::new();
+    let mut stack = vec![src.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let rel = path
+                .strip_prefix(&src)
+                .unwrap()
+                .to_string_lossy()
+                .to_string();
+            if path.is_dir() {
+                if rel != "bin" {
+                    stack.push(path);
+                }
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs")
+                || rel == "lib.rs"
+                || rel == "layering.rs"
+                || rel == "bench.rs"
+            {
+                continue;
+            }
+            let module = rel.split(['/', '.']).next().unwrap_or_default().to_string();
+            let text = std::fs::read_to_string(&path).unwrap();
+            let code: String = text
+                .lines()
+                .map(|l| match l.find("//") {
+                    Some(i) => &l[..i],
+                    None => l,
+                })
+                .collect::<Vec<_>>()
+                .join("\n");
+            out.entry(module).or_default().push_str(&code);
+        }
+    }
+    out
+}
+
+fn layer(module: &str) -> u8 {
+    LAYERS
+        .iter()
+        .find(|(m, _)| *m == module)
+        .unwrap_or_else(|| {
+            panic!("module '{module}' has no layer: add it to LAYERS and ARCHITECTURE.md")
+        })
+        .1
+}
+
+/// `crate::x` references of each module (to other modules).
+fn edges(sources: &BTreeMap<String, String>) -> BTreeMap<String, BTreeSet<String>> {
+    let mut out = BTreeMap::new();
+    for (module, code) in sources {
+        let mut targets = BTreeSet::new();
+        for (i, _) in code.match_indices("crate::") {
+            let rest = &code[i + "crate::".len()..];
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == '{')
+                .collect();
+            if name.starts_with('{') {
+                panic!(
+                    "module '{module}' uses a grouped `crate::{{...}}` import; import each module on its own line so the layer check sees it"
+                );
+            }
+            assert!(
+                !name.starts_with(|c: char| c.is_uppercase()),
+                "module '{module}' names `crate::{name}` through a root re-export; use the module path"
+            );
+            if name != *module {
+                targets.insert(name);
+            }
+        }
+        out.insert(module.clone(), targets);
+    }
+    out
+}
+
+#[test]
+fn every_reference_points_down_or_sideways() {
+    let src = sources();
+    let mut upward = Vec::new();
+    for (from, tos) in edges(&src) {
+        for to in tos {
+            if layer(&to) > layer(&from) {
+                upward.push(format!(
+                    "{from} (layer {}) → {to} (layer {})",
+                    layer(&from),
+                    layer(&to)
+                ));
+            }
+        }
+    }
+    assert!(upward.is_empty(), "upward references: {upward:#?}");
+}
+
+#[test]
+fn the_module_graph_has_no_cycle() {
+    let g = edges(&sources());
+    // Kahn's algorithm: repeatedly remove modules nothing left depends on.
+    let mut left: BTreeMap<String, BTreeSet<String>> = g.clone();
+    loop {
+        let leaves: Vec<String> = left
+            .iter()
+            .filter(|(_, tos)| tos.iter().all(|t| !left.contains_key(t)))
+            .map(|(m, _)| m.clone())
+            .collect();
+        if leaves.is_empty() {
+            break;
+        }
+        for m in leaves {
+            left.remove(&m);
+        }
+    }
+    assert!(left.is_empty(), "modules in a cycle: {:?}", left.keys());
+}
+
+#[test]
+fn the_core_does_no_broker_io() {
+    for (module, code) in sources() {
+        if layer(&module) != 0 {
+            continue;
+        }
+        for banned in ["async ", "tokio", "Connection", "Channel", "std::net"] {
+            assert!(
+                !code.contains(banned),
+                "core module '{module}' contains `{banned}`: broker I/O belongs in the broker edge"
+            );
+        }
+        if LAPIN_FREE.contains(&module.as_str()) {
+            assert!(
+                !code.contains("lapin"),
+                "'{module}' must know nothing about lapin"
+            );
+        }
+    }
+}

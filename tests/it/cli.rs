@@ -1,0 +1,185 @@
+//! The command-line publisher against a real RabbitMQ: bulk JSONL sends, `send`, `stats`,
+//! `teardown`, `declare --queue`, and its error texts and exit codes.
+
+use amqp_delay::time::DurationMs;
+
+use crate::harness::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_jsonl_confirms_good_lines_and_reports_bad_ones_by_line_number() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("bulk").await;
+    let cfg = env.write_config("");
+    let file = temp_path(&env.settings.prefix, "bulk.jsonl");
+    let mut lines = Vec::new();
+    for i in 0..40 {
+        lines.push(format!(
+            r#"{{"queue":"{q}","delay_ms":{},"body":"b{i}","id":"j{i}"}}"#,
+            i * 7
+        ));
+    }
+    lines[3] = "this is not json".into();
+    lines[10] = format!(r#"{{"queue":"{q}","delay":"soon","body":"x"}}"#);
+    lines[20] = r#"{"queue":"no.such.*","delay_ms":5,"body":"x"}"#.into();
+    lines[30] = format!(r#"{{"queue":"{q}","delay_ms":99999,"body":"x"}}"#);
+    lines.push(String::new()); // a blank line is skipped, not an error
+    lines.push(format!(r#"{{"queue":"{q}","delay":"1s","body":{{"order":42}},"id":"j-json","headers":{{"k":"v"}}}}"#));
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .args([
+            "--config",
+            cfg.to_str().unwrap(),
+            "send",
+            "--jsonl",
+            file.to_str().unwrap(),
+        ])
+        .env("AMQP_URL", broker_url())
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "exit code; stderr: {stderr}");
+    assert!(
+        stdout.contains("37 confirmed, 4 failed"),
+        "summary: {stdout}"
+    );
+    assert!(stderr.contains("line 4: not a valid request"), "{stderr}");
+    assert!(
+        stderr.contains("line 11: 'delay': invalid duration 'soon'"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("line 21: invalid request:") && stderr.contains("wildcard"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("line 31: delay 99999 ms is longer than the configured maximum"),
+        "{stderr}"
+    );
+    let got = env.expect(&q, 37).await;
+    let c = counts(&got);
+    assert_eq!(c.len(), 37, "{c:?}");
+    for bad in ["j3", "j10", "j20", "j30"] {
+        assert!(!c.contains_key(bad));
+    }
+    let json = got.iter().find(|r| r.id() == "j-json").unwrap();
+    assert_eq!(json.body, br#"{"order":42}"#);
+    assert_eq!(
+        json.properties.content_type().as_ref().unwrap().as_str(),
+        "application/json"
+    );
+    let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_file(&cfg);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_send_stats_and_clear_errors() {
+    let mut t = small_topology();
+    t.max_delay = DurationMs(60_000);
+    t.max_tier_ttl_ms = 20_000;
+    let mut env = Env::new(t).await;
+    let q = env.queue("cli").await;
+    let cfg = env.write_config("");
+    let run = |args: Vec<String>| {
+        let cfg = cfg.clone();
+        async move {
+            let mut full = vec!["--config".to_string(), cfg.to_str().unwrap().to_string()];
+            full.extend(args);
+            tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+                .args(full)
+                .env("AMQP_URL", broker_url())
+                .output()
+                .await
+                .unwrap()
+        }
+    };
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let out = run(s(&[
+        "send",
+        "--queue",
+        &q,
+        "--delay",
+        "50s",
+        "--body",
+        "{\"order\":42}",
+        "--id",
+        "cli-1",
+    ]))
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(line["id"], "cli-1");
+    assert!(line["due_at"].as_u64().unwrap() > line["delay_ms"].as_u64().unwrap());
+    let out = run(s(&["stats", "--json", "--non-empty"])).await;
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let held: u64 = stats
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["messages"].as_u64().unwrap())
+        .sum();
+    assert_eq!(held, 1, "{stats}");
+    // teardown refuses while messages wait (they would be lost)
+    let out = run(s(&["teardown"])).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("1 messages are still in the tiers"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // clear errors, non-zero exit, nothing scheduled
+    let out = run(s(&["send", "--queue", &q, "--delay", "-5s", "--body", "x"])).await; // hyphen value reaches our parser
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("negative duration"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(s(&[
+        "send", "--queue", "a.*", "--delay", "1s", "--body", "x",
+    ]))
+    .await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("wildcard"));
+    // the password never appears in what the tool prints
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .args([
+            "--config",
+            cfg.to_str().unwrap(),
+            "--url",
+            "amqp://guest:s3cr3t-pw@127.0.0.1:1/%2f",
+            "declare",
+        ])
+        .output()
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        err.contains("cannot connect") && err.contains("guest:***@"),
+        "{err}"
+    );
+    assert!(!err.contains("s3cr3t-pw"), "password leaked: {err}");
+    // declare --queue creates a missing destination queue and leaves an existing one alone
+    let fresh = format!("{}-fresh", env.settings.prefix);
+    env.track_queue(&fresh);
+    let out = run(s(&["declare", "--queue", &fresh, "--queue", &q])).await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains(&format!("'{fresh}' created")) && text.contains(&format!("'{q}' exists")),
+        "{text}"
+    );
+    let _ = std::fs::remove_file(&cfg);
+    env.cleanup().await;
+}

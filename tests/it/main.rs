@@ -1,0 +1,11 @@
+//! Integration tests against a real RabbitMQ, in one test binary (one link step, one harness).
+//! Every test FAILS when no broker answers (`./scripts/test.sh` starts one); each runs under its
+//! own random prefix on a small 1 ms-unit topology and deletes what it declared.
+
+mod actions;
+mod bench_smoke;
+mod cli;
+mod core;
+mod gateway;
+mod harness;
+mod worker;
