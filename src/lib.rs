@@ -14,7 +14,6 @@
 //! ```
 
 pub mod actions;
-pub mod bench;
 pub mod cli;
 pub mod connection;
 pub mod envelope;

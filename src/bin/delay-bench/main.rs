@@ -1,12 +1,14 @@
 //! `delay-bench`: throughput, lateness and capacity of the delay topology against the raw broker,
-//! in one run, under its own random prefix. Thin: the work is in `amqp_delay::bench`.
+//! in one run, under its own random prefix. Thin: the work is in the `bench` module.
 
 use std::io::IsTerminal;
 
-use amqp_delay::bench::{self, BenchConfig, Cleanup, Scenario};
 use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
 use amqp_delay::settings::{DurationMs, QueueType};
+use bench::{BenchConfig, Cleanup, Scenario};
 use clap::Parser;
+
+mod bench;
 
 const ABOUT: &str = "Measure amqp-delay against the raw broker: throughput, lateness, capacity";
 

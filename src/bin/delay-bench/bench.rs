@@ -50,13 +50,13 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::error::{Context, Result};
-use crate::headers;
-use crate::layout::Layout;
-use crate::planner::{self, Precision};
-use crate::publisher::{Message, Publisher, now_ms};
-use crate::settings::{DurationMs, QueueType, Settings, SettingsError, TopologySettings};
-use crate::topology::Topology;
+use amqp_delay::error::{Context, Result};
+use amqp_delay::headers;
+use amqp_delay::layout::Layout;
+use amqp_delay::planner::{self, Precision};
+use amqp_delay::publisher::{Message, Publisher, now_ms};
+use amqp_delay::settings::{DurationMs, QueueType, Settings, SettingsError, TopologySettings};
+use amqp_delay::topology::Topology;
 
 /// One measured path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, clap::ValueEnum, Serialize)]
@@ -787,12 +787,12 @@ impl Bench<'_> {
                 let mut failed = Vec::new();
                 let mut first_error = None;
                 let mut hops = 0u64;
-                let mut note = |i: usize, r: std::result::Result<usize, crate::Error>| {
+                let mut note = |i: usize, r: std::result::Result<usize, amqp_delay::Error>| {
                     match r {
                         Ok(h) => hops += h as u64,
                         Err(e) => {
                             failed.push(i);
-                            first_error.get_or_insert_with(|| crate::cli::chain(&e));
+                            first_error.get_or_insert_with(|| amqp_delay::cli::chain(&e));
                         }
                     }
                     tracker.published.fetch_add(1, Ordering::Relaxed);
@@ -1118,7 +1118,7 @@ impl Bench<'_> {
         };
         let need = queues as u64 * HANDLES_PER_QUORUM_QUEUE;
         if used + need > limit {
-            return Err(crate::Error::Invalid(format!(
+            return Err(amqp_delay::Error::Invalid(format!(
                 "the broker has {} of its {limit} file handles left and this run needs about \
                  {need} ({queues} quorum queues × {HANDLES_PER_QUORUM_QUEUE}); when they run out \
                  it stops accepting connections. Delete leftover queues or raise the broker's \
@@ -1139,7 +1139,7 @@ impl Bench<'_> {
         let layout = self.capacity_layout(hold_ms)?;
         self.progress.note(&format!(
             "capacity: {m} messages held {}",
-            crate::layout::compact_duration(hold_ms)
+            amqp_delay::layout::compact_duration(hold_ms)
         ));
         self.declare(&layout).await?;
         let pubs = self
@@ -1328,10 +1328,10 @@ fn death_count(h: &FieldTable) -> u64 {
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
 async fn connect(url: &str, name: &str) -> Result<Connection> {
-    match tokio::time::timeout(CONNECT_TIMEOUT, crate::connection::connect(url, name)).await {
+    match tokio::time::timeout(CONNECT_TIMEOUT, amqp_delay::connection::connect(url, name)).await {
         Ok(r) => r,
-        Err(_) => Err(crate::Error::Connect {
-            url: crate::connection::redact_url(url),
+        Err(_) => Err(amqp_delay::Error::Connect {
+            url: amqp_delay::connection::redact_url(url),
             source: std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
                 format!(
@@ -1537,7 +1537,10 @@ pub fn hop_table_text(rows: &[HopRow], max_delay_ms: u64) -> String {
         "{:>5}  {:<13} {:>15} {:>13} {:>17} {:>11}\n",
         "radix",
         "budget",
-        format!("hops 0–{}", crate::layout::compact_duration(max_delay_ms)),
+        format!(
+            "hops 0–{}",
+            amqp_delay::layout::compact_duration(max_delay_ms)
+        ),
         "hops real mix",
         "max planned late",
         "tier queues"
@@ -1758,7 +1761,7 @@ pub async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> {
     let binary = cfg.binary_layout()?;
 
     let precision = cfg.settings.precision;
-    let max_s = crate::layout::compact_duration(cfg.max_delay_ms);
+    let max_s = amqp_delay::layout::compact_duration(cfg.max_delay_ms);
     let qt = cfg.settings.topology.queue_type;
     let fixed = cfg.fixed_levels();
     let mut raw = None;
@@ -1795,7 +1798,7 @@ pub async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> {
             raw = Some(r);
         }
         let raw_rate = raw.as_ref().map(|r| r.msgs_per_s).filter(|&r| r > 0.0);
-        let fixed_name = crate::layout::compact_duration(fixed[0]);
+        let fixed_name = amqp_delay::layout::compact_duration(fixed[0]);
         let delayed = [
             (
                 Scenario::Fixed,
@@ -1821,7 +1824,7 @@ pub async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> {
                     MIX_FIXED_SHARE * 100.0,
                     fixed
                         .iter()
-                        .map(|&f| crate::layout::compact_duration(f))
+                        .map(|&f| amqp_delay::layout::compact_duration(f))
                         .collect::<Vec<_>>()
                         .join(", "),
                     (1.0 - MIX_FIXED_SHARE) * 100.0
@@ -1871,7 +1874,7 @@ pub async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> {
         tool: "delay-bench",
         version: env!("CARGO_PKG_VERSION"),
         environment: Environment {
-            broker_url: crate::connection::redact_url(url),
+            broker_url: amqp_delay::connection::redact_url(url),
             broker_version,
             dead_letter_worker_prefetch: dlx_prefetch,
             cpu,
@@ -2049,7 +2052,7 @@ impl Report {
                  memory {} → {} (growth {}, {} B/message; after drain {}) [{}]; drained in {:.1} s \
                  ({:.0} msg/s), lost {}, duplicates {}",
                 cap.messages,
-                crate::layout::compact_duration(cap.hold_ms),
+                amqp_delay::layout::compact_duration(cap.hold_ms),
                 cap.publish_msgs_per_s,
                 cap.pending_at_peak,
                 fmt_bytes(m.before_bytes),
