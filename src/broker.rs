@@ -10,7 +10,8 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Connection, ExchangeKind};
 
-use crate::error::{Error, Result, ResultExt};
+pub use crate::error::ResultExt;
+use crate::error::{Error, Result};
 use crate::layout::QueueType;
 
 /// AMQP reply code: the user may not access the object.

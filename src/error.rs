@@ -104,7 +104,8 @@ pub enum Error {
 }
 
 /// Adds what we were doing to a lapin result.
-pub(crate) trait ResultExt<T> {
+pub trait ResultExt<T> {
+    /// Wraps a lapin error into [`Error::Amqp`] with `what` we were doing.
     fn context(self, what: impl FnOnce() -> String) -> Result<T>;
 }
 

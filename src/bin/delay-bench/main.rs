@@ -1,12 +1,70 @@
-//! `delay-bench`: throughput, lateness and capacity of the delay topology against the raw broker,
-//! in one run, under its own random prefix. Thin: the work is in `amqp_delay::bench`.
+//! `delay-bench`: throughput, lateness and capacity of the delay topology (issue 5), measured
+//! against the raw broker on the same machine in one run, under its own random prefix. This file
+//! is the command line only; the modules below do the work.
+//!
+//! # What one run measures
+//!
+//! * **raw**: N persistent messages published with confirms (pipelined, `publisher.max_in_flight`
+//!   awaiting their confirm, through [`Publisher::publish_confirmed`], the very path scheduled
+//!   messages take) straight into one plain queue of the tiers' queue type, consumed with manual
+//!   acks. The ceiling on this machine.
+//! * **fixed / uniform / mix / binary**: the same N messages through the delay topology
+//!   (publish → tiers → destination → consume) for four delay distributions: (a) one fixed level;
+//!   (b) uniform 0–max (5 s) at the configured unit and lateness budget; (c) a realistic mix, 60%
+//!   on fixed levels, 40% arbitrary 0–max; (d) an NServiceBus-style binary cascade (radix 2, exact).
+//!   Each reports msg/s end to end, its ratio to raw and the average hops per message.
+//! * **lateness** of every scenario, from a second, rate-limited run at half its measured
+//!   capacity (or `rate`): `consume time − x-delay-due-at`, as min/p50/p99/p99.9/max.
+//! * **capacity** (optional): M messages held in one tier, the publish rate and the broker's
+//!   memory before/after (read with `rabbitmqctl` when the broker is local), then drained.
+//!
+//! # How it counts
+//!
+//! Throughput is end to end: from the first publish to the consume of the last distinct message,
+//! `distinct messages / that time`. Every message carries its index as `message_id`; the
+//! consumers count each index, so lost messages (confirmed but never delivered) and duplicates
+//! (at-least-once dead-lettering may duplicate) are reported, and the destination queue's
+//! leftovers are counted when it is deleted. Lateness is measured on the first delivery of each
+//! message. A saturating run whose delays are long next to its duration under-reports capacity
+//! (the last message cannot arrive before its due time): `backlog_p50_ms`, the median lateness
+//! of the saturating run, tells whether the broker was really behind.
+//!
+//! Everything lives under the run's own prefix and is registered in a [`Cleanup`] before it is
+//! declared, so `main` can delete it on success, error or interruption.
+//!
+//! # Where things live
+//!
+//! * `config`: the scenarios and `BenchConfig` (defaults, validation, the bench layouts).
+//! * `runner`: the run itself (raw and delayed scenarios, lateness runs, capacity) and, in
+//!   `runner::measure`, one publish-and-consume pass with its counting.
+//! * `hops`: pure hop statistics: the delay distributions and `--hop-table`.
+//! * `environment`: the machine and what `rabbitmqctl` says about a local broker.
+//! * `report`: the `Report` (the `--json` object) and its table.
+//! * `cleanup`, `progress`, `amqp`: deleting what a run declared, the progress bar, AMQP plumbing.
+//!
+//! The binary reaches the library only through its public API (`amqp_delay::...`).
+//!
+//! [`Publisher::publish_confirmed`]: amqp_delay::Publisher::publish_confirmed
+
+mod amqp;
+mod cleanup;
+mod config;
+mod environment;
+mod hops;
+mod progress;
+mod report;
+mod runner;
 
 use std::io::IsTerminal;
 
-use amqp_delay::bench::{self, BenchConfig, Cleanup, Scenario};
+use amqp_delay::QueueType;
 use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
-use amqp_delay::settings::{DurationMs, QueueType};
+use amqp_delay::connection::redact_url;
+use amqp_delay::time::DurationMs;
 use clap::Parser;
+
+use cleanup::Cleanup;
+use config::{BenchConfig, Scenario};
 
 const ABOUT: &str = "Measure amqp-delay against the raw broker: throughput, lateness, capacity";
 
@@ -211,25 +269,25 @@ async fn main() {
         }
     };
     if args.hop_table {
-        let rows = bench::hop_table(&cfg.settings, cfg.max_delay_ms);
+        let rows = hops::hop_table(&cfg.settings, cfg.max_delay_ms);
         if args.json {
             println!(
                 "{}",
                 serde_json::to_string_pretty(&rows).expect("serializable")
             );
         } else {
-            print!("{}", bench::hop_table_text(&rows, cfg.max_delay_ms));
+            print!("{}", hops::hop_table_text(&rows, cfg.max_delay_ms));
         }
         return;
     }
     eprintln!(
         "delay-bench: {} under prefix '{}'",
-        amqp_delay::connection::redact_url(&cfg.settings.url),
+        redact_url(&cfg.settings.url),
         cfg.settings.prefix
     );
     let cleanup = Cleanup::default();
     let outcome = tokio::select! {
-        r = bench::run(&cfg, &cleanup) => Some(r),
+        r = runner::run(&cfg, &cleanup) => Some(r),
         _ = interrupted() => None,
     };
     if outcome.is_none() {

@@ -1,0 +1,219 @@
+//! What a run measures and with which settings: the scenarios, `BenchConfig` (defaults,
+//! validation before anything is declared) and the bench layouts derived from it.
+
+use serde::Serialize;
+
+use amqp_delay::Layout;
+use amqp_delay::TopologySettings;
+use amqp_delay::settings::{Settings, SettingsError};
+use amqp_delay::time::DurationMs;
+
+/// One measured path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Scenario {
+    /// Publish → one plain queue → consume: the ceiling.
+    Raw,
+    /// Every message on one fixed level (one hop).
+    Fixed,
+    /// Uniform 0–max delays through the cascade.
+    Uniform,
+    /// 60% on fixed levels, 40% uniform 0–max.
+    Mix,
+    /// Uniform 0–max through a radix-2 cascade, exact (NServiceBus-style reference).
+    Binary,
+}
+
+impl Scenario {
+    pub(crate) const ALL: [Scenario; 5] = [
+        Scenario::Raw,
+        Scenario::Fixed,
+        Scenario::Uniform,
+        Scenario::Mix,
+        Scenario::Binary,
+    ];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Scenario::Raw => "raw",
+            Scenario::Fixed => "fixed",
+            Scenario::Uniform => "uniform",
+            Scenario::Mix => "mix",
+            Scenario::Binary => "binary",
+        }
+    }
+}
+
+/// Share of the realistic mix that uses a fixed level exactly.
+pub(crate) const MIX_FIXED_SHARE: f64 = 0.6;
+/// Real-world upper bound of the mix's arbitrary delays (scaled down to `max_delay` in the run).
+pub(crate) const MIX_REAL_MAX_MS: u64 = 24 * 3_600_000;
+
+/// Everything a run needs. Build with [`BenchConfig::new`], then adjust the fields.
+#[derive(Debug, Clone)]
+pub(crate) struct BenchConfig {
+    /// URL, the run's own prefix, the topology shape (radix, unit, queue type, tier limits),
+    /// the precision policy and `publisher.max_in_flight` come from here.
+    pub(crate) settings: Settings,
+    /// Messages per saturating run.
+    pub(crate) messages: usize,
+    pub(crate) scenarios: Vec<Scenario>,
+    /// Rate of the lateness runs (msg/s); default half of each scenario's measured capacity.
+    pub(crate) rate: Option<f64>,
+    /// Duration of publishing in each lateness run.
+    pub(crate) lateness_secs: f64,
+    /// Largest delay of the distributions (the fixed levels are 1/20, 1/5, 1/2 and 1/1 of it).
+    pub(crate) max_delay_ms: u64,
+    /// Consumer prefetch (per consumer channel).
+    pub(crate) prefetch: u16,
+    /// Publisher instances (each its own connection and channel).
+    pub(crate) publishers: usize,
+    /// Consumer channels on the destination queue.
+    pub(crate) consumers: usize,
+    pub(crate) body_bytes: usize,
+    /// Capacity mode: messages to hold in the tiers.
+    pub(crate) capacity: Option<u64>,
+    /// How long the capacity messages wait (default: long enough to publish them all).
+    pub(crate) capacity_hold_ms: Option<u64>,
+    /// Seed of the delay distributions (the same seed gives the same delays).
+    pub(crate) seed: u64,
+    /// How long to wait for duplicates after the last distinct message.
+    pub(crate) linger_ms: u64,
+    /// Investigation knob: spread the fixed scenario over this many one-hop tiers (TTLs F,
+    /// F+1 ms, …) to see whether a sharded fixed level scales past one queue.
+    pub(crate) fixed_shards: u32,
+    /// Show a progress bar on stderr.
+    pub(crate) progress: bool,
+    pub(crate) quick: bool,
+}
+
+impl BenchConfig {
+    /// Defaults for a full run against `settings`.
+    pub(crate) fn new(settings: Settings) -> Self {
+        BenchConfig {
+            settings,
+            messages: 50_000,
+            scenarios: Scenario::ALL.to_vec(),
+            rate: None,
+            lateness_secs: 20.0,
+            max_delay_ms: 5_000,
+            prefetch: 256,
+            publishers: 1,
+            consumers: 1,
+            body_bytes: 100,
+            capacity: None,
+            capacity_hold_ms: None,
+            seed: 1,
+            linger_ms: 300,
+            fixed_shards: 1,
+            progress: false,
+            quick: false,
+        }
+    }
+
+    /// The fixed levels of the distributions: 1/20, 1/5, 1/2 and all of `max_delay`.
+    pub(crate) fn fixed_levels(&self) -> Vec<u64> {
+        let m = self.max_delay_ms;
+        let mut v: Vec<u64> = [m / 20, m / 5, m / 2, m]
+            .into_iter()
+            .filter(|&x| x > 0)
+            .collect();
+        v.dedup();
+        v
+    }
+
+    /// The fixed levels the bench topology declares: [`BenchConfig::fixed_levels`] plus, with
+    /// `fixed_shards` > 1, the extra tiers `F+1 ms, F+2 ms, …` the fixed scenario spreads over.
+    fn declared_fixed_levels(&self) -> Vec<u64> {
+        let mut v = self.fixed_levels();
+        let f = v[0];
+        v.extend((1..u64::from(self.fixed_shards)).map(|k| f + k));
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        if self.messages == 0 {
+            return Err("--messages must be at least 1".into());
+        }
+        if self.max_delay_ms < 20 {
+            return Err("--max-delay must be at least 20 ms".into());
+        }
+        if self.publishers == 0 || self.consumers == 0 || self.prefetch == 0 {
+            return Err("--publishers, --consumers and --prefetch must be at least 1".into());
+        }
+        if let Some(r) = self.rate
+            && !(r.is_finite() && r > 0.0)
+        {
+            return Err(format!("--rate must be a positive number, got {r}"));
+        }
+        if !(self.lateness_secs.is_finite() && self.lateness_secs > 0.0) {
+            return Err("--lateness-secs must be positive".into());
+        }
+        if self.fixed_shards == 0 || u64::from(self.fixed_shards) >= self.max_delay_ms / 20 {
+            return Err("--fixed-shards must be at least 1 and below max_delay/20 ms".into());
+        }
+        if self.capacity == Some(0) {
+            return Err("--capacity must be at least 1".into());
+        }
+        self.settings.validate().map_err(|e| e.to_string())?;
+        self.main_layout(true).map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    fn topology(&self, radix: u32, fixed: Vec<u64>, max_delay_ms: u64) -> TopologySettings {
+        let t = &self.settings.topology;
+        TopologySettings {
+            radix,
+            unit_ms: t.unit_ms,
+            max_delay: DurationMs(max_delay_ms),
+            fixed_levels: fixed.into_iter().map(DurationMs).collect(),
+            queue_type: t.queue_type,
+            max_tier_length: t.max_tier_length,
+            max_tier_ttl_ms: t.max_tier_ttl_ms,
+        }
+    }
+
+    /// The configured radix and unit, delays up to `max_delay`, with or without the fixed levels
+    /// (both have the same cascade queues and signature, so both plan onto one declared topology).
+    pub(crate) fn main_layout(&self, with_fixed: bool) -> Result<Layout, SettingsError> {
+        let fixed = if with_fixed {
+            self.declared_fixed_levels()
+        } else {
+            Vec::new()
+        };
+        let t = self.topology(self.settings.topology.radix, fixed, self.max_delay_ms);
+        Ok(Layout::new(&self.settings.prefix, &t)?)
+    }
+
+    pub(crate) fn binary_layout(&self) -> Result<Layout, SettingsError> {
+        let t = self.topology(2, Vec::new(), self.max_delay_ms);
+        Ok(Layout::new(&format!("{}-r2", self.settings.prefix), &t)?)
+    }
+
+    pub(crate) fn capacity_layout(&self, hold_ms: u64) -> Result<Layout, SettingsError> {
+        let t = self.topology(self.settings.topology.radix, vec![hold_ms], hold_ms);
+        Ok(Layout::new(&format!("{}-cap", self.settings.prefix), &t)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> BenchConfig {
+        BenchConfig::new(Settings {
+            prefix: "bench-test".into(),
+            ..Settings::default()
+        })
+    }
+
+    #[test]
+    fn layouts_share_the_prefix_rules() {
+        let c = cfg();
+        assert_eq!(c.fixed_levels(), vec![250, 1000, 2500, 5000]);
+        assert_eq!(c.binary_layout().unwrap().prefix(), "bench-test-r2");
+        assert!(c.validate().is_ok());
+    }
+}

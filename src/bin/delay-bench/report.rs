@@ -1,0 +1,346 @@
+//! What a run found and how it is shown: `Report` and its parts (serialized as the `--json`
+//! object, so the field names are its keys), the human-readable table, number formatting.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use amqp_delay::Precision;
+use amqp_delay::time::compact_duration;
+
+use crate::config::Scenario;
+
+/// Lateness (or latency) percentiles in milliseconds.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub(crate) struct Percentiles {
+    pub(crate) min: i64,
+    pub(crate) p50: i64,
+    pub(crate) p99: i64,
+    pub(crate) p999: i64,
+    pub(crate) max: i64,
+    /// Messages measured.
+    pub(crate) samples: u64,
+}
+
+/// One scenario's numbers.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct ScenarioResult {
+    pub(crate) description: String,
+    pub(crate) radix: u32,
+    pub(crate) unit_ms: u64,
+    /// Lateness budget the planner used.
+    pub(crate) precision: String,
+    pub(crate) messages: usize,
+    /// End to end, first publish to last distinct consume.
+    pub(crate) msgs_per_s: f64,
+    /// `msgs_per_s / raw_msgs_per_s` (null when raw was not measured).
+    pub(crate) ratio_to_raw: Option<f64>,
+    /// Planned dead-letter hops per message.
+    pub(crate) avg_hops: f64,
+    /// Hops the messages actually took (sum of their `x-death` counts).
+    pub(crate) observed_avg_hops: f64,
+    /// Hops the same mix would take at real scale (24 h, the configured fixed levels).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) real_scale_avg_hops: Option<f64>,
+    pub(crate) e2e_s: f64,
+    pub(crate) publish_s: f64,
+    pub(crate) publish_msgs_per_s: f64,
+    /// Median lateness of the saturating run: large means the broker was behind (saturated),
+    /// small means the run was limited by the publisher or by its delays.
+    pub(crate) backlog_p50_ms: i64,
+    /// The saturating run ended about when its last message became due: its duration was set
+    /// by the delays, not by the broker, so `msgs_per_s` is a lower bound (use more messages).
+    pub(crate) delay_bound: bool,
+    /// Lateness of the rate-limited run (for raw: plain publish-to-consume latency).
+    pub(crate) lateness_ms: Percentiles,
+    /// Rate of the lateness run.
+    pub(crate) lateness_rate_msgs_per_s: f64,
+    /// Confirmed but never delivered (both runs).
+    pub(crate) lost: usize,
+    /// Deliveries beyond the first (both runs).
+    pub(crate) duplicates: usize,
+    /// Publishes the broker nacked or returned, or that failed (both runs).
+    pub(crate) publish_errors: usize,
+    /// Messages delivered before their due time (both runs): must be 0.
+    pub(crate) early: u64,
+}
+
+/// Capacity mode's numbers.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct CapacityResult {
+    pub(crate) messages: u64,
+    pub(crate) hold_ms: u64,
+    pub(crate) publish_msgs_per_s: f64,
+    /// Messages in the tiers right after the last publish.
+    pub(crate) pending_at_peak: u64,
+    pub(crate) memory: MemoryResult,
+    /// From the moment the first message became due to the last distinct consume.
+    pub(crate) drain_s: f64,
+    pub(crate) drain_msgs_per_s: f64,
+    pub(crate) lost: usize,
+    pub(crate) duplicates: usize,
+    pub(crate) publish_errors: usize,
+    pub(crate) early: u64,
+    pub(crate) lateness_ms: Percentiles,
+}
+
+/// Broker memory in bytes, or null where it could not be read.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct MemoryResult {
+    /// How it was read (`rabbitmqctl status`, `rabbitmq-diagnostics memory_breakdown`, or `n/a`).
+    pub(crate) source: String,
+    pub(crate) before_bytes: Option<u64>,
+    pub(crate) peak_bytes: Option<u64>,
+    pub(crate) growth_bytes: Option<i64>,
+    pub(crate) bytes_per_message: Option<f64>,
+    pub(crate) after_drain_bytes: Option<u64>,
+    /// The categories of the broker's memory breakdown that grew or shrank most, in bytes.
+    pub(crate) growth_by_category: BTreeMap<String, i64>,
+}
+
+/// One reading of the broker's memory.
+#[derive(Debug, Clone)]
+pub(crate) struct MemorySample {
+    /// How it was read.
+    pub(crate) source: String,
+    pub(crate) total: u64,
+    /// The breakdown (`quorum_ets`, `binary`, `quorum_queue_procs`, ...).
+    pub(crate) categories: BTreeMap<String, u64>,
+}
+
+/// The broker and the machine.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Environment {
+    pub(crate) broker_url: String,
+    pub(crate) broker_version: Option<String>,
+    /// `rabbit.dead_letter_worker_consumer_prefetch` (quorum at-least-once dead-lettering).
+    pub(crate) dead_letter_worker_prefetch: Option<u64>,
+    pub(crate) cpu: String,
+    pub(crate) cores: usize,
+}
+
+/// The settings the run used.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct RunConfig {
+    pub(crate) prefix: String,
+    pub(crate) messages: usize,
+    pub(crate) quick: bool,
+    pub(crate) radix: u32,
+    pub(crate) unit_ms: u64,
+    pub(crate) queue_type: String,
+    pub(crate) lateness_budget: String,
+    pub(crate) max_in_flight: usize,
+    pub(crate) prefetch: u16,
+    pub(crate) publishers: usize,
+    pub(crate) consumers: usize,
+    pub(crate) body_bytes: usize,
+    pub(crate) max_delay_ms: u64,
+    pub(crate) fixed_levels_ms: Vec<u64>,
+    pub(crate) lateness_secs: f64,
+    pub(crate) rate: Option<f64>,
+    pub(crate) seed: u64,
+    pub(crate) fixed_shards: u32,
+}
+
+/// Everything one run found; `--json` prints it as one object.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Report {
+    pub(crate) tool: &'static str,
+    pub(crate) version: &'static str,
+    pub(crate) environment: Environment,
+    pub(crate) config: RunConfig,
+    pub(crate) raw_msgs_per_s: Option<f64>,
+    pub(crate) raw: Option<ScenarioResult>,
+    pub(crate) scenarios: BTreeMap<String, ScenarioResult>,
+    pub(crate) capacity: Option<CapacityResult>,
+    /// Anything that went wrong (lost or early messages, publish errors, leftovers in tiers).
+    pub(crate) problems: Vec<String>,
+    pub(crate) ok: bool,
+    pub(crate) elapsed_s: f64,
+}
+
+/// The lateness budget in words: `exact`, `2 ms`, `0.1%`, `max(2 ms, 0.1%)`.
+pub(crate) fn describe_precision(p: &Precision) -> String {
+    let pct = format!("{}%", round3(p.lateness_ratio * 100.0));
+    match (p.lateness_ms, p.lateness_ratio == 0.0) {
+        (0, true) => "exact".into(),
+        (ms, true) => format!("{ms} ms"),
+        (0, false) => pct,
+        (ms, false) => format!("max({ms} ms, {pct})"),
+    }
+}
+
+pub(crate) fn fmt_bytes(b: Option<u64>) -> String {
+    b.map_or_else(
+        || "n/a".into(),
+        |b| format!("{:.1} MB", b as f64 / 1_000_000.0),
+    )
+}
+
+pub(crate) fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+pub(crate) fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+impl Report {
+    /// The human-readable table.
+    pub(crate) fn table(&self) -> String {
+        let e = &self.environment;
+        let c = &self.config;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "delay-bench {} — {} (RabbitMQ {}), {} × {} cores",
+            self.version,
+            e.broker_url,
+            e.broker_version.as_deref().unwrap_or("?"),
+            e.cpu,
+            e.cores
+        );
+        let _ = writeln!(
+            s,
+            "radix {}, unit {} ms, budget {}, {} tiers and queues, {} messages × {} B, \
+             max_in_flight {}, prefetch {}, {} publisher(s), {} consumer(s), dead-letter worker prefetch {}",
+            c.radix,
+            c.unit_ms,
+            c.lateness_budget,
+            c.queue_type,
+            c.messages,
+            c.body_bytes,
+            c.max_in_flight,
+            c.prefetch,
+            c.publishers,
+            c.consumers,
+            e.dead_letter_worker_prefetch
+                .map_or_else(|| "?".into(), |p| p.to_string()),
+        );
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "{:<62} {:>7} {:>5} {:>5} {:>8} │ {:>6} {:>5} {:>5} {:>5} {:>6} {:>6} │ {:>4} {:>4}",
+            "scenario",
+            "msg/s",
+            "×raw",
+            "hops",
+            "sat p50",
+            "@msg/s",
+            "min",
+            "p50",
+            "p99",
+            "p99.9",
+            "max",
+            "lost",
+            "dup"
+        );
+        // raw first, then the fixed order of the scenarios
+        let mut ordered: Vec<&ScenarioResult> = Vec::new();
+        ordered.extend(self.raw.iter());
+        for sc in Scenario::ALL.iter().skip(1) {
+            if let Some(r) = self.scenarios.get(sc.name()) {
+                ordered.push(r);
+            }
+        }
+        for r in ordered {
+            let l = &r.lateness_ms;
+            let _ = writeln!(
+                s,
+                "{:<62} {:>7} {:>5} {:>5.2} {:>8} │ {:>6.0} {:>5} {:>5} {:>5} {:>6} {:>6} │ {:>4} {:>4}",
+                truncate(&r.description, 62),
+                format!(
+                    "{}{:.0}",
+                    if r.delay_bound { "≥" } else { "" },
+                    r.msgs_per_s
+                ),
+                r.ratio_to_raw
+                    .map_or_else(|| "-".into(), |x| format!("{x:.2}")),
+                r.avg_hops,
+                r.backlog_p50_ms,
+                r.lateness_rate_msgs_per_s,
+                l.min,
+                l.p50,
+                l.p99,
+                l.p999,
+                l.max,
+                r.lost,
+                r.duplicates
+            );
+        }
+        let _ = writeln!(
+            s,
+            "\nmsg/s: end to end, first publish to last consume. sat p50: median lateness of that \
+             saturating run (ms). Lateness (ms, consume − x-delay-due-at; raw: latency) from a \
+             second run at half the measured rate."
+        );
+        if self.scenarios.values().any(|r| r.delay_bound) {
+            let _ = writeln!(
+                s,
+                "≥: the run ended when its last message became due, so the delays, not the broker, \
+                 set its length: a lower bound; more messages (-n) measure the broker."
+            );
+        }
+        if let Some(m) = self
+            .scenarios
+            .get("mix")
+            .and_then(|m| m.real_scale_avg_hops)
+        {
+            let _ = writeln!(
+                s,
+                "mix at real scale (configured fixed levels, 0–24 h): {m:.2} hops per message"
+            );
+        }
+        if let Some(cap) = &self.capacity {
+            let m = &cap.memory;
+            let _ = writeln!(
+                s,
+                "\ncapacity: {} messages held {} published at {:.0} msg/s, {} pending; broker \
+                 memory {} → {} (growth {}, {} B/message; after drain {}) [{}]; drained in {:.1} s \
+                 ({:.0} msg/s), lost {}, duplicates {}",
+                cap.messages,
+                compact_duration(cap.hold_ms),
+                cap.publish_msgs_per_s,
+                cap.pending_at_peak,
+                fmt_bytes(m.before_bytes),
+                fmt_bytes(m.peak_bytes),
+                m.growth_bytes.map_or_else(
+                    || "n/a".into(),
+                    |g| format!("{:.1} MB", g as f64 / 1_000_000.0)
+                ),
+                m.bytes_per_message
+                    .map_or_else(|| "n/a".into(), |b| format!("{b:.0}")),
+                fmt_bytes(m.after_drain_bytes),
+                m.source,
+                cap.drain_s,
+                cap.drain_msgs_per_s,
+                cap.lost,
+                cap.duplicates
+            );
+        }
+        if self.problems.is_empty() {
+            let _ = writeln!(
+                s,
+                "\nno message lost, none early, nothing left in the tiers ({:.0} s)",
+                self.elapsed_s
+            );
+        } else {
+            let _ = writeln!(s, "\nPROBLEMS:");
+            for p in &self.problems {
+                let _ = writeln!(s, "  - {p}");
+            }
+        }
+        s
+    }
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        let mut t: String = s.chars().take(n - 1).collect();
+        t.push('…');
+        t
+    }
+}
