@@ -42,6 +42,12 @@ pub enum Action {
         /// Digit words in our routing keys (to recover the original key).
         levels: u32,
     },
+    /// Re-publish every message plainly into a queue (batches unpacked): for a queue whose
+    /// consumer is not ours.
+    Relay {
+        /// The queue (through the default exchange).
+        queue: String,
+    },
     /// Print one JSON line per message to stdout (the lock keeps lines whole).
     Log(Arc<std::sync::Mutex<()>>),
 }
@@ -95,6 +101,15 @@ impl Action {
                 levels,
             });
         }
+        if let Some(q) = &r.relay {
+            if q.is_empty() || q.len() > 255 {
+                return Err(format!(
+                    "relay target queue name must be 1 to 255 bytes, got {}",
+                    q.len()
+                ));
+            }
+            return Ok(Action::Relay { queue: q.clone() });
+        }
         Ok(Action::Log(Arc::new(std::sync::Mutex::new(()))))
     }
 }
@@ -117,11 +132,17 @@ impl Handler for Action {
                     .unwrap_or_else(|| d.original_routing_key(*levels));
                 forward(ctx, exchange, &key, d).await
             }
+            Action::Relay { queue } => relay(ctx, queue, d).await,
             Action::Log(lock) => {
                 log_line(lock, d);
                 Outcome::Success
             }
         }
+    }
+
+    /// Forwarding and relaying only move messages: they run `consumer.io_concurrency` at once.
+    fn io_bound(&self) -> bool {
+        matches!(self, Action::Forward { .. } | Action::Relay { .. })
     }
 }
 
@@ -243,6 +264,25 @@ async fn forward(ctx: &Context, exchange: &str, key: &str, d: &Delivery) -> Outc
             "forward to '{exchange}': {}",
             crate::error::chain(&e)
         )),
+    }
+}
+
+async fn relay(ctx: &Context, queue: &str, d: &Delivery) -> Outcome {
+    let empty = lapin::types::FieldTable::default();
+    let h = headers::filter(d.headers().unwrap_or(&empty), |k| {
+        !headers::is_broker_header(k)
+    });
+    let props = envelope::republish_properties(&d.properties, h);
+    match ctx
+        .publisher()
+        .publish_confirmed("", queue, &d.body, props)
+        .await
+    {
+        Ok(()) => Outcome::Success,
+        Err(Error::Returned { .. }) => {
+            Outcome::Permanent(format!("relay target queue '{queue}' does not exist"))
+        }
+        Err(e) => Outcome::Retry(format!("relay to '{queue}': {}", crate::error::chain(&e))),
     }
 }
 

@@ -31,6 +31,11 @@ pub enum Record {
         /// Target exchange.
         target: String,
     },
+    /// A worker declared the batch marker of `queue` (so `teardown` removes it).
+    BatchMarker {
+        /// The destination queue.
+        queue: String,
+    },
     /// A reader's marker: everything before it has been read.
     Barrier {
         /// Unique per read.

@@ -103,6 +103,60 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// The same error, for each member of a batch that failed as one (lapin's errors are
+    /// cloneable; settings errors, which cannot occur there, keep their text).
+    pub(crate) fn duplicate(&self) -> Error {
+        match self {
+            Error::Settings(e) => Error::Invalid(e.to_string()),
+            Error::Layout(e) => Error::Layout(e.clone()),
+            Error::Plan(e) => Error::Plan(e.clone()),
+            Error::Invalid(s) => Error::Invalid(s.clone()),
+            Error::UnknownDestination(s) => Error::UnknownDestination(s.clone()),
+            Error::NotDeclared { prefix, detail } => Error::NotDeclared {
+                prefix: prefix.clone(),
+                detail: detail.clone(),
+            },
+            Error::Conflict(s) => Error::Conflict(s.clone()),
+            Error::Nacked { exchange } => Error::Nacked {
+                exchange: exchange.clone(),
+            },
+            Error::Returned {
+                exchange,
+                routing_key,
+                code,
+                text,
+            } => Error::Returned {
+                exchange: exchange.clone(),
+                routing_key: routing_key.clone(),
+                code: *code,
+                text: text.clone(),
+            },
+            Error::ConsumerCancelled { queue } => Error::ConsumerCancelled {
+                queue: queue.clone(),
+            },
+            Error::Requeued { reason } => Error::Requeued {
+                reason: reason.clone(),
+            },
+            Error::Connect { url, source } => Error::Connect {
+                url: url.clone(),
+                source: source.clone(),
+            },
+            Error::Timeout {
+                context,
+                timeout_ms,
+            } => Error::Timeout {
+                context: context.clone(),
+                timeout_ms: *timeout_ms,
+            },
+            Error::Amqp { context, source } => Error::Amqp {
+                context: context.clone(),
+                source: source.clone(),
+            },
+        }
+    }
+}
+
 /// Adds what we were doing to a lapin result.
 pub trait ResultExt<T> {
     /// Wraps a lapin error into [`Error::Amqp`] with `what` we were doing.

@@ -42,6 +42,11 @@ pub const USER_ID: &str = "x-delay-user-id";
 /// Gateway: why the ingress refused the message; the due handler parks it with this reason.
 pub const INVALID: &str = "x-delay-invalid";
 
+/// On a batch: the envelope version (see the `batch` module).
+pub const BATCH: &str = "x-delay-batch";
+/// On a batch: how many messages it carries.
+pub const BATCH_COUNT: &str = "x-delay-batch-count";
+
 /// Every `x-delay-*` name is ours: reserved on every input path.
 pub fn is_ours(name: &str) -> bool {
     name.starts_with("x-delay-")

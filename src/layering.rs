@@ -27,6 +27,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("worker", 1),
     ("gateway", 2),
     ("actions", 2),
+    ("admin", 2),
     ("cli", 3),
     ("layering", 3),
 ];

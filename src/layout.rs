@@ -383,6 +383,13 @@ impl Layout {
     pub fn control_max_age_secs(&self) -> u64 {
         self.max_delay_ms.div_ceil(1000) + 7 * 24 * 3600
     }
+    /// The exchange whose existence says that the consumers of `queue` read batches (declared
+    /// by the worker, checked by publishers). `None` when the name would not fit 255 bytes:
+    /// such a destination gets plain messages.
+    pub fn batch_marker(&self, queue: &str) -> Option<String> {
+        let name = format!("{}.batched.{queue}", self.prefix);
+        (name.len() <= 255).then_some(name)
+    }
     /// Queue that never holds messages; its arguments record the layout signature.
     pub fn layout_marker_queue(&self) -> String {
         format!("{}.layout", self.prefix)

@@ -27,6 +27,7 @@
 #![warn(missing_docs)]
 
 // ---- pure core: no I/O ---------------------------------------------------------------------
+pub mod batch;
 mod envelope;
 mod error;
 pub mod headers;
@@ -48,6 +49,7 @@ mod worker;
 
 // ---- applications --------------------------------------------------------------------------
 pub mod actions;
+pub mod admin;
 pub mod gateway;
 
 // ---- shared by the binaries ----------------------------------------------------------------

@@ -65,8 +65,12 @@ impl Message {
 pub struct Scheduled {
     /// The message id (given or generated).
     pub message_id: String,
+    /// The requested delay.
+    pub delay_ms: u64,
     /// Requested due time, ms since the Unix epoch.
     pub due_at_ms: u64,
-    /// The route through the tiers.
+    /// The route through the tiers (of its batch, when it travels in one).
     pub route: Route,
+    /// How many messages share its broker message (1: it travels alone).
+    pub batched_with: usize,
 }

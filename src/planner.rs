@@ -13,9 +13,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::layout::{Layout, TierKind};
 
-/// How late a message may be delivered so that its route needs fewer hops. The budget for a
-/// delay `D` is `max(lateness_ms, floor(lateness_ratio · D))`, never less than one unit − 1 ms
-/// (a delay is rounded up to whole units).
+/// How late a message may be delivered so that its route needs fewer hops and it can share a
+/// batch with others. The budget for a delay `D` is `max(lateness_ms, floor(lateness_ratio · D))`,
+/// never less than one unit − 1 ms (a delay is rounded up to whole units). The default, 5 ms or
+/// 0.1%, is below what one dead-letter hop adds anyway (p50 4–5 ms, docs/PERFORMANCE.md).
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Precision {
@@ -28,7 +29,7 @@ pub struct Precision {
 impl Default for Precision {
     fn default() -> Self {
         Precision {
-            lateness_ms: 0,
+            lateness_ms: 5,
             lateness_ratio: 0.001,
         }
     }

@@ -1,6 +1,17 @@
-//! The confirmed publisher: plans a message's route, makes sure its destination is bound on the
-//! delivery exchange (cached per process), and publishes it persistent, `mandatory` and with
-//! publisher confirms. A nack or a return is an error for that message, never silent.
+//! The confirmed publisher: validates a message, makes sure its destination is bound on the
+//! delivery exchange (cached per process), plans its route and publishes it persistent,
+//! `mandatory` and with publisher confirms. A nack or a return is an error for that message,
+//! never silent.
+//!
+//! **Batching.** Messages to a destination whose consumers read batches (a worker declared its
+//! batch marker, see [`Layout::batch_marker`]) go through the batcher: messages in hand at the
+//! same time — the chunk `schedule_all` reads, or concurrent `schedule` calls within
+//! `publisher.batch_linger` — are grouped per destination into batches whose members all fall
+//! due within their lateness budgets ([`crate::batch::group`]); each batch is one broker message
+//! planned with [`planner::plan_window`], so it fires no earlier than its latest member's due
+//! time and no later than its earliest member's deadline. Confirms are per broker message; every
+//! caller learns its own result. A destination without the marker gets plain messages, as
+//! before.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -10,7 +21,9 @@ use futures::{Stream, StreamExt};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
+use crate::batch::{self, Candidate, Limits};
 use crate::broker::{self, NOT_FOUND};
 use crate::error::{Error, Result, ResultExt};
 use crate::headers;
@@ -23,6 +36,13 @@ use crate::topology::Topology;
 
 /// Schedules messages. Cheap to share (`&Publisher` from many tasks); publishes are pipelined.
 pub struct Publisher {
+    inner: Arc<Inner>,
+    /// Feeds the batcher task (`None` when batching is off).
+    batcher: Option<mpsc::UnboundedSender<Vec<Prepared>>>,
+    batcher_task: Option<tokio::task::JoinHandle<()>>,
+}
+
+struct Inner {
     conn: Arc<Connection>,
     owns_conn: bool,
     /// The confirm channel; replaced when the broker closed it (e.g. after a publish to a
@@ -32,25 +52,53 @@ pub struct Publisher {
     layout: Layout,
     precision: Precision,
     settings: PublisherSettings,
-    bound: Mutex<HashMap<String, Instant>>,
+    bound: Mutex<HashMap<String, Binding>>,
+    /// Broker messages awaiting their confirm.
+    in_flight: Semaphore,
+}
+
+/// What the publisher knows of a destination, refreshed every `binding_cache_secs`.
+#[derive(Debug, Clone, Copy)]
+struct Binding {
+    at: Instant,
+    /// Its consumers read batches.
+    batches: bool,
+}
+
+/// A validated message with its final properties, waiting to be published.
+struct Prepared {
+    destination: String,
+    delay_ms: u64,
+    due_at_ms: u64,
+    /// Due time + lateness budget.
+    deadline_ms: u64,
+    message_id: String,
+    properties: BasicProperties,
+    body: Vec<u8>,
+    reply: oneshot::Sender<Result<Scheduled>>,
 }
 
 impl Publisher {
     /// Connects with `settings` and checks that the topology is declared with the same shape.
     pub async fn connect(settings: &Settings) -> Result<Publisher> {
-        let layout = settings
-            .layout()
-            .map_err(crate::settings::SettingsError::from)?;
+        let layout = settings.layout()?;
         let conn = crate::connection::connect(&settings.url, "amqp-delay publisher").await?;
-        let mut p = Publisher::with_connection(
-            Arc::new(conn),
+        let conn = Arc::new(conn);
+        match Publisher::build(
+            conn.clone(),
+            true,
             layout,
             settings.precision,
             settings.publisher.clone(),
         )
-        .await?;
-        p.owns_conn = true;
-        Ok(p)
+        .await
+        {
+            Ok(p) => Ok(p),
+            Err(e) => {
+                let _ = conn.close(200, "bye".into()).await;
+                Err(e)
+            }
+        }
     }
 
     /// Uses an existing connection (not closed by [`Publisher::close`]).
@@ -60,85 +108,139 @@ impl Publisher {
         precision: Precision,
         settings: PublisherSettings,
     ) -> Result<Publisher> {
+        Publisher::build(conn, false, layout, precision, settings).await
+    }
+
+    async fn build(
+        conn: Arc<Connection>,
+        owns_conn: bool,
+        layout: Layout,
+        precision: Precision,
+        settings: PublisherSettings,
+    ) -> Result<Publisher> {
+        settings.validate().map_err(Error::Invalid)?;
         Topology::new(layout.clone()).verify(&conn).await?;
         let channel = open_confirm_channel(&conn).await?;
-        Ok(Publisher {
+        let inner = Arc::new(Inner {
             conn,
-            owns_conn: false,
+            owns_conn,
             channel: tokio::sync::RwLock::new(channel),
             admin: tokio::sync::Mutex::new(None),
             layout,
             precision,
+            in_flight: Semaphore::new(settings.max_in_flight),
             settings,
             bound: Mutex::new(HashMap::new()),
+        });
+        let (batcher, batcher_task) = if inner.settings.batching() {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let task = tokio::spawn(run_batcher(inner.clone(), rx));
+            (Some(tx), Some(task))
+        } else {
+            (None, None)
+        };
+        Ok(Publisher {
+            inner,
+            batcher,
+            batcher_task,
         })
     }
 
     /// The topology layout it publishes into.
     pub fn layout(&self) -> &Layout {
-        &self.layout
+        &self.inner.layout
     }
 
     /// The lateness budget it plans with.
     pub fn precision(&self) -> &Precision {
-        &self.precision
+        &self.inner.precision
     }
 
-    /// The route a delay would take (no I/O).
+    /// The route a delay would take alone (no I/O).
     pub fn plan(&self, delay_ms: u64) -> Result<Route> {
-        Ok(planner::plan(&self.layout, &self.precision, delay_ms)?)
+        Ok(planner::plan(
+            &self.inner.layout,
+            &self.inner.precision,
+            delay_ms,
+        )?)
     }
 
-    /// Schedules one message; returns once the broker has confirmed it.
+    /// Schedules one message; returns once the broker has confirmed it (alone, or in a batch
+    /// with concurrent calls to the same destination).
     pub async fn schedule(&self, msg: Message) -> Result<Scheduled> {
-        self.layout
-            .validate_destination(&msg.destination)
-            .map_err(Error::Invalid)?;
-        if msg.properties.expiration().is_some() {
-            return Err(Error::Invalid(
-                "the 'expiration' property is not allowed on a delayed message: it would expire inside a tier and be delivered early (docs/DESIGN.md rule 1); set it when the message is delivered instead".into(),
-            ));
+        let (tx, rx) = oneshot::channel();
+        let (p, batches) = self.prepare(msg, tx).await?;
+        match &self.batcher {
+            Some(b) if batches => {
+                if let Err(mpsc::error::SendError(mut v)) = b.send(vec![p]) {
+                    let p = v.pop().expect("one message");
+                    return self.inner.publish_alone(p).await;
+                }
+                rx.await.unwrap_or_else(|_| Err(batcher_gone()))
+            }
+            _ => self.inner.publish_alone(p).await,
         }
-        let route = self.plan(msg.delay_ms)?;
-        let caller_headers = msg.properties.headers().clone().unwrap_or_default();
-        let mut hdrs = headers::strip_death(&caller_headers);
-        headers::check_not_reserved(&hdrs).map_err(Error::Invalid)?;
-        self.ensure_bound(&msg.destination).await?;
-
-        let due_at_ms = now_ms() + msg.delay_ms;
-        headers::set_schedule_headers(&mut hdrs, msg.delay_ms, due_at_ms, msg.attempt);
-        let message_id = match msg.properties.message_id() {
-            Some(id) => id.to_string(),
-            None => uuid::Uuid::now_v7().to_string(),
-        };
-        let props = msg
-            .properties
-            .with_message_id(message_id.as_str().into())
-            .with_delivery_mode(2)
-            .with_headers(hdrs);
-        let exchange = route.exchange(&self.layout);
-        let key = route.routing_key(&self.layout, &msg.destination);
-        self.publish_confirmed(&exchange, &key, &msg.body, props)
-            .await?;
-        Ok(Scheduled {
-            message_id,
-            due_at_ms,
-            route,
-        })
     }
 
-    /// Schedules a stream of tagged messages with up to `publisher.max_in_flight` awaiting their
-    /// confirm at once. Results come back as they complete (not in input order), with their tag.
-    pub fn schedule_all<'a, T: 'a>(
+    /// Schedules a stream of tagged messages, up to `publisher.max_pending` in hand and
+    /// `publisher.max_in_flight` broker messages awaiting their confirm at once; messages in
+    /// hand together are batched per destination. Results come back as they complete (not in
+    /// input order), with their tag.
+    pub fn schedule_all<'a, T: Send + 'a>(
         &'a self,
         items: impl Stream<Item = (T, Message)> + 'a,
     ) -> impl Stream<Item = (T, Result<Scheduled>)> + 'a {
+        let chunk = self.inner.settings.max_pending.clamp(1, 4096);
+        let chunks_in_hand = self.inner.settings.max_pending.div_ceil(chunk).max(1);
         items
-            .map(move |(tag, m)| async move { (tag, self.schedule(m).await) })
-            .buffer_unordered(self.settings.max_in_flight)
+            .ready_chunks(chunk)
+            .map(move |chunk| self.schedule_chunk(chunk))
+            .buffer_unordered(chunks_in_hand)
+            .flat_map(futures::stream::iter)
     }
 
-    /// Schedules a batch; results in input order.
+    /// Schedules `chunk` together: what can be batched is handed to the batcher as one unit.
+    async fn schedule_chunk<T>(&self, chunk: Vec<(T, Message)>) -> Vec<(T, Result<Scheduled>)> {
+        let mut out = Vec::with_capacity(chunk.len());
+        let mut waiting = Vec::new();
+        let mut prepared = Vec::new();
+        for (tag, msg) in chunk {
+            let (tx, rx) = oneshot::channel();
+            match self.prepare(msg, tx).await {
+                Err(e) => out.push((tag, Err(e))),
+                Ok((p, _)) => {
+                    prepared.push(p);
+                    waiting.push((tag, rx));
+                }
+            }
+        }
+        // With a batcher everything goes through it as one unit (a destination that does not
+        // read batches gets its messages alone there); without, each is published alone. Either
+        // way every message's answer comes through its reply channel.
+        match &self.batcher {
+            Some(b) => {
+                if let Err(mpsc::error::SendError(v)) = b.send(prepared) {
+                    for p in v {
+                        let _ = p.reply.send(Err(batcher_gone()));
+                    }
+                }
+            }
+            None => {
+                let inner = &self.inner;
+                futures::stream::iter(prepared)
+                    .for_each_concurrent(inner.settings.max_in_flight, |p| async move {
+                        let _ = inner.publish_alone(p).await;
+                    })
+                    .await;
+            }
+        }
+        for (tag, rx) in waiting {
+            out.push((tag, rx.await.unwrap_or_else(|_| Err(batcher_gone()))));
+        }
+        out
+    }
+
+    /// Schedules many messages; results in input order.
     pub async fn schedule_batch(&self, msgs: Vec<Message>) -> Vec<Result<Scheduled>> {
         let n = msgs.len();
         let mut out: Vec<Option<Result<Scheduled>>> = (0..n).map(|_| None).collect();
@@ -152,9 +254,185 @@ impl Publisher {
             .collect()
     }
 
+    /// Validates `msg`, binds its destination and gives it its final properties. The second
+    /// value says whether the destination reads batches.
+    async fn prepare(
+        &self,
+        msg: Message,
+        reply: oneshot::Sender<Result<Scheduled>>,
+    ) -> Result<(Prepared, bool)> {
+        let inner = &self.inner;
+        inner
+            .layout
+            .validate_destination(&msg.destination)
+            .map_err(Error::Invalid)?;
+        if msg.properties.expiration().is_some() {
+            return Err(Error::Invalid(
+                "the 'expiration' property is not allowed on a delayed message: it would expire inside a tier and be delivered early (docs/DESIGN.md rule 1); set it when the message is delivered instead".into(),
+            ));
+        }
+        // a delay the topology cannot serve is refused before anything is published
+        self.plan(msg.delay_ms)?;
+        let caller_headers = msg.properties.headers().clone().unwrap_or_default();
+        let mut hdrs = headers::strip_death(&caller_headers);
+        headers::check_not_reserved(&hdrs).map_err(Error::Invalid)?;
+        let batches = inner.ensure_bound(&msg.destination).await?;
+
+        let due_at_ms = now_ms() + msg.delay_ms;
+        headers::set_schedule_headers(&mut hdrs, msg.delay_ms, due_at_ms, msg.attempt);
+        let message_id = match msg.properties.message_id() {
+            Some(id) => id.to_string(),
+            None => uuid::Uuid::now_v7().to_string(),
+        };
+        let properties = msg
+            .properties
+            .with_message_id(message_id.as_str().into())
+            .with_delivery_mode(2)
+            .with_headers(hdrs);
+        let budget = inner.precision.budget_ms(msg.delay_ms);
+        Ok((
+            Prepared {
+                destination: msg.destination,
+                delay_ms: msg.delay_ms,
+                due_at_ms,
+                deadline_ms: due_at_ms.saturating_add(budget),
+                message_id,
+                properties,
+                body: msg.body,
+                reply,
+            },
+            batches,
+        ))
+    }
+
     /// Publishes with `mandatory` and waits for the confirm; nack and return are errors.
     /// Used for everything we (re-)publish, so callers strip `x-death` first.
     pub async fn publish_confirmed(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        props: BasicProperties,
+    ) -> Result<()> {
+        self.inner
+            .publish_confirmed(exchange, routing_key, body, props)
+            .await
+    }
+
+    /// Waits for everything handed to the batcher, then closes the channels (and the connection
+    /// when we opened it).
+    pub async fn close(mut self) {
+        drop(self.batcher.take());
+        if let Some(t) = self.batcher_task.take() {
+            let _ = t.await;
+        }
+        let inner = &self.inner;
+        let _ = inner.channel.read().await.close(200, "bye".into()).await;
+        if let Some(c) = inner.admin.lock().await.take() {
+            let _ = c.close(200, "bye".into()).await;
+        }
+        if inner.owns_conn {
+            let _ = inner.conn.close(200, "bye".into()).await;
+        }
+    }
+}
+
+fn batcher_gone() -> Error {
+    Error::Invalid("the publisher is closing; the message was not scheduled".into())
+}
+
+impl Inner {
+    /// Publishes one message on its own, planned from now, and answers its caller too.
+    async fn publish_alone(&self, p: Prepared) -> Result<Scheduled> {
+        let now = now_ms();
+        let r = self.publish_group(now, vec![p], None).await;
+        r.into_iter().next().expect("one result")
+    }
+
+    /// Publishes `members` (one destination) as one broker message — alone when there is one,
+    /// as a batch otherwise — planned in `window` (or each member's own budget), and answers
+    /// every member's caller. Returns the results too.
+    async fn publish_group(
+        &self,
+        now: u64,
+        mut members: Vec<Prepared>,
+        window: Option<(u64, u64)>,
+    ) -> Vec<Result<Scheduled>> {
+        let (earliest, latest) = window.unwrap_or_else(|| {
+            let e = members.iter().map(|m| m.due_at_ms).max().unwrap_or(now);
+            let l = members.iter().map(|m| m.deadline_ms).min().unwrap_or(e);
+            (e, l.max(e))
+        });
+        let lo = earliest.saturating_sub(now);
+        let hi = latest.saturating_sub(now).max(lo);
+        let result = match planner::plan_window(&self.layout, lo, hi) {
+            Err(e) => Err(Error::from(e)),
+            Ok(route) => {
+                let destination = members[0].destination.clone();
+                let exchange = route.exchange(&self.layout);
+                let key = route.routing_key(&self.layout, &destination);
+                let (body, props) = if members.len() == 1 {
+                    let m = &mut members[0];
+                    (std::mem::take(&mut m.body), m.properties.clone())
+                } else {
+                    self.batch_message(&members, &route, earliest)
+                };
+                let _permit = self.in_flight.acquire().await.expect("never closed");
+                self.publish_confirmed(&exchange, &key, &body, props)
+                    .await
+                    .map(|()| route)
+            }
+        };
+        let count = members.len();
+        let mut out = Vec::with_capacity(count);
+        for m in members {
+            let r = match &result {
+                Ok(route) => Ok(Scheduled {
+                    message_id: m.message_id,
+                    delay_ms: m.delay_ms,
+                    due_at_ms: m.due_at_ms,
+                    route: route.clone(),
+                    batched_with: count,
+                }),
+                Err(e) => Err(e.duplicate()),
+            };
+            let _ = m.reply.send(match &r {
+                Ok(s) => Ok(s.clone()),
+                Err(e) => Err(e.duplicate()),
+            });
+            out.push(r);
+        }
+        out
+    }
+
+    /// The body and properties of a batch of `members` travelling `route`.
+    fn batch_message(
+        &self,
+        members: &[Prepared],
+        route: &Route,
+        earliest: u64,
+    ) -> (Vec<u8>, BasicProperties) {
+        let props: Vec<Vec<u8>> = members
+            .iter()
+            .map(|m| batch::encode_properties(&m.properties))
+            .collect();
+        let body = batch::encode_parts(
+            props
+                .iter()
+                .zip(members)
+                .map(|(p, m)| (p.as_slice(), m.body.as_slice())),
+        );
+        let mut h = batch::batch_headers(members.len());
+        headers::set_schedule_headers(&mut h, route.delay_ms, earliest, 0);
+        let props = BasicProperties::default()
+            .with_content_type(batch::CONTENT_TYPE.into())
+            .with_delivery_mode(2)
+            .with_message_id(uuid::Uuid::now_v7().to_string().as_str().into())
+            .with_headers(h);
+        (body, props)
+    }
+
+    async fn publish_confirmed(
         &self,
         exchange: &str,
         routing_key: &str,
@@ -215,18 +493,21 @@ impl Publisher {
         Ok(ch.clone())
     }
 
-    /// Binds `destination` on the delivery exchange unless it was bound recently by us.
-    async fn ensure_bound(&self, destination: &str) -> Result<()> {
+    /// Binds `destination` on the delivery exchange unless it was bound recently by us, and
+    /// learns whether its consumers read batches. Returns that.
+    async fn ensure_bound(&self, destination: &str) -> Result<bool> {
         let ttl = Duration::from_secs(self.settings.binding_cache_secs);
-        let fresh = |map: &HashMap<String, Instant>| {
-            map.get(destination).is_some_and(|t| t.elapsed() < ttl)
+        let fresh = |map: &HashMap<String, Binding>| {
+            map.get(destination)
+                .filter(|b| b.at.elapsed() < ttl)
+                .map(|b| b.batches)
         };
-        if fresh(&self.bound.lock().expect("binding cache")) {
-            return Ok(());
+        if let Some(b) = fresh(&self.bound.lock().expect("binding cache")) {
+            return Ok(b);
         }
         let mut admin = self.admin.lock().await;
-        if fresh(&self.bound.lock().expect("binding cache")) {
-            return Ok(());
+        if let Some(b) = fresh(&self.bound.lock().expect("binding cache")) {
+            return Ok(b);
         }
         let ch = match admin.as_ref() {
             Some(c) if c.status().connected() => c.clone(),
@@ -252,16 +533,10 @@ impl Publisher {
             )
             .await
         {
-            Ok(()) => {
-                self.bound
-                    .lock()
-                    .expect("binding cache")
-                    .insert(destination.to_string(), Instant::now());
-                Ok(())
-            }
+            Ok(()) => {}
             Err(e) => {
                 *admin = None; // the broker closed the channel
-                match broker::reply(&e) {
+                return match broker::reply(&e) {
                     Some((NOT_FOUND, text)) if text.contains("no queue") => {
                         Err(Error::UnknownDestination(destination.into()))
                     }
@@ -270,21 +545,131 @@ impl Publisher {
                         detail: format!(": the delivery exchange '{exchange}' is missing"),
                     }),
                     _ => Err(e).context(|| format!("binding destination '{destination}'")),
-                }
+                };
             }
         }
+        let batches = self.settings.batching()
+            && match self.layout.batch_marker(destination) {
+                Some(marker) => broker::exchange_exists(&self.conn, &marker).await?,
+                None => false,
+            };
+        self.bound.lock().expect("binding cache").insert(
+            destination.to_string(),
+            Binding {
+                at: Instant::now(),
+                batches,
+            },
+        );
+        Ok(batches)
     }
+}
 
-    /// Closes the channels (and the connection when we opened it).
-    pub async fn close(self) {
-        let _ = self.channel.read().await.close(200, "bye".into()).await;
-        if let Some(c) = self.admin.lock().await.take() {
-            let _ = c.close(200, "bye".into()).await;
+/// The batcher: collects prepared messages — a whole chunk from `schedule_all`, or single
+/// `schedule` calls for up to `batch_linger` (never past a member's deadline) — groups them per
+/// destination and publishes every group as one broker message, concurrently.
+async fn run_batcher(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Vec<Prepared>>) {
+    let mut tasks = tokio::task::JoinSet::new();
+    let linger = Duration::from_millis(inner.settings.batch_linger.as_millis());
+    let limit = inner.settings.max_pending.max(1);
+    while let Some(first) = rx.recv().await {
+        let bulk = first.len() > 1;
+        let mut buf = first;
+        let started = Instant::now();
+        let deadline_of = |buf: &[Prepared]| {
+            let now = now_ms();
+            let soonest = buf.iter().map(|p| p.deadline_ms).min().unwrap_or(now);
+            Duration::from_millis(soonest.saturating_sub(now))
+        };
+        let mut flush_at = started
+            + if bulk {
+                Duration::ZERO
+            } else {
+                linger.min(deadline_of(&buf))
+            };
+        loop {
+            while buf.len() < limit {
+                match rx.try_recv() {
+                    Ok(more) => buf.extend(more),
+                    Err(_) => break,
+                }
+            }
+            if buf.len() >= limit || Instant::now() >= flush_at {
+                break;
+            }
+            tokio::select! {
+                more = rx.recv() => match more {
+                    Some(more) => {
+                        buf.extend(more);
+                        flush_at = flush_at.min(Instant::now() + deadline_of(&buf));
+                    }
+                    None => break,
+                },
+                _ = tokio::time::sleep_until(flush_at.into()) => break,
+            }
         }
-        if self.owns_conn {
-            let _ = self.conn.close(200, "bye".into()).await;
+        while tasks.try_join_next().is_some() {}
+        tasks.spawn(flush(inner.clone(), buf));
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+/// Messages that travel as one broker message, with their firing window (`None`: alone, in
+/// its own budget).
+type Group = (Vec<Prepared>, Option<(u64, u64)>);
+
+/// Groups `buf` per destination and publishes every group concurrently.
+async fn flush(inner: Arc<Inner>, buf: Vec<Prepared>) {
+    let now = now_ms();
+    let mut by_dest: HashMap<String, Vec<Prepared>> = HashMap::new();
+    for p in buf {
+        by_dest.entry(p.destination.clone()).or_default().push(p);
+    }
+    let limits = Limits {
+        max_members: inner.settings.batch_max_messages,
+        max_bytes: inner.settings.batch_max_bytes,
+    };
+    let mut groups: Vec<Group> = Vec::new();
+    for (dest, members) in by_dest {
+        let batches = inner
+            .bound
+            .lock()
+            .expect("binding cache")
+            .get(&dest)
+            .is_some_and(|b| b.batches);
+        if !batches {
+            groups.extend(members.into_iter().map(|m| (vec![m], None)));
+            continue;
+        }
+        let cands: Vec<Candidate> = members
+            .iter()
+            .map(|m| Candidate {
+                due_at_ms: m.due_at_ms,
+                deadline_ms: m.deadline_ms,
+                bytes: batch::member_len(
+                    batch::encode_properties(&m.properties).len(),
+                    m.body.len(),
+                ),
+            })
+            .collect();
+        let plan = batch::group(&cands, limits);
+        let mut slots: Vec<Option<Prepared>> = members.into_iter().map(Some).collect();
+        for g in plan {
+            let ms: Vec<Prepared> = g
+                .members
+                .iter()
+                .map(|&i| slots[i].take().expect("each member in one group"))
+                .collect();
+            groups.push((ms, Some((g.earliest_ms, g.latest_ms))));
         }
     }
+    futures::stream::iter(groups)
+        .for_each_concurrent(None, |(members, window)| {
+            let inner = &inner;
+            async move {
+                let _ = inner.publish_group(now, members, window).await;
+            }
+        })
+        .await;
 }
 
 async fn open_confirm_channel(conn: &Connection) -> Result<Channel> {

@@ -58,19 +58,66 @@ impl Default for Settings {
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct PublisherSettings {
-    /// Publishes awaiting their broker confirm at once (batch mode).
+    /// Broker messages (single messages or batches) awaiting their confirm at once.
     pub max_in_flight: usize,
+    /// Messages `schedule_all` (and `send --jsonl`) keeps in hand at once: the pool batches
+    /// are formed from.
+    pub max_pending: usize,
     /// Seconds a destination binding is trusted before it is re-declared (a queue deleted and
     /// re-created loses its binding; its messages are parked until the binding is renewed).
     pub binding_cache_secs: u64,
+    /// Most messages in one batch; 1 turns batching off.
+    pub batch_max_messages: usize,
+    /// Largest batch body in bytes (RabbitMQ 4.x refuses messages over 16 MiB by default).
+    pub batch_max_bytes: usize,
+    /// How long a single `schedule` call may wait for concurrent calls to share its batch
+    /// (never past its lateness budget); 0 = do not wait.
+    pub batch_linger: DurationMs,
 }
 
 impl Default for PublisherSettings {
     fn default() -> Self {
         PublisherSettings {
             max_in_flight: 512,
+            max_pending: 20_000,
             binding_cache_secs: 60,
+            batch_max_messages: 1_000,
+            batch_max_bytes: 1 << 20,
+            batch_linger: DurationMs(5),
         }
+    }
+}
+
+impl PublisherSettings {
+    /// Checks the bounds are usable.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_in_flight == 0 {
+            return Err("publisher.max_in_flight must be at least 1".into());
+        }
+        if self.max_pending == 0 {
+            return Err("publisher.max_pending must be at least 1".into());
+        }
+        if self.batch_max_messages == 0 {
+            return Err("publisher.batch_max_messages must be at least 1 (1 = no batching)".into());
+        }
+        if !(1024..=16 << 20).contains(&self.batch_max_bytes) {
+            return Err(format!(
+                "publisher.batch_max_bytes must be between 1 KiB and 16 MiB (RabbitMQ 4.x's default max_message_size), got {}",
+                self.batch_max_bytes
+            ));
+        }
+        if self.batch_linger.as_millis() > 1_000 {
+            return Err(format!(
+                "publisher.batch_linger must be at most 1s, got {}",
+                self.batch_linger
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether messages are batched at all.
+    pub fn batching(&self) -> bool {
+        self.batch_max_messages > 1
     }
 }
 
@@ -80,8 +127,15 @@ impl Default for PublisherSettings {
 pub struct ConsumerSettings {
     /// Unacknowledged deliveries the broker sends ahead, per queue.
     pub prefetch: u16,
-    /// Handlers running at once, over all queues.
+    /// Handlers running at once, over all queues (business handlers: exec, http, your own).
     pub concurrency: usize,
+    /// Messages an I/O stage (the gateway, `forward`, `relay`) moves at once, each awaiting
+    /// its publish confirm; also their prefetch. Independent of `concurrency`.
+    pub io_concurrency: usize,
+    /// How long a message whose handler said "not now" (`Outcome::Requeue`) is held and
+    /// retried in the worker before it goes back to its queue (each return to a RabbitMQ 4.x
+    /// quorum queue can count towards its delivery limit); below `consumer_timeout`.
+    pub requeue_hold: DurationMs,
     /// A handler running longer counts as a retryable failure.
     pub handler_timeout: DurationMs,
     /// The broker's `consumer_timeout` (30 min by default): handler_timeout must stay below it,
@@ -103,6 +157,8 @@ impl Default for ConsumerSettings {
         ConsumerSettings {
             prefetch: 32,
             concurrency: 8,
+            io_concurrency: 512,
+            requeue_hold: DurationMs(5 * 60_000),
             handler_timeout: DurationMs(5 * 60_000),
             consumer_timeout: DurationMs(30 * 60_000),
             shutdown_grace: DurationMs(30_000),
@@ -114,7 +170,7 @@ impl Default for ConsumerSettings {
 }
 
 /// One queue and the action `delay-consumer` runs for its messages (exactly one of
-/// `exec`, `http`, `forward`, `log`).
+/// `exec`, `http`, `forward`, `relay`, `log`).
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct RouteConfig {
@@ -128,6 +184,9 @@ pub struct RouteConfig {
     pub forward: Option<String>,
     /// Print one JSON line per message to stdout.
     pub log: bool,
+    /// Queue to re-publish every message into, plainly (unpacking batches): for a queue whose
+    /// consumer is not ours.
+    pub relay: Option<String>,
 }
 
 impl RouteConfig {
@@ -140,6 +199,7 @@ impl RouteConfig {
             self.exec.is_some(),
             self.http.is_some(),
             self.forward.is_some(),
+            self.relay.is_some(),
             self.log,
         ]
         .iter()
@@ -147,7 +207,7 @@ impl RouteConfig {
         .count();
         if n != 1 {
             return Err(format!(
-                "consumer.routes: queue '{}' needs exactly one action of exec, http, forward, log (has {n})",
+                "consumer.routes: queue '{}' needs exactly one action of exec, http, forward, relay, log (has {n})",
                 self.queue
             ));
         }
@@ -163,6 +223,15 @@ impl ConsumerSettings {
         }
         if self.concurrency == 0 {
             return Err("consumer.concurrency must be at least 1".into());
+        }
+        if !(1..=u16::MAX as usize).contains(&self.io_concurrency) {
+            return Err("consumer.io_concurrency must be between 1 and 65535".into());
+        }
+        if self.requeue_hold >= self.consumer_timeout {
+            return Err(format!(
+                "consumer.requeue_hold ({}) must be shorter than the broker's consumer_timeout ({})",
+                self.requeue_hold, self.consumer_timeout
+            ));
         }
         if self.handler_timeout.as_millis() == 0 {
             return Err("consumer.handler_timeout must be positive".into());
@@ -323,11 +392,7 @@ impl Settings {
         self.precision.validate().map_err(SettingsError::Invalid)?;
         self.consumer.validate().map_err(SettingsError::Invalid)?;
         self.gateway.validate().map_err(SettingsError::Invalid)?;
-        if self.publisher.max_in_flight == 0 {
-            return Err(SettingsError::Invalid(
-                "publisher.max_in_flight must be at least 1".into(),
-            ));
-        }
+        self.publisher.validate().map_err(SettingsError::Invalid)?;
         Layout::new(&self.prefix, &self.topology)?;
         Ok(())
     }

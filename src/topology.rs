@@ -154,6 +154,27 @@ impl Topology {
         Ok(created)
     }
 
+    /// Declares the batch marker of destination `queue`: publishers then send it batches, which
+    /// only our worker reads (the worker declares it when it starts consuming). Recorded in the
+    /// control stream so that `teardown` removes it. Idempotent.
+    pub async fn declare_batch_marker(&self, conn: &Connection, queue: &str) -> Result<()> {
+        let Some(marker) = self.layout.batch_marker(queue) else {
+            return Err(Error::Invalid(format!(
+                "the batch marker name for '{queue}' would be longer than 255 bytes; it gets plain messages"
+            )));
+        };
+        if broker::exchange_exists(conn, &marker).await? {
+            return Ok(());
+        }
+        let ch = open(conn).await?;
+        declare_exchange(&ch, &marker, ExchangeKind::Fanout, FieldTable::default()).await?;
+        broker::close(&ch, "declared").await;
+        let record = control::Record::BatchMarker {
+            queue: queue.into(),
+        };
+        control::append(conn, &self.layout, &record).await
+    }
+
     /// Checks that the topology exists and was declared with these settings, without creating
     /// anything else. Used by publishers before their first message.
     pub async fn verify(&self, conn: &Connection) -> Result<()> {

@@ -69,6 +69,10 @@ struct ActionArgs {
     /// Re-publish to EXCHANGE with ROUTING_KEY (default: the message's original key)
     #[arg(long, value_name = "EXCHANGE[:ROUTING_KEY]")]
     forward: Option<String>,
+    /// Re-publish every message plainly into QUEUE (batches unpacked), for a queue whose
+    /// consumer is not amqp-delay's
+    #[arg(long, value_name = "QUEUE")]
+    relay: Option<String>,
     /// Print one JSON line per message (id, queue, attempt, due_at, fired_at, lateness_ms)
     #[arg(long)]
     log: bool,
@@ -119,6 +123,7 @@ async fn main() {
             exec: a.action.exec,
             http: a.action.http,
             forward: a.action.forward,
+            relay: a.action.relay,
             log: a.action.log,
         }];
     }

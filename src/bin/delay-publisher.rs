@@ -6,9 +6,9 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use amqp_delay::broker;
+use amqp_delay::admin;
 use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
-use amqp_delay::gateway::{self, Gateway};
+use amqp_delay::gateway::Gateway;
 use amqp_delay::headers;
 use amqp_delay::jsonl;
 use amqp_delay::settings::{GatewaySettings, Settings};
@@ -208,36 +208,16 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
         }
         Cmd::Teardown { force } => {
             let conn = connection::connect(&settings.url, "amqp-delay teardown").await?;
-            let topo = Topology::new(layout.clone());
-            let pairs = gateway::registered_pairs(&conn, &layout).await?;
-            if !force {
-                let mut held: u64 = topo
-                    .stats(&conn)
-                    .await?
-                    .iter()
-                    .map(|s| u64::from(s.messages))
-                    .sum();
-                for q in pairs.iter().flat_map(|p| p.queues()) {
-                    if let Some(s) = broker::queue_state(&conn, q).await? {
-                        held += u64::from(s.ready);
-                    }
-                }
-                if held > 0 {
-                    return Err(Error::Invalid(format!(
-                        "{held} messages are still in the tiers, the gateway queues or parked; they would be lost. Wait for them to drain, or pass --force"
-                    )));
-                }
-            }
-            gateway::delete_pairs(&conn, &pairs).await?;
-            topo.delete(&conn).await?;
+            let done = admin::teardown(&conn, &layout, force).await;
             let _ = conn.close(200, "bye".into()).await;
+            let done = done?;
             println!(
                 "removed the topology under prefix '{}' and {} gateway pair(s){}",
                 layout.prefix(),
-                pairs.len(),
-                pairs
+                done.pairs.len(),
+                done.pairs
                     .iter()
-                    .map(|p| format!(" '{}'", p.ingress))
+                    .map(|p| format!(" '{p}'"))
                     .collect::<String>()
             );
             Ok(0)

@@ -114,12 +114,13 @@ impl Pair {
     }
 }
 
-/// The pairs declared under `layout`'s prefix by any gateway (recorded in the control stream),
-/// each once, in the order they were first declared.
-pub async fn registered_pairs(conn: &Connection, layout: &Layout) -> Result<Vec<Pair>> {
+/// The pairs declared under `layout`'s prefix by any gateway, from the control stream's
+/// `records`, each once, in the order they were first declared.
+pub fn registered_pairs(layout: &Layout, records: &[control::Record]) -> Vec<Pair> {
     let mut out: Vec<Pair> = Vec::new();
-    for r in control::read_all(conn, layout).await? {
+    for r in records {
         if let control::Record::GatewayPair { ingress, target } = r {
+            let (ingress, target) = (ingress.clone(), target.clone());
             if out.iter().any(|p| p.ingress == ingress) {
                 continue;
             }
@@ -129,7 +130,7 @@ pub async fn registered_pairs(conn: &Connection, layout: &Layout) -> Result<Vec<
             }
         }
     }
-    Ok(out)
+    out
 }
 
 /// Deletes the ingress exchanges and every queue of `pairs` (messages in them are lost);
@@ -173,6 +174,11 @@ impl Handler for GatewayHandler {
         } else {
             self.handle_due(d, ctx).await
         }
+    }
+
+    /// The gateway only moves messages: `consumer.io_concurrency` of them at once.
+    fn io_bound(&self) -> bool {
+        true
     }
 }
 

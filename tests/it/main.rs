@@ -3,6 +3,7 @@
 //! own random prefix on a small 1 ms-unit topology and deletes what it declared.
 
 mod actions;
+mod batching;
 mod bench_smoke;
 mod cli;
 mod core;

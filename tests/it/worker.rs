@@ -14,24 +14,37 @@ use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use tokio::sync::oneshot;
 
-/// Records every execution (id, attempt, time) and answers from a script.
+/// Records every execution (id, attempt, time, due time) and answers from a script.
 #[derive(Clone)]
-struct Scripted {
-    log: Arc<Mutex<Vec<(String, u32, u64)>>>,
-    answer: fn(&Delivery) -> Outcome,
+pub struct Scripted {
+    pub log: Arc<Mutex<Vec<(String, u32, u64)>>>,
+    pub dues: Arc<Mutex<Vec<Option<u64>>>>,
+    pub answer: fn(&Delivery) -> Outcome,
+}
+
+impl Scripted {
+    pub fn new(answer: fn(&Delivery) -> Outcome) -> Scripted {
+        Scripted {
+            log: Arc::default(),
+            dues: Arc::default(),
+            answer,
+        }
+    }
 }
 
 impl Handler for Scripted {
     async fn handle(&self, d: &Delivery, _ctx: &Context) -> Outcome {
+        let now = now_ms();
         self.log
             .lock()
             .unwrap()
-            .push((d.message_id.clone(), d.attempt, now_ms()));
+            .push((d.message_id.clone(), d.attempt, now));
+        self.dues.lock().unwrap().push(d.due_at_ms);
         (self.answer)(d)
     }
 }
 
-fn retry(base: u64, factor: f64, max_attempts: u32) -> RetryPolicy {
+pub fn retry(base: u64, factor: f64, max_attempts: u32) -> RetryPolicy {
     RetryPolicy {
         base: DurationMs(base),
         factor,
@@ -42,7 +55,7 @@ fn retry(base: u64, factor: f64, max_attempts: u32) -> RetryPolicy {
 }
 
 /// Runs a library worker on `queue` until `stop` fires.
-fn spawn_worker(
+pub fn spawn_worker(
     env: &Env,
     queue: &str,
     handler: Scripted,
@@ -72,17 +85,14 @@ async fn fails_twice_then_succeeds_on_attempt_2_through_the_same_tiers() {
     let mut env = Env::new(small_topology()).await;
     let q = env.queue("flaky").await;
     env.parked_queue(&q);
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let h = Scripted {
-        log: log.clone(),
-        answer: |d| {
-            if d.attempt < 2 {
-                Outcome::Retry(format!("flaky {}", d.attempt))
-            } else {
-                Outcome::Success
-            }
-        },
-    };
+    let h = Scripted::new(|d| {
+        if d.attempt < 2 {
+            Outcome::Retry(format!("flaky {}", d.attempt))
+        } else {
+            Outcome::Success
+        }
+    });
+    let log = h.log.clone();
     // first trip 100 ms; the first retry waits 100 ms too, so it visits exactly the tiers the
     // first trip visited (the broker's cycle detection must not drop it); the second 200 ms.
     let (stop, run) = spawn_worker(&env, &q, h, retry(100, 2.0, 5));
@@ -111,14 +121,11 @@ async fn always_failing_is_parked_after_max_attempts_with_the_reason() {
     let mut env = Env::new(small_topology()).await;
     let q = env.queue("doomed").await;
     let parked = env.parked_queue(&q);
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let h = Scripted {
-        log: log.clone(),
-        answer: |d| match d.body.as_slice() {
-            b"perm" => Outcome::Permanent("invalid order".into()),
-            _ => Outcome::Retry("boom".into()),
-        },
-    };
+    let h = Scripted::new(|d| match d.body.as_slice() {
+        b"perm" => Outcome::Permanent("invalid order".into()),
+        _ => Outcome::Retry("boom".into()),
+    });
+    let log = h.log.clone();
     let (stop, run) = spawn_worker(&env, &q, h, retry(20, 2.0, 3));
     let p = env.publisher().await;
     p.schedule(Message::new(q.clone(), 10, "x").with_id("m1"))
@@ -161,11 +168,8 @@ async fn a_poison_message_is_parked_and_the_rest_processed() {
     let mut env = Env::new(small_topology()).await;
     let q = env.queue("poison").await;
     let parked = env.parked_queue(&q);
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let h = Scripted {
-        log: log.clone(),
-        answer: |_| Outcome::Success,
-    };
+    let h = Scripted::new(|_| Outcome::Success);
+    let log = h.log.clone();
     let (stop, run) = spawn_worker(&env, &q, h, retry(20, 2.0, 3));
     // a message with a string where our attempt counter should be, straight into the queue
     let ch = env.conn.create_channel().await.unwrap();
@@ -239,8 +243,14 @@ pub fn ids(lines: &[String]) -> HashMap<String, usize> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_mid_batch_then_restart_executes_everything_at_least_once() {
     let mut env = Env::new(small_topology()).await;
+    // messages due within 20 ms of each other share a batch: the kill lands inside batches
+    env.settings.precision.lateness_ms = 20;
     let q = env.queue("crash").await;
     env.parked_queue(&q);
+    amqp_delay::Topology::new(env.layout())
+        .declare_batch_marker(&env.conn, &q)
+        .await
+        .unwrap();
     let out = temp_path(&env.settings.prefix, "crash.out");
     let cfg = env.write_config("");
     let cmd = format!(
@@ -258,11 +268,13 @@ async fn kill_9_mid_batch_then_restart_executes_everything_at_least_once() {
     let p = env.publisher().await;
     let n = 60;
     let msgs = (0..n)
-        .map(|i| Message::new(q.clone(), (i * 5) as u64, "x").with_id(format!("c{i}")))
+        .map(|i| Message::new(q.clone(), (i % 4) as u64 * 50, "x").with_id(format!("c{i}")))
         .collect();
+    let mut batches = 0;
     for r in p.schedule_batch(msgs).await {
-        r.unwrap();
+        batches += usize::from(r.unwrap().batched_with > 1);
     }
+    assert!(batches > n / 2, "the messages did not travel in batches");
     let mut child = consumer(&env, &cfg, &args);
     assert!(
         wait_until(Duration::from_secs(20), || read_lines(&out).len() >= 15).await,
@@ -399,11 +411,8 @@ async fn the_worker_reconnects_after_losing_its_connection() {
     let mut env = Env::new(small_topology()).await;
     let q = env.queue("reconnect").await;
     env.parked_queue(&q);
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let h = Scripted {
-        log: log.clone(),
-        answer: |_| Outcome::Success,
-    };
+    let h = Scripted::new(|_| Outcome::Success);
+    let log = h.log.clone();
     let (stop, run) = spawn_worker(&env, &q, h, retry(20, 2.0, 3));
     let p = env.publisher().await;
     p.schedule(Message::new(q.clone(), 10, "a").with_id("before"))

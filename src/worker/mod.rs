@@ -1,0 +1,430 @@
+//! The worker: consumes destination queues with bounded prefetch and concurrency, runs a
+//! [`Handler`] on each due message, acks after success, re-schedules retryable failures through
+//! the tiers with backoff (acking the original only after the broker confirmed the copy), parks
+//! permanent failures and exhausted retries in `<prefix>.parked.<queue>` with the reason, shuts
+//! down gracefully and reconnects after a connection loss.
+//!
+//! It reads batches natively (`process`): every member of a batch runs the handler and is
+//! retried, parked or put back on its own; the batch is acked once every member is done,
+//! re-scheduled or parked, each durably confirmed. On start it declares, per queue, the batch
+//! marker that tells publishers its consumers read batches.
+//!
+//! A consumer the broker cancels (its queue was deleted) is logged and, once the queue exists
+//! again, subscribed anew; the other queues keep flowing meanwhile.
+
+mod process;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::{BoxStream, SelectAll};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::JoinSet;
+
+use crate::broker;
+use crate::envelope::Delivery;
+use crate::error::{Error, Result, ResultExt};
+use crate::layout::Layout;
+use crate::publisher::Publisher;
+use crate::settings::Settings;
+use crate::topology::Topology;
+
+/// What a handler decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Done: the message is acked.
+    Success,
+    /// Failed, try again later (re-scheduled with backoff until `max_attempts`).
+    Retry(String),
+    /// Failed for good: parked with the reason.
+    Permanent(String),
+    /// Not processed now, and a re-scheduled, modified copy would be wrong (the gateway's
+    /// ingress when the tiers refuse): the worker holds the message and runs the handler again
+    /// with a growing pause, for up to `consumer.requeue_hold`; then the message goes back to
+    /// its queue unchanged (a member of a batch: re-scheduled alone, attempt unchanged). No
+    /// attempt is counted.
+    Requeue(String),
+}
+
+/// Business logic run on every due message. Must be idempotent: delivery is at-least-once.
+pub trait Handler: Send + Sync + 'static {
+    /// Processes one due message and says what to do with it.
+    fn handle(&self, delivery: &Delivery, ctx: &Context) -> impl Future<Output = Outcome> + Send;
+
+    /// Whether this handler only moves messages (publishes and awaits a confirm), like the
+    /// gateway or a relay: it then runs up to `consumer.io_concurrency` at once with that
+    /// prefetch, instead of sharing the business handlers' `consumer.concurrency`.
+    fn io_bound(&self) -> bool {
+        false
+    }
+}
+
+/// What a handler may use besides the message: the worker's confirmed publisher (to forward
+/// or schedule follow-up messages on the worker's connection).
+pub struct Context {
+    publisher: Arc<Publisher>,
+}
+
+impl Context {
+    /// The worker's confirmed publisher.
+    pub fn publisher(&self) -> &Publisher {
+        &self.publisher
+    }
+}
+
+/// Counters of what a worker did, readable while it runs. Batches count once per member.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Handlers that succeeded.
+    pub succeeded: AtomicU64,
+    /// Retries scheduled.
+    pub retried: AtomicU64,
+    /// Messages parked.
+    pub parked: AtomicU64,
+    /// Deliveries the broker marked as redelivered.
+    pub redelivered: AtomicU64,
+    /// Batches received (their members are counted in the other counters).
+    pub batches: AtomicU64,
+}
+
+/// Runs handlers over destination queues.
+pub struct Worker<H: Handler> {
+    settings: Settings,
+    subscriptions: Vec<(String, Arc<H>)>,
+    counters: Arc<Counters>,
+}
+
+enum SessionEnd {
+    Stopped,
+    Lost(Error),
+}
+
+/// A delivery stream tagged with its subscription; `None` once the broker cancelled it.
+type Tagged = (usize, Option<lapin::Result<lapin::message::Delivery>>);
+
+impl<H: Handler> Worker<H> {
+    /// A worker with `settings` and no queue yet (add them with [`Worker::subscribe`]).
+    pub fn new(settings: Settings) -> Self {
+        Worker {
+            settings,
+            subscriptions: Vec::new(),
+            counters: Arc::new(Counters::default()),
+        }
+    }
+
+    /// Adds a queue and its handler.
+    pub fn subscribe(mut self, queue: impl Into<String>, handler: H) -> Self {
+        self.subscriptions.push((queue.into(), Arc::new(handler)));
+        self
+    }
+
+    /// The worker's counters, readable while it runs.
+    pub fn counters(&self) -> Arc<Counters> {
+        self.counters.clone()
+    }
+
+    /// Runs until `shutdown` completes, reconnecting with backoff when the connection is lost.
+    /// Returns an error only for problems a reconnect cannot fix (missing topology or queue at
+    /// start, invalid settings).
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<()> {
+        if self.subscriptions.is_empty() {
+            return Err(Error::Invalid("the worker has no queue to consume".into()));
+        }
+        self.settings.consumer.validate().map_err(Error::Invalid)?;
+        let layout = self.settings.layout()?;
+        for (q, _) in &self.subscriptions {
+            layout.validate_destination(q).map_err(Error::Invalid)?;
+        }
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut backoff = Duration::from_millis(500);
+        let conn_name = format!("amqp-delay worker {}", self.settings.prefix);
+        let mut first = true;
+        loop {
+            let conn = tokio::select! {
+                c = crate::connection::connect(&self.settings.url, &conn_name) => c,
+                _ = &mut shutdown => return Ok(()),
+            };
+            let outcome = match conn {
+                Ok(conn) => {
+                    let conn = Arc::new(conn);
+                    backoff = Duration::from_millis(500);
+                    let end = self.session(&conn, &layout, first, &mut shutdown).await;
+                    let _ = conn.close(200, "bye".into()).await;
+                    end
+                }
+                Err(e) => Ok(SessionEnd::Lost(e)),
+            };
+            match outcome {
+                Ok(SessionEnd::Stopped) => return Ok(()),
+                Ok(SessionEnd::Lost(e)) => {
+                    first = false;
+                    tracing::warn!(
+                        "connection lost or refused: {}; reconnecting in {:?}",
+                        crate::error::chain(&e),
+                        backoff
+                    );
+                }
+                Err(e) => return Err(e),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {},
+                _ = &mut shutdown => return Ok(()),
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(30));
+        }
+    }
+
+    /// One connection's worth of work. `Err` = fatal, `Lost` = reconnect.
+    async fn session(
+        &self,
+        conn: &Arc<Connection>,
+        layout: &Layout,
+        first: bool,
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<SessionEnd> {
+        let s = &self.settings;
+        let cs = &s.consumer;
+        let publisher = match Publisher::with_connection(
+            conn.clone(),
+            layout.clone(),
+            s.precision,
+            s.publisher.clone(),
+        )
+        .await
+        {
+            Ok(p) => Arc::new(p),
+            Err(e @ (Error::Amqp { .. } | Error::Connect { .. } | Error::Timeout { .. })) => {
+                return Ok(SessionEnd::Lost(e));
+            }
+            Err(e) => return Err(e),
+        };
+        for (q, _) in &self.subscriptions {
+            if broker::queue_state(conn, q).await?.is_none() {
+                if first {
+                    return Err(Error::Invalid(format!(
+                        "queue '{q}' does not exist; declare it (and schedule messages to it) first"
+                    )));
+                }
+                tracing::warn!(queue = %q, "the queue is gone; consuming the others and waiting for it");
+            }
+        }
+        let ctx = Arc::new(process::TaskCtx {
+            publisher: publisher.clone(),
+            settings: cs.clone(),
+            layout: layout.clone(),
+            counters: self.counters.clone(),
+            business: Arc::new(Semaphore::new(cs.concurrency)),
+            io: Arc::new(Semaphore::new(cs.io_concurrency)),
+            stopping: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        });
+        let (resub_tx, mut resub_rx) = mpsc::unbounded_channel::<usize>();
+        let mut deliveries: SelectAll<BoxStream<'static, Tagged>> = SelectAll::new();
+        let mut channels: Vec<Option<(Channel, lapin::types::ShortString)>> =
+            vec![None; self.subscriptions.len()];
+        for (i, slot) in channels.iter_mut().enumerate() {
+            match self.subscribe_one(conn, layout, i).await? {
+                Some((ch, tag, stream)) => {
+                    *slot = Some((ch, tag));
+                    deliveries.push(stream);
+                }
+                None => spawn_wait_for_queue(conn, &self.subscriptions[i].0, i, &resub_tx),
+            }
+        }
+        tracing::info!(
+            queues = ?self.subscriptions.iter().map(|(q, _)| q.as_str()).collect::<Vec<_>>(),
+            prefetch = cs.prefetch,
+            concurrency = cs.concurrency,
+            "worker consuming"
+        );
+        let mut tasks = JoinSet::new();
+        let end = loop {
+            while tasks.try_join_next().is_some() {}
+            tokio::select! {
+                _ = shutdown.as_mut() => break SessionEnd::Stopped,
+                Some(i) = resub_rx.recv() => {
+                    match self.subscribe_one(conn, layout, i).await {
+                        Ok(Some((ch, tag, stream))) => {
+                            tracing::info!(queue = %self.subscriptions[i].0, "the queue is back; consuming it again");
+                            channels[i] = Some((ch, tag));
+                            deliveries.push(stream);
+                        }
+                        Ok(None) => spawn_wait_for_queue(conn, &self.subscriptions[i].0, i, &resub_tx),
+                        Err(e) => break SessionEnd::Lost(e),
+                    }
+                }
+                next = deliveries.next(), if !deliveries.is_empty() => match next {
+                    Some((i, Some(Ok(d)))) => {
+                        let (queue, handler) = self.subscriptions[i].clone();
+                        let ctx = ctx.clone();
+                        tasks.spawn(async move {
+                            process::delivery(d, &queue, &*handler, &ctx).await;
+                        });
+                    }
+                    Some((i, Some(Err(e)))) => {
+                        break SessionEnd::Lost(Error::Amqp {
+                            context: format!("consuming '{}'", self.subscriptions[i].0),
+                            source: e,
+                        });
+                    }
+                    Some((i, None)) => {
+                        let queue = &self.subscriptions[i].0;
+                        if !conn.status().connected() {
+                            break SessionEnd::Lost(Error::ConsumerCancelled { queue: queue.clone() });
+                        }
+                        tracing::warn!(
+                            queue = %queue,
+                            "the broker cancelled the consumer (queue deleted?); waiting for the queue to come back"
+                        );
+                        if let Some((ch, _)) = channels[i].take() {
+                            broker::close(&ch, "consumer cancelled").await;
+                        }
+                        spawn_wait_for_queue(conn, queue, i, &resub_tx);
+                    }
+                    None => {}
+                },
+            }
+        };
+        if let SessionEnd::Stopped = end {
+            ctx.stopping.store(true, Ordering::Relaxed);
+            for (ch, tag) in channels.iter().flatten() {
+                let _ = ch
+                    .basic_cancel(tag.clone(), BasicCancelOptions::default())
+                    .await;
+            }
+            let grace = Duration::from_millis(cs.shutdown_grace.as_millis());
+            while tasks.try_join_next().is_some() {}
+            tracing::info!(
+                in_flight = tasks.len(),
+                ?grace,
+                "stopping: waiting for in-flight handlers"
+            );
+            let drained =
+                tokio::time::timeout(grace, async { while tasks.join_next().await.is_some() {} })
+                    .await;
+            if drained.is_err() {
+                tracing::warn!(
+                    unfinished = tasks.len(),
+                    "shutdown grace over: unfinished messages go back to the queue"
+                );
+                tasks.abort_all();
+            }
+            let c = &self.counters;
+            tracing::info!(
+                succeeded = c.succeeded.load(Ordering::Relaxed),
+                retried = c.retried.load(Ordering::Relaxed),
+                parked = c.parked.load(Ordering::Relaxed),
+                "worker stopped"
+            );
+        } else {
+            tasks.abort_all();
+        }
+        for (ch, _) in channels.iter().flatten() {
+            broker::close(ch, "bye").await;
+        }
+        drop(ctx);
+        if let Ok(p) = Arc::try_unwrap(publisher) {
+            p.close().await;
+        }
+        Ok(end)
+    }
+
+    /// Declares what consuming queue `i` needs (its parking queue, its batch marker) and starts
+    /// consuming it on a channel of its own. `None` when the queue does not exist.
+    async fn subscribe_one(
+        &self,
+        conn: &Connection,
+        layout: &Layout,
+        i: usize,
+    ) -> Result<
+        Option<(
+            Channel,
+            lapin::types::ShortString,
+            BoxStream<'static, Tagged>,
+        )>,
+    > {
+        let (q, handler) = &self.subscriptions[i];
+        if broker::queue_state(conn, q).await?.is_none() {
+            return Ok(None);
+        }
+        let ch = broker::open(conn).await?;
+        declare_parking(&ch, layout, q).await?;
+        if let Err(e) = Topology::new(layout.clone())
+            .declare_batch_marker(conn, q)
+            .await
+        {
+            // publishers then send plain messages, which work too
+            tracing::info!(queue = %q, "publishers will send plain messages: {}", crate::error::chain(&e));
+        }
+        let cs = &self.settings.consumer;
+        let prefetch = if handler.io_bound() {
+            u16::try_from(cs.io_concurrency).unwrap_or(u16::MAX)
+        } else {
+            cs.prefetch
+        };
+        ch.basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .context(|| "setting prefetch".into())?;
+        let consumer = match ch
+            .basic_consume(
+                q.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+        {
+            Ok(c) => c,
+            // deleted between the check and the consume
+            Err(e) if broker::is_reply(&e, broker::NOT_FOUND) => return Ok(None),
+            Err(e) => return Err(e).context(|| format!("consuming '{q}'")),
+        };
+        let tag = consumer.tag();
+        // A consumer's stream ends when the broker cancels it: say which one ended.
+        let ended = futures::stream::once(async move { (i, None) });
+        let stream = consumer.map(move |d| (i, Some(d))).chain(ended).boxed();
+        Ok(Some((ch, tag, stream)))
+    }
+}
+
+/// Polls until `queue` exists again, then asks the session to subscribe `i` anew.
+fn spawn_wait_for_queue(
+    conn: &Arc<Connection>,
+    queue: &str,
+    i: usize,
+    resub: &mpsc::UnboundedSender<usize>,
+) {
+    let conn = conn.clone();
+    let queue = queue.to_string();
+    let resub = resub.clone();
+    tokio::spawn(async move {
+        let mut pause = Duration::from_millis(250);
+        while conn.status().connected() && !resub.is_closed() {
+            tokio::time::sleep(pause).await;
+            match broker::queue_state(&conn, &queue).await {
+                Ok(Some(_)) => {
+                    let _ = resub.send(i);
+                    return;
+                }
+                Ok(None) => {}
+                Err(e) => tracing::debug!(%queue, "checking the queue: {e}"),
+            }
+            pause = (pause * 2).min(Duration::from_secs(5));
+        }
+    });
+}
+
+async fn declare_parking(ch: &Channel, layout: &Layout, q: &str) -> Result<()> {
+    let name = layout.parked_queue(q);
+    if name.len() > 255 {
+        return Err(Error::Invalid(format!(
+            "parking queue name for '{q}' would be longer than 255 bytes"
+        )));
+    }
+    broker::declare_queue(ch, &name, broker::queue_type_args(layout.queue_type())).await
+}

@@ -1,0 +1,314 @@
+//! One delivery end to end: a plain message, or a batch whose members each run the handler.
+//! Never panics on bad input; what it cannot resolve (the broker refuses the retry or the
+//! parked copy) goes back to the queue, so nothing is lost.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use rand::Rng;
+use tokio::sync::Semaphore;
+
+use super::{Context, Counters, Handler, Outcome};
+use crate::batch;
+use crate::envelope::{self, Delivery};
+use crate::error::{Error, Result};
+use crate::headers;
+use crate::layout::Layout;
+use crate::message::Message;
+use crate::publisher::Publisher;
+use crate::settings::ConsumerSettings;
+use crate::time::now_ms;
+
+/// What every delivery task shares.
+pub(super) struct TaskCtx {
+    pub publisher: Arc<Publisher>,
+    pub settings: ConsumerSettings,
+    pub layout: Layout,
+    pub counters: Arc<Counters>,
+    /// Permits of business handlers (`consumer.concurrency`).
+    pub business: Arc<Semaphore>,
+    /// Permits of I/O handlers (`consumer.io_concurrency`).
+    pub io: Arc<Semaphore>,
+    /// Set when the worker stops: a message whose handler has not started goes back to the
+    /// queue instead.
+    pub stopping: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// How a message (or a member) ended.
+enum Done {
+    Succeeded,
+    Retried,
+    Parked,
+    /// The handler kept saying "not now" for `requeue_hold`.
+    PutBack(String),
+    /// The worker is stopping and the handler had not started.
+    NotStarted,
+}
+
+/// Handles one delivery from `queue`: a batch member by member, a plain message as itself;
+/// acks when everything it carried is settled, else returns it to the queue.
+pub(super) async fn delivery<H: Handler>(
+    raw: lapin::message::Delivery,
+    queue: &str,
+    handler: &H,
+    ctx: &TaskCtx,
+) {
+    let redelivered = raw.redelivered;
+    if redelivered {
+        ctx.counters.redelivered.fetch_add(1, Ordering::Relaxed);
+    }
+    let acker = raw.acker.clone();
+    if ctx.stopping.load(Ordering::Relaxed) {
+        let _ = acker
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..BasicNackOptions::default()
+            })
+            .await;
+        return;
+    }
+    if batch::is_batch(&raw.properties) {
+        ctx.counters.batches.fetch_add(1, Ordering::Relaxed);
+        let members = match batch::decode(&raw.data) {
+            Ok(m) => m,
+            Err(reason) => {
+                // unreadable as a batch: park it whole, as any invalid envelope
+                let (d, _) = envelope::decode(
+                    queue,
+                    raw.data,
+                    raw.properties,
+                    raw.routing_key.as_str(),
+                    raw.exchange.as_str(),
+                    redelivered,
+                );
+                let reason = format!("invalid batch: {reason}");
+                tracing::warn!(queue, id = %d.message_id, %reason, "parking an unreadable batch");
+                let r = park(&d, &reason, ctx).await.map(|()| Done::Parked);
+                settle(acker, queue, &d.message_id, r.map(|_| ())).await;
+                return;
+            }
+        };
+        let batch_id = raw
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.to_string())
+            .unwrap_or_default();
+        let key = raw.routing_key.as_str().to_string();
+        let exchange = raw.exchange.as_str().to_string();
+        let runs = members.into_iter().map(|m| {
+            let (key, exchange) = (&key, &exchange);
+            async move {
+                let decoded =
+                    envelope::decode(queue, m.body, m.properties, key, exchange, redelivered);
+                // a batch that started runs to the end (within the shutdown grace): its
+                // members are never skipped
+                let r = one(decoded, handler, ctx, false).await;
+                match r {
+                    // a member cannot go back to the queue alone: re-schedule it, attempt kept
+                    Ok((d, Done::PutBack(reason))) => {
+                        reschedule(&d, &reason, ctx, d.attempt, 1_000).await
+                    }
+                    Ok(_) => Ok(()),
+                    Err(e) => Err(e),
+                }
+            }
+        });
+        let results = futures::future::join_all(runs).await;
+        let failed: Vec<Error> = results.into_iter().filter_map(|r| r.err()).collect();
+        let r = match failed.into_iter().next() {
+            None => Ok(()),
+            Some(e) => Err(e),
+        };
+        settle(acker, queue, &batch_id, r).await;
+        return;
+    }
+    let decoded = envelope::decode(
+        queue,
+        raw.data,
+        raw.properties,
+        raw.routing_key.as_str(),
+        raw.exchange.as_str(),
+        redelivered,
+    );
+    let id = decoded.0.message_id.clone();
+    match one(decoded, handler, ctx, true).await {
+        Ok((_, Done::NotStarted)) => {
+            let _ = acker
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..BasicNackOptions::default()
+                })
+                .await;
+        }
+        Ok((d, Done::PutBack(reason))) => {
+            tracing::warn!(queue, id = %d.message_id, %reason, "the handler still cannot process it; returning it to the queue");
+            let _ = acker
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..BasicNackOptions::default()
+                })
+                .await;
+        }
+        Ok(_) => settle(acker, queue, &id, Ok(())).await,
+        Err(e) => settle(acker, queue, &id, Err(e)).await,
+    }
+}
+
+/// Acks after success; after a failure to re-schedule or park, returns the message (a
+/// batch: all of it, its finished members run again — at-least-once) after a pause.
+async fn settle(acker: lapin::Acker, queue: &str, id: &str, r: Result<()>) {
+    match r {
+        Ok(()) => {
+            if let Err(e) = acker.ack(BasicAckOptions::default()).await {
+                tracing::warn!(queue, id, "ack failed ({e}); the broker will redeliver it");
+            }
+        }
+        Err(e) => {
+            // a short pause keeps a persistent failure from becoming a hot loop
+            tracing::error!(
+                queue,
+                id,
+                "{}; returning the message to the queue",
+                crate::error::chain(&e)
+            );
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let _ = acker
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..BasicNackOptions::default()
+                })
+                .await;
+        }
+    }
+}
+
+/// Runs the handler on one message (plain, or a batch member) and carries out its outcome.
+/// `Err` when a re-schedule or park could not be published. With `may_skip`, a message whose
+/// turn comes after the worker began stopping is not started.
+async fn one<H: Handler>(
+    decoded: (Delivery, Option<String>),
+    handler: &H,
+    ctx: &TaskCtx,
+    may_skip: bool,
+) -> Result<(Delivery, Done)> {
+    let (d, invalid) = decoded;
+    if let Some(reason) = invalid {
+        tracing::warn!(queue = %d.queue, id = %d.message_id, %reason, "parking a message with an invalid envelope");
+        park(&d, &reason, ctx).await?;
+        return Ok((d, Done::Parked));
+    }
+    let permits = if handler.io_bound() {
+        &ctx.io
+    } else {
+        &ctx.business
+    };
+    let _permit = permits.acquire().await.expect("never closed");
+    if may_skip && ctx.stopping.load(Ordering::Relaxed) {
+        return Ok((d, Done::NotStarted));
+    }
+    let timeout = Duration::from_millis(ctx.settings.handler_timeout.as_millis());
+    let hold = Duration::from_millis(ctx.settings.requeue_hold.as_millis());
+    let hctx = Context {
+        publisher: ctx.publisher.clone(),
+    };
+    let held = Instant::now();
+    let mut pause = Duration::from_millis(250);
+    let outcome = loop {
+        let outcome = match tokio::time::timeout(timeout, handler.handle(&d, &hctx)).await {
+            Ok(o) => o,
+            Err(_) => Outcome::Retry(format!(
+                "handler timed out after {}",
+                ctx.settings.handler_timeout
+            )),
+        };
+        match outcome {
+            Outcome::Requeue(reason) if held.elapsed() + pause < hold => {
+                tracing::info!(queue = %d.queue, id = %d.message_id, %reason, "not processed now; trying again in {pause:?}");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            other => break other,
+        }
+    };
+    let done = match outcome {
+        Outcome::Success => {
+            ctx.counters.succeeded.fetch_add(1, Ordering::Relaxed);
+            Done::Succeeded
+        }
+        Outcome::Retry(reason) if ctx.settings.retry.may_retry(d.attempt) => {
+            let random: f64 = rand::rng().random();
+            let delay = ctx.settings.retry.backoff_ms(d.attempt, random);
+            reschedule(&d, &reason, ctx, d.attempt + 1, delay).await?;
+            Done::Retried
+        }
+        Outcome::Retry(reason) => {
+            let why = format!(
+                "gave up after {} attempts; last error: {reason}",
+                d.attempt + 1
+            );
+            park(&d, &why, ctx).await?;
+            Done::Parked
+        }
+        Outcome::Permanent(reason) => {
+            park(&d, &reason, ctx).await?;
+            Done::Parked
+        }
+        Outcome::Requeue(reason) => Done::PutBack(reason),
+    };
+    Ok((d, done))
+}
+
+/// Re-schedules a copy of `d` through the tiers after `delay` ms with attempt `attempt`.
+async fn reschedule(
+    d: &Delivery,
+    reason: &str,
+    ctx: &TaskCtx,
+    attempt: u32,
+    delay: u64,
+) -> Result<()> {
+    let props = envelope::republish_properties(
+        &d.properties,
+        envelope::headers_for_reschedule(d.headers()),
+    );
+    let msg = Message::new(d.queue.clone(), delay, d.body.clone())
+        .with_properties(props)
+        .with_attempt(attempt);
+    ctx.publisher.schedule(msg).await?;
+    ctx.counters.retried.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(queue = %d.queue, id = %d.message_id, attempt = d.attempt, delay_ms = delay, %reason, "retry scheduled");
+    Ok(())
+}
+
+/// Parks a copy of `d` in its queue's parking queue with the reason, confirmed.
+async fn park(d: &Delivery, reason: &str, ctx: &TaskCtx) -> Result<()> {
+    let empty = FieldTable::default();
+    let mut h = headers::strip_death(d.headers().unwrap_or(&empty));
+    h.insert(
+        headers::PARKED_REASON.into(),
+        AMQPValue::LongString(LongString::from(reason)),
+    );
+    h.insert(
+        headers::PARKED_AT.into(),
+        AMQPValue::LongLongInt(now_ms() as i64),
+    );
+    h.insert(
+        headers::PARKED_ATTEMPTS.into(),
+        AMQPValue::LongLongInt(i64::from(d.attempt) + 1),
+    );
+    h.insert(
+        headers::PARKED_FROM.into(),
+        AMQPValue::LongString(LongString::from(d.queue.as_str())),
+    );
+    let props = envelope::republish_properties(&d.properties, h).with_delivery_mode(2);
+    let target = ctx.layout.parked_queue(&d.queue);
+    ctx.publisher
+        .publish_confirmed("", &target, &d.body, props)
+        .await?;
+    ctx.counters.parked.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(queue = %d.queue, id = %d.message_id, parked_in = %target, %reason, "message parked");
+    Ok(())
+}
