@@ -40,6 +40,9 @@ pub struct TopologySettings {
     pub max_delay: DurationMs,
     /// Delays that get their own one-hop tier.
     pub fixed_levels: Vec<DurationMs>,
+    /// Queues each fixed level is spread over (publishers take turns): one quorum queue
+    /// dead-letters through one broker process, so a single hot fixed level is limited by it.
+    pub fixed_shards: u32,
     /// `quorum` (at-least-once dead-lettering, the default) or `classic` (at-most-once).
     pub queue_type: QueueType,
     /// Optional `x-max-length` of every tier; a full tier makes publishes fail (nack).
@@ -59,6 +62,7 @@ impl Default for TopologySettings {
                 .iter()
                 .map(|s| s.parse().expect("valid default"))
                 .collect(),
+            fixed_shards: 1,
             queue_type: QueueType::Quorum,
             max_tier_length: None,
             max_tier_ttl_ms: BROKER_MAX_TTL_MS,
@@ -133,6 +137,7 @@ pub struct Layout {
     overflow_ttl_ms: u64,
     overflow_count: u32,
     fixed_ms: Vec<u64>,
+    fixed_shards: u32,
     max_delay_ms: u64,
     queue_type: QueueType,
     max_tier_length: Option<u64>,
@@ -222,6 +227,12 @@ impl Layout {
         }
         fixed_ms.sort_unstable();
         fixed_ms.dedup();
+        if !(1..=16).contains(&t.fixed_shards) {
+            return err(format!(
+                "fixed_shards must be between 1 and 16, got {}",
+                t.fixed_shards
+            ));
+        }
         if let Some(0) = t.max_tier_length {
             return err("max_tier_length must be at least 1 when set".into());
         }
@@ -233,6 +244,7 @@ impl Layout {
             overflow_ttl_ms,
             overflow_count: overflow_count as u32,
             fixed_ms,
+            fixed_shards: t.fixed_shards,
             max_delay_ms,
             queue_type: t.queue_type,
             max_tier_length: t.max_tier_length,
@@ -340,13 +352,25 @@ impl Layout {
     pub fn overflow_queue(&self, i: u32) -> String {
         self.overflow_exchange(i)
     }
-    /// Fanout exchange in front of the fixed level of `ms`.
+    /// Fanout exchange in front of shard 0 of the fixed level of `ms`.
     pub fn fixed_exchange(&self, ms: u64) -> String {
-        format!("{}.fixed.{}", self.prefix, compact_duration(ms))
+        self.fixed_shard_exchange(ms, 0)
     }
-    /// Queue of the fixed level of `ms`.
+    /// Queue of shard 0 of the fixed level of `ms`.
     pub fn fixed_queue(&self, ms: u64) -> String {
         self.fixed_exchange(ms)
+    }
+    /// Number of queues each fixed level is spread over.
+    pub fn fixed_shards(&self) -> u32 {
+        self.fixed_shards
+    }
+    /// Fanout exchange (and queue) of shard `shard` of the fixed level of `ms`: shard 0 is
+    /// `p.fixed.30m`, shard 2 `p.fixed.30m.s2`.
+    pub fn fixed_shard_exchange(&self, ms: u64, shard: u32) -> String {
+        match shard {
+            0 => format!("{}.fixed.{}", self.prefix, compact_duration(ms)),
+            s => format!("{}.fixed.{}.s{s}", self.prefix, compact_duration(ms)),
+        }
     }
     /// Topic exchange routing due messages to their destination queue.
     pub fn delivery_exchange(&self) -> String {
@@ -415,12 +439,14 @@ impl Layout {
             }
         }
         for &ms in &self.fixed_ms {
-            out.push(Tier {
-                kind: TierKind::Fixed { ttl_ms: ms },
-                queue: self.fixed_queue(ms),
-                ttl_ms: ms,
-                dead_letter_exchange: self.top_exchange(),
-            });
+            for shard in 0..self.fixed_shards {
+                out.push(Tier {
+                    kind: TierKind::Fixed { ttl_ms: ms },
+                    queue: self.fixed_shard_exchange(ms, shard),
+                    ttl_ms: ms,
+                    dead_letter_exchange: self.top_exchange(),
+                });
+            }
         }
         for i in (1..=self.overflow_count).rev() {
             let dlx = if i == self.overflow_count {

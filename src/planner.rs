@@ -100,12 +100,19 @@ impl Route {
     pub fn lateness_ms(&self) -> u64 {
         self.total_ms - self.delay_ms
     }
-    /// Exchange to publish to.
+    /// Exchange to publish to (shard 0 of a fixed level).
     pub fn exchange(&self, layout: &Layout) -> String {
+        self.exchange_for(layout, 0)
+    }
+    /// Exchange to publish to, taking shard `turn % fixed_shards` of a fixed level.
+    pub fn exchange_for(&self, layout: &Layout, turn: u64) -> String {
         match self.entry {
+            Entry::Fixed(ms) => {
+                let shard = (turn % u64::from(layout.fixed_shards().max(1))) as u32;
+                layout.fixed_shard_exchange(ms, shard)
+            }
             Entry::Deliver => layout.delivery_exchange(),
             Entry::Level(k) => layout.level_exchange(k),
-            Entry::Fixed(ms) => layout.fixed_exchange(ms),
             Entry::Overflow { hops } => {
                 layout.overflow_exchange(layout.overflow_count() - hops + 1)
             }

@@ -55,6 +55,8 @@ struct Inner {
     bound: Mutex<HashMap<String, Binding>>,
     /// Broker messages awaiting their confirm.
     in_flight: Semaphore,
+    /// Publishes so far, to take turns over the shards of a fixed level.
+    turn: std::sync::atomic::AtomicU64,
 }
 
 /// What the publisher knows of a destination, refreshed every `binding_cache_secs`.
@@ -131,6 +133,7 @@ impl Publisher {
             in_flight: Semaphore::new(settings.max_in_flight),
             settings,
             bound: Mutex::new(HashMap::new()),
+            turn: std::sync::atomic::AtomicU64::new(0),
         });
         let (batcher, batcher_task) = if inner.settings.batching() {
             let (tx, rx) = mpsc::unbounded_channel();
@@ -369,7 +372,8 @@ impl Inner {
             Err(e) => Err(Error::from(e)),
             Ok(route) => {
                 let destination = members[0].destination.clone();
-                let exchange = route.exchange(&self.layout);
+                let turn = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let exchange = route.exchange_for(&self.layout, turn);
                 let key = route.routing_key(&self.layout, &destination);
                 let (body, props) = if members.len() == 1 {
                     let m = &mut members[0];

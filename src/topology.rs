@@ -190,12 +190,14 @@ impl Topology {
         // Fixed levels can be added to a topology later, so they are not in the signature:
         // check that every one this configuration may use exists.
         for &ms in l.fixed_ms() {
-            if !broker::exchange_exists(conn, &l.fixed_exchange(ms)).await? {
+            let last = l.fixed_shard_exchange(ms, l.fixed_shards() - 1);
+            if !broker::exchange_exists(conn, &last).await? {
                 return Err(not_declared(
                     l,
                     &format!(
-                        ": fixed level {} is configured but not declared",
-                        compact_duration(ms)
+                        ": fixed level {} (with {} shard(s)) is configured but not declared",
+                        compact_duration(ms),
+                        l.fixed_shards()
                     ),
                 ));
             }

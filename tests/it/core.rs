@@ -321,7 +321,7 @@ async fn conflicting_redeclare_names_the_difference() {
         .expect("refused");
     assert!(
         e.to_string()
-            .contains("fixed level 170ms is configured but not declared"),
+            .contains("fixed level 170ms (with 1 shard(s)) is configured but not declared"),
         "{e}"
     );
     env.settings.topology.fixed_levels.pop();
@@ -425,6 +425,33 @@ async fn classic_tiers_work_too() {
     for r in &got {
         assert!(r.arrived_ms as i64 >= r.int_header("x-delay-due-at").unwrap());
     }
+    p.close().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sharded_fixed_level_spreads_over_its_queues() {
+    let mut t = small_topology();
+    t.fixed_shards = 3;
+    let mut env = Env::new(t).await;
+    let q = env.queue("shards").await;
+    let p = env.publisher().await;
+    for i in 0..9 {
+        p.schedule(Message::new(q.clone(), 150, format!("{i}")))
+            .await
+            .unwrap();
+    }
+    let got = env.expect(&q, 9).await;
+    assert_eq!(got.len(), 9);
+    let mut used: HashSet<String> = HashSet::new();
+    for r in &got {
+        let hops = r.death_queues();
+        assert_eq!(hops.len(), 1, "one hop through a fixed shard: {hops:?}");
+        used.insert(hops[0].0.clone());
+    }
+    let l = env.layout();
+    let want: HashSet<String> = (0..3).map(|s| l.fixed_shard_exchange(150, s)).collect();
+    assert_eq!(used, want, "every shard carried messages");
     p.close().await;
     env.cleanup().await;
 }

@@ -42,6 +42,7 @@ pub fn small_topology() -> TopologySettings {
         unit_ms: 1,
         max_delay: DurationMs(1500),
         fixed_levels: vec![DurationMs(150)],
+        fixed_shards: 1,
         queue_type: QueueType::Quorum,
         max_tier_length: None,
         max_tier_ttl_ms: 200,
@@ -377,12 +378,13 @@ impl Env {
             .map(|f| f.as_millis().to_string())
             .collect();
         let text = format!(
-            "prefix = \"{}\"\n[topology]\nradix = {}\nunit_ms = {}\nmax_delay = {}\nfixed_levels = [{}]\nmax_tier_ttl_ms = {}\nqueue_type = \"{}\"\n{}\n[precision]\nlateness_ms = {}\nlateness_ratio = {}\n\n{extra}\n",
+            "prefix = \"{}\"\n[topology]\nradix = {}\nunit_ms = {}\nmax_delay = {}\nfixed_levels = [{}]\nfixed_shards = {}\nmax_tier_ttl_ms = {}\nqueue_type = \"{}\"\n{}\n[precision]\nlateness_ms = {}\nlateness_ratio = {}\n\n{extra}\n",
             self.settings.prefix,
             t.radix,
             t.unit_ms,
             t.max_delay.as_millis(),
             fixed.join(", "),
+            t.fixed_shards,
             t.max_tier_ttl_ms,
             t.queue_type,
             t.max_tier_length

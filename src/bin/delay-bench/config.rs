@@ -169,6 +169,7 @@ impl BenchConfig {
             unit_ms: t.unit_ms,
             max_delay: DurationMs(max_delay_ms),
             fixed_levels: fixed.into_iter().map(DurationMs).collect(),
+            fixed_shards: t.fixed_shards,
             queue_type: t.queue_type,
             max_tier_length: t.max_tier_length,
             max_tier_ttl_ms: t.max_tier_ttl_ms,
