@@ -22,6 +22,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("broker", 1),
     ("connection", 1),
     ("control", 1),
+    ("management", 1),
     ("topology", 1),
     ("publisher", 1),
     ("worker", 1),

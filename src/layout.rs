@@ -414,8 +414,10 @@ impl Layout {
         let name = format!("{}.batched.{queue}", self.prefix);
         (name.len() <= 255).then_some(name)
     }
-    /// Queue that never holds messages; its arguments record the layout signature.
-    pub fn layout_marker_queue(&self) -> String {
+    /// Exchange that never routes anything; its `alternate-exchange` argument records the
+    /// layout signature (the broker compares it on every re-declare). An exchange has no home
+    /// node, so the marker stays readable while any minority of a cluster is down.
+    pub fn layout_marker(&self) -> String {
         format!("{}.layout", self.prefix)
     }
 

@@ -43,6 +43,7 @@ pub mod time;
 pub mod broker;
 pub mod connection;
 mod control;
+pub mod management;
 mod publisher;
 mod topology;
 mod worker;

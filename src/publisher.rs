@@ -353,22 +353,29 @@ impl Inner {
     }
 
     /// Publishes `members` (one destination) as one broker message — alone when there is one,
-    /// as a batch otherwise — planned in `window` (or each member's own budget), and answers
-    /// every member's caller. Returns the results too.
+    /// as a batch otherwise — planned in `window` (`None`: one message, planned from its own
+    /// request), and answers every member's caller. Returns the results too.
     async fn publish_group(
         &self,
         now: u64,
         mut members: Vec<Prepared>,
         window: Option<(u64, u64)>,
     ) -> Vec<Result<Scheduled>> {
-        let (earliest, latest) = window.unwrap_or_else(|| {
-            let e = members.iter().map(|m| m.due_at_ms).max().unwrap_or(now);
-            let l = members.iter().map(|m| m.deadline_ms).min().unwrap_or(e);
-            (e, l.max(e))
-        });
-        let lo = earliest.saturating_sub(now);
-        let hi = latest.saturating_sub(now).max(lo);
-        let result = match planner::plan_window(&self.layout, lo, hi) {
+        // A message on its own is planned from its request, as if published when it was
+        // prepared (publishing a moment later only makes it that much later); a group is
+        // planned from now, within the window every member accepts.
+        let earliest = match window {
+            Some((e, _)) => e,
+            None => members.iter().map(|m| m.due_at_ms).max().unwrap_or(now),
+        };
+        let planned = match window {
+            None => planner::plan(&self.layout, &self.precision, members[0].delay_ms),
+            Some((e, l)) => {
+                let lo = e.saturating_sub(now);
+                planner::plan_window(&self.layout, lo, l.saturating_sub(now).max(lo))
+            }
+        };
+        let result = match planned {
             Err(e) => Err(Error::from(e)),
             Ok(route) => {
                 let destination = members[0].destination.clone();

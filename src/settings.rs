@@ -24,8 +24,11 @@ pub const DEFAULT_PREFIX: &str = "amqp-delay";
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
-    /// AMQP URL of the broker.
+    /// AMQP URL of the broker; several, comma-separated, are tried in turn (cluster nodes).
     pub url: String,
+    /// The broker's management API, for `stats` and `teardown` to count unacknowledged
+    /// messages and see queue leaders (default: derived from the first URL, port 15672).
+    pub management_url: Option<String>,
     /// Prefix of every exchange and queue name we create.
     pub prefix: String,
     /// Shape of the tier topology.
@@ -44,6 +47,7 @@ impl Default for Settings {
     fn default() -> Self {
         Settings {
             url: DEFAULT_URL.into(),
+            management_url: None,
             prefix: DEFAULT_PREFIX.into(),
             topology: TopologySettings::default(),
             precision: Precision::default(),

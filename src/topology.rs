@@ -1,7 +1,9 @@
 //! Broker I/O for the topology: declaring it (idempotently, refusing a different existing shape
 //! with a clear message), reading queue depths for `stats`, and deleting it.
 
-use lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ExchangeKind};
 
@@ -22,6 +24,7 @@ pub struct Topology {
 
 /// Depth of one queue, for `stats`.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
 pub struct QueueStat {
     /// Queue name.
     pub queue: String,
@@ -29,8 +32,18 @@ pub struct QueueStat {
     pub kind: &'static str,
     /// Queue TTL (none for the parking queue).
     pub ttl_ms: Option<u64>,
+    /// Broker messages it holds: ready + unacknowledged when the management API answered,
+    /// ready only otherwise (a batch counts once).
+    pub messages: u64,
     /// Ready messages.
-    pub messages: u32,
+    pub ready: u64,
+    /// Delivered and not settled (held by the broker's dead-letter worker, or a consumer);
+    /// `None` when not visible (AMQP only).
+    pub unacked: Option<u64>,
+    /// The node leading the queue (management API only).
+    pub leader: Option<String>,
+    /// The queue does not exist (`delay-publisher declare` re-creates it).
+    pub missing: bool,
 }
 
 impl Topology {
@@ -179,8 +192,8 @@ impl Topology {
     /// anything else. Used by publishers before their first message.
     pub async fn verify(&self, conn: &Connection) -> Result<()> {
         let l = &self.layout;
-        let marker = l.layout_marker_queue();
-        if broker::queue_state(conn, &marker).await?.is_none() {
+        let marker = l.layout_marker();
+        if !broker::exchange_exists(conn, &marker).await? {
             return Err(not_declared(l, ""));
         }
         let ch = open(conn).await?;
@@ -205,11 +218,16 @@ impl Topology {
         Ok(())
     }
 
-    /// Message count of every tier queue and of the parking queue.
-    pub async fn stats(&self, conn: &Connection) -> Result<Vec<QueueStat>> {
+    /// Depth of every tier queue and of the unroutable queue. Over AMQP only ready messages
+    /// are visible (`unacked` is `None`); with `management`, ready and unacknowledged (held by
+    /// the broker's dead-letter worker, e.g. after a restart) and the leader node. A missing
+    /// queue is reported as such (`delay-publisher declare` re-creates it).
+    pub async fn stats_with(
+        &self,
+        conn: &Connection,
+        management: Option<&crate::management::Management>,
+    ) -> Result<Vec<QueueStat>> {
         let l = &self.layout;
-        let ch = open(conn).await?;
-        let mut out = Vec::new();
         let mut queues: Vec<(String, &'static str, Option<u64>)> = l
             .tiers()
             .into_iter()
@@ -223,32 +241,69 @@ impl Topology {
             })
             .collect();
         queues.push((l.unroutable_queue(), "parked", None));
+        let infos = match management {
+            Some(m) => Some(m.queues(&format!("{}.", l.prefix())).await?),
+            None => None,
+        };
+        let mut out = Vec::with_capacity(queues.len());
+        let mut ch: Option<Channel> = None;
         for (queue, kind, ttl_ms) in queues {
-            match ch
-                .queue_declare(
-                    queue.as_str().into(),
-                    QueueDeclareOptions {
+            let mut stat = QueueStat {
+                queue,
+                kind,
+                ttl_ms,
+                messages: 0,
+                ready: 0,
+                unacked: None,
+                leader: None,
+                missing: false,
+            };
+            match infos.as_ref() {
+                Some(infos) => match infos.get(&stat.queue) {
+                    Some(q) => {
+                        stat.messages = q.messages;
+                        stat.ready = q.messages_ready;
+                        stat.unacked = Some(q.messages_unacknowledged);
+                        stat.leader = q.leader_node().map(str::to_string);
+                    }
+                    None => stat.missing = true,
+                },
+                None => {
+                    if ch.as_ref().is_none_or(|c| !c.status().connected()) {
+                        ch = Some(open(conn).await?);
+                    }
+                    let c = ch.as_ref().expect("opened");
+                    let passive = QueueDeclareOptions {
                         passive: true,
                         ..QueueDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-            {
-                Ok(q) => out.push(QueueStat {
-                    queue,
-                    kind,
-                    ttl_ms,
-                    messages: q.message_count(),
-                }),
-                Err(e) if broker::is_reply(&e, NOT_FOUND) => {
-                    return Err(not_declared(l, &format!(": queue '{queue}' is missing")));
+                    };
+                    match c
+                        .queue_declare(stat.queue.as_str().into(), passive, FieldTable::default())
+                        .await
+                    {
+                        Ok(q) => {
+                            stat.ready = u64::from(q.message_count());
+                            stat.messages = stat.ready;
+                        }
+                        // the broker closed the channel: the next queue opens another
+                        Err(e) if broker::is_reply(&e, NOT_FOUND) => stat.missing = true,
+                        Err(e) => {
+                            return Err(e).context(|| format!("reading depth of '{}'", stat.queue));
+                        }
+                    }
                 }
-                Err(e) => return Err(e).context(|| format!("reading depth of '{queue}'")),
             }
+            out.push(stat);
         }
-        let _ = ch.close(200, "stats".into()).await;
+        if let Some(c) = ch {
+            broker::close(&c, "stats").await;
+        }
         Ok(out)
+    }
+
+    /// [`Topology::stats_with`] over AMQP only (ready messages).
+    pub async fn stats(&self, conn: &Connection) -> Result<Vec<QueueStat>> {
+        self.stats_with(conn, None).await
     }
 
     /// Deletes every exchange and queue of this layout (messages in them are lost). Missing
@@ -257,7 +312,8 @@ impl Topology {
         let l = &self.layout;
         let mut queues: Vec<String> = l.tiers().into_iter().map(|t| t.queue).collect();
         queues.push(l.unroutable_queue());
-        queues.push(l.layout_marker_queue());
+        // the marker of versions before 0.2 was a classic queue of the same name
+        queues.push(l.layout_marker());
         queues.push(l.control_stream());
         let mut exchanges: Vec<String> = (0..l.levels()).map(|k| l.level_exchange(k)).collect();
         exchanges.extend(l.tiers().into_iter().filter_map(|t| match t.kind {
@@ -266,6 +322,7 @@ impl Topology {
         }));
         exchanges.push(l.delivery_exchange());
         exchanges.push(l.parking_exchange());
+        exchanges.push(l.layout_marker());
         let ch = open(conn).await?;
         for q in &queues {
             ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
@@ -283,19 +340,21 @@ impl Topology {
 
     async fn declare_marker(&self, ch: &Channel) -> Result<()> {
         let l = &self.layout;
-        let marker = l.layout_marker_queue();
+        let marker = l.layout_marker();
         let mut args = FieldTable::default();
         args.insert(
-            "x-dead-letter-exchange".into(),
+            "alternate-exchange".into(),
             broker::long_string(&l.signature()),
         );
-        args.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
-        let opts = QueueDeclareOptions {
+        let opts = ExchangeDeclareOptions {
             durable: true,
-            ..QueueDeclareOptions::default()
+            ..ExchangeDeclareOptions::default()
         };
-        match ch.queue_declare(marker.as_str().into(), opts, args).await {
-            Ok(_) => Ok(()),
+        match ch
+            .exchange_declare(marker.as_str().into(), ExchangeKind::Fanout, opts, args)
+            .await
+        {
+            Ok(()) => Ok(()),
             Err(e) => match broker::reply(&e) {
                 Some((PRECONDITION_FAILED, text)) => {
                     let existing = parse_inequivalent(&text)

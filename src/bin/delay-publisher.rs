@@ -169,11 +169,15 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
         }
         Cmd::Stats { json, non_empty } => {
             let conn = connection::connect(&settings.url, "amqp-delay stats").await?;
-            let stats = Topology::new(layout).stats(&conn).await?;
+            let management = admin::management(&settings).await;
+            let stats = Topology::new(layout)
+                .stats_with(&conn, management.as_ref())
+                .await;
             let _ = conn.close(200, "bye".into()).await;
+            let stats = stats?;
             let shown: Vec<_> = stats
                 .iter()
-                .filter(|s| !non_empty || s.messages > 0)
+                .filter(|s| !non_empty || s.messages > 0 || s.missing)
                 .collect();
             if json {
                 println!(
@@ -182,33 +186,61 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                 );
             } else {
                 println!(
-                    "{:<48} {:>9} {:>14} {:>10}",
-                    "queue", "kind", "ttl_ms", "messages"
+                    "{:<48} {:>9} {:>14} {:>10} {:>10} {:>10}  leader",
+                    "queue", "kind", "ttl_ms", "messages", "ready", "unacked"
                 );
                 for s in &shown {
                     let ttl = s.ttl_ms.map_or_else(|| "-".into(), |t| t.to_string());
+                    let unacked = s.unacked.map_or_else(|| "?".into(), |n| n.to_string());
+                    if s.missing {
+                        println!(
+                            "{:<48} {:>9} {:>14} MISSING (`declare` re-creates it)",
+                            s.queue, s.kind, ttl
+                        );
+                        continue;
+                    }
                     println!(
-                        "{:<48} {:>9} {:>14} {:>10}",
-                        s.queue, s.kind, ttl, s.messages
+                        "{:<48} {:>9} {:>14} {:>10} {:>10} {:>10}  {}",
+                        s.queue,
+                        s.kind,
+                        ttl,
+                        s.messages,
+                        s.ready,
+                        unacked,
+                        s.leader.as_deref().unwrap_or("-")
                     );
                 }
                 let total: u64 = stats
                     .iter()
                     .filter(|s| s.kind != "parked")
-                    .map(|s| u64::from(s.messages))
+                    .map(|s| s.messages)
                     .sum();
                 let parked: u64 = stats
                     .iter()
                     .filter(|s| s.kind == "parked")
-                    .map(|s| u64::from(s.messages))
+                    .map(|s| s.messages)
                     .sum();
-                println!("total in tiers: {total}, parked: {parked}");
+                let missing = stats.iter().filter(|s| s.missing).count();
+                println!(
+                    "total in tiers: {total} broker messages (a batch counts once), parked: {parked}"
+                );
+                if missing > 0 {
+                    println!(
+                        "{missing} queue(s) missing: run `delay-publisher declare` to re-create them"
+                    );
+                }
+                if management.is_none() {
+                    println!(
+                        "(ready messages only: without the management API, messages held by the broker's dead-letter worker are not counted)"
+                    );
+                }
             }
             Ok(0)
         }
         Cmd::Teardown { force } => {
             let conn = connection::connect(&settings.url, "amqp-delay teardown").await?;
-            let done = admin::teardown(&conn, &layout, force).await;
+            let management = admin::management(&settings).await;
+            let done = admin::teardown(&conn, &layout, management.as_ref(), force).await;
             let _ = conn.close(200, "bye".into()).await;
             let done = done?;
             println!(

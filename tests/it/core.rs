@@ -331,8 +331,8 @@ async fn conflicting_redeclare_names_the_difference() {
     t.queue_type = QueueType::Classic;
     let mut other = Env::new(t).await;
     let ch = other.conn.create_channel().await.unwrap();
-    ch.queue_delete(
-        other.layout().layout_marker_queue().as_str().into(),
+    ch.exchange_delete(
+        other.layout().layout_marker().as_str().into(),
         Default::default(),
     )
     .await

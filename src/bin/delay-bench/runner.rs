@@ -446,7 +446,7 @@ impl Bench<'_> {
             .stats(&self.admin)
             .await?
             .iter()
-            .map(|s| u64::from(s.messages))
+            .map(|s| s.messages)
             .sum();
         let peak = broker_memory(&cfg.settings.url).await;
         let ok = (n - published.failed.len()) as f64;

@@ -1,0 +1,223 @@
+//! The broker's management HTTP API, read-only and optional: what AMQP cannot tell. A passive
+//! `queue.declare` counts only *ready* messages, so messages the broker's dead-letter worker
+//! holds while it cannot forward them (after a restart or failover) are invisible over AMQP;
+//! the management API counts ready + unacknowledged and names each queue's leader node.
+//!
+//! The address comes from `management_url` in the settings, or is derived from the AMQP URL
+//! (`http://<host>:15672`, `https://<host>:15671` for `amqps`) with the same credentials. When
+//! nothing answers, callers fall back to AMQP and say that unacknowledged messages are not
+//! counted.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::connection::redact_url;
+use crate::error::{Error, Result};
+
+/// How long one management request may take.
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A management API endpoint.
+#[derive(Clone)]
+pub struct Management {
+    base: url::Url,
+    user: String,
+    password: String,
+    vhost: String,
+    agent: ureq::Agent,
+}
+
+impl std::fmt::Debug for Management {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Management")
+            .field("base", &redact_url(self.base.as_str()))
+            .field("vhost", &self.vhost)
+            .finish()
+    }
+}
+
+/// What the management API knows of one queue.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct QueueInfo {
+    /// Queue name.
+    pub name: String,
+    /// Ready + unacknowledged.
+    #[serde(default)]
+    pub messages: u64,
+    /// Ready for delivery.
+    #[serde(default)]
+    pub messages_ready: u64,
+    /// Delivered (to a consumer, or to the broker's dead-letter worker) and not yet settled.
+    #[serde(default)]
+    pub messages_unacknowledged: u64,
+    /// Node of the quorum queue's leader.
+    #[serde(default)]
+    pub leader: Option<String>,
+    /// A classic queue's home node (and, on some versions, a quorum queue's leader).
+    #[serde(default)]
+    pub node: Option<String>,
+    /// Nodes holding a replica.
+    #[serde(default)]
+    pub members: Option<Vec<String>>,
+}
+
+impl QueueInfo {
+    /// Where the queue is led from.
+    pub fn leader_node(&self) -> Option<&str> {
+        self.leader.as_deref().or(self.node.as_deref())
+    }
+}
+
+impl Management {
+    /// The endpoint for `amqp_url` (its host and credentials), or `explicit` when given.
+    /// `None` when no address can be derived.
+    pub fn new(amqp_url: &str, explicit: Option<&str>) -> Option<Management> {
+        let amqp = url::Url::parse(amqp_url.split(',').next()?.trim()).ok()?;
+        let base = match explicit {
+            Some(u) => url::Url::parse(u).ok()?,
+            None => {
+                let (scheme, port) = if amqp.scheme() == "amqps" {
+                    ("https", 15671)
+                } else {
+                    ("http", 15672)
+                };
+                url::Url::parse(&format!("{scheme}://{}:{port}/", amqp.host_str()?)).ok()?
+            }
+        };
+        let decode = |s: &str| {
+            url::form_urlencoded::parse(format!("x={s}").as_bytes())
+                .next()
+                .map(|(_, v)| v.into_owned())
+                .unwrap_or_default()
+        };
+        let user = if base.username().is_empty() {
+            decode(amqp.username())
+        } else {
+            decode(base.username())
+        };
+        let password = base
+            .password()
+            .or(amqp.password())
+            .map(decode)
+            .unwrap_or_default();
+        let vhost = match amqp.path().trim_start_matches('/') {
+            "" => "/".to_string(),
+            v => decode(v),
+        };
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_global(Some(TIMEOUT))
+            .http_status_as_error(false)
+            .build()
+            .into();
+        let (user, password) = if user.is_empty() {
+            ("guest".to_string(), "guest".to_string())
+        } else {
+            (user, password)
+        };
+        Some(Management {
+            base,
+            user,
+            password,
+            vhost,
+            agent,
+        })
+    }
+
+    /// Every queue of the vhost whose name starts with `prefix`.
+    pub async fn queues(&self, prefix: &str) -> Result<HashMap<String, QueueInfo>> {
+        let mut url = self.base.clone();
+        url.set_username("").ok();
+        url.set_password(None).ok();
+        let vhost: String = url::form_urlencoded::byte_serialize(self.vhost.as_bytes()).collect();
+        let url = format!(
+            "{}api/queues/{}?columns=name,messages,messages_ready,messages_unacknowledged,leader,node,members",
+            ensure_slash(url.as_str()),
+            vhost.replace('+', "%20")
+        );
+        let this = self.clone();
+        let shown = redact_url(&url);
+        let body = tokio::task::spawn_blocking(move || {
+            let auth = basic_auth(&this.user, &this.password);
+            let mut resp = this
+                .agent
+                .get(&url)
+                .header("authorization", &auth)
+                .call()
+                .map_err(|e| e.to_string())?;
+            let status = resp.status().as_u16();
+            if status != 200 {
+                return Err(format!("answered HTTP {status}"));
+            }
+            resp.body_mut()
+                .with_config()
+                .limit(256 << 20)
+                .read_to_string()
+                .map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| Error::Invalid(format!("management API request failed: {e}")))?
+        .map_err(|e| Error::Invalid(format!("management API at {shown}: {e}")))?;
+        let all: Vec<QueueInfo> = serde_json::from_str(&body).map_err(|e| {
+            Error::Invalid(format!("management API at {shown}: unexpected answer: {e}"))
+        })?;
+        Ok(all
+            .into_iter()
+            .filter(|q| q.name.starts_with(prefix))
+            .map(|q| (q.name.clone(), q))
+            .collect())
+    }
+}
+
+fn ensure_slash(s: &str) -> String {
+    if s.ends_with('/') {
+        s.to_string()
+    } else {
+        format!("{s}/")
+    }
+}
+
+fn basic_auth(user: &str, password: &str) -> String {
+    use base64::Engine as _;
+    format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_address_comes_from_the_amqp_url() {
+        let m = Management::new("amqp://alice:s%40cret@broker.example:5672/prod", None).unwrap();
+        assert_eq!(m.base.as_str(), "http://broker.example:15672/");
+        assert_eq!(
+            (m.user.as_str(), m.password.as_str(), m.vhost.as_str()),
+            ("alice", "s@cret", "prod")
+        );
+        let m = Management::new("amqps://h/%2f", None).unwrap();
+        assert_eq!(m.base.as_str(), "https://h:15671/");
+        assert_eq!(m.vhost, "/");
+        let m = Management::new(
+            "amqp://u:p@a:5701,amqp://u:p@b:5702",
+            Some("http://b:15702"),
+        )
+        .unwrap();
+        assert_eq!(m.base.as_str(), "http://b:15702/");
+        assert!(!format!("{m:?}").contains(":p@"));
+    }
+
+    #[test]
+    fn queue_info_reads_both_leader_fields() {
+        let q: Vec<QueueInfo> = serde_json::from_str(
+            r#"[{"name":"a","messages":3,"messages_ready":1,"messages_unacknowledged":2,"leader":"n1@h","members":["n1@h","n2@h"]},
+                {"name":"b","node":"n3@h"}]"#,
+        )
+        .unwrap();
+        assert_eq!(q[0].messages_unacknowledged, 2);
+        assert_eq!(q[1].leader_node(), Some("n3@h"));
+    }
+}
