@@ -1,31 +1,49 @@
-//! Connecting to the broker, and URL redaction so credentials never reach a log line.
+//! Connecting to the broker: one URL or several (the nodes of a cluster, comma-separated, tried
+//! in turn from a random start so clients spread over the nodes), each attempt bounded by a
+//! timeout; and the reconnect backoff (capped, with jitter, cut short once a node answers).
 
 use std::time::Duration;
 
 use lapin::{Connection, ConnectionProperties};
+use rand::Rng;
 
 use crate::error::{Error, Result};
 
-/// `amqp://user:secret@host/vhost` → `amqp://user:***@host/vhost`. Unparseable input is
-/// replaced entirely, since it might still contain a password.
-pub fn redact_url(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) => {
-            if u.password().is_some() {
-                let _ = u.set_password(Some("***"));
-            }
-            u.to_string()
-        }
-        Err(_) => "<unparseable AMQP URL>".into(),
+/// How long one connection attempt (TCP, TLS and the AMQP handshake) may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub use crate::endpoints::{redact_url, split_urls, validate_urls};
+
+/// Opens a connection named `name` (shown in the broker's connection list) to the first node
+/// of `urls` that answers, starting from a random one; each attempt gives up after
+/// [`CONNECT_TIMEOUT`]. The error names every node tried.
+pub async fn connect(urls: &str, name: &str) -> Result<Connection> {
+    let list = split_urls(urls);
+    if list.is_empty() {
+        return Err(Error::Invalid("the broker URL is empty".into()));
     }
+    let start = if list.len() > 1 {
+        rand::rng().random_range(0..list.len())
+    } else {
+        0
+    };
+    let mut last = None;
+    for i in 0..list.len() {
+        let url = &list[(start + i) % list.len()];
+        match connect_one(url, name).await {
+            Ok(c) => return Ok(c),
+            Err(e) => {
+                if list.len() > 1 {
+                    tracing::info!("{}; trying the next node", crate::error::chain(&e));
+                }
+                last = Some(e);
+            }
+        }
+    }
+    Err(last.expect("at least one URL"))
 }
 
-/// How long connecting (TCP, TLS and the AMQP handshake) may take before it is given up.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Opens a connection named `name` (shown in the broker's connection list), giving up after
-/// [`CONNECT_TIMEOUT`].
-pub async fn connect(url: &str, name: &str) -> Result<Connection> {
+async fn connect_one(url: &str, name: &str) -> Result<Connection> {
     let props = ConnectionProperties::default().with_connection_name(name.into());
     match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(url, props)).await {
         Ok(r) => r.map_err(|source| Error::Connect {
@@ -39,17 +57,87 @@ pub async fn connect(url: &str, name: &str) -> Result<Connection> {
     }
 }
 
+/// Pauses between reconnect attempts: from 250 ms doubling to 5 s, each with ±50% jitter (so a
+/// fleet of workers does not reconnect in lockstep).
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    next: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff {
+            next: Backoff::FIRST,
+        }
+    }
+}
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_millis(250);
+    /// The longest pause.
+    pub const CAP: Duration = Duration::from_secs(5);
+
+    /// Back to the first pause (after a successful connection).
+    pub fn reset(&mut self) {
+        self.next = Backoff::FIRST;
+    }
+
+    /// The next pause, jittered.
+    pub fn next_pause(&mut self) -> Duration {
+        let base = self.next;
+        self.next = (self.next * 2).min(Backoff::CAP);
+        let f: f64 = rand::rng().random_range(0.5..1.5);
+        base.mul_f64(f)
+    }
+
+    /// Waits `pause`, returning early as soon as one of the nodes of `urls` accepts a TCP
+    /// connection again (polled every 250 ms), so a restarted broker is used at once.
+    pub async fn wait(pause: Duration, urls: &str) {
+        let addrs: Vec<(String, u16)> = split_urls(urls)
+            .iter()
+            .filter_map(|u| {
+                let p = url::Url::parse(u).ok()?;
+                let port = p
+                    .port()
+                    .unwrap_or(if p.scheme() == "amqps" { 5671 } else { 5672 });
+                Some((p.host_str()?.to_string(), port))
+            })
+            .collect();
+        let end = tokio::time::Instant::now() + pause;
+        // the node that refused a moment ago answering now is the signal to try again
+        let mut answered_before = any_answers(&addrs).await;
+        while tokio::time::Instant::now() < end {
+            tokio::time::sleep(Duration::from_millis(250).min(pause)).await;
+            let answers = any_answers(&addrs).await;
+            if answers && !answered_before {
+                return;
+            }
+            answered_before = answers;
+        }
+    }
+}
+
+async fn any_answers(addrs: &[(String, u16)]) -> bool {
+    for (host, port) in addrs {
+        let probe = tokio::net::TcpStream::connect((host.as_str(), *port));
+        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(200), probe).await {
+            return true;
+        }
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn passwords_are_redacted() {
-        assert_eq!(
-            redact_url("amqp://guest:guest@127.0.0.1:5672/%2f"),
-            "amqp://guest:***@127.0.0.1:5672/%2f"
-        );
-        assert_eq!(redact_url("amqp://h/v"), "amqp://h/v");
-        assert_eq!(redact_url("not a url :: secret"), "<unparseable AMQP URL>");
+    fn backoff_is_capped_and_jittered() {
+        let mut b = Backoff::default();
+        let pauses: Vec<Duration> = (0..10).map(|_| b.next_pause()).collect();
+        assert!(pauses.iter().all(|p| *p <= Backoff::CAP.mul_f64(1.5)));
+        assert!(pauses[0] >= Duration::from_millis(125));
+        b.reset();
+        assert!(b.next_pause() <= Duration::from_millis(375));
     }
 }

@@ -92,6 +92,17 @@ pub enum Error {
         /// How long we waited.
         timeout_ms: u64,
     },
+    /// The message was sent but the broker's confirm never came (the connection or channel
+    /// was lost meanwhile): it may or may not have been delivered. Re-sending it can create a
+    /// duplicate; its message id lets consumers recognise one.
+    #[error("{context}: the confirm was lost, the message MAY have been delivered: {source}")]
+    MaybeSent {
+        /// What we were doing.
+        context: String,
+        /// lapin's error.
+        #[source]
+        source: lapin::Error,
+    },
     /// Any other AMQP failure, with what we were doing.
     #[error("{context}: {source}")]
     Amqp {
@@ -153,7 +164,17 @@ impl Error {
                 context: context.clone(),
                 source: source.clone(),
             },
+            Error::MaybeSent { context, source } => Error::MaybeSent {
+                context: context.clone(),
+                source: source.clone(),
+            },
         }
+    }
+
+    /// Whether the message may have reached the broker anyway ([`Error::MaybeSent`]): every
+    /// other error means it was not scheduled.
+    pub fn maybe_sent(&self) -> bool {
+        matches!(self, Error::MaybeSent { .. })
     }
 }
 

@@ -13,6 +13,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("layout", 0),
     ("planner", 0),
     ("headers", 0),
+    ("endpoints", 0),
     ("envelope", 0),
     ("message", 0),
     ("retry", 0),
@@ -29,6 +30,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("gateway", 2),
     ("actions", 2),
     ("admin", 2),
+    ("bulk", 2),
     ("cli", 3),
     ("layering", 3),
 ];

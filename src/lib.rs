@@ -28,6 +28,7 @@
 
 // ---- pure core: no I/O ---------------------------------------------------------------------
 pub mod batch;
+mod endpoints;
 mod envelope;
 mod error;
 pub mod headers;
@@ -51,6 +52,7 @@ mod worker;
 // ---- applications --------------------------------------------------------------------------
 pub mod actions;
 pub mod admin;
+pub mod bulk;
 pub mod gateway;
 
 // ---- shared by the binaries ----------------------------------------------------------------

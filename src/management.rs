@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::connection::redact_url;
+use crate::endpoints::redact_url;
 use crate::error::{Error, Result};
 
 /// How long one management request may take.

@@ -43,8 +43,10 @@ pub struct Publisher {
 }
 
 struct Inner {
-    conn: Arc<Connection>,
-    owns_conn: bool,
+    conn: tokio::sync::RwLock<Arc<Connection>>,
+    /// Where to reconnect to; `Some` when the publisher opened its connection itself (with
+    /// [`Publisher::connect`]), so it also reconnects it after a loss.
+    url: Option<String>,
     /// The confirm channel; replaced when the broker closed it (e.g. after a publish to a
     /// missing exchange), so one bad publish does not stop all later ones.
     channel: tokio::sync::RwLock<Channel>,
@@ -84,11 +86,11 @@ impl Publisher {
     /// Connects with `settings` and checks that the topology is declared with the same shape.
     pub async fn connect(settings: &Settings) -> Result<Publisher> {
         let layout = settings.layout()?;
-        let conn = crate::connection::connect(&settings.url, "amqp-delay publisher").await?;
+        let conn = crate::connection::connect(&settings.url, CONNECTION_NAME).await?;
         let conn = Arc::new(conn);
         match Publisher::build(
             conn.clone(),
-            true,
+            Some(settings.url.clone()),
             layout,
             settings.precision,
             settings.publisher.clone(),
@@ -110,12 +112,12 @@ impl Publisher {
         precision: Precision,
         settings: PublisherSettings,
     ) -> Result<Publisher> {
-        Publisher::build(conn, false, layout, precision, settings).await
+        Publisher::build(conn, None, layout, precision, settings).await
     }
 
     async fn build(
         conn: Arc<Connection>,
-        owns_conn: bool,
+        url: Option<String>,
         layout: Layout,
         precision: Precision,
         settings: PublisherSettings,
@@ -124,8 +126,8 @@ impl Publisher {
         Topology::new(layout.clone()).verify(&conn).await?;
         let channel = open_confirm_channel(&conn).await?;
         let inner = Arc::new(Inner {
-            conn,
-            owns_conn,
+            conn: tokio::sync::RwLock::new(conn),
+            url,
             channel: tokio::sync::RwLock::new(channel),
             admin: tokio::sync::Mutex::new(None),
             layout,
@@ -334,11 +336,14 @@ impl Publisher {
         if let Some(c) = inner.admin.lock().await.take() {
             let _ = c.close(200, "bye".into()).await;
         }
-        if inner.owns_conn {
-            let _ = inner.conn.close(200, "bye".into()).await;
+        if inner.url.is_some() {
+            let _ = inner.conn.read().await.close(200, "bye".into()).await;
         }
     }
 }
+
+/// Name of the connection a publisher opens itself.
+const CONNECTION_NAME: &str = "amqp-delay publisher";
 
 fn batcher_gone() -> Error {
     Error::Invalid("the publisher is closing; the message was not scheduled".into())
@@ -471,7 +476,10 @@ impl Inner {
             .await
             .context(|| format!("publishing to '{exchange}'"))?
             .await
-            .context(|| format!("awaiting the confirm from '{exchange}'"))?;
+            .map_err(|source| Error::MaybeSent {
+                context: format!("awaiting the confirm from '{exchange}'"),
+                source,
+            })?;
         if confirm.is_nack() {
             return Err(Error::Nacked {
                 exchange: exchange.into(),
@@ -488,7 +496,8 @@ impl Inner {
         Ok(())
     }
 
-    /// The confirm channel, reopened if the broker closed it.
+    /// The confirm channel, reopened if the broker closed it (on a new connection if the
+    /// connection was lost and the publisher owns it).
     async fn publish_channel(&self) -> Result<Channel> {
         {
             let ch = self.channel.read().await;
@@ -498,10 +507,54 @@ impl Inner {
         }
         let mut ch = self.channel.write().await;
         if !ch.status().connected() {
-            tracing::info!("the publish channel was closed by the broker; reopening it");
-            *ch = open_confirm_channel(&self.conn).await?;
+            let conn = self.connection().await?;
+            tracing::info!("the publish channel was closed; reopening it");
+            *ch = open_confirm_channel(&conn).await?;
         }
         Ok(ch.clone())
+    }
+
+    /// The connection, re-established with backoff (for up to `publisher.reconnect_timeout`)
+    /// when it was lost and the publisher owns it.
+    async fn connection(&self) -> Result<Arc<Connection>> {
+        {
+            let c = self.conn.read().await;
+            if c.status().connected() {
+                return Ok(c.clone());
+            }
+        }
+        let Some(url) = &self.url else {
+            return Err(Error::Invalid(
+                "the connection this publisher was given is closed (its owner reconnects)".into(),
+            ));
+        };
+        let mut c = self.conn.write().await;
+        if c.status().connected() {
+            return Ok(c.clone());
+        }
+        let give_up =
+            Instant::now() + Duration::from_millis(self.settings.reconnect_timeout.as_millis());
+        let mut backoff = crate::connection::Backoff::default();
+        loop {
+            match crate::connection::connect(url, CONNECTION_NAME).await {
+                Ok(new) => {
+                    tracing::info!("the publisher reconnected");
+                    *c = Arc::new(new);
+                    self.bound.lock().expect("binding cache").clear();
+                    *self.admin.lock().await = None;
+                    return Ok(c.clone());
+                }
+                Err(e) if Instant::now() < give_up => {
+                    let pause = backoff.next_pause();
+                    tracing::warn!(
+                        "the publisher's connection is lost: {}; reconnecting in {pause:?}",
+                        crate::error::chain(&e)
+                    );
+                    crate::connection::Backoff::wait(pause, url).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Binds `destination` on the delivery exchange unless it was bound recently by us, and
@@ -524,7 +577,8 @@ impl Inner {
             Some(c) if c.status().connected() => c.clone(),
             _ => {
                 let c = self
-                    .conn
+                    .connection()
+                    .await?
                     .create_channel()
                     .await
                     .context(|| "opening the binding channel".into())?;
@@ -561,7 +615,9 @@ impl Inner {
         }
         let batches = self.settings.batching()
             && match self.layout.batch_marker(destination) {
-                Some(marker) => broker::exchange_exists(&self.conn, &marker).await?,
+                Some(marker) => {
+                    broker::exchange_exists(&*self.connection().await?, &marker).await?
+                }
                 None => false,
             };
         self.bound.lock().expect("binding cache").insert(

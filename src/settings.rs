@@ -77,6 +77,9 @@ pub struct PublisherSettings {
     /// How long a single `schedule` call may wait for concurrent calls to share its batch
     /// (never past its lateness budget); 0 = do not wait.
     pub batch_linger: DurationMs,
+    /// After losing its connection, how long a publisher keeps trying to reconnect (with
+    /// backoff, every node of `url` in turn) before a publish fails.
+    pub reconnect_timeout: DurationMs,
 }
 
 impl Default for PublisherSettings {
@@ -88,6 +91,7 @@ impl Default for PublisherSettings {
             batch_max_messages: 1_000,
             batch_max_bytes: 1 << 20,
             batch_linger: DurationMs(5),
+            reconnect_timeout: DurationMs(60_000),
         }
     }
 }
@@ -397,6 +401,7 @@ impl Settings {
         self.consumer.validate().map_err(SettingsError::Invalid)?;
         self.gateway.validate().map_err(SettingsError::Invalid)?;
         self.publisher.validate().map_err(SettingsError::Invalid)?;
+        crate::endpoints::validate_urls(&self.url).map_err(SettingsError::Invalid)?;
         Layout::new(&self.prefix, &self.topology)?;
         Ok(())
     }

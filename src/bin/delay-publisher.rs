@@ -4,19 +4,17 @@
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use amqp_delay::admin;
+use amqp_delay::bulk;
 use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
 use amqp_delay::gateway::Gateway;
 use amqp_delay::headers;
-use amqp_delay::jsonl;
 use amqp_delay::settings::{GatewaySettings, Settings};
 use amqp_delay::time::DurationMs;
 use amqp_delay::{Error, Message, Publisher, Topology, connection};
 use clap::{Parser, Subcommand};
-use futures::StreamExt;
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use tokio::io::AsyncRead;
 
 #[derive(Parser)]
 #[command(
@@ -91,6 +89,12 @@ struct SendArgs {
     /// Schedule one message per line of FILE ('-' for stdin): {"queue","delay_ms"|"delay","body","id","content_type","headers"}
     #[arg(long, value_name = "FILE")]
     jsonl: Option<PathBuf>,
+    /// With --jsonl: where to write the lines that were not scheduled, ids filled in [default: FILE.unsent]
+    #[arg(long, value_name = "FILE", requires = "jsonl")]
+    unsent: Option<PathBuf>,
+    /// With --jsonl: where to write the lines whose confirm was lost (they may have been delivered) [default: FILE.maybe-sent]
+    #[arg(long, value_name = "FILE", requires = "jsonl")]
+    maybe_sent: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -265,12 +269,12 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
         }
         Cmd::Send(a) => {
             let publisher = Publisher::connect(&settings).await?;
-            let code = match &a.jsonl {
-                Some(path) => send_jsonl(&publisher, path).await?,
-                None => send_one(&publisher, a).await?,
+            let code = match a.jsonl.clone() {
+                Some(path) => send_jsonl(&publisher, &a, &path).await,
+                None => send_one(&publisher, a).await,
             };
             publisher.close().await;
-            Ok(code)
+            code
         }
     }
 }
@@ -313,36 +317,13 @@ async fn send_one(p: &Publisher, a: SendArgs) -> amqp_delay::Result<i32> {
     Ok(0)
 }
 
-/// Reads lines as bytes so a non-UTF-8 line is reported, not fatal.
-fn lines<R: AsyncRead + Unpin>(
-    r: R,
-) -> impl futures::Stream<Item = (usize, std::io::Result<String>)> {
-    futures::stream::unfold(
-        (BufReader::new(r), 0usize, false),
-        |(mut r, n, done)| async move {
-            if done {
-                return None;
-            }
-            let mut buf = Vec::new();
-            match r.read_until(b'\n', &mut buf).await {
-                Ok(0) => None,
-                Ok(_) => {
-                    let line = String::from_utf8(buf).map_err(|_| {
-                        std::io::Error::new(
-                            std::io::ErrorKind::InvalidData,
-                            "line is not valid UTF-8",
-                        )
-                    });
-                    Some(((n + 1, line), (r, n + 1, false)))
-                }
-                Err(e) => Some(((n + 1, Err(e)), (r, n + 1, true))),
-            }
-        },
-    )
-}
-
-async fn send_jsonl(p: &Publisher, path: &std::path::Path) -> amqp_delay::Result<i32> {
-    let input: Box<dyn AsyncRead + Unpin + Send> = if path.as_os_str() == "-" {
+async fn send_jsonl(
+    p: &Publisher,
+    a: &SendArgs,
+    path: &std::path::Path,
+) -> amqp_delay::Result<i32> {
+    let stdin = path.as_os_str() == "-";
+    let input: Box<dyn AsyncRead + Unpin + Send> = if stdin {
         Box::new(tokio::io::stdin())
     } else {
         Box::new(
@@ -351,46 +332,67 @@ async fn send_jsonl(p: &Publisher, path: &std::path::Path) -> amqp_delay::Result
                 .map_err(|e| Error::Invalid(format!("cannot open {}: {e}", path.display())))?,
         )
     };
-    let failed = std::cell::Cell::new(0u64);
-    let good = lines(input).filter_map(|(n, line)| {
-        let out = match line
-            .map_err(|e| e.to_string())
-            .and_then(|l| jsonl::parse_line(&l))
-        {
-            Ok(Some(m)) => Some((n, m)),
-            Ok(None) => None,
-            Err(reason) => {
-                eprintln!("line {n}: {reason}");
-                failed.set(failed.get() + 1);
-                None
-            }
-        };
-        futures::future::ready(out)
-    });
+    let derived =
+        |suffix: &str| (!stdin).then(|| PathBuf::from(format!("{}.{suffix}", path.display())));
+    let resend = bulk::ResendFiles {
+        not_sent: a.unsent.clone().or_else(|| derived("unsent")),
+        maybe_sent: a.maybe_sent.clone().or_else(|| derived("maybe-sent")),
+    };
     let progress = std::io::stderr().is_terminal();
-    let mut results = std::pin::pin!(p.schedule_all(good));
-    let mut confirmed = 0u64;
-    let mut tick = tokio::time::interval(Duration::from_millis(250));
-    loop {
-        tokio::select! {
-            r = results.next() => match r {
-                Some((_, Ok(_))) => confirmed += 1,
-                Some((n, Err(e))) => {
-                    if progress { eprint!("\r\x1b[K"); }
-                    eprintln!("line {n}: {}", cli::chain(&e));
-                    failed.set(failed.get() + 1);
-                }
-                None => break,
-            },
-            _ = tick.tick(), if progress => {
-                eprint!("\r\x1b[K{confirmed} confirmed, {} failed", failed.get());
+    let summary = bulk::send_jsonl(
+        p,
+        input,
+        &resend,
+        |line, s| {
+            if progress {
+                eprint!("\r\x1b[K");
             }
-        }
-    }
+            match line {
+                Some((n, bulk::LineEnd::MaybeSent, reason)) => {
+                    eprintln!(
+                        "line {n}: maybe sent (confirm lost; may have been delivered): {reason}"
+                    )
+                }
+                Some((n, bulk::LineEnd::NotSent, reason)) => {
+                    eprintln!("line {n}: not sent: {reason}")
+                }
+                Some((n, _, reason)) => eprintln!("line {n}: {reason}"),
+                None => eprint!("{} confirmed, {} failed", s.confirmed, s.failed()),
+            }
+        },
+        progress,
+    )
+    .await?;
     if progress {
         eprint!("\r\x1b[K");
     }
-    let failed = failed.get();
-    println!("{confirmed} confirmed, {failed} failed");
-    Ok(if failed > 0 { EXIT_FAILURES } else { 0 })
+    println!(
+        "{} confirmed, {} failed ({} invalid, {} not sent, {} maybe sent)",
+        summary.confirmed,
+        summary.failed(),
+        summary.invalid,
+        summary.not_sent,
+        summary.maybe_sent
+    );
+    for (n, file, what) in [
+        (
+            summary.not_sent,
+            &resend.not_sent,
+            "not sent: send this file again",
+        ),
+        (
+            summary.maybe_sent,
+            &resend.maybe_sent,
+            "maybe sent: re-sending may duplicate them (same ids)",
+        ),
+    ] {
+        if let (true, Some(f)) = (n > 0, file) {
+            println!("{what}: {}", f.display());
+        }
+    }
+    Ok(if summary.failed() > 0 {
+        EXIT_FAILURES
+    } else {
+        0
+    })
 }

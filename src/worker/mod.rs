@@ -142,7 +142,7 @@ impl<H: Handler> Worker<H> {
             layout.validate_destination(q).map_err(Error::Invalid)?;
         }
         let mut shutdown = std::pin::pin!(shutdown);
-        let mut backoff = Duration::from_millis(500);
+        let mut backoff = crate::connection::Backoff::default();
         let conn_name = format!("amqp-delay worker {}", self.settings.prefix);
         let mut first = true;
         loop {
@@ -153,30 +153,37 @@ impl<H: Handler> Worker<H> {
             let outcome = match conn {
                 Ok(conn) => {
                     let conn = Arc::new(conn);
-                    backoff = Duration::from_millis(500);
+                    backoff.reset();
                     let end = self.session(&conn, &layout, first, &mut shutdown).await;
                     let _ = conn.close(200, "bye".into()).await;
+                    if let Ok(SessionEnd::Lost(_)) = end {
+                        first = false;
+                    }
                     end
                 }
                 Err(e) => Ok(SessionEnd::Lost(e)),
             };
+            let pause = backoff.next_pause();
             match outcome {
                 Ok(SessionEnd::Stopped) => return Ok(()),
                 Ok(SessionEnd::Lost(e)) => {
-                    first = false;
                     tracing::warn!(
-                        "connection lost or refused: {}; reconnecting in {:?}",
+                        "connection lost or refused: {}; reconnecting in {:?} (sooner if a node answers)",
                         crate::error::chain(&e),
-                        backoff
+                        pause
                     );
+                }
+                // Once it has run, a worker outlives what a reconnect may fix: a topology or
+                // queue that is missing while nodes come back, say.
+                Err(e) if !first => {
+                    tracing::error!("{}; trying again in {:?}", crate::error::chain(&e), pause);
                 }
                 Err(e) => return Err(e),
             }
             tokio::select! {
-                _ = tokio::time::sleep(backoff) => {},
+                _ = crate::connection::Backoff::wait(pause, &self.settings.url) => {},
                 _ = &mut shutdown => return Ok(()),
             }
-            backoff = (backoff * 2).min(Duration::from_secs(30));
         }
     }
 
