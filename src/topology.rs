@@ -150,7 +150,7 @@ impl Topology {
             Some(_) => false,
             None => {
                 let ch = open(conn).await?;
-                declare_queue(&ch, queue, self.base_queue_args()).await?;
+                declare_queue(&ch, queue, self.consumed_queue_args()).await?;
                 broker::close(&ch, "declared").await;
                 true
             }
@@ -377,6 +377,26 @@ impl Topology {
 
     fn base_queue_args(&self) -> FieldTable {
         broker::queue_type_args(self.layout.queue_type())
+    }
+
+    /// Arguments of a queue our workers consume (a destination `declare --queue` creates, the
+    /// gateway's queues): a message that reaches a delivery limit (RabbitMQ 4.x quorum queues
+    /// drop one returned 20 times by default) is dead-lettered into the parking exchange, so it
+    /// lands in `<prefix>.parked` with the reason in `x-death`, never lost.
+    pub fn consumed_queue_args(&self) -> FieldTable {
+        let mut a = self.base_queue_args();
+        a.insert(
+            "x-dead-letter-exchange".into(),
+            broker::long_string(&self.layout.parking_exchange()),
+        );
+        if self.layout.queue_type() == QueueType::Quorum {
+            a.insert(
+                "x-dead-letter-strategy".into(),
+                broker::long_string("at-least-once"),
+            );
+            a.insert("x-overflow".into(), broker::long_string("reject-publish"));
+        }
+        a
     }
 
     fn parked_args(&self) -> FieldTable {

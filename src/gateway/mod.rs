@@ -292,7 +292,8 @@ impl Gateway {
     /// Idempotent.
     pub async fn declare(&self, conn: &Connection) -> Result<()> {
         Topology::new(self.layout.clone()).declare(conn).await?;
-        let qargs = broker::queue_type_args(self.layout.queue_type());
+        let topology = Topology::new(self.layout.clone());
+        let qargs = topology.consumed_queue_args();
         for p in &self.pairs {
             if !broker::exchange_exists(conn, &p.target).await? {
                 return Err(Error::Invalid(format!(
@@ -317,7 +318,10 @@ impl Gateway {
                 other => other?,
             }
             for q in [&p.ingress_queue, &p.due_queue] {
-                broker::declare_queue(&ch, q, qargs.clone()).await?;
+                // an existing queue is used as it is (it may predate these arguments)
+                if broker::queue_state(conn, q).await?.is_none() {
+                    broker::declare_queue(&ch, q, qargs.clone()).await?;
+                }
             }
             broker::bind_queue(&ch, &p.ingress_queue, &p.ingress, "").await?;
             broker::close(&ch, "declared").await;

@@ -2,6 +2,7 @@
 //! parking, validation and conflicting re-declares. 1 ms units keep it fast.
 
 use std::collections::HashSet;
+use std::time::Duration;
 
 use amqp_delay::layout::TierKind;
 use amqp_delay::time::{DurationMs, now_ms};
@@ -452,6 +453,49 @@ async fn a_sharded_fixed_level_spreads_over_its_queues() {
     let l = env.layout();
     let want: HashSet<String> = (0..3).map(|s| l.fixed_shard_exchange(150, s)).collect();
     assert_eq!(used, want, "every shard carried messages");
+    p.close().await;
+    env.cleanup().await;
+}
+
+/// RabbitMQ 4.x drops a quorum message returned to its queue 20 times; a destination we
+/// create dead-letters such a message (here: one a consumer rejects) into the parking queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_our_destination_gives_up_on_is_parked_not_dropped() {
+    let mut env = Env::new(small_topology()).await;
+    let q = format!("{}-created", env.settings.prefix);
+    env.track_queue(&q);
+    let created = Topology::new(env.layout())
+        .declare_destination(&env.conn, &q)
+        .await
+        .unwrap();
+    assert!(created);
+    let p = env.publisher().await;
+    p.schedule(Message::new(q.clone(), 0, "give up").with_id("g1"))
+        .await
+        .unwrap();
+    let ch = env.conn.create_channel().await.unwrap();
+    ch.basic_qos(1, Default::default()).await.unwrap();
+    let mut c = ch
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let d = tokio::time::timeout(Duration::from_secs(5), futures::StreamExt::next(&mut c))
+        .await
+        .expect("delivered")
+        .unwrap()
+        .unwrap();
+    d.reject(lapin::options::BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    let parked = env.expect(&env.layout().unroutable_queue(), 1).await;
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0].id(), "g1");
+    let _ = ch.close(200, "ok".into()).await;
     p.close().await;
     env.cleanup().await;
 }
