@@ -34,6 +34,15 @@ pub struct GlobalArgs {
     /// TOML configuration file (see README, "Configuration"); AMQP_DELAY_* variables override it
     #[arg(long, short = 'c', global = true, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// Log lines as readable text or as JSON objects (for log collectors)
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value_t = LogFormat::Human,
+        env = "AMQP_DELAY_LOG_FORMAT"
+    )]
+    pub log_format: LogFormat,
 }
 
 impl GlobalArgs {
@@ -51,15 +60,53 @@ impl GlobalArgs {
     }
 }
 
-/// Logs to stderr; `RUST_LOG` overrides the default level (`info` for our crate).
-pub fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+/// How log lines look.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// One readable line per event (colour only on a terminal).
+    #[default]
+    Human,
+    /// One JSON object per event, for log collectors.
+    Json,
+}
+
+/// The logging filter: `RUST_LOG` or the default (`info` for our crate). lapin's trace level
+/// prints the frames of the login, whose SASL response holds the password, so lapin and
+/// amq-protocol are never logged below `debug`, whatever `RUST_LOG` asks.
+pub fn log_filter(rust_log: Option<&str>) -> tracing_subscriber::EnvFilter {
+    let spec = rust_log
+        .filter(|s| !s.trim().is_empty())
+        .unwrap_or("warn,lapin::channel=off,amqp_delay=info");
+    let mut spec = spec.to_string();
+    if spec.to_ascii_lowercase().contains("trace") {
+        spec.push_str(
+            ",lapin=debug,amq_protocol=debug,amq_protocol_tcp=debug,amq_protocol_types=debug",
+        );
+    }
+    tracing_subscriber::EnvFilter::try_new(&spec).unwrap_or_else(|e| {
+        eprintln!("warning: RUST_LOG is not a valid filter ({e}); using the default");
         tracing_subscriber::EnvFilter::new("warn,lapin::channel=off,amqp_delay=info")
-    });
-    let _ = tracing_subscriber::fmt()
+    })
+}
+
+/// Logs to stderr in `format`, with [`log_filter`] of `RUST_LOG`; colour only on a terminal.
+pub fn init_logging_as(format: LogFormat) {
+    use std::io::IsTerminal;
+    let filter = log_filter(std::env::var("RUST_LOG").ok().as_deref());
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Human => builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .try_init(),
+        LogFormat::Json => builder.json().with_ansi(false).try_init(),
+    };
+}
+
+/// Human log lines on stderr (see [`init_logging_as`]).
+pub fn init_logging() {
+    init_logging_as(LogFormat::Human);
 }
 
 /// Prints `error: ...` with the whole cause chain and exits with `code`.
@@ -85,4 +132,19 @@ pub async fn shutdown_signal() {
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
     tracing::info!("shutdown requested");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trace_never_reaches_the_login_frames() {
+        let f = log_filter(Some("trace")).to_string();
+        assert!(f.contains("lapin=debug"), "{f}");
+        let f = log_filter(Some("amqp_delay=debug")).to_string();
+        assert!(!f.contains("lapin=debug"), "{f}");
+        let f = log_filter(None).to_string();
+        assert!(f.contains("amqp_delay=info"), "{f}");
+    }
 }

@@ -4,57 +4,136 @@
 
 use std::time::Duration;
 
+use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::{Connection, ConnectionProperties};
 use rand::Rng;
 
 use crate::error::{Error, Result};
+use crate::settings::{Settings, TlsSettings};
 
 /// How long one connection attempt (TCP, TLS and the AMQP handshake) may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub use crate::endpoints::{redact_url, split_urls, validate_urls};
 
-/// Opens a connection named `name` (shown in the broker's connection list) to the first node
-/// of `urls` that answers, starting from a random one; each attempt gives up after
-/// [`CONNECT_TIMEOUT`]. The error names every node tried.
-pub async fn connect(urls: &str, name: &str) -> Result<Connection> {
-    let list = split_urls(urls);
-    if list.is_empty() {
-        return Err(Error::Invalid("the broker URL is empty".into()));
-    }
-    let start = if list.len() > 1 {
-        rand::rng().random_range(0..list.len())
-    } else {
-        0
-    };
-    let mut last = None;
-    for i in 0..list.len() {
-        let url = &list[(start + i) % list.len()];
-        match connect_one(url, name).await {
-            Ok(c) => return Ok(c),
-            Err(e) => {
-                if list.len() > 1 {
-                    tracing::info!("{}; trying the next node", crate::error::chain(&e));
-                }
-                last = Some(e);
-            }
-        }
-    }
-    Err(last.expect("at least one URL"))
+/// How to reach the broker: its URLs and the TLS material for `amqps://` ones, read once.
+#[derive(Clone)]
+pub struct Connector {
+    urls: String,
+    tls: OwnedTLSConfig,
 }
 
-async fn connect_one(url: &str, name: &str) -> Result<Connection> {
-    let props = ConnectionProperties::default().with_connection_name(name.into());
-    match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(url, props)).await {
-        Ok(r) => r.map_err(|source| Error::Connect {
+impl std::fmt::Debug for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connector")
+            .field("urls", &redact_url(&self.urls))
+            .field("client_certificate", &self.tls.identity.is_some())
+            .field("extra_ca", &self.tls.cert_chain.is_some())
+            .finish()
+    }
+}
+
+impl Connector {
+    /// The broker of `settings`: its URLs and `tls` files (read now; a missing or unreadable
+    /// file is an error naming it).
+    pub fn new(settings: &Settings) -> Result<Connector> {
+        Connector::with_tls(&settings.url, &settings.tls)
+    }
+
+    /// `urls` with the TLS material of `tls`.
+    pub fn with_tls(urls: &str, tls: &TlsSettings) -> Result<Connector> {
+        tls.validate().map_err(Error::Invalid)?;
+        let read = |what: &str, p: &std::path::Path| {
+            std::fs::read(p)
+                .map_err(|e| Error::Invalid(format!("cannot read {what} {}: {e}", p.display())))
+        };
+        let cert_chain = match &tls.ca_file {
+            Some(p) => Some(String::from_utf8(read("tls.ca_file", p)?).map_err(|_| {
+                Error::Invalid(format!("tls.ca_file {} is not PEM text", p.display()))
+            })?),
+            None => None,
+        };
+        let identity = match (&tls.client_cert, &tls.client_key) {
+            (Some(c), Some(k)) => Some(OwnedIdentity::PKCS8 {
+                pem: read("tls.client_cert", c)?,
+                key: read("tls.client_key", k)?,
+            }),
+            _ => None,
+        };
+        Ok(Connector {
+            urls: urls.to_string(),
+            tls: OwnedTLSConfig {
+                identity,
+                cert_chain,
+            },
+        })
+    }
+
+    /// `urls` with the system's CA certificates only.
+    pub fn plain(urls: &str) -> Connector {
+        Connector {
+            urls: urls.to_string(),
+            tls: OwnedTLSConfig::default(),
+        }
+    }
+
+    /// The URLs (with credentials: print them with [`redact_url`]).
+    pub fn urls(&self) -> &str {
+        &self.urls
+    }
+
+    /// Opens a connection named `name` (shown in the broker's connection list) to the first
+    /// node that answers, starting from a random one; each attempt gives up after
+    /// [`CONNECT_TIMEOUT`]. The error names the last node tried.
+    pub async fn connect(&self, name: &str) -> Result<Connection> {
+        let list = split_urls(&self.urls);
+        if list.is_empty() {
+            return Err(Error::Invalid("the broker URL is empty".into()));
+        }
+        let start = if list.len() > 1 {
+            rand::rng().random_range(0..list.len())
+        } else {
+            0
+        };
+        let mut last = None;
+        for i in 0..list.len() {
+            let url = &list[(start + i) % list.len()];
+            match self.connect_one(url, name).await {
+                Ok(c) => return Ok(c),
+                Err(e) => {
+                    if list.len() > 1 {
+                        tracing::info!("{}; trying the next node", crate::error::chain(&e));
+                    }
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.expect("at least one URL"))
+    }
+
+    async fn connect_one(&self, url: &str, name: &str) -> Result<Connection> {
+        let props = ConnectionProperties::default().with_connection_name(name.into());
+        let runtime = lapin::runtime::default_runtime().map_err(|source| Error::Connect {
             url: redact_url(url),
             source,
-        }),
-        Err(_) => Err(Error::Timeout {
-            context: format!("connecting to {}", redact_url(url)),
-            timeout_ms: CONNECT_TIMEOUT.as_millis() as u64,
-        }),
+        })?;
+        let attempt = Connection::connect_with_config(url, props, self.tls.clone(), runtime);
+        match tokio::time::timeout(CONNECT_TIMEOUT, attempt).await {
+            Ok(r) => r.map_err(|source| Error::Connect {
+                url: redact_url(url),
+                source,
+            }),
+            Err(_) => Err(Error::Timeout {
+                context: format!("connecting to {}", redact_url(url)),
+                timeout_ms: CONNECT_TIMEOUT.as_millis() as u64,
+            }),
+        }
     }
+}
+
+/// Connects to `urls` with the system's CA certificates (see [`Connector`] for TLS files).
+pub async fn connect(urls: &str, name: &str) -> Result<Connection> {
+    Connector::plain(urls).connect(name).await
 }
 
 /// Pauses between reconnect attempts: from 250 ms doubling to 5 s, each with ±50% jitter (so a

@@ -46,7 +46,7 @@ struct Inner {
     conn: tokio::sync::RwLock<Arc<Connection>>,
     /// Where to reconnect to; `Some` when the publisher opened its connection itself (with
     /// [`Publisher::connect`]), so it also reconnects it after a loss.
-    url: Option<String>,
+    url: Option<crate::connection::Connector>,
     /// The confirm channel; replaced when the broker closed it (e.g. after a publish to a
     /// missing exchange), so one bad publish does not stop all later ones.
     channel: tokio::sync::RwLock<Channel>,
@@ -86,11 +86,11 @@ impl Publisher {
     /// Connects with `settings` and checks that the topology is declared with the same shape.
     pub async fn connect(settings: &Settings) -> Result<Publisher> {
         let layout = settings.layout()?;
-        let conn = crate::connection::connect(&settings.url, CONNECTION_NAME).await?;
-        let conn = Arc::new(conn);
+        let connector = crate::connection::Connector::new(settings)?;
+        let conn = Arc::new(connector.connect(CONNECTION_NAME).await?);
         match Publisher::build(
             conn.clone(),
-            Some(settings.url.clone()),
+            Some(connector),
             layout,
             settings.precision,
             settings.publisher.clone(),
@@ -117,7 +117,7 @@ impl Publisher {
 
     async fn build(
         conn: Arc<Connection>,
-        url: Option<String>,
+        url: Option<crate::connection::Connector>,
         layout: Layout,
         precision: Precision,
         settings: PublisherSettings,
@@ -536,7 +536,7 @@ impl Inner {
             Instant::now() + Duration::from_millis(self.settings.reconnect_timeout.as_millis());
         let mut backoff = crate::connection::Backoff::default();
         loop {
-            match crate::connection::connect(url, CONNECTION_NAME).await {
+            match url.connect(CONNECTION_NAME).await {
                 Ok(new) => {
                     tracing::info!("the publisher reconnected");
                     *c = Arc::new(new);
@@ -550,7 +550,7 @@ impl Inner {
                         "the publisher's connection is lost: {}; reconnecting in {pause:?}",
                         crate::error::chain(&e)
                     );
-                    crate::connection::Backoff::wait(pause, url).await;
+                    crate::connection::Backoff::wait(pause, url.urls()).await;
                 }
                 Err(e) => return Err(e),
             }

@@ -29,6 +29,8 @@ pub struct Settings {
     /// The broker's management API, for `stats` and `teardown` to count unacknowledged
     /// messages and see queue leaders (default: derived from the first URL, port 15672).
     pub management_url: Option<String>,
+    /// TLS for `amqps://` URLs: extra CA certificates, client certificate.
+    pub tls: TlsSettings,
     /// Prefix of every exchange and queue name we create.
     pub prefix: String,
     /// Shape of the tier topology.
@@ -48,6 +50,7 @@ impl Default for Settings {
         Settings {
             url: DEFAULT_URL.into(),
             management_url: None,
+            tls: TlsSettings::default(),
             prefix: DEFAULT_PREFIX.into(),
             topology: TopologySettings::default(),
             precision: Precision::default(),
@@ -55,6 +58,31 @@ impl Default for Settings {
             consumer: ConsumerSettings::default(),
             gateway: GatewaySettings::default(),
         }
+    }
+}
+
+/// TLS for `amqps://` URLs. The server's certificate is always verified: against the system's
+/// CA certificates and those of `ca_file`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsSettings {
+    /// PEM file of CA certificates trusted besides the system's (a private CA).
+    pub ca_file: Option<std::path::PathBuf>,
+    /// PEM certificate for client-certificate authentication (with `client_key`).
+    pub client_cert: Option<std::path::PathBuf>,
+    /// PEM private key (PKCS#8) of `client_cert`.
+    pub client_key: Option<std::path::PathBuf>,
+}
+
+impl TlsSettings {
+    /// Checks that a client certificate comes with its key.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.client_cert.is_some() != self.client_key.is_some() {
+            return Err(
+                "tls.client_cert and tls.client_key go together: give both or neither".into(),
+            );
+        }
+        Ok(())
     }
 }
 
@@ -402,6 +430,7 @@ impl Settings {
         self.gateway.validate().map_err(SettingsError::Invalid)?;
         self.publisher.validate().map_err(SettingsError::Invalid)?;
         crate::endpoints::validate_urls(&self.url).map_err(SettingsError::Invalid)?;
+        self.tls.validate().map_err(SettingsError::Invalid)?;
         Layout::new(&self.prefix, &self.topology)?;
         Ok(())
     }

@@ -80,8 +80,8 @@ struct ActionArgs {
 
 #[tokio::main]
 async fn main() {
-    cli::init_logging();
     let a = Cli::parse();
+    cli::init_logging_as(a.global.log_format);
     let mut s = match a.global.settings() {
         Ok(s) => s,
         Err(e) => cli::fail(&e, EXIT_USAGE),

@@ -8,11 +8,12 @@ use std::path::PathBuf;
 use amqp_delay::admin;
 use amqp_delay::bulk;
 use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
+use amqp_delay::connection::{self, Connector};
 use amqp_delay::gateway::Gateway;
 use amqp_delay::headers;
 use amqp_delay::settings::{GatewaySettings, Settings};
 use amqp_delay::time::DurationMs;
-use amqp_delay::{Error, Message, Publisher, Topology, connection};
+use amqp_delay::{Error, Message, Publisher, Topology};
 use clap::{Parser, Subcommand};
 use tokio::io::AsyncRead;
 
@@ -112,8 +113,8 @@ struct GatewayArgs {
 
 #[tokio::main]
 async fn main() {
-    cli::init_logging();
     let args = Cli::parse();
+    cli::init_logging_as(args.global.log_format);
     let settings = match args.global.settings() {
         Ok(s) => s,
         Err(e) => cli::fail(&e, EXIT_USAGE),
@@ -153,7 +154,9 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             Ok(0)
         }
         Cmd::Declare { queues } => {
-            let conn = connection::connect(&settings.url, "amqp-delay declare").await?;
+            let conn = Connector::new(&settings)?
+                .connect("amqp-delay declare")
+                .await?;
             let topo = Topology::new(layout.clone());
             topo.declare(&conn).await?;
             for q in &queues {
@@ -172,7 +175,9 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             Ok(0)
         }
         Cmd::Stats { json, non_empty } => {
-            let conn = connection::connect(&settings.url, "amqp-delay stats").await?;
+            let conn = Connector::new(&settings)?
+                .connect("amqp-delay stats")
+                .await?;
             let management = admin::management(&settings).await;
             let stats = Topology::new(layout)
                 .stats_with(&conn, management.as_ref())
@@ -242,7 +247,9 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             Ok(0)
         }
         Cmd::Teardown { force } => {
-            let conn = connection::connect(&settings.url, "amqp-delay teardown").await?;
+            let conn = Connector::new(&settings)?
+                .connect("amqp-delay teardown")
+                .await?;
             let management = admin::management(&settings).await;
             let done = admin::teardown(&conn, &layout, management.as_ref(), force).await;
             let _ = conn.close(200, "bye".into()).await;

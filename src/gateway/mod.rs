@@ -376,7 +376,9 @@ impl Gateway {
     /// Declares everything, then relays messages until `shutdown` completes (the worker
     /// reconnects after a connection loss).
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<()> {
-        let conn = crate::connection::connect(&self.settings.url, "amqp-delay gateway").await?;
+        let conn = crate::connection::Connector::new(&self.settings)?
+            .connect("amqp-delay gateway")
+            .await?;
         let declared = self.declare(&conn).await;
         let _ = conn.close(200, "declared".into()).await;
         declared?;

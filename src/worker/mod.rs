@@ -141,13 +141,14 @@ impl<H: Handler> Worker<H> {
         for (q, _) in &self.subscriptions {
             layout.validate_destination(q).map_err(Error::Invalid)?;
         }
+        let connector = crate::connection::Connector::new(&self.settings)?;
         let mut shutdown = std::pin::pin!(shutdown);
         let mut backoff = crate::connection::Backoff::default();
         let conn_name = format!("amqp-delay worker {}", self.settings.prefix);
         let mut first = true;
         loop {
             let conn = tokio::select! {
-                c = crate::connection::connect(&self.settings.url, &conn_name) => c,
+                c = connector.connect(&conn_name) => c,
                 _ = &mut shutdown => return Ok(()),
             };
             let outcome = match conn {
@@ -181,7 +182,7 @@ impl<H: Handler> Worker<H> {
                 Err(e) => return Err(e),
             }
             tokio::select! {
-                _ = crate::connection::Backoff::wait(pause, &self.settings.url) => {},
+                _ = crate::connection::Backoff::wait(pause, connector.urls()) => {},
                 _ = &mut shutdown => return Ok(()),
             }
         }

@@ -259,8 +259,8 @@ async fn interrupted() {
 
 #[tokio::main]
 async fn main() {
-    cli::init_logging();
     let args = Args::parse();
+    cli::init_logging_as(args.global.log_format);
     let cfg = match config(&args) {
         Ok(c) => c,
         Err(e) => {
