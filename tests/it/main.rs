@@ -9,4 +9,5 @@ mod cli;
 mod core;
 mod gateway;
 mod harness;
+mod security;
 mod worker;
