@@ -68,6 +68,12 @@ impl Action {
             if argv.is_empty() {
                 return Err("exec command is empty".into());
             }
+            if find_program(&argv[0]).is_none() {
+                return Err(format!(
+                    "exec command '{}' is not an executable file or on PATH",
+                    argv[0]
+                ));
+            }
             return Ok(Action::Exec {
                 argv,
                 permanent_exit_code,
@@ -95,6 +101,11 @@ impl Action {
                 Some((x, k)) => (x.to_string(), Some(k.to_string())),
                 None => (f.clone(), None),
             };
+            if exchange.len() > 255 || key.as_ref().is_some_and(|k| k.len() > 255) {
+                return Err(format!(
+                    "forward '{f:.60}…': exchange and routing key are at most 255 bytes each"
+                ));
+            }
             return Ok(Action::Forward {
                 exchange,
                 routing_key: key,
@@ -172,7 +183,9 @@ async fn exec(argv: &[String], permanent: i32, d: &Delivery) -> Outcome {
     let mut cmd = tokio::process::Command::new(&argv[0]);
     cmd.args(&argv[1..])
         .stdin(Stdio::piped())
-        .kill_on_drop(true) // the worker's handler timeout drops this future: the child dies
+        // its own process group, so that a timeout kills what it started too (`sh -c '...'`)
+        .process_group(0)
+        .kill_on_drop(true)
         .env("DELAY_MESSAGE_ID", &d.message_id)
         .env("DELAY_ATTEMPT", d.attempt.to_string())
         .env("DELAY_QUEUE", &d.queue)
@@ -184,6 +197,8 @@ async fn exec(argv: &[String], permanent: i32, d: &Delivery) -> Outcome {
         Ok(c) => c,
         Err(e) => return Outcome::Retry(format!("cannot start '{}': {e}", argv[0])),
     };
+    // the worker's handler timeout drops this future: the group dies with it
+    let _group = child.id().map(ProcessGroup);
     if let Some(mut stdin) = child.stdin.take() {
         // a command that does not read its input is fine
         let _ = stdin.write_all(&d.body).await;
@@ -200,6 +215,39 @@ async fn exec(argv: &[String], permanent: i32, d: &Delivery) -> Outcome {
         },
         Err(e) => Outcome::Retry(format!("waiting for '{}': {e}", argv[0])),
     }
+}
+
+/// Kills a process group when dropped (the handler finished or timed out): nothing an `exec`
+/// handler started outlives it.
+struct ProcessGroup(u32);
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        if let Ok(pid) = i32::try_from(self.0) {
+            // ESRCH (already gone) is the usual case after a normal exit
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+/// Where `program` is found: a path as given, or the first executable of that name on `PATH`.
+pub fn find_program(program: &str) -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let executable = |p: &std::path::Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program.contains('/') {
+        let p = std::path::PathBuf::from(program);
+        return executable(&p).then_some(p);
+    }
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join(program))
+            .find(|p| executable(p))
+    })
 }
 
 /// Maps an HTTP status onto an outcome: 2xx success; 408, 429, 5xx retryable; other 4xx

@@ -109,6 +109,28 @@ pub fn init_logging() {
     init_logging_as(LogFormat::Human);
 }
 
+/// Writes one line to stdout. When the reader went away (`delay-publisher stats | head -1`) the
+/// program ends quietly with 0 instead of panicking on the broken pipe.
+pub fn print_line(line: &str) {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = writeln!(out, "{line}").and_then(|()| out.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: writing to stdout: {e}");
+        std::process::exit(EXIT_FAILURES);
+    }
+}
+
+/// `println!` for the binaries, through [`print_line`].
+#[macro_export]
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::cli::print_line(&format!($($arg)*))
+    };
+}
+
 /// Prints `error: ...` with the whole cause chain and exits with `code`.
 pub fn fail(e: &dyn std::error::Error, code: i32) -> ! {
     eprintln!("error: {}", chain(e));

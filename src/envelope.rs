@@ -328,3 +328,37 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use lapin::types::{LongString, ShortString};
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+        /// Whatever our headers hold, decoding gives a delivery (with a reason when they are
+        /// wrong), never a panic.
+        #[test]
+        fn any_header_values_decode_or_give_a_reason(
+            attempt in any::<i64>(), due in any::<i64>(), text in ".{0,40}", pick in 0u8..4,
+            id in proptest::collection::vec(any::<u8>(), 0..40),
+        ) {
+            let mut t = FieldTable::default();
+            t.insert(ATTEMPT.into(), AMQPValue::LongLongInt(attempt));
+            t.insert(DUE_AT.into(), match pick {
+                0 => AMQPValue::LongLongInt(due),
+                1 => AMQPValue::LongString(LongString::from(text.as_str())),
+                2 => AMQPValue::Double(due as f64),
+                _ => AMQPValue::Void,
+            });
+            t.insert(ROUTING_KEY.into(), AMQPValue::LongString(LongString::from(text.as_str())));
+            let mut p = BasicProperties::default().with_headers(t);
+            if let Ok(s) = ShortString::try_new(String::from_utf8_lossy(&id).into_owned()) {
+                p = p.with_message_id(s);
+            }
+            let (d, _) = decode("q", vec![], p, &text, "", false);
+            let _ = d.original_routing_key(3);
+        }
+    }
+}

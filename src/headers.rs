@@ -80,23 +80,18 @@ pub fn filter(table: &FieldTable, keep: impl Fn(&str) -> bool) -> FieldTable {
     FieldTable::from(m)
 }
 
-/// Fails if the caller set one of our headers.
-pub fn check_not_reserved(table: &FieldTable) -> Result<(), String> {
-    for name in RESERVED {
-        if table.contains_key(name) {
-            return Err(format!(
-                "header '{name}' is reserved: amqp-delay sets it on every message"
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// Sets our three headers.
 pub fn set_schedule_headers(table: &mut FieldTable, delay_ms: u64, due_at_ms: u64, attempt: u32) {
     table.insert(DELAY_MS.into(), AMQPValue::LongLongInt(delay_ms as i64));
     table.insert(DUE_AT.into(), AMQPValue::LongLongInt(due_at_ms as i64));
     table.insert(ATTEMPT.into(), AMQPValue::LongLongInt(i64::from(attempt)));
+}
+
+/// Bytes `table` takes in AMQP's field-table encoding (as it travels in a content header).
+pub fn encoded_len(table: &FieldTable) -> usize {
+    cookie_factory::gen_simple(lapin::types::generation::gen_field_table(table), Vec::new())
+        .map(|v| v.len())
+        .unwrap_or(usize::MAX)
 }
 
 /// Reads an integer header of any AMQP integer type.
@@ -173,13 +168,20 @@ mod tests {
     }
 
     #[test]
-    fn reserved_headers_are_refused_by_name() {
+    fn the_whole_x_delay_namespace_is_ours() {
+        for name in [
+            ATTEMPT,
+            ROUTING_KEY,
+            USER_ID,
+            PARKED_REASON,
+            "x-delay-anything",
+        ] {
+            assert!(is_ours(name), "{name}");
+        }
+        assert!(!is_ours("x-delay") && !is_ours("x-death") && !is_ours("app"));
         let mut t = FieldTable::default();
-        t.insert(ATTEMPT.into(), AMQPValue::LongInt(3));
-        assert_eq!(
-            check_not_reserved(&t).unwrap_err(),
-            "header 'x-delay-attempt' is reserved: amqp-delay sets it on every message"
-        );
+        t.insert("k".into(), AMQPValue::LongString("v".into()));
+        assert_eq!(encoded_len(&t), 4 + 1 + 1 + 1 + 4 + 1);
     }
 
     #[test]

@@ -7,7 +7,6 @@
 //! `body` may be a string (sent as its UTF-8 bytes) or any other JSON value (sent as compact
 //! JSON with content type `application/json` unless one is given).
 
-use lapin::BasicProperties;
 use serde::Deserialize;
 
 use crate::headers;
@@ -66,24 +65,22 @@ pub fn parse_line(line: &str) -> Result<Option<Message>, String> {
         serde_json::Value::String(s) => (s.into_bytes(), None),
         v => (v.to_string().into_bytes(), Some("application/json")),
     };
-    let mut props = BasicProperties::default();
+    let mut m = Message::new(l.queue, delay_ms, body);
     if let Some(ct) = l.content_type.as_deref().or(default_ct) {
-        props = props.with_content_type(ct.into());
+        m = m.with_content_type(ct);
     }
     if let Some(id) = l.id {
         if id.is_empty() || id.len() > 255 {
             return Err("'id' must be 1 to 255 bytes".into());
         }
-        props = props.with_message_id(id.as_str().into());
+        m = m.with_id(id);
     }
     if let Some(h) = l.headers {
-        let t = headers::json_to_table(&h)?;
-        headers::check_not_reserved(&t)?;
-        props = props.with_headers(t);
+        m = m.with_headers(headers::json_to_table(&h)?);
     }
-    Ok(Some(
-        Message::new(l.queue, delay_ms, body).with_properties(props),
-    ))
+    // the body's size is the publisher's to check (its limit is configured)
+    m.check(usize::MAX)?;
+    Ok(Some(m))
 }
 
 #[cfg(test)]
@@ -143,6 +140,39 @@ mod tests {
         for (line, want) in cases {
             let e = parse_line(line).unwrap_err();
             assert!(e.contains(want), "{line}: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+        /// Whatever a line holds, parsing gives a message or a reason, never a panic.
+        #[test]
+        fn arbitrary_lines_never_panic(line in ".{0,400}") {
+            let _ = parse_line(&line);
+        }
+
+        /// JSON-shaped lines with every field of the right or wrong type and any length.
+        #[test]
+        fn arbitrary_json_lines_never_panic(
+            queue in ".{0,300}",
+            delay in prop_oneof![Just(serde_json::json!(5)), Just(serde_json::json!(-1)),
+                                 Just(serde_json::json!("1s")), Just(serde_json::json!(1.5)),
+                                 Just(serde_json::json!(null)), Just(serde_json::json!(u64::MAX))],
+            id in ".{0,300}",
+            ct in ".{0,300}",
+            hname in ".{0,300}",
+        ) {
+            let line = serde_json::json!({
+                "queue": queue, "delay_ms": delay, "body": "b", "id": id,
+                "content_type": ct, "headers": {hname: "v"},
+            });
+            let _ = parse_line(&line.to_string());
         }
     }
 }

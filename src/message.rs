@@ -1,10 +1,19 @@
 //! What a caller schedules and what it gets back, pure: a [`Message`] (destination, delay, body,
-//! properties) and the [`Scheduled`] confirmation with its route.
+//! properties) and the [`Scheduled`] confirmation with its route; and [`Message::check`], the
+//! rules every input path (library, CLI, JSONL) shares: AMQP short strings within 255 bytes,
+//! bounded body and headers, no `expiration`, the `x-delay-*` names reserved.
 
 use lapin::BasicProperties;
-use lapin::types::FieldTable;
+use lapin::types::{FieldTable, ShortString};
 
+use crate::headers;
 use crate::planner::Route;
+
+/// The most header bytes (AMQP field-table encoding) a scheduled message may carry: a message
+/// travelling alone carries them in its content header frame, which the broker's tier hops
+/// grow by an `x-death` entry each, and which must stay within the negotiated `frame_max`
+/// (128 KiB by default) or no consumer can receive it.
+pub const MAX_HEADER_BYTES: usize = 32 << 10;
 
 /// A message to deliver to `destination` (a queue name) after `delay_ms`.
 #[derive(Debug, Clone)]
@@ -20,6 +29,11 @@ pub struct Message {
     pub properties: BasicProperties,
     /// Delivery attempt written to `x-delay-attempt` (0 on first schedule).
     pub attempt: u32,
+    /// What a builder method could not take (a string over 255 bytes), refused by
+    /// [`Message::check`] instead of a panic.
+    problem: Option<String>,
+    /// Set by the worker and the gateway, which carry our own `x-delay-*` headers on.
+    pub(crate) internal: bool,
 }
 
 impl Message {
@@ -31,16 +45,25 @@ impl Message {
             body: body.into(),
             properties: BasicProperties::default(),
             attempt: 0,
+            problem: None,
+            internal: false,
         }
     }
-    /// Sets the message id (default: a generated UUID v7).
+    /// Sets the message id (default: a generated UUID v7); 1 to 255 bytes.
     pub fn with_id(mut self, id: impl Into<String>) -> Self {
-        self.properties = self.properties.with_message_id(id.into().as_str().into());
+        let id = id.into();
+        match short("message id", id) {
+            Ok(s) => self.properties = self.properties.with_message_id(s),
+            Err(e) => self.problem = Some(e),
+        }
         self
     }
-    /// Sets the content type.
+    /// Sets the content type (at most 255 bytes).
     pub fn with_content_type(mut self, ct: impl Into<String>) -> Self {
-        self.properties = self.properties.with_content_type(ct.into().as_str().into());
+        match short("content type", ct.into()) {
+            Ok(s) => self.properties = self.properties.with_content_type(s),
+            Err(e) => self.problem = Some(e),
+        }
         self
     }
     /// Sets the application headers (`x-delay-*` names are reserved).
@@ -58,6 +81,62 @@ impl Message {
         self.attempt = attempt;
         self
     }
+
+    /// Marks a message the library re-publishes itself (a retry, a gateway hop): its own
+    /// `x-delay-*` headers are allowed.
+    pub(crate) fn internal(mut self) -> Self {
+        self.internal = true;
+        self
+    }
+
+    /// The rules every scheduled message follows, with a reason naming what is wrong: what a
+    /// builder could not take, an empty id, `expiration` (it would expire inside a tier and
+    /// arrive early), a reserved `x-delay-*` header (unless the library re-publishes its own),
+    /// headers over [`MAX_HEADER_BYTES`], a body over `max_body_bytes`.
+    pub fn check(&self, max_body_bytes: usize) -> Result<(), String> {
+        if let Some(p) = &self.problem {
+            return Err(p.clone());
+        }
+        if self
+            .properties
+            .message_id()
+            .as_ref()
+            .is_some_and(|id| id.as_str().is_empty())
+        {
+            return Err("the message id must not be empty".into());
+        }
+        if self.properties.expiration().is_some() {
+            return Err("the 'expiration' property is not allowed on a delayed message: it would expire inside a tier and be delivered early (docs/DESIGN.md rule 1); set it when the message is delivered instead".into());
+        }
+        if let Some(h) = self.properties.headers() {
+            let ours = h.inner().keys().find(|k| headers::is_ours(k.as_str()));
+            if let (false, Some(k)) = (self.internal, ours) {
+                return Err(format!(
+                    "header '{k}' is reserved: every x-delay-* header is amqp-delay's own"
+                ));
+            }
+            let size = headers::encoded_len(h);
+            if size > MAX_HEADER_BYTES {
+                return Err(format!(
+                    "the headers take {size} bytes encoded; at most {MAX_HEADER_BYTES} are accepted (each tier hop adds to them, and a consumer cannot take a header larger than the broker's frame_max)"
+                ));
+            }
+        }
+        if self.body.len() > max_body_bytes {
+            return Err(format!(
+                "the body is {} bytes; at most {max_body_bytes} are accepted (publisher.max_message_bytes; RabbitMQ 4.x refuses messages over 16 MiB by default)",
+                self.body.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// An AMQP short string (at most 255 bytes), or why not.
+pub fn short(what: &str, s: String) -> Result<ShortString, String> {
+    let len = s.len();
+    ShortString::try_new(s)
+        .map_err(|_| format!("the {what} is {len} bytes; AMQP allows at most 255"))
 }
 
 /// A message the broker has confirmed.

@@ -271,16 +271,16 @@ impl Publisher {
             .layout
             .validate_destination(&msg.destination)
             .map_err(Error::Invalid)?;
-        if msg.properties.expiration().is_some() {
-            return Err(Error::Invalid(
-                "the 'expiration' property is not allowed on a delayed message: it would expire inside a tier and be delivered early (docs/DESIGN.md rule 1); set it when the message is delivered instead".into(),
-            ));
-        }
+        msg.check(inner.settings.max_message_bytes)
+            .map_err(Error::Invalid)?;
         // a delay the topology cannot serve is refused before anything is published
         self.plan(msg.delay_ms)?;
         let caller_headers = msg.properties.headers().clone().unwrap_or_default();
-        let mut hdrs = headers::strip_death(&caller_headers);
-        headers::check_not_reserved(&hdrs).map_err(Error::Invalid)?;
+        // the broker's history never travels again; a retry's previous schedule headers are
+        // replaced by the ones set below
+        let mut hdrs = headers::filter(&caller_headers, |k| {
+            !headers::is_broker_header(k) && !headers::RESERVED.contains(&k)
+        });
         let batches = inner.ensure_bound(&msg.destination).await?;
 
         let due_at_ms = now_ms() + msg.delay_ms;

@@ -105,6 +105,9 @@ pub struct PublisherSettings {
     /// How long a single `schedule` call may wait for concurrent calls to share its batch
     /// (never past its lateness budget); 0 = do not wait.
     pub batch_linger: DurationMs,
+    /// Largest body accepted (RabbitMQ 4.x's default `max_message_size` is 16 MiB; 3.x's
+    /// 128 MiB); larger is refused before anything is published.
+    pub max_message_bytes: usize,
     /// After losing its connection, how long a publisher keeps trying to reconnect (with
     /// backoff, every node of `url` in turn) before a publish fails.
     pub reconnect_timeout: DurationMs,
@@ -119,6 +122,7 @@ impl Default for PublisherSettings {
             batch_max_messages: 1_000,
             batch_max_bytes: 1 << 20,
             batch_linger: DurationMs(5),
+            max_message_bytes: 16 << 20,
             reconnect_timeout: DurationMs(60_000),
         }
     }
@@ -135,6 +139,12 @@ impl PublisherSettings {
         }
         if self.batch_max_messages == 0 {
             return Err("publisher.batch_max_messages must be at least 1 (1 = no batching)".into());
+        }
+        if !(1..=512 << 20).contains(&self.max_message_bytes) {
+            return Err(format!(
+                "publisher.max_message_bytes must be between 1 and 512 MiB (the broker's limit), got {}",
+                self.max_message_bytes
+            ));
         }
         if !(1024..=16 << 20).contains(&self.batch_max_bytes) {
             return Err(format!(
@@ -276,6 +286,12 @@ impl ConsumerSettings {
             return Err(format!(
                 "consumer.handler_timeout ({}) must be shorter than the broker's consumer_timeout ({}), or the broker closes the channel under a slow handler and the message is redelivered",
                 self.handler_timeout, self.consumer_timeout
+            ));
+        }
+        if !(1..=255).contains(&self.permanent_exit_code) {
+            return Err(format!(
+                "consumer.permanent_exit_code must be an exit code from 1 to 255, got {}",
+                self.permanent_exit_code
             ));
         }
         self.retry.validate()?;

@@ -75,9 +75,12 @@ struct SendArgs {
     /// Delay: 1500 (ms), 500ms, 30s, 1m30s, 24h ...
     #[arg(long, required_unless_present = "jsonl", allow_hyphen_values = true)]
     delay: Option<DurationMs>,
-    /// Message body
-    #[arg(long, required_unless_present = "jsonl")]
+    /// Message body (text)
+    #[arg(long, conflicts_with = "body_file")]
     body: Option<String>,
+    /// Message body from a file, byte for byte ('-' for stdin)
+    #[arg(long, value_name = "FILE", conflicts_with = "jsonl")]
+    body_file: Option<PathBuf>,
     /// Message id (default: a generated UUID v7)
     #[arg(long)]
     id: Option<String>,
@@ -139,7 +142,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
     match cmd {
         Cmd::Plan { delay } => {
             let r = amqp_delay::plan(&layout, &settings.precision, delay.as_millis())?;
-            println!(
+            amqp_delay::outln!(
                 "{}",
                 serde_json::json!({
                     "delay_ms": r.delay_ms,
@@ -161,13 +164,13 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             topo.declare(&conn).await?;
             for q in &queues {
                 let created = topo.declare_destination(&conn, q).await?;
-                println!(
+                amqp_delay::outln!(
                     "destination queue '{q}' {}",
                     if created { "created" } else { "exists" }
                 );
             }
             let _ = conn.close(200, "bye".into()).await;
-            println!(
+            amqp_delay::outln!(
                 "declared '{}' on {}: {layout}",
                 layout.prefix(),
                 connection::redact_url(&settings.url)
@@ -189,26 +192,33 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                 .filter(|s| !non_empty || s.messages > 0 || s.missing)
                 .collect();
             if json {
-                println!(
+                amqp_delay::outln!(
                     "{}",
                     serde_json::to_string_pretty(&shown).expect("serialisable")
                 );
             } else {
-                println!(
+                amqp_delay::outln!(
                     "{:<48} {:>9} {:>14} {:>10} {:>10} {:>10}  leader",
-                    "queue", "kind", "ttl_ms", "messages", "ready", "unacked"
+                    "queue",
+                    "kind",
+                    "ttl_ms",
+                    "messages",
+                    "ready",
+                    "unacked"
                 );
                 for s in &shown {
                     let ttl = s.ttl_ms.map_or_else(|| "-".into(), |t| t.to_string());
                     let unacked = s.unacked.map_or_else(|| "?".into(), |n| n.to_string());
                     if s.missing {
-                        println!(
+                        amqp_delay::outln!(
                             "{:<48} {:>9} {:>14} MISSING (`declare` re-creates it)",
-                            s.queue, s.kind, ttl
+                            s.queue,
+                            s.kind,
+                            ttl
                         );
                         continue;
                     }
-                    println!(
+                    amqp_delay::outln!(
                         "{:<48} {:>9} {:>14} {:>10} {:>10} {:>10}  {}",
                         s.queue,
                         s.kind,
@@ -230,16 +240,16 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                     .map(|s| s.messages)
                     .sum();
                 let missing = stats.iter().filter(|s| s.missing).count();
-                println!(
+                amqp_delay::outln!(
                     "total in tiers: {total} broker messages (a batch counts once), parked: {parked}"
                 );
                 if missing > 0 {
-                    println!(
+                    amqp_delay::outln!(
                         "{missing} queue(s) missing: run `delay-publisher declare` to re-create them"
                     );
                 }
                 if management.is_none() {
-                    println!(
+                    amqp_delay::outln!(
                         "(ready messages only: without the management API, messages held by the broker's dead-letter worker are not counted)"
                     );
                 }
@@ -254,7 +264,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             let done = admin::teardown(&conn, &layout, management.as_ref(), force).await;
             let _ = conn.close(200, "bye".into()).await;
             let done = done?;
-            println!(
+            amqp_delay::outln!(
                 "removed the topology under prefix '{}' and {} gateway pair(s){}",
                 layout.prefix(),
                 done.pairs.len(),
@@ -275,10 +285,16 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             Ok(0)
         }
         Cmd::Send(a) => {
+            // a single message is checked before anything is connected
+            let one = match a.jsonl {
+                None => Some(one_message(&a, &settings).await?),
+                Some(_) => None,
+            };
             let publisher = Publisher::connect(&settings).await?;
-            let code = match a.jsonl.clone() {
-                Some(path) => send_jsonl(&publisher, &a, &path).await,
-                None => send_one(&publisher, a).await,
+            let code = match (one, a.jsonl.clone()) {
+                (Some(m), _) => send_one(&publisher, m).await,
+                (None, Some(path)) => send_jsonl(&publisher, &a, &path).await,
+                (None, None) => Ok(EXIT_USAGE),
             };
             publisher.close().await;
             code
@@ -286,40 +302,77 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
     }
 }
 
-async fn send_one(p: &Publisher, a: SendArgs) -> amqp_delay::Result<i32> {
-    let (Some(queue), Some(delay), Some(body)) = (a.queue, a.delay, a.body) else {
+/// The message of a single `send`, checked (every rule the publisher applies but the broker's).
+async fn one_message(a: &SendArgs, settings: &Settings) -> amqp_delay::Result<Message> {
+    let (Some(queue), Some(delay)) = (&a.queue, a.delay) else {
         return Err(Error::Invalid(
-            "--queue, --delay and --body are required without --jsonl".into(),
+            "--queue and --delay are required without --jsonl".into(),
         ));
     };
+    let body: Vec<u8> = match (&a.body, &a.body_file) {
+        (Some(b), None) => b.clone().into_bytes(),
+        (None, Some(f)) if f.as_os_str() == "-" => {
+            let mut v = Vec::new();
+            tokio::io::AsyncReadExt::read_to_end(&mut tokio::io::stdin(), &mut v)
+                .await
+                .map_err(|e| Error::Invalid(format!("reading the body from stdin: {e}")))?;
+            v
+        }
+        (None, Some(f)) => tokio::fs::read(f)
+            .await
+            .map_err(|e| Error::Invalid(format!("cannot read --body-file {}: {e}", f.display())))?,
+        _ => {
+            return Err(Error::Invalid(
+                "give the body with --body TEXT or --body-file FILE ('-' for stdin)".into(),
+            ));
+        }
+    };
     let mut m = Message::new(queue.clone(), delay.as_millis(), body);
-    if let Some(id) = a.id {
-        m = m.with_id(id);
+    if let Some(id) = &a.id {
+        m = m.with_id(id.clone());
     }
-    if let Some(ct) = a.content_type {
-        m = m.with_content_type(ct);
+    if let Some(ct) = &a.content_type {
+        m = m.with_content_type(ct.clone());
     }
     if !a.headers.is_empty() {
         let mut obj = serde_json::Map::new();
         for h in &a.headers {
-            let Some((k, v)) = h.split_once('=') else {
-                return Err(Error::Invalid(format!("--header '{h}' is not NAME=VALUE")));
-            };
-            obj.insert(k.to_string(), serde_json::Value::String(v.to_string()));
+            match h.split_once('=') {
+                Some((k, v)) if !k.is_empty() => {
+                    obj.insert(k.to_string(), serde_json::Value::String(v.to_string()));
+                }
+                _ => {
+                    return Err(Error::Invalid(format!(
+                        "--header '{h:.60}' is not NAME=VALUE with a non-empty NAME"
+                    )));
+                }
+            }
         }
         m = m.with_headers(headers::json_to_table(&obj).map_err(Error::Invalid)?);
     }
+    m.check(settings.publisher.max_message_bytes)
+        .map_err(Error::Invalid)?;
+    amqp_delay::plan(&settings.layout()?, &settings.precision, m.delay_ms)?;
+    settings
+        .layout()?
+        .validate_destination(&m.destination)
+        .map_err(Error::Invalid)?;
+    Ok(m)
+}
+
+async fn send_one(p: &Publisher, m: Message) -> amqp_delay::Result<i32> {
+    let queue = m.destination.clone();
     let s = p.schedule(m).await?;
-    println!(
-        "{}",
-        serde_json::json!({
+    cli::print_line(
+        &serde_json::json!({
             "id": s.message_id,
             "queue": queue,
-            "delay_ms": s.route.delay_ms,
+            "delay_ms": s.delay_ms,
             "due_at": s.due_at_ms,
             "hops": s.route.hops(),
             "route": s.route.describe(),
         })
+        .to_string(),
     );
     Ok(0)
 }
@@ -373,7 +426,7 @@ async fn send_jsonl(
     if progress {
         eprint!("\r\x1b[K");
     }
-    println!(
+    amqp_delay::outln!(
         "{} confirmed, {} failed ({} invalid, {} not sent, {} maybe sent)",
         summary.confirmed,
         summary.failed(),
@@ -394,7 +447,7 @@ async fn send_jsonl(
         ),
     ] {
         if let (true, Some(f)) = (n > 0, file) {
-            println!("{what}: {}", f.display());
+            amqp_delay::outln!("{what}: {}", f.display());
         }
     }
     Ok(if summary.failed() > 0 {

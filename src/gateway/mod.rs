@@ -180,6 +180,11 @@ impl Handler for GatewayHandler {
     fn io_bound(&self) -> bool {
         true
     }
+
+    /// The ingress takes applications' messages: their `x-delay-*` headers are not ours.
+    fn reads_our_headers(&self) -> bool {
+        !self.ingress
+    }
 }
 
 impl GatewayHandler {
@@ -190,18 +195,15 @@ impl GatewayHandler {
             Ok(ms) => (ms, None),
             Err(reason) => (0, Some(reason)),
         };
-        let msg = Message {
-            destination: c.pair.due_queue.clone(),
-            delay_ms,
-            body: d.body.clone(),
-            properties: stash(&d.properties, &d.routing_key, invalid.as_deref()),
-            attempt: 0,
-        };
+        let msg = Message::new(c.pair.due_queue.clone(), delay_ms, d.body.clone())
+            .with_properties(stash(&d.properties, &d.routing_key, invalid.as_deref()))
+            .internal();
         let sent = tokio::time::timeout(c.confirm_timeout, ctx.publisher().schedule(msg)).await;
         match sent {
             Ok(Ok(_)) => Outcome::Success,
-            // Cannot happen: the delay was checked against the same layout.
-            Ok(Err(e @ Error::Plan(_))) => {
+            // The message itself cannot travel (headers or body too large); a delay out of
+            // range cannot happen (checked against the same layout): park it with the reason.
+            Ok(Err(e @ (Error::Plan(_) | Error::Invalid(_)))) => {
                 Outcome::Permanent(format!("cannot schedule: {}", crate::error::chain(&e)))
             }
             // Everything else (nack, lost channel, missing delivery exchange or due queue) is

@@ -63,6 +63,13 @@ pub trait Handler: Send + Sync + 'static {
     fn io_bound(&self) -> bool {
         false
     }
+
+    /// Whether the messages it consumes carry amqp-delay's own headers (attempt, due time) to
+    /// be read and checked. `false` for a queue applications publish to directly (the gateway's
+    /// ingress): their `x-delay-*` headers are forged, removed before the handler sees them.
+    fn reads_our_headers(&self) -> bool {
+        true
+    }
 }
 
 /// What a handler may use besides the message: the worker's confirmed publisher (to forward

@@ -60,6 +60,15 @@ pub(super) async fn delivery<H: Handler>(
     if redelivered {
         ctx.counters.redelivered.fetch_add(1, Ordering::Relaxed);
     }
+    let mut raw = raw;
+    if !handler.reads_our_headers() {
+        // an application's message: it cannot set our headers (nor pass for a batch)
+        let h = raw.properties.headers().clone().unwrap_or_default();
+        if h.inner().keys().any(|k| headers::is_ours(k.as_str())) {
+            let clean = headers::filter(&h, |k| !headers::is_ours(k));
+            raw.properties = raw.properties.clone().with_headers(clean);
+        }
+    }
     let acker = raw.acker.clone();
     if ctx.stopping.load(Ordering::Relaxed) {
         let _ = acker
@@ -276,7 +285,8 @@ async fn reschedule(
     );
     let msg = Message::new(d.queue.clone(), delay, d.body.clone())
         .with_properties(props)
-        .with_attempt(attempt);
+        .with_attempt(attempt)
+        .internal();
     ctx.publisher.schedule(msg).await?;
     ctx.counters.retried.fetch_add(1, Ordering::Relaxed);
     tracing::info!(queue = %d.queue, id = %d.message_id, attempt = d.attempt, delay_ms = delay, %reason, "retry scheduled");

@@ -36,7 +36,7 @@ fn require_pika() {
 }
 
 /// A temporary `--config` file, removed when dropped.
-struct ConfigFile(PathBuf);
+pub struct ConfigFile(pub PathBuf);
 
 impl Drop for ConfigFile {
     fn drop(&mut self) {
@@ -46,18 +46,18 @@ impl Drop for ConfigFile {
 
 /// The test's settings (the harness's small topology), a short shutdown grace and `extra` TOML,
 /// as a `--config` file.
-fn write_config(env: &Env, extra: &str) -> ConfigFile {
+pub fn write_config(env: &Env, extra: &str) -> ConfigFile {
     ConfigFile(env.write_config(&format!("[consumer]\nshutdown_grace = \"2s\"\n\n{extra}")))
 }
 
 /// A `delay-publisher gateway` process; killed when dropped.
-struct GatewayProc {
+pub struct GatewayProc {
     child: Child,
     log: PathBuf,
 }
 
 impl GatewayProc {
-    fn start(env: &Env, config: &Path, pairs: &[(&str, &str)], name: &str) -> GatewayProc {
+    pub fn start(env: &Env, config: &Path, pairs: &[(&str, &str)], name: &str) -> GatewayProc {
         let log = std::env::temp_dir().join(format!("{}-{name}.log", env.settings.prefix));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_delay-publisher"));
         cmd.arg("--config")
@@ -77,7 +77,7 @@ impl GatewayProc {
         GatewayProc { child, log }
     }
 
-    fn log(&self) -> String {
+    pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
@@ -130,14 +130,14 @@ fn settings_with(env: &Env, pairs: &[(&str, &str)]) -> Settings {
     }
 }
 
-fn pairs_of(env: &Env, pairs: &[(&str, &str)]) -> Vec<Pair> {
+pub fn pairs_of(env: &Env, pairs: &[(&str, &str)]) -> Vec<Pair> {
     Gateway::new(settings_with(env, pairs))
         .unwrap()
         .pairs()
         .to_vec()
 }
 
-async fn declare_exchange(conn: &Connection, name: &str, kind: ExchangeKind) {
+pub async fn declare_exchange(conn: &Connection, name: &str, kind: ExchangeKind) {
     let ch = conn.create_channel().await.unwrap();
     ch.exchange_declare(
         name.into(),
@@ -150,7 +150,7 @@ async fn declare_exchange(conn: &Connection, name: &str, kind: ExchangeKind) {
     let _ = ch.close(200, "ok".into()).await;
 }
 
-async fn bind(conn: &Connection, queue: &str, exchange: &str, key: &str) {
+pub async fn bind(conn: &Connection, queue: &str, exchange: &str, key: &str) {
     let ch = conn.create_channel().await.unwrap();
     ch.queue_bind(
         queue.into(),
@@ -165,7 +165,7 @@ async fn bind(conn: &Connection, queue: &str, exchange: &str, key: &str) {
 }
 
 /// Waits until every gateway queue has `n` consumers (the gateways are ready).
-async fn wait_for_consumers(conn: &Connection, pairs: &[Pair], n: u32, gws: &[&GatewayProc]) {
+pub async fn wait_for_consumers(conn: &Connection, pairs: &[Pair], n: u32, gws: &[&GatewayProc]) {
     let end = Instant::now() + Duration::from_secs(20);
     let passive = QueueDeclareOptions {
         passive: true,
@@ -248,13 +248,13 @@ async fn finish(app: tokio::process::Child, gws: &[&GatewayProc]) -> serde_json:
 /// Deletes the gateway's objects (ingress exchanges, gateway and parking queues) and the
 /// targets when the test ends, passed or not, on a fresh connection in a thread (the test's
 /// runtime may be gone after a panic). The topology is the harness's `Env` to delete.
-struct GatewayObjects {
+pub struct GatewayObjects {
     settings: Settings,
     targets: Vec<String>,
 }
 
 impl GatewayObjects {
-    fn new(env: &Env, pairs: &[(&str, &str)], targets: &[&str]) -> GatewayObjects {
+    pub fn new(env: &Env, pairs: &[(&str, &str)], targets: &[&str]) -> GatewayObjects {
         GatewayObjects {
             settings: settings_with(env, pairs),
             targets: targets.iter().map(|t| t.to_string()).collect(),

@@ -9,5 +9,6 @@ mod cli;
 mod core;
 mod gateway;
 mod harness;
+mod hostile;
 mod security;
 mod worker;

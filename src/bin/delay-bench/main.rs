@@ -271,7 +271,7 @@ async fn main() {
     if args.hop_table {
         let rows = hops::hop_table(&cfg.settings, cfg.max_delay_ms);
         if args.json {
-            println!(
+            amqp_delay::outln!(
                 "{}",
                 serde_json::to_string_pretty(&rows).expect("serializable")
             );
@@ -314,7 +314,7 @@ async fn main() {
         Some(Err(e)) => cli::fail(&e, EXIT_FAILURES),
         Some(Ok(report)) => {
             if args.json {
-                println!(
+                amqp_delay::outln!(
                     "{}",
                     serde_json::to_string_pretty(&report).expect("serializable")
                 );

@@ -1,0 +1,476 @@
+//! Hostile and careless input against every binary (issue 11): nothing panics, every refusal
+//! names what is wrong, nothing valid is lost because of a bad neighbour, no reserved header
+//! gets through, nothing hangs on a silent server, and a timed-out handler leaves no process.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use amqp_delay::Message;
+use lapin::ExchangeKind;
+use lapin::options::BasicPublishOptions;
+use lapin::types::{AMQPValue, FieldTable, LongString};
+
+use crate::gateway::{
+    GatewayObjects, GatewayProc, declare_exchange, pairs_of, wait_for_consumers, write_config,
+};
+use crate::harness::*;
+
+/// Runs `delay-publisher` with this test's config; returns (exit code, stdout, stderr).
+async fn publisher_cli(cfg: &std::path::Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .arg("--config")
+        .arg(cfg)
+        .args(args)
+        .env("AMQP_URL", broker_url())
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn no_panic(stderr: &str) {
+    assert!(!stderr.contains("panicked"), "a panic: {stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversize_strings_and_bad_flags_are_refused_without_a_panic() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("strings").await;
+    let cfg = env.write_config("");
+    let cfg = cfg.as_path();
+    let long = "x".repeat(300);
+    for (args, want) in [
+        (
+            vec![
+                "send",
+                "--queue",
+                &q,
+                "--delay",
+                "10",
+                "--body",
+                "b",
+                "--content-type",
+                &long,
+            ],
+            "content type is 300 bytes",
+        ),
+        (
+            vec![
+                "send", "--queue", &q, "--delay", "10", "--body", "b", "--id", &long,
+            ],
+            "message id is 300 bytes",
+        ),
+        (
+            vec![
+                "send", "--queue", &q, "--delay", "10", "--body", "b", "--id", "",
+            ],
+            "message id must not be empty",
+        ),
+        (
+            vec![
+                "send", "--queue", &q, "--delay", "10", "--body", "b", "--header", "=v",
+            ],
+            "non-empty NAME",
+        ),
+        (
+            vec![
+                "send",
+                "--queue",
+                &q,
+                "--delay",
+                "10",
+                "--body",
+                "b",
+                "--header",
+                "x-delay-routing-key=evil",
+            ],
+            "reserved",
+        ),
+        (
+            vec![
+                "send",
+                "--queue",
+                &q,
+                "--delay",
+                "10",
+                "--body",
+                "b",
+                "--header",
+                "x-delay-user-id=admin",
+            ],
+            "reserved",
+        ),
+    ] {
+        let (code, _, err) = publisher_cli(cfg, &args).await;
+        no_panic(&err);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    // the consumer checks its flags before it connects
+    let consumer = |args: Vec<String>| {
+        let cfg = cfg.to_path_buf();
+        async move {
+            tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-consumer"))
+                .arg("--config")
+                .arg(&cfg)
+                .args(&args)
+                .env("AMQP_URL", broker_url())
+                .output()
+                .await
+                .unwrap()
+        }
+    };
+    for (args, want) in [
+        (
+            vec!["--queue", &q, "--forward", &format!("{long}:k")],
+            "at most 255 bytes",
+        ),
+        (
+            vec!["--queue", &q, "--exec", "/nonexistent/handler"],
+            "not an executable",
+        ),
+        (
+            vec![
+                "--queue",
+                &q,
+                "--exec",
+                "true",
+                "--permanent-exit-code",
+                "300",
+            ],
+            "from 1 to 255",
+        ),
+    ] {
+        let out = consumer(args.iter().map(|s| s.to_string()).collect()).await;
+        let err = String::from_utf8_lossy(&out.stderr);
+        no_panic(&err);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    // a closed pipe ends a command quietly
+    let out = tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "'{}' --config '{}' stats | head -1",
+            env!("CARGO_BIN_EXE_delay-publisher"),
+            cfg.display()
+        ))
+        .env("AMQP_URL", broker_url())
+        .output()
+        .await
+        .unwrap();
+    no_panic(&String::from_utf8_lossy(&out.stderr));
+    // a body from a file, byte for byte
+    let body_file = temp_path(&env.settings.prefix, "body.bin");
+    std::fs::write(&body_file, [0u8, 1, 2, 255]).unwrap();
+    let (code, _, err) = publisher_cli(
+        cfg,
+        &[
+            "send",
+            "--queue",
+            &q,
+            "--delay",
+            "5",
+            "--id",
+            "bf",
+            "--body-file",
+            body_file.to_str().unwrap(),
+        ],
+    )
+    .await;
+    assert_eq!(code, Some(0), "{err}");
+    let got = env.expect(&q, 1).await;
+    assert_eq!(got[0].body, [0u8, 1, 2, 255]);
+    let _ = std::fs::remove_file(&body_file);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_jsonl_line_is_reported_alone_and_its_neighbours_are_delivered() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("bulk-bad").await;
+    let cfg = env.write_config("[publisher]\nmax_message_bytes = 2000\n");
+    let file = temp_path(&env.settings.prefix, "bad.jsonl");
+    let long = "c".repeat(300);
+    let big_headers: serde_json::Map<String, serde_json::Value> = (0..200)
+        .map(|i| (format!("h{i}"), serde_json::Value::String("v".repeat(200))))
+        .collect();
+    let mut lines: Vec<String> = (0..10)
+        .map(|i| format!(r#"{{"queue":"{q}","delay_ms":5,"body":"ok{i}","id":"ok{i}"}}"#))
+        .collect();
+    lines[2] = format!(r#"{{"queue":"{q}","delay_ms":5,"body":"x","content_type":"{long}"}}"#);
+    lines[4] = format!(
+        r#"{{"queue":"{q}","delay_ms":5,"body":"{}"}}"#,
+        "b".repeat(3000)
+    );
+    lines[6] = serde_json::json!({"queue": q, "delay_ms": 5, "body": "h", "headers": big_headers})
+        .to_string();
+    lines[8] = format!(
+        r#"{{"queue":"{q}","delay_ms":5,"body":"x","headers":{{"x-delay-routing-key":"evil"}}}}"#
+    );
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let (code, out, err) = publisher_cli(&cfg, &["send", "--jsonl", file.to_str().unwrap()]).await;
+    no_panic(&err);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(out.contains("6 confirmed, 4 failed"), "{out}\n{err}");
+    assert!(
+        err.contains("line 3: the content type is 300 bytes"),
+        "{err}"
+    );
+    assert!(
+        err.contains("line 5:") && err.contains("the body is 3000 bytes"),
+        "{err}"
+    );
+    assert!(
+        err.contains("line 7:") && err.contains("the headers take"),
+        "{err}"
+    );
+    assert!(err.contains("line 9:") && err.contains("reserved"), "{err}");
+    let got = env.expect(&q, 6).await;
+    let ids = counts(&got);
+    for i in [0, 1, 3, 5, 7, 9] {
+        assert!(ids.contains_key(&format!("ok{i}")), "ok{i} lost: {ids:?}");
+    }
+    let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_file(&cfg);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_library_refuses_reserved_headers_and_oversize_headers() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("lib").await;
+    let p = env.publisher().await;
+    let mut h = FieldTable::default();
+    h.insert(
+        "x-delay-user-id".into(),
+        AMQPValue::LongString(LongString::from("admin")),
+    );
+    let e = p
+        .schedule(Message::new(q.clone(), 5, "x").with_headers(h))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("reserved"), "{e}");
+    let mut h = FieldTable::default();
+    for i in 0..620 {
+        h.insert(
+            format!("h{i}").into(),
+            AMQPValue::LongString(LongString::from("v".repeat(200))),
+        );
+    }
+    let e = p
+        .schedule(Message::new(q.clone(), 5, "x").with_headers(h))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("the headers take"), "{e}");
+    let e = p
+        .schedule(Message::new(q.clone(), 5, "x").with_id("i".repeat(256)))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("message id is 256 bytes"), "{e}");
+    p.close().await;
+    env.cleanup().await;
+}
+
+/// At the gateway ingress, every `x-delay-*` header an application sends is stripped (even
+/// wrongly typed ones) and the message is delivered as usual; headers too large to survive the
+/// tiers park the message with the reason instead of looping; the messages behind it flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_ingress_strips_forged_headers_and_parks_oversize_ones() {
+    let env = Env::new(small_topology()).await;
+    let p = env.settings.prefix.clone();
+    let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
+    declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+    let mut env = env;
+    let out = env.queue("gw-out").await;
+    crate::gateway::bind(&env.conn, &out, &x_t, "k").await;
+    let pairs = [(x_in.as_str(), x_t.as_str())];
+    let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
+    let config = write_config(&env, "");
+    let gw = GatewayProc::start(&env, &config.0, &pairs, "gw");
+    let pair = pairs_of(&env, &pairs);
+    wait_for_consumers(&env.conn, &pair, 1, &[&gw]).await;
+    let ch = env.conn.create_channel().await.unwrap();
+    let publish = |id: &'static str, h: FieldTable| {
+        let ch = ch.clone();
+        let x_in = x_in.clone();
+        async move {
+            ch.basic_publish(
+                x_in.as_str().into(),
+                "k".into(),
+                BasicPublishOptions::default(),
+                id.as_bytes(),
+                lapin::BasicProperties::default()
+                    .with_message_id(id.into())
+                    .with_headers(h),
+            )
+            .await
+            .unwrap();
+        }
+    };
+    let mut forged = FieldTable::default();
+    forged.insert("x-delay".into(), AMQPValue::LongInt(50));
+    forged.insert(
+        "x-delay-attempt".into(),
+        AMQPValue::LongString(LongString::from("two")),
+    );
+    forged.insert(
+        "x-delay-user-id".into(),
+        AMQPValue::LongString(LongString::from("admin")),
+    );
+    forged.insert(
+        "x-delay-routing-key".into(),
+        AMQPValue::LongString(LongString::from("evil")),
+    );
+    publish("forged", forged).await;
+    let mut big = FieldTable::default();
+    big.insert("x-delay".into(), AMQPValue::LongInt(50));
+    for i in 0..300 {
+        big.insert(
+            format!("h{i}").into(),
+            AMQPValue::LongString(LongString::from("v".repeat(200))),
+        );
+    }
+    publish("big", big).await;
+    let mut fine = FieldTable::default();
+    fine.insert("x-delay".into(), AMQPValue::LongInt(50));
+    publish("after", fine).await;
+    let got = env.expect(&out, 2).await;
+    let ids: Vec<String> = got.iter().map(|r| r.id()).collect();
+    assert!(ids.contains(&"forged".to_string()), "{ids:?}\n{}", gw.log());
+    assert!(ids.contains(&"after".to_string()), "{ids:?}\n{}", gw.log());
+    let forged = got.iter().find(|r| r.id() == "forged").unwrap();
+    assert_eq!(forged.routing_key, "k", "the forged routing key was used");
+    assert!(
+        forged.header("x-delay-user-id").is_none(),
+        "forged user id delivered"
+    );
+    assert!(forged.header("x-delay-attempt").is_none());
+    let parked = env.expect(&pair[0].ingress_parked_queue, 1).await;
+    assert_eq!(parked.len(), 1, "{}", gw.log());
+    assert_eq!(parked[0].id(), "big");
+    let reason = parked[0].text_header("x-delay-parked-reason").unwrap();
+    assert!(reason.contains("the headers take"), "{reason}");
+    assert!(
+        !gw.log().contains("reconnecting"),
+        "the gateway lost its connection:\n{}",
+        gw.log()
+    );
+    let _ = ch.close(200, "bye".into()).await;
+    drop(gw);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_server_is_given_up_on_not_waited_for_forever() {
+    // accepts TCP connections and never says a word
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let hold = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = listener.accept().await {
+            held.push(s);
+        }
+    });
+    let url = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
+    for args in [
+        vec!["send", "--queue", "q", "--delay", "1", "--body", "x"],
+        vec!["stats"],
+    ] {
+        let start = Instant::now();
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+            .arg("--url")
+            .arg(&url)
+            .args(&args)
+            .output();
+        let out = tokio::time::timeout(Duration::from_secs(40), out)
+            .await
+            .expect("the command hung on a silent server")
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("no answer from the broker"), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(30));
+    }
+    // a worker says so and keeps trying
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-consumer"))
+        .args(["--url", &url, "--queue", "q", "--log"])
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let mut text = String::new();
+    let _ = tokio::time::timeout(Duration::from_secs(25), async {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = tokio::io::AsyncReadExt::read(&mut stderr, &mut buf).await {
+            if n == 0 {
+                break;
+            }
+            text.push_str(&String::from_utf8_lossy(&buf[..n]));
+            if text.contains("reconnecting") {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the worker exited: {text}"
+    );
+    assert!(
+        text.contains("no answer from the broker") && text.contains("reconnecting"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("\x1b["),
+        "colour codes in a log that is not a terminal"
+    );
+    child.start_kill().unwrap();
+    hold.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_handler_leaves_no_process_behind() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("group").await;
+    env.parked_queue(&q);
+    let cfg = env.write_config("[consumer.retry]\nmax_attempts = 1\n");
+    // a marker only this test's processes carry
+    let marker = format!("{}", 1000 + rand::random::<u32>() % 8000);
+    let cmd = format!("sh -c 'sleep {marker}; true'");
+    let mut child = crate::worker::consumer(
+        &env,
+        &cfg,
+        &["--queue", &q, "--exec", &cmd, "--handler-timeout", "1s"],
+    );
+    let p = env.publisher().await;
+    p.schedule(Message::new(q.clone(), 0, "x").with_id("slow"))
+        .await
+        .unwrap();
+    let sleeping = || {
+        std::process::Command::new("pgrep")
+            .args(["-f", &format!("^sleep {marker}$")])
+            .output()
+            .map(|o| !o.stdout.is_empty())
+            .unwrap_or(false)
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), sleeping).await,
+        "the handler never started"
+    );
+    // the 1 s timeout fires; the whole group dies with the handler
+    assert!(
+        wait_until(Duration::from_secs(10), || !sleeping()).await,
+        "the handler's child outlived the timeout"
+    );
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    p.close().await;
+    let _ = std::fs::remove_file(&cfg);
+    env.cleanup().await;
+}
