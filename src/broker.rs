@@ -132,6 +132,32 @@ pub async fn declare_queue(ch: &Channel, name: &str, args: FieldTable) -> Result
         .map_err(|e| conflict_or(e, "queue", name))
 }
 
+/// Declares a durable queue spread over the cluster: with `x-queue-leader-locator: balanced`
+/// (the node with the fewest leaders leads it, on RabbitMQ 3.10 and 4.x alike) when the queue is
+/// new. A queue that exists without the argument (declared by an earlier version) is declared
+/// again without it rather than refused. Uses a channel of its own (a refusal closes it).
+pub async fn declare_queue_spread(conn: &Connection, name: &str, args: FieldTable) -> Result<()> {
+    let mut spread = args.clone();
+    spread.insert(LEADER_LOCATOR.into(), long_string("balanced"));
+    let ch = open(conn).await?;
+    match declare_queue(&ch, name, spread).await {
+        Ok(()) => {
+            close(&ch, "declared").await;
+            Ok(())
+        }
+        Err(Error::Conflict(text)) if text.contains(LEADER_LOCATOR) => {
+            let ch = open(conn).await?;
+            let r = declare_queue(&ch, name, args).await;
+            close(&ch, "declared").await;
+            r
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// The queue argument choosing which node leads a replicated queue.
+pub const LEADER_LOCATOR: &str = "x-queue-leader-locator";
+
 /// Declares a durable exchange; an existing one of another type or arguments is a
 /// [`Error::Conflict`].
 pub async fn declare_exchange(

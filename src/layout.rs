@@ -317,6 +317,27 @@ impl Layout {
         )
     }
 
+    /// The exchange whose existence proves the topology was declared with exactly this layout:
+    /// its name carries the signature (`<prefix>.layout.r16.u1.L8.o0x...` — a hash if that would
+    /// pass 255 bytes), so anyone can check it with a passive declare, without any permission.
+    /// It is also the `alternate-exchange` argument of [`Layout::layout_marker`], which the broker
+    /// compares on every re-declare (and which lies inside the prefix, where an admin's
+    /// permissions reach).
+    pub fn signature_exchange(&self) -> String {
+        let slug = self.signature().replace('=', "").replace(' ', ".");
+        let name = format!("{}.layout.{slug}", self.prefix);
+        if name.len() <= 255 {
+            return name;
+        }
+        // FNV-1a: stable across builds and platforms
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in self.signature().bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        format!("{}.layout.h{h:016x}", self.prefix)
+    }
+
     /// Names of the [`Layout::signature`] keys, for error messages.
     pub fn signature_key_name(key: &str) -> &str {
         match key {

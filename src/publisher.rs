@@ -24,7 +24,7 @@ use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::batch::{self, Candidate, Limits};
-use crate::broker::{self, NOT_FOUND};
+use crate::broker::{self, ACCESS_REFUSED, NOT_FOUND};
 use crate::error::{Error, Result, ResultExt};
 use crate::headers;
 use crate::layout::Layout;
@@ -599,6 +599,17 @@ impl Inner {
             .await
         {
             Ok(()) => {}
+            // A publisher with least privilege may not bind (that needs read on the delivery
+            // exchange, which would let it bind a queue of its own there too): the admin's
+            // `declare --queue` bound the destination. It must exist, though.
+            Err(e) if broker::is_reply(&e, ACCESS_REFUSED) => {
+                *admin = None;
+                let conn = self.connection().await?;
+                if broker::queue_state(&conn, destination).await?.is_none() {
+                    return Err(Error::UnknownDestination(destination.into()));
+                }
+                tracing::debug!(%destination, "not allowed to bind the destination; relying on `declare --queue`");
+            }
             Err(e) => {
                 *admin = None; // the broker closed the channel
                 return match broker::reply(&e) {

@@ -1,6 +1,7 @@
 //! Broker I/O for the topology: declaring it (idempotently, refusing a different existing shape
 //! with a clear message), reading queue depths for `stats`, and deleting it.
 
+use futures::{StreamExt, TryStreamExt};
 use lapin::options::{
     ExchangeDeclareOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
@@ -8,8 +9,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ExchangeKind};
 
 use crate::broker::{
-    self, NOT_FOUND, PRECONDITION_FAILED, bind_queue, declare_exchange, declare_queue, open,
-    parse_inequivalent,
+    self, NOT_FOUND, PRECONDITION_FAILED, bind_queue, declare_exchange, open, parse_inequivalent,
 };
 use crate::control;
 use crate::error::{Error, Result, ResultExt};
@@ -63,6 +63,13 @@ impl Topology {
         let l = &self.layout;
         let ch = open(conn).await?;
         self.declare_marker(&ch).await?;
+        declare_exchange(
+            &ch,
+            &l.signature_exchange(),
+            ExchangeKind::Fanout,
+            FieldTable::default(),
+        )
+        .await?;
         control::declare(conn, l).await?;
 
         // Parking first: the delivery exchange's alternate exchange must exist before anything
@@ -75,7 +82,7 @@ impl Topology {
         )
         .await?;
         let parked = l.unroutable_queue();
-        declare_queue(&ch, &parked, self.parked_args()).await?;
+        broker::declare_queue_spread(conn, &parked, self.parked_args()).await?;
         bind_queue(&ch, &parked, &l.parking_exchange(), "").await?;
 
         let mut ae = FieldTable::default();
@@ -94,26 +101,14 @@ impl Topology {
             .await?;
         }
 
-        // Tier queues (declared concurrently on a few channels: quorum queue creation is slow).
+        // Tier queues, spread over the cluster's nodes (4 at a time: quorum queue creation is
+        // slow), so that no single node does all the dead-letter work.
         let tiers = l.tiers();
-        let chans = {
-            let mut v = vec![ch.clone()];
-            for _ in 1..4.min(tiers.len().max(1)) {
-                v.push(open(conn).await?);
-            }
-            v
-        };
-        let work = tiers.chunks(tiers.len().div_ceil(chans.len()).max(1));
-        futures::future::try_join_all(work.zip(chans.iter()).map(|(chunk, c)| async move {
-            for t in chunk {
-                declare_queue(c, &t.queue, self.tier_args(t)).await?;
-            }
-            Ok::<_, Error>(())
-        }))
-        .await?;
-        for c in chans.into_iter().skip(1) {
-            broker::close(&c, "declared").await;
-        }
+        futures::stream::iter(tiers.iter())
+            .map(|t| broker::declare_queue_spread(conn, &t.queue, self.tier_args(t)))
+            .buffer_unordered(4)
+            .try_collect::<Vec<()>>()
+            .await?;
 
         // Cascade bindings: digit d → its queue, digit 0 → next level down.
         for k in 0..l.levels() {
@@ -149,9 +144,7 @@ impl Topology {
         let created = match broker::queue_state(conn, queue).await? {
             Some(_) => false,
             None => {
-                let ch = open(conn).await?;
-                declare_queue(&ch, queue, self.consumed_queue_args()).await?;
-                broker::close(&ch, "declared").await;
+                broker::declare_queue_spread(conn, queue, self.consumed_queue_args()).await?;
                 true
             }
         };
@@ -165,6 +158,21 @@ impl Topology {
         .await?;
         broker::close(&ch, "declared").await;
         Ok(created)
+    }
+
+    /// Makes sure the parking queue of destination `queue` exists (a passive check first, so a
+    /// worker whose admin declared it needs no right to configure it).
+    pub async fn declare_parking(&self, conn: &Connection, queue: &str) -> Result<()> {
+        let name = self.layout.parked_queue(queue);
+        if name.len() > 255 {
+            return Err(Error::Invalid(format!(
+                "parking queue name for '{queue}' would be longer than 255 bytes"
+            )));
+        }
+        if broker::queue_state(conn, &name).await?.is_some() {
+            return Ok(());
+        }
+        broker::declare_queue_spread(conn, &name, self.parked_args()).await
     }
 
     /// Declares the batch marker of destination `queue`: publishers then send it batches, which
@@ -192,14 +200,31 @@ impl Topology {
     /// anything else. Used by publishers before their first message.
     pub async fn verify(&self, conn: &Connection) -> Result<()> {
         let l = &self.layout;
-        let marker = l.layout_marker();
-        if !broker::exchange_exists(conn, &marker).await? {
-            return Err(not_declared(l, ""));
+        // passive checks only: a publisher needs no right to configure anything
+        if !broker::exchange_exists(conn, &l.signature_exchange()).await? {
+            if !broker::exchange_exists(conn, &l.layout_marker()).await? {
+                return Err(not_declared(l, ""));
+            }
+            // declared with other settings: re-declaring the marker names the difference
+            // (when the user may; a refusal still says what is wrong)
+            let ch = open(conn).await?;
+            let r = self.declare_marker(&ch).await;
+            broker::close(&ch, "verified").await;
+            return Err(match r {
+                Err(e @ Error::Conflict(_)) => e,
+                _ => Error::Conflict(format!(
+                    "the topology under prefix '{}' was declared with other settings than these [{}]; use the original settings, or another --prefix",
+                    l.prefix(),
+                    l.signature()
+                )),
+            });
         }
-        let ch = open(conn).await?;
-        self.declare_marker(&ch).await?;
-        control::declare(conn, l).await?;
-        broker::close(&ch, "verified").await;
+        if broker::queue_state(conn, &l.control_stream())
+            .await?
+            .is_none()
+        {
+            return Err(not_declared(l, ": the control stream is missing"));
+        }
         // Fixed levels can be added to a topology later, so they are not in the signature:
         // check that every one this configuration may use exists.
         for &ms in l.fixed_ms() {
@@ -323,6 +348,7 @@ impl Topology {
         exchanges.push(l.delivery_exchange());
         exchanges.push(l.parking_exchange());
         exchanges.push(l.layout_marker());
+        exchanges.push(l.signature_exchange());
         let ch = open(conn).await?;
         for q in &queues {
             ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
@@ -344,7 +370,7 @@ impl Topology {
         let mut args = FieldTable::default();
         args.insert(
             "alternate-exchange".into(),
-            broker::long_string(&l.signature()),
+            broker::long_string(&l.signature_exchange()),
         );
         let opts = ExchangeDeclareOptions {
             durable: true,
@@ -358,7 +384,7 @@ impl Topology {
             Err(e) => match broker::reply(&e) {
                 Some((PRECONDITION_FAILED, text)) => {
                     let existing = parse_inequivalent(&text)
-                        .map(|i| i.current)
+                        .map(|i| signature_of(&i.current))
                         .unwrap_or_else(|| "(unknown)".into());
                     Err(Error::Conflict(format!(
                         "the topology under prefix '{}' was declared with other settings: {}. \
@@ -366,7 +392,7 @@ impl Topology {
                          Use the original settings, or another --prefix, or drain the old \
                          topology and remove it with `delay-publisher teardown`.",
                         l.prefix(),
-                        describe_differences(&existing, &l.signature()),
+                        describe_differences(&signature_of(&existing), &l.signature()),
                         l.signature()
                     )))
                 }
@@ -439,6 +465,25 @@ fn not_declared(l: &Layout, detail: &str) -> Error {
     }
 }
 
+/// The signature a signature exchange's name carries (`p.layout.r16.u1` → `r=16 u=1`), or the
+/// name as it is when it carries a hash (or an old marker's plain signature).
+fn signature_of(name: &str) -> String {
+    let Some(slug) = name.rsplit_once(".layout.").map(|(_, s)| s) else {
+        return name.to_string();
+    };
+    if slug.starts_with('h') && !slug.contains('.') {
+        return name.to_string();
+    }
+    slug.split('.')
+        .filter(|w| !w.is_empty())
+        .map(|w| {
+            let (k, v) = w.split_at(1);
+            format!("{k}={v}")
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// `radix=16 unit_ms=1` vs `radix=8 unit_ms=1` → `radix: 16 → 8`.
 fn describe_differences(existing: &str, wanted: &str) -> String {
     let parse = |s: &str| -> Vec<(String, String)> {
@@ -472,6 +517,22 @@ fn describe_differences(existing: &str, wanted: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn signature_exchanges_carry_the_signature() {
+        assert_eq!(
+            signature_of("p.x.layout.r16.u1.L8.o1x4294967296.tquorum.m-"),
+            "r=16 u=1 L=8 o=1x4294967296 t=quorum m=-"
+        );
+        let l = Layout::new("p.x", &crate::layout::TopologySettings::default()).unwrap();
+        assert_eq!(signature_of(&l.signature_exchange()), l.signature());
+        let long = Layout::new(
+            &"p".repeat(200),
+            &crate::layout::TopologySettings::default(),
+        )
+        .unwrap();
+        assert!(long.signature_exchange().len() <= 255);
+    }
 
     #[test]
     fn differences_are_named() {

@@ -38,6 +38,11 @@ enum Cmd {
         /// type, if missing) and is bound; repeatable
         #[arg(long = "queue", value_name = "QUEUE")]
         queues: Vec<String>,
+        /// The --queue destinations are consumed by delay-consumer (or a library Worker): also
+        /// declare their parking queues and batch markers (publishers then send them batches),
+        /// so that workers need no right to configure anything
+        #[arg(long, requires = "queues")]
+        worker: bool,
     },
     /// Schedule one message, or many from a JSONL file
     Send(SendArgs),
@@ -112,6 +117,10 @@ struct GatewayArgs {
     /// Existing exchange that receives the message when due, with its original routing key; one per --ingress
     #[arg(long, value_name = "EXCHANGE")]
     target: Vec<String>,
+    /// Only declare the topology and the pairs, then exit: an admin's step, after which the
+    /// gateway runs with least privilege (see README, "Security")
+    #[arg(long)]
+    declare_only: bool,
 }
 
 #[tokio::main]
@@ -156,7 +165,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             );
             Ok(0)
         }
-        Cmd::Declare { queues } => {
+        Cmd::Declare { queues, worker } => {
             let conn = Connector::new(&settings)?
                 .connect("amqp-delay declare")
                 .await?;
@@ -164,9 +173,18 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             topo.declare(&conn).await?;
             for q in &queues {
                 let created = topo.declare_destination(&conn, q).await?;
+                if worker {
+                    topo.declare_parking(&conn, q).await?;
+                    topo.declare_batch_marker(&conn, q).await?;
+                }
                 amqp_delay::outln!(
-                    "destination queue '{q}' {}",
-                    if created { "created" } else { "exists" }
+                    "destination queue '{q}' {}{}",
+                    if created { "created" } else { "exists" },
+                    if worker {
+                        ", with its parking queue and batch marker"
+                    } else {
+                        ""
+                    }
                 );
             }
             let _ = conn.close(200, "bye".into()).await;
@@ -281,7 +299,25 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                 settings.gateway =
                     GatewaySettings::from_flags(&a.ingress, &a.target).map_err(Error::Invalid)?;
             }
-            Gateway::new(settings)?.run(cli::shutdown_signal()).await?;
+            let gateway = Gateway::new(settings.clone())?;
+            if a.declare_only {
+                let conn = Connector::new(&settings)?
+                    .connect("amqp-delay gateway declare")
+                    .await?;
+                let r = gateway.declare(&conn).await;
+                let _ = conn.close(200, "bye".into()).await;
+                r?;
+                for p in gateway.pairs() {
+                    amqp_delay::outln!(
+                        "declared gateway pair '{}' -> '{}' under prefix '{}'",
+                        p.ingress,
+                        p.target,
+                        settings.prefix
+                    );
+                }
+                return Ok(0);
+            }
+            gateway.run(cli::shutdown_signal()).await?;
             Ok(0)
         }
         Cmd::Send(a) => {

@@ -293,8 +293,14 @@ impl Gateway {
     /// ingress and due queues and the binding; checks that every target exchange exists.
     /// Idempotent.
     pub async fn declare(&self, conn: &Connection) -> Result<()> {
-        Topology::new(self.layout.clone()).declare(conn).await?;
         let topology = Topology::new(self.layout.clone());
+        // an admin may have declared the topology already (the gateway then needs no right to
+        // configure it): only a missing one is declared here
+        match topology.verify(conn).await {
+            Ok(()) => {}
+            Err(Error::NotDeclared { .. }) => topology.declare(conn).await?,
+            Err(e) => return Err(e),
+        }
         let qargs = topology.consumed_queue_args();
         for p in &self.pairs {
             if !broker::exchange_exists(conn, &p.target).await? {
@@ -303,30 +309,48 @@ impl Gateway {
                     p.target
                 )));
             }
+            // What exists is used as it is (it may predate today's arguments, or have been
+            // declared by an admin with `gateway --declare-only`, so that the gateway itself
+            // needs no right to configure it).
             let ch = broker::open(conn).await?;
-            match broker::declare_exchange(
-                &ch,
-                &p.ingress,
-                ExchangeKind::Fanout,
-                FieldTable::default(),
-            )
-            .await
-            {
-                Err(Error::Conflict(text)) => {
-                    return Err(Error::Conflict(format!(
-                        "{text} (the plugin's x-delayed-message exchange?) Delete it once it is drained, or choose another ingress name"
-                    )));
+            if !broker::exchange_exists(conn, &p.ingress).await? {
+                match broker::declare_exchange(
+                    &ch,
+                    &p.ingress,
+                    ExchangeKind::Fanout,
+                    FieldTable::default(),
+                )
+                .await
+                {
+                    Err(Error::Conflict(text)) => {
+                        return Err(Error::Conflict(format!(
+                            "{text} (the plugin's x-delayed-message exchange?) Delete it once it is drained, or choose another ingress name"
+                        )));
+                    }
+                    other => other?,
                 }
-                other => other?,
             }
             for q in [&p.ingress_queue, &p.due_queue] {
-                // an existing queue is used as it is (it may predate these arguments)
                 if broker::queue_state(conn, q).await?.is_none() {
-                    broker::declare_queue(&ch, q, qargs.clone()).await?;
+                    broker::declare_queue_spread(conn, q, qargs.clone()).await?;
                 }
             }
             broker::bind_queue(&ch, &p.ingress_queue, &p.ingress, "").await?;
             broker::close(&ch, "declared").await;
+            // the due queue's binding on the delivery exchange needs read on that exchange,
+            // which a gateway with least privilege does not have: an admin's declare made it
+            match topology.declare_destination(conn, &p.due_queue).await {
+                Ok(_) => {}
+                Err(Error::Amqp { source, .. })
+                    if broker::is_reply(&source, broker::ACCESS_REFUSED) =>
+                {
+                    tracing::debug!(queue = %p.due_queue, "not allowed to bind the due queue; relying on `gateway --declare-only` by an admin");
+                }
+                Err(e) => return Err(e),
+            }
+            topology.declare_parking(conn, &p.due_queue).await?;
+            topology.declare_parking(conn, &p.ingress_queue).await?;
+            topology.declare_batch_marker(conn, &p.due_queue).await?;
             // so that `teardown` finds this pair's queues without a configuration
             let record = control::Record::GatewayPair {
                 ingress: p.ingress.clone(),

@@ -368,7 +368,7 @@ impl<H: Handler> Worker<H> {
             return Ok(None);
         }
         let ch = broker::open(conn).await?;
-        declare_parking(&ch, layout, q).await?;
+        declare_parking(conn, layout, q).await?;
         if let Err(e) = Topology::new(layout.clone())
             .declare_batch_marker(conn, q)
             .await
@@ -434,12 +434,6 @@ fn spawn_wait_for_queue(
     });
 }
 
-async fn declare_parking(ch: &Channel, layout: &Layout, q: &str) -> Result<()> {
-    let name = layout.parked_queue(q);
-    if name.len() > 255 {
-        return Err(Error::Invalid(format!(
-            "parking queue name for '{q}' would be longer than 255 bytes"
-        )));
-    }
-    broker::declare_queue(ch, &name, broker::queue_type_args(layout.queue_type())).await
+async fn declare_parking(conn: &Connection, layout: &Layout, q: &str) -> Result<()> {
+    Topology::new(layout.clone()).declare_parking(conn, q).await
 }

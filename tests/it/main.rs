@@ -10,5 +10,6 @@ mod core;
 mod gateway;
 mod harness;
 mod hostile;
+mod permissions;
 mod security;
 mod worker;
