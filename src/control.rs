@@ -41,6 +41,34 @@ pub enum Record {
         /// Unique per read.
         nonce: String,
     },
+    /// The message `id` must not run: no worker, gateway or relay executes or forwards it.
+    Cancel {
+        /// The cancelled message id.
+        id: String,
+        /// When the tombstone is forgotten: once the message can no longer fall due (its due
+        /// time, or the latest it could have, plus the retry horizon), ms since the epoch.
+        until_ms: u64,
+        /// Its due time, when the canceller knew it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        due_at_ms: Option<u64>,
+    },
+    /// Many cancels in one record (a bulk cancel): each `[id, until_ms]`.
+    Cancels {
+        /// The tombstones.
+        items: Vec<(String, u64)>,
+    },
+}
+
+impl Record {
+    /// The record as it travels (JSON).
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("records serialise")
+    }
+
+    /// A record read back; `None` for anything else (garbage, or a newer version's kind).
+    pub fn decode(body: &[u8]) -> Option<Record> {
+        serde_json::from_slice(body).ok()
+    }
 }
 
 /// How long reading up to a barrier may take.
@@ -73,7 +101,7 @@ pub async fn append(conn: &Connection, layout: &Layout, record: &Record) -> Resu
     ch.confirm_select(Default::default())
         .await
         .context(|| "enabling publisher confirms".into())?;
-    let body = serde_json::to_vec(record).expect("records serialise");
+    let body = record.encode();
     let confirm = ch
         .basic_publish(
             "".into(),

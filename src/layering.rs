@@ -21,6 +21,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("settings", 0),
     ("error", 0),
     ("broker", 1),
+    ("cancel", 1),
     ("connection", 1),
     ("control", 1),
     ("management", 1),

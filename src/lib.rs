@@ -42,6 +42,7 @@ pub mod time;
 
 // ---- broker edge ---------------------------------------------------------------------------
 pub mod broker;
+pub mod cancel;
 pub mod connection;
 mod control;
 pub mod management;

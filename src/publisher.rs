@@ -25,18 +25,22 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::batch::{self, Candidate, Limits};
 use crate::broker::{self, ACCESS_REFUSED, NOT_FOUND};
+use crate::cancel::{Cancelled, tombstone};
+use crate::control::Record;
 use crate::error::{Error, Result, ResultExt};
 use crate::headers;
 use crate::layout::Layout;
 use crate::message::{Message, Scheduled};
 use crate::planner::{self, Precision, Route};
-use crate::settings::{PublisherSettings, Settings};
+use crate::settings::{CancelSettings, PublisherSettings, Settings};
 use crate::time::now_ms;
 use crate::topology::Topology;
 
 /// Schedules messages. Cheap to share (`&Publisher` from many tasks); publishes are pipelined.
 pub struct Publisher {
     inner: Arc<Inner>,
+    /// What a cancel promises and how long its tombstone lives.
+    cancel: CancelSettings,
     /// Feeds the batcher task (`None` when batching is off).
     batcher: Option<mpsc::UnboundedSender<Vec<Prepared>>>,
     batcher_task: Option<tokio::task::JoinHandle<()>>,
@@ -88,21 +92,155 @@ impl Publisher {
         let layout = settings.layout()?;
         let connector = crate::connection::Connector::new(settings)?;
         let conn = Arc::new(connector.connect(CONNECTION_NAME).await?);
-        match Publisher::build(
+        let built = Publisher::build(
             conn.clone(),
             Some(connector),
             layout,
             settings.precision,
             settings.publisher.clone(),
         )
-        .await
-        {
-            Ok(p) => Ok(p),
+        .await;
+        match built {
+            Ok(p) => Ok(p.with_cancel_settings(settings.cancel.clone())),
             Err(e) => {
                 let _ = conn.close(200, "bye".into()).await;
                 Err(e)
             }
         }
+    }
+
+    /// Uses these cancel settings (the default: `cancel` of [`Settings::default`]).
+    pub fn with_cancel_settings(mut self, cancel: CancelSettings) -> Self {
+        self.cancel = cancel;
+        self
+    }
+
+    /// Cancels message `id`: records a tombstone in the control stream and returns once the
+    /// broker confirmed it. From then on no worker, gateway or relay runs or forwards the
+    /// message. With its due time (from [`Scheduled`]) the tombstone is forgotten sooner and the
+    /// answer says whether the cancel is certain to win (see [`crate::cancel`]).
+    pub async fn cancel(&self, id: &str, due_at_ms: Option<u64>) -> Result<Cancelled> {
+        if id.is_empty() || id.len() > 255 {
+            return Err(Error::Invalid("a message id is 1 to 255 bytes".into()));
+        }
+        let (record, verdict) = tombstone(
+            id,
+            due_at_ms,
+            now_ms(),
+            self.inner.layout.max_delay_ms(),
+            self.cancel.notice.as_millis(),
+            self.cancel.horizon.as_millis(),
+        );
+        let until_ms = match &record {
+            Record::Cancel { until_ms, .. } => *until_ms,
+            _ => 0,
+        };
+        let stream = self.inner.layout.control_stream();
+        self.inner
+            .publish_confirmed(
+                "",
+                &stream,
+                &record.encode(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .map_err(|e| match e {
+                Error::Returned { .. } => Error::NotDeclared {
+                    prefix: self.inner.layout.prefix().to_string(),
+                    detail: format!(": the control stream '{stream}' is missing"),
+                },
+                e => e,
+            })?;
+        Ok(Cancelled {
+            id: id.to_string(),
+            until_ms,
+            verdict,
+        })
+    }
+
+    /// [`Publisher::cancel`] of a message this publisher scheduled.
+    pub async fn cancel_scheduled(&self, s: &Scheduled) -> Result<Cancelled> {
+        self.cancel(&s.message_id, Some(s.due_at_ms)).await
+    }
+
+    /// Cancels many: up to 1,000 tombstones travel in one record of the control stream, a few
+    /// records awaiting their confirm at once. Results as they complete, with their tag.
+    pub fn cancel_all<'a, T: Send + 'a>(
+        &'a self,
+        items: impl Stream<Item = (T, String, Option<u64>)> + 'a,
+    ) -> impl Stream<Item = (T, Result<Cancelled>)> + 'a {
+        items
+            .ready_chunks(1_000)
+            .map(move |chunk| self.cancel_chunk(chunk))
+            .buffer_unordered(8)
+            .flat_map(futures::stream::iter)
+    }
+
+    async fn cancel_chunk<T>(
+        &self,
+        chunk: Vec<(T, String, Option<u64>)>,
+    ) -> Vec<(T, Result<Cancelled>)> {
+        let now = now_ms();
+        let mut out = Vec::with_capacity(chunk.len());
+        let mut good = Vec::new();
+        for (tag, id, due) in chunk {
+            if id.is_empty() || id.len() > 255 {
+                out.push((
+                    tag,
+                    Err(Error::Invalid("a message id is 1 to 255 bytes".into())),
+                ));
+                continue;
+            }
+            let (record, verdict) = tombstone(
+                &id,
+                due,
+                now,
+                self.inner.layout.max_delay_ms(),
+                self.cancel.notice.as_millis(),
+                self.cancel.horizon.as_millis(),
+            );
+            let until_ms = match record {
+                Record::Cancel { until_ms, .. } => until_ms,
+                _ => 0,
+            };
+            good.push((
+                tag,
+                Cancelled {
+                    id,
+                    until_ms,
+                    verdict,
+                },
+            ));
+        }
+        if good.is_empty() {
+            return out;
+        }
+        let record = Record::Cancels {
+            items: good
+                .iter()
+                .map(|(_, c)| (c.id.clone(), c.until_ms))
+                .collect(),
+        };
+        let stream = self.inner.layout.control_stream();
+        let r = self
+            .inner
+            .publish_confirmed(
+                "",
+                &stream,
+                &record.encode(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await;
+        for (tag, c) in good {
+            out.push((
+                tag,
+                match &r {
+                    Ok(()) => Ok(c),
+                    Err(e) => Err(e.duplicate()),
+                },
+            ));
+        }
+        out
     }
 
     /// Uses an existing connection (not closed by [`Publisher::close`]).
@@ -146,6 +284,7 @@ impl Publisher {
         };
         Ok(Publisher {
             inner,
+            cancel: CancelSettings::default(),
             batcher,
             batcher_task,
         })

@@ -84,6 +84,16 @@ impl RetryPolicy {
         c - off.min(c)
     }
 
+    /// How long after its first due time a message can still run: every attempt's handler
+    /// timeout and every backoff in between, at their longest.
+    pub fn horizon_ms(&self, handler_timeout_ms: u64) -> u64 {
+        let attempts = self.max_attempts.max(1);
+        let backoffs: u64 = (0..attempts - 1)
+            .map(|a| self.ceiling_ms(a))
+            .fold(0u64, u64::saturating_add);
+        backoffs.saturating_add(handler_timeout_ms.saturating_mul(u64::from(attempts)))
+    }
+
     /// Shortest possible backoff after execution `attempt` failed.
     pub fn floor_ms(&self, attempt: u32) -> u64 {
         self.backoff_ms(attempt, 1.0)
@@ -105,6 +115,16 @@ mod tests {
         assert_eq!(&seq[..4], &[1000, 2000, 4000, 8000]);
         assert_eq!(seq[13], 3_600_000);
         assert!(p.may_retry(3) && !p.may_retry(4));
+    }
+
+    #[test]
+    fn the_horizon_covers_every_attempt() {
+        let p = RetryPolicy {
+            jitter: 0.0,
+            ..RetryPolicy::default()
+        };
+        // 1 + 2 + 4 + 8 s of backoff, 5 × 5 min of handler time
+        assert_eq!(p.horizon_ms(300_000), 15_000 + 1_500_000);
     }
 
     #[test]

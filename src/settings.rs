@@ -43,6 +43,8 @@ pub struct Settings {
     pub consumer: ConsumerSettings,
     /// `x-delay` gateway pairs (`delay-publisher gateway`).
     pub gateway: GatewaySettings,
+    /// Cancelling scheduled messages.
+    pub cancel: CancelSettings,
 }
 
 impl Default for Settings {
@@ -57,6 +59,30 @@ impl Default for Settings {
             publisher: PublisherSettings::default(),
             consumer: ConsumerSettings::default(),
             gateway: GatewaySettings::default(),
+            cancel: CancelSettings::default(),
+        }
+    }
+}
+
+/// Cancelling scheduled messages (tombstones in the control stream).
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct CancelSettings {
+    /// The guarantee: a cancel confirmed at least this long before the message falls due is
+    /// always honoured. Every worker, gateway and relay syncs with the control stream before it
+    /// runs a message whenever its last sync is older than this.
+    pub notice: DurationMs,
+    /// How long after its due time a cancelled message may still arrive (retries, handler
+    /// timeouts, redeliveries): its tombstone is kept that long, then forgotten. At least the
+    /// consumer's retry horizon.
+    pub horizon: DurationMs,
+}
+
+impl Default for CancelSettings {
+    fn default() -> Self {
+        CancelSettings {
+            notice: DurationMs(1_000),
+            horizon: DurationMs(3_600_000),
         }
     }
 }
@@ -447,6 +473,22 @@ impl Settings {
         self.publisher.validate().map_err(SettingsError::Invalid)?;
         crate::endpoints::validate_urls(&self.url).map_err(SettingsError::Invalid)?;
         self.tls.validate().map_err(SettingsError::Invalid)?;
+        if self.cancel.notice.as_millis() == 0 {
+            return Err(SettingsError::Invalid(
+                "cancel.notice must be positive".into(),
+            ));
+        }
+        let horizon = self
+            .consumer
+            .retry
+            .horizon_ms(self.consumer.handler_timeout.as_millis());
+        if self.cancel.horizon.as_millis() < horizon {
+            return Err(SettingsError::Invalid(format!(
+                "cancel.horizon ({}) is shorter than a cancelled message can keep arriving with these retry settings ({}): raise it, or a retried message could run after its tombstone is forgotten",
+                self.cancel.horizon,
+                DurationMs(horizon)
+            )));
+        }
         Layout::new(&self.prefix, &self.topology)?;
         Ok(())
     }

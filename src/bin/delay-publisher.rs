@@ -46,6 +46,8 @@ enum Cmd {
     },
     /// Schedule one message, or many from a JSONL file
     Send(SendArgs),
+    /// Cancel scheduled messages by id: no worker, gateway or relay runs or forwards them
+    Cancel(CancelArgs),
     /// Message count of every tier queue and of the parking queue
     Stats {
         /// Print JSON instead of a table
@@ -104,6 +106,22 @@ struct SendArgs {
     /// With --jsonl: where to write the lines whose confirm was lost (they may have been delivered) [default: FILE.maybe-sent]
     #[arg(long, value_name = "FILE", requires = "jsonl")]
     maybe_sent: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+#[command(
+    after_help = "A cancel confirmed at least cancel.notice (1s) before the due time is always honoured; give --due-at (the `due_at` that `send` printed) to learn whether it is in time, and to let the tombstone be forgotten sooner."
+)]
+struct CancelArgs {
+    /// Message id to cancel
+    #[arg(long, required_unless_present = "jsonl", conflicts_with = "jsonl")]
+    id: Option<String>,
+    /// Its due time (ms since the epoch, as `send` printed it)
+    #[arg(long, requires = "id")]
+    due_at: Option<u64>,
+    /// Cancel one message per line of FILE ('-' for stdin): {"id": "...", "due_at": 1796...}
+    #[arg(long, value_name = "FILE")]
+    jsonl: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -320,6 +338,12 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             gateway.run(cli::shutdown_signal()).await?;
             Ok(0)
         }
+        Cmd::Cancel(a) => {
+            let publisher = Publisher::connect(&settings).await?;
+            let code = cancel(&publisher, a).await;
+            publisher.close().await;
+            code
+        }
         Cmd::Send(a) => {
             // a single message is checked before anything is connected
             let one = match a.jsonl {
@@ -336,6 +360,69 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             code
         }
     }
+}
+
+async fn cancel(p: &Publisher, a: CancelArgs) -> amqp_delay::Result<i32> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Line {
+        id: String,
+        #[serde(default)]
+        due_at: Option<u64>,
+    }
+    let show = |c: &amqp_delay::cancel::Cancelled| {
+        amqp_delay::outln!(
+            "{}",
+            serde_json::json!({"id": c.id, "until": c.until_ms, "verdict": c.verdict})
+        )
+    };
+    let Some(path) = a.jsonl else {
+        let id = a.id.unwrap_or_default();
+        let c = p.cancel(&id, a.due_at).await?;
+        show(&c);
+        return Ok(0);
+    };
+    let text = if path.as_os_str() == "-" {
+        let mut v = String::new();
+        tokio::io::AsyncReadExt::read_to_string(&mut tokio::io::stdin(), &mut v)
+            .await
+            .map_err(|e| Error::Invalid(format!("reading stdin: {e}")))?;
+        v
+    } else {
+        tokio::fs::read_to_string(&path)
+            .await
+            .map_err(|e| Error::Invalid(format!("cannot read {}: {e}", path.display())))?
+    };
+    let mut failed = 0u64;
+    let mut items = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<Line>(line) {
+            Ok(l) => items.push((n + 1, l.id, l.due_at)),
+            Err(e) => {
+                eprintln!("line {}: not a cancel request: {e}", n + 1);
+                failed += 1;
+            }
+        }
+    }
+    let mut done = 0u64;
+    let mut results = std::pin::pin!(p.cancel_all(futures::stream::iter(items)));
+    while let Some((n, r)) = futures::StreamExt::next(&mut results).await {
+        match r {
+            Ok(c) => {
+                done += 1;
+                show(&c);
+            }
+            Err(e) => {
+                failed += 1;
+                eprintln!("line {n}: {}", cli::chain(&e));
+            }
+        }
+    }
+    eprintln!("{done} cancelled, {failed} failed");
+    Ok(if failed > 0 { EXIT_FAILURES } else { 0 })
 }
 
 /// The message of a single `send`, checked (every rule the publisher applies but the broker's).

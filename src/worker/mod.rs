@@ -28,6 +28,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 
 use crate::broker;
+use crate::cancel::Cancellations;
 use crate::envelope::Delivery;
 use crate::error::{Error, Result, ResultExt};
 use crate::layout::Layout;
@@ -98,6 +99,8 @@ pub struct Counters {
     pub redelivered: AtomicU64,
     /// Batches received (their members are counted in the other counters).
     pub batches: AtomicU64,
+    /// Messages acked without running because they were cancelled.
+    pub cancelled: AtomicU64,
 }
 
 /// Runs handlers over destination queues.
@@ -213,7 +216,7 @@ impl<H: Handler> Worker<H> {
         )
         .await
         {
-            Ok(p) => Arc::new(p),
+            Ok(p) => Arc::new(p.with_cancel_settings(s.cancel.clone())),
             Err(e @ (Error::Amqp { .. } | Error::Connect { .. } | Error::Timeout { .. })) => {
                 return Ok(SessionEnd::Lost(e));
             }
@@ -229,7 +232,23 @@ impl<H: Handler> Worker<H> {
                 tracing::warn!(queue = %q, "the queue is gone; consuming the others and waiting for it");
             }
         }
+        // cancellations first: nothing runs before every tombstone so far has been read
+        let cancels = match Cancellations::follow(
+            conn,
+            layout,
+            Duration::from_millis(s.cancel.notice.as_millis()),
+            s.cancel.horizon.as_millis(),
+        )
+        .await
+        {
+            Ok(c) => Arc::new(c),
+            Err(e @ (Error::Amqp { .. } | Error::Timeout { .. })) => {
+                return Ok(SessionEnd::Lost(e));
+            }
+            Err(e) => return Err(e),
+        };
         let ctx = Arc::new(process::TaskCtx {
+            cancels,
             publisher: publisher.clone(),
             settings: cs.clone(),
             layout: layout.clone(),

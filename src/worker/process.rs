@@ -13,6 +13,7 @@ use tokio::sync::Semaphore;
 
 use super::{Context, Counters, Handler, Outcome};
 use crate::batch;
+use crate::cancel::Cancellations;
 use crate::envelope::{self, Delivery};
 use crate::error::{Error, Result};
 use crate::headers;
@@ -24,6 +25,8 @@ use crate::time::now_ms;
 
 /// What every delivery task shares.
 pub(super) struct TaskCtx {
+    /// The control stream's tombstones.
+    pub cancels: Arc<Cancellations>,
     pub publisher: Arc<Publisher>,
     pub settings: ConsumerSettings,
     pub layout: Layout,
@@ -46,6 +49,8 @@ enum Done {
     PutBack(String),
     /// The worker is stopping and the handler had not started.
     NotStarted,
+    /// Cancelled: acked without running.
+    Cancelled,
 }
 
 /// Handles one delivery from `queue`: a batch member by member, a plain message as itself;
@@ -219,6 +224,15 @@ async fn one<H: Handler>(
     if may_skip && ctx.stopping.load(Ordering::Relaxed) {
         return Ok((d, Done::NotStarted));
     }
+    // every cancel confirmed `cancel.notice` ago has been read before anything runs; if the
+    // stream cannot be read, the message waits (it goes back to the queue)
+    ctx.cancels.sync_if_stale().await?;
+    if ctx.cancels.is_cancelled(&d.message_id) {
+        ctx.cancels.fell_due(&d.message_id, d.due_at_ms);
+        ctx.counters.cancelled.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(queue = %d.queue, id = %d.message_id, attempt = d.attempt, "cancelled: acked without running");
+        return Ok((d, Done::Cancelled));
+    }
     let timeout = Duration::from_millis(ctx.settings.handler_timeout.as_millis());
     let hold = Duration::from_millis(ctx.settings.requeue_hold.as_millis());
     let hctx = Context {
@@ -243,6 +257,9 @@ async fn one<H: Handler>(
             other => break other,
         }
     };
+    if !matches!(outcome, Outcome::Requeue(_)) {
+        ctx.cancels.executed(&d.message_id);
+    }
     let done = match outcome {
         Outcome::Success => {
             ctx.counters.succeeded.fetch_add(1, Ordering::Relaxed);

@@ -5,6 +5,7 @@
 mod actions;
 mod batching;
 mod bench_smoke;
+mod cancel;
 mod cli;
 mod core;
 mod gateway;
