@@ -34,6 +34,14 @@ pub struct GlobalArgs {
     /// TOML configuration file (see README, "Configuration"); AMQP_DELAY_* variables override it
     #[arg(long, short = 'c', global = true, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// Serve /metrics, /healthz and /readyz on HOST:PORT (worker, gateway, relay) [config: metrics_addr]
+    #[arg(
+        long,
+        global = true,
+        value_name = "HOST:PORT",
+        env = "AMQP_DELAY_METRICS_ADDR"
+    )]
+    pub metrics_addr: Option<String>,
     /// Log lines as readable text or as JSON objects (for log collectors)
     #[arg(
         long,
@@ -54,6 +62,9 @@ impl GlobalArgs {
         }
         if let Some(p) = &self.prefix {
             s.prefix = p.clone();
+        }
+        if let Some(m) = &self.metrics_addr {
+            s.metrics_addr = Some(m.clone());
         }
         s.validate()?;
         Ok(s)
@@ -138,6 +149,20 @@ pub fn fail(e: &dyn std::error::Error, code: i32) -> ! {
 }
 
 pub use crate::error::chain;
+
+/// Starts the metrics endpoint when `settings.metrics_addr` asks for one (failing to bind is a
+/// usage error).
+pub async fn start_metrics(settings: &Settings) -> crate::error::Result<()> {
+    if let Some(addr) = settings.metrics_addr.as_deref().filter(|a| !a.is_empty()) {
+        crate::observe::serve(
+            addr,
+            settings,
+            std::time::Duration::from_millis(settings.metrics_sample.as_millis()),
+        )
+        .await?;
+    }
+    Ok(())
+}
 
 /// Completes on SIGINT or SIGTERM (what the long-running commands stop on).
 pub async fn shutdown_signal() {

@@ -16,6 +16,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("endpoints", 0),
     ("envelope", 0),
     ("message", 0),
+    ("metrics", 0),
     ("retry", 0),
     ("jsonl", 0),
     ("settings", 0),
@@ -32,6 +33,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("actions", 2),
     ("admin", 2),
     ("bulk", 2),
+    ("observe", 2),
     ("cli", 3),
     ("layering", 3),
 ];

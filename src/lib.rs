@@ -35,6 +35,7 @@ pub mod headers;
 pub mod jsonl;
 pub mod layout;
 mod message;
+pub mod metrics;
 pub mod planner;
 mod retry;
 pub mod settings;
@@ -55,6 +56,7 @@ pub mod actions;
 pub mod admin;
 pub mod bulk;
 pub mod gateway;
+pub mod observe;
 
 // ---- shared by the binaries ----------------------------------------------------------------
 pub mod cli;

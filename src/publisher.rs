@@ -540,6 +540,11 @@ impl Inner {
         };
         let count = members.len();
         let mut out = Vec::with_capacity(count);
+        if result.is_ok() {
+            let m = crate::metrics::global();
+            m.broker_messages.inc();
+            m.scheduled.inc_by(count as u64);
+        }
         for m in members {
             let r = match &result {
                 Ok(route) => Ok(Scheduled {
@@ -620,11 +625,13 @@ impl Inner {
                 source,
             })?;
         if confirm.is_nack() {
+            crate::metrics::global().nacks.inc();
             return Err(Error::Nacked {
                 exchange: exchange.into(),
             });
         }
         if let Some(ret) = confirm.take_message() {
+            crate::metrics::global().returns.inc();
             return Err(Error::Returned {
                 exchange: exchange.into(),
                 routing_key: routing_key.into(),

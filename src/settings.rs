@@ -31,6 +31,11 @@ pub struct Settings {
     pub management_url: Option<String>,
     /// TLS for `amqps://` URLs: extra CA certificates, client certificate.
     pub tls: TlsSettings,
+    /// Where long-running commands (worker, gateway, relay) serve `/metrics`, `/healthz` and
+    /// `/readyz` (`HOST:PORT`); off when empty.
+    pub metrics_addr: Option<String>,
+    /// How often the tier depths are sampled into the metrics.
+    pub metrics_sample: DurationMs,
     /// Prefix of every exchange and queue name we create.
     pub prefix: String,
     /// Shape of the tier topology.
@@ -53,6 +58,8 @@ impl Default for Settings {
             url: DEFAULT_URL.into(),
             management_url: None,
             tls: TlsSettings::default(),
+            metrics_addr: None,
+            metrics_sample: DurationMs(15_000),
             prefix: DEFAULT_PREFIX.into(),
             topology: TopologySettings::default(),
             precision: Precision::default(),

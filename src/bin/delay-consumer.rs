@@ -151,6 +151,9 @@ async fn main() {
             }
         }
     }
+    if let Err(e) = cli::start_metrics(&s).await {
+        cli::fail(&e, EXIT_USAGE);
+    }
     if let Err(e) = worker.run(cli::shutdown_signal()).await {
         cli::fail(&e, EXIT_FAILURES);
     }

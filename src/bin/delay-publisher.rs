@@ -335,6 +335,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                 }
                 return Ok(0);
             }
+            cli::start_metrics(&settings).await?;
             gateway.run(cli::shutdown_signal()).await?;
             Ok(0)
         }

@@ -276,6 +276,7 @@ impl<H: Handler> Worker<H> {
             concurrency = cs.concurrency,
             "worker consuming"
         );
+        crate::metrics::global().connected.set(1);
         let mut tasks = JoinSet::new();
         let end = loop {
             while tasks.try_join_next().is_some() {}
@@ -324,6 +325,7 @@ impl<H: Handler> Worker<H> {
                 },
             }
         };
+        crate::metrics::global().connected.set(0);
         if let SessionEnd::Stopped = end {
             ctx.stopping.store(true, Ordering::Relaxed);
             for (ch, tag) in channels.iter().flatten() {

@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::headers;
 use crate::layout::Layout;
 use crate::message::Message;
+use crate::metrics::Metrics;
 use crate::publisher::Publisher;
 use crate::settings::ConsumerSettings;
 use crate::time::now_ms;
@@ -100,7 +101,9 @@ pub(super) async fn delivery<H: Handler>(
                 );
                 let reason = format!("invalid batch: {reason}");
                 tracing::warn!(queue, id = %d.message_id, %reason, "parking an unreadable batch");
-                let r = park(&d, &reason, ctx).await.map(|()| Done::Parked);
+                let r = park(&d, &reason, "invalid", ctx)
+                    .await
+                    .map(|()| Done::Parked);
                 settle(acker, queue, &d.message_id, r.map(|_| ())).await;
                 return;
             }
@@ -212,7 +215,11 @@ async fn one<H: Handler>(
     let (d, invalid) = decoded;
     if let Some(reason) = invalid {
         tracing::warn!(queue = %d.queue, id = %d.message_id, %reason, "parking a message with an invalid envelope");
-        park(&d, &reason, ctx).await?;
+        crate::metrics::global()
+            .delivered
+            .get_or_create(&Metrics::queue(&d.queue))
+            .inc();
+        park(&d, &reason, "invalid", ctx).await?;
         return Ok((d, Done::Parked));
     }
     let permits = if handler.io_bound() {
@@ -226,10 +233,14 @@ async fn one<H: Handler>(
     }
     // every cancel confirmed `cancel.notice` ago has been read before anything runs; if the
     // stream cannot be read, the message waits (it goes back to the queue)
+    let metrics = crate::metrics::global();
+    let label = Metrics::queue(&d.queue);
+    metrics.delivered.get_or_create(&label).inc();
     ctx.cancels.sync_if_stale().await?;
     if ctx.cancels.is_cancelled(&d.message_id) {
         ctx.cancels.fell_due(&d.message_id, d.due_at_ms);
         ctx.counters.cancelled.fetch_add(1, Ordering::Relaxed);
+        metrics.cancelled.get_or_create(&label).inc();
         tracing::info!(queue = %d.queue, id = %d.message_id, attempt = d.attempt, "cancelled: acked without running");
         return Ok((d, Done::Cancelled));
     }
@@ -240,6 +251,14 @@ async fn one<H: Handler>(
     };
     let held = Instant::now();
     let mut pause = Duration::from_millis(250);
+    if let Some(due) = d.due_at_ms {
+        let late = now_ms().saturating_sub(due);
+        metrics
+            .lateness
+            .get_or_create(&label)
+            .observe(late as f64 / 1000.0);
+    }
+    metrics.in_flight.inc();
     let outcome = loop {
         let outcome = match tokio::time::timeout(timeout, handler.handle(&d, &hctx)).await {
             Ok(o) => o,
@@ -257,12 +276,18 @@ async fn one<H: Handler>(
             other => break other,
         }
     };
+    metrics.in_flight.dec();
+    metrics
+        .handler_duration
+        .get_or_create(&label)
+        .observe(held.elapsed().as_secs_f64());
     if !matches!(outcome, Outcome::Requeue(_)) {
         ctx.cancels.executed(&d.message_id);
     }
     let done = match outcome {
         Outcome::Success => {
             ctx.counters.succeeded.fetch_add(1, Ordering::Relaxed);
+            metrics.executed.get_or_create(&label).inc();
             Done::Succeeded
         }
         Outcome::Retry(reason) if ctx.settings.retry.may_retry(d.attempt) => {
@@ -276,11 +301,11 @@ async fn one<H: Handler>(
                 "gave up after {} attempts; last error: {reason}",
                 d.attempt + 1
             );
-            park(&d, &why, ctx).await?;
+            park(&d, &why, "exhausted", ctx).await?;
             Done::Parked
         }
         Outcome::Permanent(reason) => {
-            park(&d, &reason, ctx).await?;
+            park(&d, &reason, "permanent", ctx).await?;
             Done::Parked
         }
         Outcome::Requeue(reason) => Done::PutBack(reason),
@@ -306,12 +331,16 @@ async fn reschedule(
         .internal();
     ctx.publisher.schedule(msg).await?;
     ctx.counters.retried.fetch_add(1, Ordering::Relaxed);
+    crate::metrics::global()
+        .retried
+        .get_or_create(&Metrics::queue(&d.queue))
+        .inc();
     tracing::info!(queue = %d.queue, id = %d.message_id, attempt = d.attempt, delay_ms = delay, %reason, "retry scheduled");
     Ok(())
 }
 
 /// Parks a copy of `d` in its queue's parking queue with the reason, confirmed.
-async fn park(d: &Delivery, reason: &str, ctx: &TaskCtx) -> Result<()> {
+async fn park(d: &Delivery, reason: &str, kind: &str, ctx: &TaskCtx) -> Result<()> {
     let empty = FieldTable::default();
     let mut h = headers::strip_death(d.headers().unwrap_or(&empty));
     h.insert(
@@ -336,6 +365,7 @@ async fn park(d: &Delivery, reason: &str, ctx: &TaskCtx) -> Result<()> {
         .publish_confirmed("", &target, &d.body, props)
         .await?;
     ctx.counters.parked.fetch_add(1, Ordering::Relaxed);
+    crate::metrics::global().park(&d.queue, kind);
     tracing::warn!(queue = %d.queue, id = %d.message_id, parked_in = %target, %reason, "message parked");
     Ok(())
 }

@@ -11,6 +11,7 @@ mod core;
 mod gateway;
 mod harness;
 mod hostile;
+mod observe;
 mod permissions;
 mod security;
 mod worker;

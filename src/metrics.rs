@@ -1,0 +1,231 @@
+//! What the process counts, in Prometheus' model (the `prometheus-client` crate): one registry per
+//! process ([`global`]), shared by its publishers, workers, gateways and relays, served as text by
+//! the `/metrics` endpoint. Names follow Prometheus' conventions: `amqp_delay_` prefix, `_total`
+//! counters, base units (`_seconds`). No I/O here.
+//!
+//! For one topology the counters add up: every message a publisher scheduled (`scheduled`) ends
+//! up executed, parked, cancelled or still waiting — retried ones wait again —, and every
+//! message delivered to a worker (`delivered`) is executed, retried, parked or cancelled.
+
+use std::sync::OnceLock;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// A destination queue.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabel {
+    /// The queue name.
+    pub queue: String,
+}
+
+/// A destination queue and why a message was parked there.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ParkedLabel {
+    /// The queue name.
+    pub queue: String,
+    /// `permanent` (the handler said so), `exhausted` (last attempt failed), `invalid`
+    /// (unreadable envelope or batch), `unroutable` (a gateway target or relay queue is missing).
+    pub reason: String,
+}
+
+/// A tier (or parking) queue's depth.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TierLabel {
+    /// The queue name.
+    pub queue: String,
+    /// `cascade`, `fixed`, `overflow` or `parked`.
+    pub kind: String,
+}
+
+/// Every metric of the process.
+pub struct Metrics {
+    registry: Registry,
+    /// Messages a publisher scheduled (confirmed by the broker).
+    pub scheduled: Counter,
+    /// Broker messages published into the tiers (a batch counts once).
+    pub broker_messages: Counter,
+    /// Publishes the broker refused (nack).
+    pub nacks: Counter,
+    /// Publishes the broker returned as unroutable.
+    pub returns: Counter,
+    /// Messages delivered to a worker (batch members counted one by one).
+    pub delivered: Family<QueueLabel, Counter>,
+    /// Handlers that succeeded.
+    pub executed: Family<QueueLabel, Counter>,
+    /// Retries scheduled through the tiers.
+    pub retried: Family<QueueLabel, Counter>,
+    /// Messages parked, by reason.
+    pub parked: Family<ParkedLabel, Counter>,
+    /// Messages acked without running because they were cancelled.
+    pub cancelled: Family<QueueLabel, Counter>,
+    /// Due time → handler start, in seconds.
+    pub lateness: Family<QueueLabel, Histogram>,
+    /// Handler run time, in seconds.
+    pub handler_duration: Family<QueueLabel, Histogram>,
+    /// Handlers running now.
+    pub in_flight: Gauge,
+    /// Broker messages in each tier and parking queue (ready + held when the management API
+    /// answers), sampled periodically.
+    pub tier_messages: Family<TierLabel, Gauge>,
+    /// 1 while connected and consuming, 0 while (re)connecting.
+    pub connected: Gauge,
+}
+
+/// Lateness buckets: 1 ms to 5 min.
+const LATENESS_BUCKETS: [f64; 16] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+/// Handler duration buckets: 1 ms to 10 min.
+const DURATION_BUCKETS: [f64; 14] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0, 300.0, 600.0,
+];
+
+impl Metrics {
+    fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("amqp_delay");
+        let lateness = Family::<QueueLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(LATENESS_BUCKETS)
+        });
+        let handler_duration = Family::<QueueLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(DURATION_BUCKETS)
+        });
+        let m = Metrics {
+            scheduled: Counter::default(),
+            broker_messages: Counter::default(),
+            nacks: Counter::default(),
+            returns: Counter::default(),
+            delivered: Family::default(),
+            executed: Family::default(),
+            retried: Family::default(),
+            parked: Family::default(),
+            cancelled: Family::default(),
+            lateness,
+            handler_duration,
+            in_flight: Gauge::default(),
+            tier_messages: Family::default(),
+            connected: Gauge::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "scheduled",
+            "Messages scheduled (confirmed by the broker)",
+            m.scheduled.clone(),
+        );
+        registry.register(
+            "broker_messages",
+            "Broker messages published into the tiers (a batch counts once)",
+            m.broker_messages.clone(),
+        );
+        registry.register(
+            "broker_nacks",
+            "Publishes the broker refused",
+            m.nacks.clone(),
+        );
+        registry.register(
+            "broker_returns",
+            "Publishes the broker returned as unroutable",
+            m.returns.clone(),
+        );
+        registry.register(
+            "delivered",
+            "Messages delivered to a worker",
+            m.delivered.clone(),
+        );
+        registry.register("executed", "Handlers that succeeded", m.executed.clone());
+        registry.register(
+            "retried",
+            "Retries scheduled through the tiers",
+            m.retried.clone(),
+        );
+        registry.register("parked", "Messages parked, by reason", m.parked.clone());
+        registry.register(
+            "cancelled",
+            "Messages acked without running because they were cancelled",
+            m.cancelled.clone(),
+        );
+        registry.register_with_unit(
+            "lateness",
+            "Time from a message's due time to its handler's start",
+            prometheus_client::registry::Unit::Seconds,
+            m.lateness.clone(),
+        );
+        registry.register_with_unit(
+            "handler_duration",
+            "Time a handler ran",
+            prometheus_client::registry::Unit::Seconds,
+            m.handler_duration.clone(),
+        );
+        registry.register("in_flight", "Handlers running now", m.in_flight.clone());
+        registry.register(
+            "tier_messages",
+            "Broker messages in each tier and parking queue (ready + held when the management API answers)",
+            m.tier_messages.clone(),
+        );
+        registry.register(
+            "connected",
+            "1 while connected to the broker and consuming, 0 while (re)connecting",
+            m.connected.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+
+    /// The label of `queue`.
+    pub fn queue(queue: &str) -> QueueLabel {
+        QueueLabel {
+            queue: queue.to_string(),
+        }
+    }
+
+    /// Counts a parked message.
+    pub fn park(&self, queue: &str, reason: &str) {
+        self.parked
+            .get_or_create(&ParkedLabel {
+                queue: queue.to_string(),
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+}
+
+/// The process's metrics.
+pub fn global() -> &'static Metrics {
+    static METRICS: OnceLock<Metrics> = OnceLock::new();
+    METRICS.get_or_init(Metrics::new)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_prometheus_conventions() {
+        let m = Metrics::new();
+        m.scheduled.inc();
+        m.lateness
+            .get_or_create(&Metrics::queue("q"))
+            .observe(0.002);
+        m.park("q", "permanent");
+        let text = m.encode();
+        for name in [
+            "amqp_delay_scheduled_total 1",
+            "amqp_delay_lateness_seconds_bucket{le=\"0.0025\",queue=\"q\"} 1",
+            "amqp_delay_parked_total{queue=\"q\",reason=\"permanent\"} 1",
+            "# TYPE amqp_delay_connected gauge",
+        ] {
+            assert!(text.contains(name), "{name} missing in:\n{text}");
+        }
+    }
+}

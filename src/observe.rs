@@ -1,0 +1,113 @@
+//! What operators watch: an HTTP endpoint (axum) on `metrics_addr` serving `/metrics`
+//! (Prometheus/OpenMetrics text of [`crate::metrics::global`]), `/healthz` (the process is alive)
+//! and `/readyz` (connected to the broker and consuming; unready while reconnecting), plus a
+//! sampler that reads every tier's depth periodically into `amqp_delay_tier_messages`.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+
+use crate::admin;
+use crate::connection::Connector;
+use crate::error::{Error, Result};
+use crate::metrics::{self, TierLabel};
+use crate::settings::Settings;
+use crate::topology::Topology;
+
+async fn metrics_text() -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        metrics::global().encode(),
+    )
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz() -> (StatusCode, &'static str) {
+    if metrics::global().connected.get() == 1 {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not connected to the broker\n",
+        )
+    }
+}
+
+/// Starts serving the endpoints on `addr` and, every `sample` (if not zero), sampling the tier
+/// depths of `settings`' topology on a connection of its own. Returns the bound address (port 0
+/// picks a free one); both run until the process ends.
+pub async fn serve(addr: &str, settings: &Settings, sample: Duration) -> Result<SocketAddr> {
+    let addr: SocketAddr = addr
+        .parse()
+        .map_err(|e| Error::Invalid(format!("metrics address '{addr}': {e} (use HOST:PORT)")))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::Invalid(format!("cannot listen on {addr} for metrics: {e}")))?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| Error::Invalid(format!("metrics listener: {e}")))?;
+    let app = Router::new()
+        .route("/metrics", get(metrics_text))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz));
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!("the metrics endpoint stopped: {e}");
+        }
+    });
+    if !sample.is_zero() {
+        tokio::spawn(sample_tiers(settings.clone(), sample));
+    }
+    tracing::info!(%bound, "serving /metrics, /healthz and /readyz");
+    Ok(bound)
+}
+
+/// Reads every tier's depth every `every` into `amqp_delay_tier_messages` (ready + held when the
+/// management API answers, ready only otherwise). Errors are logged and the next round tries
+/// again.
+async fn sample_tiers(settings: Settings, every: Duration) {
+    let Ok(layout) = settings.layout() else {
+        return;
+    };
+    let Ok(connector) = Connector::new(&settings) else {
+        return;
+    };
+    let topology = Topology::new(layout);
+    let mut conn = None;
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tick.tick().await;
+        if conn
+            .as_ref()
+            .is_none_or(|c: &lapin::Connection| !c.status().connected())
+        {
+            conn = connector.connect("amqp-delay metrics").await.ok();
+        }
+        let Some(c) = conn.as_ref() else { continue };
+        let management = admin::management(&settings).await;
+        match topology.stats_with(c, management.as_ref()).await {
+            Ok(stats) => {
+                let g = &metrics::global().tier_messages;
+                for s in stats {
+                    let label = TierLabel {
+                        queue: s.queue,
+                        kind: s.kind.to_string(),
+                    };
+                    g.get_or_create(&label)
+                        .set(i64::try_from(s.messages).unwrap_or(i64::MAX));
+                }
+            }
+            Err(e) => tracing::debug!("sampling tier depths: {e}"),
+        }
+    }
+}
