@@ -49,7 +49,13 @@ pub async fn teardown(
     let topology = Topology::new(layout.clone());
     if !force {
         let stats = topology.stats_with(conn, management).await?;
-        let mut held: u64 = stats.iter().map(|s| s.messages).sum();
+        // tiers and the unroutable queue go with the topology; destinations' parking queues stay
+        let unroutable = layout.unroutable_queue();
+        let mut held: u64 = stats
+            .iter()
+            .filter(|s| s.kind != "parked" || s.queue == unroutable)
+            .map(|s| s.messages)
+            .sum();
         let infos = match management {
             Some(m) => Some(m.queues(&format!("{}.", layout.prefix())).await?),
             None => None,

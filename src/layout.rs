@@ -295,6 +295,24 @@ impl Layout {
     pub fn fixed_ms(&self) -> &[u64] {
         &self.fixed_ms
     }
+    /// The longest a message waiting in tier `kind` can still take to fall due: what remains
+    /// of its tier's TTL plus every tier it may visit after (for `stats`' "due within").
+    /// Batches fire within their members' budgets, so this bounds them too.
+    pub fn due_within_ms(&self, kind: TierKind) -> u64 {
+        let after_top = self.cascade_max_ms().min(self.max_delay_ms);
+        match kind {
+            TierKind::Cascade { level, digit } => {
+                (u64::from(digit) + 1) * self.level_weight_ms(level) - self.unit_ms
+            }
+            TierKind::Fixed { ttl_ms } => {
+                ttl_ms + after_top.min(self.max_delay_ms - ttl_ms.min(self.max_delay_ms))
+            }
+            TierKind::Overflow { index } => {
+                u64::from(self.overflow_count - index + 1) * self.overflow_ttl_ms + after_top
+            }
+        }
+    }
+
     /// Weight of one digit at `level`: `radix^level · unit` ms.
     pub fn level_weight_ms(&self, level: u32) -> u64 {
         u64::from(self.radix).pow(level) * self.unit_ms
@@ -598,5 +616,35 @@ impl fmt::Display for Layout {
             self.max_delay_ms,
             self.queue_type,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_tier_bounds_when_its_messages_fall_due() {
+        let t = TopologySettings {
+            radix: 4,
+            unit_ms: 1,
+            max_delay: DurationMs(1_500),
+            fixed_levels: vec![DurationMs(150)],
+            fixed_shards: 1,
+            queue_type: QueueType::Quorum,
+            max_tier_length: None,
+            max_tier_ttl_ms: 200,
+        };
+        let l = Layout::new("p", &t).unwrap();
+        // level 1, digit 2: 8..=11 ms of delay left when it enters
+        assert_eq!(
+            l.due_within_ms(TierKind::Cascade { level: 1, digit: 2 }),
+            11
+        );
+        for tier in l.tiers() {
+            let within = l.due_within_ms(tier.kind);
+            assert!(within >= tier.ttl_ms, "{tier:?}");
+            assert!(within <= l.max_delay_ms() + l.cascade_max_ms(), "{tier:?}");
+        }
     }
 }

@@ -44,6 +44,8 @@ pub struct QueueStat {
     pub leader: Option<String>,
     /// The queue does not exist (`delay-publisher declare` re-creates it).
     pub missing: bool,
+    /// Every message in this tier falls due within this many ms (none for parking queues).
+    pub due_within_ms: Option<u64>,
 }
 
 impl Topology {
@@ -253,7 +255,7 @@ impl Topology {
         management: Option<&crate::management::Management>,
     ) -> Result<Vec<QueueStat>> {
         let l = &self.layout;
-        let mut queues: Vec<(String, &'static str, Option<u64>)> = l
+        let mut queues: Vec<(String, &'static str, Option<u64>, Option<u64>)> = l
             .tiers()
             .into_iter()
             .map(|t| {
@@ -262,21 +264,33 @@ impl Topology {
                     TierKind::Fixed { .. } => "fixed",
                     TierKind::Overflow { .. } => "overflow",
                 };
-                (t.queue, kind, Some(t.ttl_ms))
+                let within = l.due_within_ms(t.kind);
+                (t.queue, kind, Some(t.ttl_ms), Some(within))
             })
             .collect();
-        queues.push((l.unroutable_queue(), "parked", None));
+        queues.push((l.unroutable_queue(), "parked", None, None));
         let infos = match management {
             Some(m) => Some(m.queues(&format!("{}.", l.prefix())).await?),
             None => None,
         };
         let mut out = Vec::with_capacity(queues.len());
         let mut ch: Option<Channel> = None;
-        for (queue, kind, ttl_ms) in queues {
+        // with the management API, every parking queue of a destination too
+        if let Some(infos) = infos.as_ref() {
+            let parked_prefix = format!("{}.parked.", l.prefix());
+            let mut extra: Vec<&String> = infos
+                .keys()
+                .filter(|n| n.starts_with(&parked_prefix))
+                .collect();
+            extra.sort();
+            queues.extend(extra.into_iter().map(|n| (n.clone(), "parked", None, None)));
+        }
+        for (queue, kind, ttl_ms, due_within_ms) in queues {
             let mut stat = QueueStat {
                 queue,
                 kind,
                 ttl_ms,
+                due_within_ms,
                 messages: 0,
                 ready: 0,
                 unacked: None,

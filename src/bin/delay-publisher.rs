@@ -234,10 +234,11 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                 );
             } else {
                 amqp_delay::outln!(
-                    "{:<48} {:>9} {:>14} {:>10} {:>10} {:>10}  leader",
+                    "{:<48} {:>9} {:>14} {:>14} {:>10} {:>10} {:>10}  leader",
                     "queue",
                     "kind",
                     "ttl_ms",
+                    "due_within_ms",
                     "messages",
                     "ready",
                     "unacked"
@@ -255,10 +256,12 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                         continue;
                     }
                     amqp_delay::outln!(
-                        "{:<48} {:>9} {:>14} {:>10} {:>10} {:>10}  {}",
+                        "{:<48} {:>9} {:>14} {:>14} {:>10} {:>10} {:>10}  {}",
                         s.queue,
                         s.kind,
                         ttl,
+                        s.due_within_ms
+                            .map_or_else(|| "-".into(), |t| t.to_string()),
                         s.messages,
                         s.ready,
                         unacked,
@@ -275,6 +278,24 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                     .filter(|s| s.kind == "parked")
                     .map(|s| s.messages)
                     .sum();
+                // when work is coming: each tier's messages fall due within its bound
+                let mut within = [0u64; 4];
+                for s in stats.iter().filter(|s| !s.missing) {
+                    if let Some(w) = s.due_within_ms {
+                        let slot = [60_000u64, 3_600_000, 86_400_000]
+                            .iter()
+                            .position(|&b| w <= b)
+                            .unwrap_or(3);
+                        within[slot] += s.messages;
+                    }
+                }
+                amqp_delay::outln!(
+                    "due within 1 minute: {}, within 1 hour: {}, within 1 day: {}, later: {} (broker messages, by their tier's longest wait)",
+                    within[0],
+                    within[0] + within[1],
+                    within[0] + within[1] + within[2],
+                    within[3]
+                );
                 let missing = stats.iter().filter(|s| s.missing).count();
                 amqp_delay::outln!(
                     "total in tiers: {total} broker messages (a batch counts once), parked: {parked}"

@@ -125,6 +125,13 @@ async fn cli_send_stats_and_clear_errors() {
         .map(|s| s["messages"].as_u64().unwrap())
         .sum();
     assert_eq!(held, 1, "{stats}");
+    // stats say when work is coming (bounded by the tier's longest wait: 65.5 s here)
+    let out = run(s(&["stats"])).await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("due within 1 minute: 0, within 1 hour: 1,"),
+        "{text}"
+    );
     // teardown refuses while messages wait (they would be lost)
     let out = run(s(&["teardown"])).await;
     assert_eq!(out.status.code(), Some(2));
