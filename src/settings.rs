@@ -524,9 +524,22 @@ mod tests {
     fn deploy_example_config_loads() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/amqp-delay.toml");
         let s = Settings::load_with_env(Some(&path), env(&[])).unwrap();
-        assert_eq!(s.topology, TopologySettings::default());
-        assert_eq!(s.consumer.routes.len(), 2);
+        // every value shown is the default (but the routes and pairs, which are examples)
+        let defaults = Settings::default();
+        assert_eq!(s.topology, defaults.topology);
+        assert_eq!(s.precision, defaults.precision);
+        assert_eq!(s.publisher, defaults.publisher);
+        assert_eq!(s.cancel, defaults.cancel);
+        assert_eq!(
+            ConsumerSettings {
+                routes: vec![],
+                ..s.consumer.clone()
+            },
+            defaults.consumer
+        );
+        assert_eq!(s.consumer.routes.len(), 3);
         assert_eq!(s.consumer.routes[0].queue, "orders.timeout");
+        assert_eq!(s.consumer.routes[2].relay.as_deref(), Some("billing.due"));
     }
 
     #[test]
