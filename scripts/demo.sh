@@ -2,7 +2,7 @@
 # scripts/demo.sh — amqp-delay in one command: schedule a few dozen messages with delays from
 # 100 ms to 10 s, watch each one fire with its lateness, then a summary.
 #
-#   ./scripts/demo.sh            # 36 messages, delays 100 ms .. 10 s (about 30 s in all)
+#   ./scripts/demo.sh            # 36 messages, delays 100 ms .. 10 s (about 20 s in all)
 #   ./scripts/demo.sh --quick    # delays 100 ms .. 2 s (for CI)
 #   ./scripts/demo.sh --keep     # leave the topology and the queue behind (prints how to remove them)
 #
@@ -111,6 +111,7 @@ DECLARED=0
 CLEANED=0
 
 # The destination queue and its parking queue (teardown leaves destinations alone).
+# shellcheck disable=SC2317  # called from cleanup, which the EXIT trap calls
 delete_queues() {
     local first="${AMQP_URL%%,*}" q
     if command -v python3 >/dev/null 2>&1 && python3 -c 'import pika' >/dev/null 2>&1; then
@@ -150,6 +151,7 @@ PY
     return 1
 }
 
+# shellcheck disable=SC2317  # called by the EXIT trap
 cleanup() {
     local rc=$?
     [[ ${CLEANED} -eq 1 ]] && return
