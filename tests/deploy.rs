@@ -1047,6 +1047,9 @@ fn the_rabbitmq_cluster_has_the_broker_settings() {
     assert_eq!(s(&c["apiVersion"]), "rabbitmq.com/v1beta1");
     assert_eq!(c["spec"]["replicas"].as_i64(), Some(3));
     assert_broker_image(s(&c["spec"]["image"]), "rabbitmq-cluster.yaml");
+    // the operator's CRD limits these fields to 2000 and 100000 characters
+    assert!(s(&c["spec"]["rabbitmq"]["additionalConfig"]).len() <= 2000);
+    assert!(s(&c["spec"]["rabbitmq"]["advancedConfig"]).len() <= 100_000);
     let extra = broker_conf_text(
         s(&c["spec"]["rabbitmq"]["additionalConfig"]),
         "additionalConfig",
