@@ -18,15 +18,14 @@
 #      messages with one `delay-publisher send --jsonl -`;
 #   5. prints each message as it fires with its lateness (fired_at - due_at, from the worker's
 #      JSON lines), then: count, how many were on time, min / p50 / max lateness, none early;
-#   6. stops the worker and removes what it declared (teardown --force, the queue and its
-#      parking queue) — also after Ctrl-C or an error.
+#   6. stops the worker and removes what it declared (teardown --queue for the queue, its
+#      parking queue and batch marker, then teardown) — also after Ctrl-C or an error.
 #
 # Options: --quick, --keep, --release (build and run release binaries), --count N (default 36),
 # --on-time-ms MS (lateness still counted "on time", default 100). Environment: AMQP_URL
 # (default amqp://guest:guest@127.0.0.1:5672/%2f), DEMO_BIN_DIR, BROKER_WAIT_SECS.
 # Exit code: 0 when every message fired and none was early, 1 otherwise, 2 for bad usage.
-# Needs bash, coreutils and awk; removing the queues uses python3 with pika, or curl and the
-# management API, or rabbitmqctl (whichever works).
+# Needs bash, coreutils and awk.
 
 set -euo pipefail
 
@@ -110,47 +109,6 @@ WORKER_PID=""
 DECLARED=0
 CLEANED=0
 
-# The destination queue and its parking queue (teardown leaves destinations alone).
-# shellcheck disable=SC2317  # called from cleanup, which the EXIT trap calls
-delete_queues() {
-    local first="${AMQP_URL%%,*}" q
-    if command -v python3 >/dev/null 2>&1 && python3 -c 'import pika' >/dev/null 2>&1; then
-        python3 - "${first}" "$@" <<'PY' && return 0
-import sys, pika
-conn = pika.BlockingConnection(pika.URLParameters(sys.argv[1]))
-ch = conn.channel()
-for q in sys.argv[2:]:
-    ch.queue_delete(queue=q)
-conn.close()
-PY
-    fi
-    # the management API: same host and credentials, port 15672
-    local rest="${first#*://}" creds="guest:guest" hostport vhost
-    if [[ "${rest}" == *@* ]]; then
-        creds="${rest%%@*}"
-        rest="${rest#*@}"
-    fi
-    hostport="${rest%%/*}"
-    vhost="${rest#*/}"
-    [[ "${rest}" == */* && -n "${vhost}" ]] || vhost="%2f"
-    if command -v curl >/dev/null 2>&1; then
-        local ok=1
-        for q in "$@"; do
-            curl -fs --connect-timeout 3 -o /dev/null -u "$(printf '%b' "${creds//%/\\x}")" -X DELETE \
-                "http://${hostport%%:*}:15672/api/queues/${vhost}/${q}" || ok=0
-        done
-        [[ ${ok} -eq 1 ]] && return 0
-    fi
-    if command -v rabbitmqctl >/dev/null 2>&1; then
-        local ok=1
-        for q in "$@"; do
-            rabbitmqctl -q delete_queue "${q}" >/dev/null 2>&1 || ok=0
-        done
-        [[ ${ok} -eq 1 ]] && return 0
-    fi
-    return 1
-}
-
 # shellcheck disable=SC2317  # called by the EXIT trap
 cleanup() {
     local rc=$?
@@ -169,15 +127,16 @@ cleanup() {
     fi
     if [[ ${DECLARED} -eq 1 && ${KEEP} -eq 1 ]]; then
         say "--keep: left the topology '${PREFIX}' and the queue '${QUEUE}'. Remove them with:"
-        say "  ${PUBLISHER} --config ${CONFIG} teardown --force   # then delete ${QUEUE} and ${PREFIX}.parked.${QUEUE}"
+        say "  ${PUBLISHER} --config ${CONFIG} teardown --queue ${QUEUE} --force"
+        say "  ${PUBLISHER} --config ${CONFIG} teardown --force"
         return
     fi
     if [[ ${DECLARED} -eq 1 ]]; then
         say "removing the topology '${PREFIX}' and the queue '${QUEUE}'"
+        "${PUBLISHER}" --config "${CONFIG}" teardown --queue "${QUEUE}" --force >/dev/null \
+            || warn "could not remove the queue: run '${PUBLISHER} --config ${CONFIG} teardown --queue ${QUEUE} --force'"
         "${PUBLISHER}" --config "${CONFIG}" teardown --force >/dev/null \
             || warn "teardown failed: run '${PUBLISHER} --config ${CONFIG} teardown --force'"
-        delete_queues "${QUEUE}" "${PREFIX}.parked.${QUEUE}" \
-            || warn "could not delete the queues ${QUEUE} and ${PREFIX}.parked.${QUEUE}; delete them by hand"
     fi
     rm -rf "${WORK}"
     return "${rc}"

@@ -1,7 +1,8 @@
-//! Operations on everything under a prefix, across the layers below: `teardown`.
+//! Operations on everything under a prefix, across the layers below: `teardown`, of the whole
+//! topology or of one destination.
 
 use lapin::Connection;
-use lapin::options::ExchangeDeleteOptions;
+use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 
 use crate::broker::{self, ResultExt};
 use crate::control::{self, Record};
@@ -101,4 +102,83 @@ pub async fn teardown(
         pairs: pairs.into_iter().map(|p| p.ingress).collect(),
         markers: markers.len(),
     })
+}
+
+/// What [`teardown_destination`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DestinationTeardown {
+    /// Queues deleted (the destination, its parking queue), those that existed.
+    pub queues: Vec<String>,
+    /// Whether its batch marker existed and was deleted.
+    pub marker: bool,
+}
+
+/// Removes destination queue `queue`, its parking queue and its batch marker (the tiers stay).
+/// Unless `force`, refuses while either queue holds messages — counted with the management API
+/// when it answers (ready and unacknowledged) and with a passive declare (ready, current).
+/// Messages still on their way through the tiers to
+/// `queue` are parked in the unroutable queue when they fall due, not lost.
+pub async fn teardown_destination(
+    conn: &Connection,
+    layout: &Layout,
+    management: Option<&Management>,
+    queue: &str,
+    force: bool,
+) -> Result<DestinationTeardown> {
+    layout.validate_destination(queue).map_err(Error::Invalid)?;
+    if queue.starts_with(&format!("{}.", layout.prefix())) {
+        return Err(Error::Invalid(format!(
+            "'{queue}' belongs to the topology under prefix '{}' (a gateway or tier queue); `teardown` without --queue removes those",
+            layout.prefix()
+        )));
+    }
+    let parked = layout.parked_queue(queue);
+    let queues = [queue.to_string(), parked];
+    if !force {
+        let infos = match management {
+            Some(m) => Some(m.queues("").await?),
+            None => None,
+        };
+        for q in &queues {
+            // the management API also sees unacked messages, but its counts lag by up to its
+            // stats interval; the passive declare sees ready ones at once: the larger of both
+            let ready = broker::queue_state(conn, q)
+                .await?
+                .map_or(0, |s| u64::from(s.ready));
+            let all = infos
+                .as_ref()
+                .and_then(|i| i.get(q.as_str()))
+                .map_or(0, |info| info.messages);
+            let held = ready.max(all);
+            if held > 0 {
+                return Err(Error::Invalid(format!(
+                    "'{q}' holds {held} messages; they would be lost. Consume them, or pass --force"
+                )));
+            }
+        }
+    }
+    let mut done = DestinationTeardown::default();
+    for q in &queues {
+        if broker::queue_state(conn, q).await?.is_none() {
+            continue;
+        }
+        // (no if-empty: quorum queues refuse it with a connection error)
+        let ch = broker::open(conn).await?;
+        ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .context(|| format!("deleting queue '{q}'"))?;
+        done.queues.push(q.clone());
+        broker::close(&ch, "deleted").await;
+    }
+    if let Some(marker) = layout.batch_marker(queue)
+        && broker::exchange_exists(conn, &marker).await?
+    {
+        let ch = broker::open(conn).await?;
+        ch.exchange_delete(marker.as_str().into(), ExchangeDeleteOptions::default())
+            .await
+            .context(|| format!("deleting exchange '{marker}'"))?;
+        broker::close(&ch, "deleted").await;
+        done.marker = true;
+    }
+    Ok(done)
 }

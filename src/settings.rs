@@ -430,6 +430,9 @@ pub enum SettingsError {
     Invalid(String),
 }
 
+/// `AMQP_DELAY_*` variables that configure the command line, not [`Settings`].
+pub const CLI_ONLY_VARIABLES: &[&str] = &["AMQP_DELAY_LOG_FORMAT"];
+
 impl Settings {
     /// Loads defaults, then `file` (TOML) if given, then `AMQP_DELAY_*` environment variables.
     pub fn load(file: Option<&Path>) -> Result<Settings, SettingsError> {
@@ -463,9 +466,19 @@ impl Settings {
             .list_separator(",")
             .with_list_parse_key("topology.fixed_levels")
             .ignore_empty(true);
-        if let Some(map) = env {
-            envsrc = envsrc.source(Some(map));
-        }
+        // variables that only the command line reads (clap) are not settings
+        // (vars_os: a variable that is not UTF-8 must not panic; ours are ignored if so)
+        let map = env.unwrap_or_else(|| {
+            std::env::vars_os()
+                .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+                .filter(|(k, _)| k.starts_with("AMQP_DELAY_"))
+                .collect()
+        });
+        let map = map
+            .into_iter()
+            .filter(|(k, _)| !CLI_ONLY_VARIABLES.contains(&k.as_str()))
+            .collect();
+        envsrc = envsrc.source(Some(map));
         let cfg = b.add_source(envsrc).build()?;
         let s: Settings = cfg.try_deserialize()?;
         s.validate()?;
@@ -540,6 +553,20 @@ mod tests {
         assert_eq!(s.consumer.routes.len(), 3);
         assert_eq!(s.consumer.routes[0].queue, "orders.timeout");
         assert_eq!(s.consumer.routes[2].relay.as_deref(), Some("billing.due"));
+    }
+
+    #[test]
+    fn command_line_variables_are_not_settings() {
+        // AMQP_DELAY_LOG_FORMAT is read by clap; as a setting it would be an unknown field
+        let s = Settings::load_with_env(
+            None,
+            env(&[
+                ("AMQP_DELAY_LOG_FORMAT", "json"),
+                ("AMQP_DELAY_TOPOLOGY__RADIX", "8"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.topology.radix, 8);
     }
 
     #[test]

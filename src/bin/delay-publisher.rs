@@ -66,11 +66,15 @@ enum Cmd {
     /// exchange, get them on the target exchange with their routing key after the delay.
     /// Declares what it needs; runs until SIGTERM/SIGINT
     Gateway(GatewayArgs),
-    /// Delete every exchange and queue of the topology
+    /// Delete every exchange and queue of the topology, or with --queue one destination
     Teardown {
         /// Delete even if tiers or the parking queue still hold messages (they are lost)
         #[arg(long)]
         force: bool,
+        /// Delete only destination queue QUEUE, its parking queue and its batch marker (the
+        /// tiers stay); repeatable
+        #[arg(long, value_name = "QUEUE")]
+        queue: Vec<String>,
     },
 }
 
@@ -313,7 +317,41 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             }
             Ok(0)
         }
-        Cmd::Teardown { force } => {
+        Cmd::Teardown { force, queue } if !queue.is_empty() => {
+            let conn = Connector::new(&settings)?
+                .connect("amqp-delay teardown")
+                .await?;
+            let management = admin::management(&settings).await;
+            for q in &queue {
+                let done =
+                    admin::teardown_destination(&conn, &layout, management.as_ref(), q, force)
+                        .await;
+                let done = match done {
+                    Ok(d) => d,
+                    Err(e) => {
+                        let _ = conn.close(200, "bye".into()).await;
+                        return Err(e);
+                    }
+                };
+                let mut removed: Vec<String> =
+                    done.queues.iter().map(|q| format!("queue '{q}'")).collect();
+                if done.marker {
+                    removed.push("its batch marker".into());
+                }
+                if removed.is_empty() {
+                    amqp_delay::outln!("'{q}': nothing to remove");
+                } else {
+                    amqp_delay::outln!(
+                        "removed {} (messages still in the tiers for '{q}' will be parked in '{}' when they fall due)",
+                        removed.join(", "),
+                        layout.unroutable_queue()
+                    );
+                }
+            }
+            let _ = conn.close(200, "bye".into()).await;
+            Ok(0)
+        }
+        Cmd::Teardown { force, .. } => {
             let conn = Connector::new(&settings)?
                 .connect("amqp-delay teardown")
                 .await?;

@@ -187,6 +187,66 @@ async fn cli_send_stats_and_clear_errors() {
         text.contains(&format!("'{fresh}' created")) && text.contains(&format!("'{q}' exists")),
         "{text}"
     );
+    // teardown --queue removes one destination with its parking queue and batch marker,
+    // refusing while it holds messages
+    let out = run(s(&["declare", "--queue", &fresh, "--worker"])).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let layout = env.layout();
+    let marker = layout.batch_marker(&fresh).unwrap();
+    assert!(
+        amqp_delay::broker::exchange_exists(&env.conn, &marker)
+            .await
+            .unwrap()
+    );
+    let out = run(s(&[
+        "send", "--queue", &fresh, "--delay", "0", "--body", "x",
+    ]))
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(s(&["teardown", "--queue", &fresh])).await;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!("'{fresh}' holds 1 messages; they would be lost")),
+        "{err}"
+    );
+    env.expect(&fresh, 1).await;
+    let out = run(s(&["teardown", "--queue", &fresh])).await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("its batch marker"), "{text}");
+    for gone in [fresh.clone(), layout.parked_queue(&fresh)] {
+        assert!(
+            amqp_delay::broker::queue_state(&env.conn, &gone)
+                .await
+                .unwrap()
+                .is_none(),
+            "{gone} is still there"
+        );
+    }
+    assert!(
+        !amqp_delay::broker::exchange_exists(&env.conn, &marker)
+            .await
+            .unwrap()
+    );
+    // the topology's own queues are not destinations
+    let out = run(s(&["teardown", "--queue", &layout.unroutable_queue()])).await;
+    assert_eq!(out.status.code(), Some(2));
+    // the tiers are untouched: the message still waits, so the full teardown still refuses
+    let out = run(s(&["teardown"])).await;
+    assert_eq!(out.status.code(), Some(2));
     let _ = std::fs::remove_file(&cfg);
     env.cleanup().await;
 }
