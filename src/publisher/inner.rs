@@ -1,0 +1,441 @@
+//! The publisher's broker side: its connection and confirm channel (re-opened after a loss),
+//! destination bindings, and the batcher task that turns messages in hand into broker messages.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection};
+use tokio::sync::mpsc;
+
+use super::{Binding, CONNECTION_NAME, Inner, Prepared};
+use crate::batch::{self, Candidate, Limits};
+use crate::broker::{self, ACCESS_REFUSED, NOT_FOUND};
+use crate::error::{Error, Result, ResultExt};
+use crate::headers;
+use crate::message::Scheduled;
+use crate::planner::{self, Route};
+use crate::time::now_ms;
+
+impl Inner {
+    /// Publishes one message on its own, planned from now, and answers its caller too.
+    pub(super) async fn publish_alone(&self, p: Prepared) -> Result<Scheduled> {
+        let now = now_ms();
+        let r = self.publish_group(now, vec![p], None).await;
+        r.into_iter().next().expect("one result")
+    }
+
+    /// Publishes `members` (one destination) as one broker message — alone when there is one,
+    /// as a batch otherwise — planned in `window` (`None`: one message, planned from its own
+    /// request), and answers every member's caller. Returns the results too.
+    pub(super) async fn publish_group(
+        &self,
+        now: u64,
+        mut members: Vec<Prepared>,
+        window: Option<(u64, u64)>,
+    ) -> Vec<Result<Scheduled>> {
+        // A message on its own is planned from its request, as if published when it was
+        // prepared (publishing a moment later only makes it that much later); a group is
+        // planned from now, within the window every member accepts.
+        let earliest = match window {
+            Some((e, _)) => e,
+            None => members.iter().map(|m| m.due_at_ms).max().unwrap_or(now),
+        };
+        let planned = match window {
+            None => planner::plan(&self.layout, &self.precision, members[0].delay_ms),
+            Some((e, l)) => {
+                let lo = e.saturating_sub(now);
+                planner::plan_window(&self.layout, lo, l.saturating_sub(now).max(lo))
+            }
+        };
+        let result = match planned {
+            Err(e) => Err(Error::from(e)),
+            Ok(route) => {
+                let destination = members[0].destination.clone();
+                let turn = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let exchange = route.exchange_for(&self.layout, turn);
+                let key = route.routing_key(&self.layout, &destination);
+                let (body, props) = if members.len() == 1 {
+                    let m = &mut members[0];
+                    (std::mem::take(&mut m.body), m.properties.clone())
+                } else {
+                    self.batch_message(&members, &route, earliest)
+                };
+                let _permit = self.in_flight.acquire().await.expect("never closed");
+                self.publish_confirmed(&exchange, &key, &body, props)
+                    .await
+                    .map(|()| route)
+            }
+        };
+        let count = members.len();
+        let mut out = Vec::with_capacity(count);
+        if result.is_ok() {
+            let m = crate::metrics::global();
+            m.broker_messages.inc();
+            m.scheduled.inc_by(count as u64);
+        }
+        for m in members {
+            let r = match &result {
+                Ok(route) => Ok(Scheduled {
+                    message_id: m.message_id,
+                    delay_ms: m.delay_ms,
+                    due_at_ms: m.due_at_ms,
+                    route: route.clone(),
+                    batched_with: count,
+                }),
+                Err(e) => Err(e.duplicate()),
+            };
+            let _ = m.reply.send(match &r {
+                Ok(s) => Ok(s.clone()),
+                Err(e) => Err(e.duplicate()),
+            });
+            out.push(r);
+        }
+        out
+    }
+
+    /// The body and properties of a batch of `members` travelling `route`.
+    pub(super) fn batch_message(
+        &self,
+        members: &[Prepared],
+        route: &Route,
+        earliest: u64,
+    ) -> (Vec<u8>, BasicProperties) {
+        let props: Vec<Vec<u8>> = members
+            .iter()
+            .map(|m| batch::encode_properties(&m.properties))
+            .collect();
+        let body = batch::encode_parts(
+            props
+                .iter()
+                .zip(members)
+                .map(|(p, m)| (p.as_slice(), m.body.as_slice())),
+        );
+        let mut h = batch::batch_headers(members.len());
+        headers::set_schedule_headers(&mut h, route.delay_ms, earliest, 0);
+        let props = BasicProperties::default()
+            .with_content_type(batch::CONTENT_TYPE.into())
+            .with_delivery_mode(2)
+            .with_message_id(uuid::Uuid::now_v7().to_string().as_str().into())
+            .with_headers(h);
+        (body, props)
+    }
+
+    pub(super) async fn publish_confirmed(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        props: BasicProperties,
+    ) -> Result<()> {
+        let key = ShortString::try_new(routing_key).map_err(|_| {
+            Error::Invalid(format!(
+                "routing key is {} bytes, more than 255",
+                routing_key.len()
+            ))
+        })?;
+        let channel = self.publish_channel().await?;
+        let confirm = channel
+            .basic_publish(
+                exchange.into(),
+                key,
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                body,
+                props,
+            )
+            .await
+            .context(|| format!("publishing to '{exchange}'"))?
+            .await
+            .map_err(|source| Error::MaybeSent {
+                context: format!("awaiting the confirm from '{exchange}'"),
+                source,
+            })?;
+        if confirm.is_nack() {
+            crate::metrics::global().nacks.inc();
+            return Err(Error::Nacked {
+                exchange: exchange.into(),
+            });
+        }
+        if let Some(ret) = confirm.take_message() {
+            crate::metrics::global().returns.inc();
+            return Err(Error::Returned {
+                exchange: exchange.into(),
+                routing_key: routing_key.into(),
+                code: ret.reply_code,
+                text: ret.reply_text.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The confirm channel, reopened if the broker closed it (on a new connection if the
+    /// connection was lost and the publisher owns it).
+    pub(super) async fn publish_channel(&self) -> Result<Channel> {
+        {
+            let ch = self.channel.read().await;
+            if ch.status().connected() {
+                return Ok(ch.clone());
+            }
+        }
+        let mut ch = self.channel.write().await;
+        if !ch.status().connected() {
+            let conn = self.connection().await?;
+            tracing::info!("the publish channel was closed; reopening it");
+            *ch = open_confirm_channel(&conn).await?;
+        }
+        Ok(ch.clone())
+    }
+
+    /// The connection, re-established with backoff (for up to `publisher.reconnect_timeout`)
+    /// when it was lost and the publisher owns it.
+    pub(super) async fn connection(&self) -> Result<Arc<Connection>> {
+        {
+            let c = self.conn.read().await;
+            if c.status().connected() {
+                return Ok(c.clone());
+            }
+        }
+        let Some(url) = &self.url else {
+            return Err(Error::Invalid(
+                "the connection this publisher was given is closed (its owner reconnects)".into(),
+            ));
+        };
+        let mut c = self.conn.write().await;
+        if c.status().connected() {
+            return Ok(c.clone());
+        }
+        let give_up =
+            Instant::now() + Duration::from_millis(self.settings.reconnect_timeout.as_millis());
+        let mut backoff = crate::connection::Backoff::default();
+        loop {
+            match url.connect(CONNECTION_NAME).await {
+                Ok(new) => {
+                    tracing::info!("the publisher reconnected");
+                    *c = Arc::new(new);
+                    self.bound.lock().expect("binding cache").clear();
+                    *self.admin.lock().await = None;
+                    return Ok(c.clone());
+                }
+                Err(e) if Instant::now() < give_up => {
+                    let pause = backoff.next_pause();
+                    tracing::warn!(
+                        "the publisher's connection is lost: {}; reconnecting in {pause:?}",
+                        crate::error::chain(&e)
+                    );
+                    crate::connection::Backoff::wait(pause, url.urls()).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Binds `destination` on the delivery exchange unless it was bound recently by us, and
+    /// learns whether its consumers read batches. Returns that.
+    pub(super) async fn ensure_bound(&self, destination: &str) -> Result<bool> {
+        let ttl = Duration::from_secs(self.settings.binding_cache_secs);
+        let fresh = |map: &HashMap<String, Binding>| {
+            map.get(destination)
+                .filter(|b| b.at.elapsed() < ttl)
+                .map(|b| b.batches)
+        };
+        if let Some(b) = fresh(&self.bound.lock().expect("binding cache")) {
+            return Ok(b);
+        }
+        let mut admin = self.admin.lock().await;
+        if let Some(b) = fresh(&self.bound.lock().expect("binding cache")) {
+            return Ok(b);
+        }
+        let ch = match admin.as_ref() {
+            Some(c) if c.status().connected() => c.clone(),
+            _ => {
+                let c = self
+                    .connection()
+                    .await?
+                    .create_channel()
+                    .await
+                    .context(|| "opening the binding channel".into())?;
+                *admin = Some(c.clone());
+                c
+            }
+        };
+        let exchange = self.layout.delivery_exchange();
+        let pattern = self.layout.destination_binding(destination);
+        match ch
+            .queue_bind(
+                destination.into(),
+                exchange.as_str().into(),
+                pattern.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+        {
+            Ok(()) => {}
+            // A publisher with least privilege may not bind (that needs read on the delivery
+            // exchange, which would let it bind a queue of its own there too): the admin's
+            // `declare --queue` bound the destination. It must exist, though.
+            Err(e) if broker::is_reply(&e, ACCESS_REFUSED) => {
+                *admin = None;
+                let conn = self.connection().await?;
+                if broker::queue_state(&conn, destination).await?.is_none() {
+                    return Err(Error::UnknownDestination(destination.into()));
+                }
+                tracing::debug!(%destination, "not allowed to bind the destination; relying on `declare --queue`");
+            }
+            Err(e) => {
+                *admin = None; // the broker closed the channel
+                return match broker::reply(&e) {
+                    Some((NOT_FOUND, text)) if text.contains("no queue") => {
+                        Err(Error::UnknownDestination(destination.into()))
+                    }
+                    Some((NOT_FOUND, _)) => Err(Error::NotDeclared {
+                        prefix: self.layout.prefix().to_string(),
+                        detail: format!(": the delivery exchange '{exchange}' is missing"),
+                    }),
+                    _ => Err(e).context(|| format!("binding destination '{destination}'")),
+                };
+            }
+        }
+        let batches = self.settings.batching()
+            && match self.layout.batch_marker(destination) {
+                Some(marker) => {
+                    broker::exchange_exists(&*self.connection().await?, &marker).await?
+                }
+                None => false,
+            };
+        self.bound.lock().expect("binding cache").insert(
+            destination.to_string(),
+            Binding {
+                at: Instant::now(),
+                batches,
+            },
+        );
+        Ok(batches)
+    }
+}
+
+/// The batcher: collects prepared messages — a whole chunk from `schedule_all`, or single
+/// `schedule` calls for up to `batch_linger` (never past a member's deadline) — groups them per
+/// destination and publishes every group as one broker message, concurrently.
+pub(super) async fn run_batcher(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Vec<Prepared>>) {
+    let mut tasks = tokio::task::JoinSet::new();
+    let linger = Duration::from_millis(inner.settings.batch_linger.as_millis());
+    let limit = inner.settings.max_pending.max(1);
+    while let Some(first) = rx.recv().await {
+        let bulk = first.len() > 1;
+        let mut buf = first;
+        let started = Instant::now();
+        let deadline_of = |buf: &[Prepared]| {
+            let now = now_ms();
+            let soonest = buf.iter().map(|p| p.deadline_ms).min().unwrap_or(now);
+            Duration::from_millis(soonest.saturating_sub(now))
+        };
+        let mut flush_at = started
+            + if bulk {
+                Duration::ZERO
+            } else {
+                linger.min(deadline_of(&buf))
+            };
+        loop {
+            while buf.len() < limit {
+                match rx.try_recv() {
+                    Ok(more) => buf.extend(more),
+                    Err(_) => break,
+                }
+            }
+            if buf.len() >= limit || Instant::now() >= flush_at {
+                break;
+            }
+            tokio::select! {
+                more = rx.recv() => match more {
+                    Some(more) => {
+                        buf.extend(more);
+                        flush_at = flush_at.min(Instant::now() + deadline_of(&buf));
+                    }
+                    None => break,
+                },
+                _ = tokio::time::sleep_until(flush_at.into()) => break,
+            }
+        }
+        while tasks.try_join_next().is_some() {}
+        tasks.spawn(flush(inner.clone(), buf));
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+/// Messages that travel as one broker message, with their firing window (`None`: alone, in
+/// its own budget).
+type Group = (Vec<Prepared>, Option<(u64, u64)>);
+
+/// Groups `buf` per destination and publishes every group concurrently.
+pub(super) async fn flush(inner: Arc<Inner>, buf: Vec<Prepared>) {
+    let now = now_ms();
+    let mut by_dest: HashMap<String, Vec<Prepared>> = HashMap::new();
+    for p in buf {
+        by_dest.entry(p.destination.clone()).or_default().push(p);
+    }
+    let limits = Limits {
+        max_members: inner.settings.batch_max_messages,
+        max_bytes: inner.settings.batch_max_bytes,
+    };
+    let mut groups: Vec<Group> = Vec::new();
+    for (dest, members) in by_dest {
+        let batches = inner
+            .bound
+            .lock()
+            .expect("binding cache")
+            .get(&dest)
+            .is_some_and(|b| b.batches);
+        if !batches {
+            groups.extend(members.into_iter().map(|m| (vec![m], None)));
+            continue;
+        }
+        let cands: Vec<Candidate> = members
+            .iter()
+            .map(|m| Candidate {
+                due_at_ms: m.due_at_ms,
+                deadline_ms: m.deadline_ms,
+                bytes: batch::member_len(
+                    batch::encode_properties(&m.properties).len(),
+                    m.body.len(),
+                ),
+            })
+            .collect();
+        let plan = batch::group(&cands, limits);
+        let mut slots: Vec<Option<Prepared>> = members.into_iter().map(Some).collect();
+        for g in plan {
+            let ms: Vec<Prepared> = g
+                .members
+                .iter()
+                .map(|&i| slots[i].take().expect("each member in one group"))
+                .collect();
+            groups.push((ms, Some((g.earliest_ms, g.latest_ms))));
+        }
+    }
+    futures::stream::iter(groups)
+        .for_each_concurrent(None, |(members, window)| {
+            let inner = &inner;
+            async move {
+                let _ = inner.publish_group(now, members, window).await;
+            }
+        })
+        .await;
+}
+
+pub(super) async fn open_confirm_channel(conn: &Connection) -> Result<Channel> {
+    let channel = conn
+        .create_channel()
+        .await
+        .context(|| "opening the publish channel".into())?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .context(|| "enabling publisher confirms".into())?;
+    Ok(channel)
+}
