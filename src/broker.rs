@@ -22,6 +22,8 @@ pub const NOT_FOUND: u16 = 404;
 pub const RESOURCE_LOCKED: u16 = 405;
 /// AMQP reply code: the object exists with other properties.
 pub const PRECONDITION_FAILED: u16 = 406;
+/// A frame larger than the negotiated `frame_max` (a connection error).
+pub const FRAME_ERROR: u16 = 501;
 
 /// The broker's reply code and text when `e` is a channel or connection error it sent.
 pub fn reply(e: &lapin::Error) -> Option<(u16, String)> {

@@ -113,6 +113,17 @@ pub struct Worker<H: Handler> {
 enum SessionEnd {
     Stopped,
     Lost(Error),
+    /// A one-at-a-time session is over: reconnect at the configured prefetch.
+    Careful,
+}
+
+/// How long a worker consumes one message at a time after a message too large to receive.
+const CAREFUL_FOR: Duration = Duration::from_secs(30);
+
+/// Whether `e` says a frame exceeded `frame_max`: a message (its header frame) that grew past
+/// the limit on its hops, which no consumer on this connection can receive.
+fn is_frame_error(e: &Error) -> bool {
+    matches!(e, Error::Amqp { source, .. } if broker::is_reply(source, broker::FRAME_ERROR))
 }
 
 /// A delivery stream tagged with its subscription; `None` once the broker cancelled it.
@@ -156,6 +167,9 @@ impl<H: Handler> Worker<H> {
         let mut backoff = crate::connection::Backoff::default();
         let conn_name = format!("amqp-delay worker {}", self.settings.prefix);
         let mut first = true;
+        // after a frame too large: one message at a time, so that only that message is
+        // redelivered (and counted against the queue's delivery limit, which parks it)
+        let mut careful = false;
         loop {
             let conn = tokio::select! {
                 c = connector.connect(&conn_name) => c,
@@ -165,7 +179,9 @@ impl<H: Handler> Worker<H> {
                 Ok(conn) => {
                     let conn = Arc::new(conn);
                     backoff.reset();
-                    let end = self.session(&conn, &layout, first, &mut shutdown).await;
+                    let end = self
+                        .session(&conn, &layout, first, careful, &mut shutdown)
+                        .await;
                     let _ = conn.close(200, "bye".into()).await;
                     if let Ok(SessionEnd::Lost(_)) = end {
                         first = false;
@@ -174,9 +190,23 @@ impl<H: Handler> Worker<H> {
                 }
                 Err(e) => Ok(SessionEnd::Lost(e)),
             };
+            careful = matches!(&outcome, Ok(SessionEnd::Lost(e)) if is_frame_error(e));
+            if careful {
+                tracing::error!(
+                    "a message in one of the queues is larger than the connection's frame_max \
+                     (its headers grew on the way) and cannot be received; consuming one message \
+                     at a time for {CAREFUL_FOR:?} so that only it is redelivered. A quorum queue's \
+                     delivery limit then parks it (20 by default on RabbitMQ 4.x; on 3.x set a \
+                     `delivery-limit` policy on the queue), or remove it by hand"
+                );
+            }
             let pause = backoff.next_pause();
             match outcome {
                 Ok(SessionEnd::Stopped) => return Ok(()),
+                Ok(SessionEnd::Careful) => {
+                    tracing::info!("back to the configured prefetch");
+                    continue;
+                }
                 Ok(SessionEnd::Lost(e)) => {
                     tracing::warn!(
                         "connection lost or refused: {}; reconnecting in {:?} (sooner if a node answers)",
@@ -204,6 +234,7 @@ impl<H: Handler> Worker<H> {
         conn: &Arc<Connection>,
         layout: &Layout,
         first: bool,
+        careful: bool,
         shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
     ) -> Result<SessionEnd> {
         let s = &self.settings;
@@ -262,7 +293,7 @@ impl<H: Handler> Worker<H> {
         let mut channels: Vec<Option<(Channel, lapin::types::ShortString)>> =
             vec![None; self.subscriptions.len()];
         for (i, slot) in channels.iter_mut().enumerate() {
-            match self.subscribe_one(conn, layout, i).await? {
+            match self.subscribe_one(conn, layout, i, careful).await? {
                 Some((ch, tag, stream)) => {
                     *slot = Some((ch, tag));
                     deliveries.push(stream);
@@ -278,12 +309,19 @@ impl<H: Handler> Worker<H> {
         );
         crate::metrics::global().connected.set(1);
         let mut tasks = JoinSet::new();
+        let careful_over = tokio::time::sleep(if careful {
+            CAREFUL_FOR
+        } else {
+            Duration::MAX / 4
+        });
+        tokio::pin!(careful_over);
         let end = loop {
             while tasks.try_join_next().is_some() {}
             tokio::select! {
                 _ = shutdown.as_mut() => break SessionEnd::Stopped,
+                _ = &mut careful_over, if careful => break SessionEnd::Careful,
                 Some(i) = resub_rx.recv() => {
-                    match self.subscribe_one(conn, layout, i).await {
+                    match self.subscribe_one(conn, layout, i, careful).await {
                         Ok(Some((ch, tag, stream))) => {
                             tracing::info!(queue = %self.subscriptions[i].0, "the queue is back; consuming it again");
                             channels[i] = Some((ch, tag));
@@ -326,7 +364,7 @@ impl<H: Handler> Worker<H> {
             }
         };
         crate::metrics::global().connected.set(0);
-        if let SessionEnd::Stopped = end {
+        if let SessionEnd::Stopped | SessionEnd::Careful = end {
             ctx.stopping.store(true, Ordering::Relaxed);
             for (ch, tag) in channels.iter().flatten() {
                 let _ = ch
@@ -335,11 +373,13 @@ impl<H: Handler> Worker<H> {
             }
             let grace = Duration::from_millis(cs.shutdown_grace.as_millis());
             while tasks.try_join_next().is_some() {}
-            tracing::info!(
-                in_flight = tasks.len(),
-                ?grace,
-                "stopping: waiting for in-flight handlers"
-            );
+            if let SessionEnd::Stopped = end {
+                tracing::info!(
+                    in_flight = tasks.len(),
+                    ?grace,
+                    "stopping: waiting for in-flight handlers"
+                );
+            }
             let drained =
                 tokio::time::timeout(grace, async { while tasks.join_next().await.is_some() {} })
                     .await;
@@ -351,12 +391,14 @@ impl<H: Handler> Worker<H> {
                 tasks.abort_all();
             }
             let c = &self.counters;
-            tracing::info!(
-                succeeded = c.succeeded.load(Ordering::Relaxed),
-                retried = c.retried.load(Ordering::Relaxed),
-                parked = c.parked.load(Ordering::Relaxed),
-                "worker stopped"
-            );
+            if let SessionEnd::Stopped = end {
+                tracing::info!(
+                    succeeded = c.succeeded.load(Ordering::Relaxed),
+                    retried = c.retried.load(Ordering::Relaxed),
+                    parked = c.parked.load(Ordering::Relaxed),
+                    "worker stopped"
+                );
+            }
         } else {
             tasks.abort_all();
         }
@@ -377,6 +419,7 @@ impl<H: Handler> Worker<H> {
         conn: &Connection,
         layout: &Layout,
         i: usize,
+        careful: bool,
     ) -> Result<
         Option<(
             Channel,
@@ -398,7 +441,9 @@ impl<H: Handler> Worker<H> {
             tracing::info!(queue = %q, "publishers will send plain messages: {}", crate::error::chain(&e));
         }
         let cs = &self.settings.consumer;
-        let prefetch = if handler.io_bound() {
+        let prefetch = if careful {
+            1
+        } else if handler.io_bound() {
             u16::try_from(cs.io_concurrency).unwrap_or(u16::MAX)
         } else {
             cs.prefetch

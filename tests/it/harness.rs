@@ -422,3 +422,19 @@ pub async fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bo
     }
     cond()
 }
+
+/// Polls the async `cond` every 50 ms until it holds or `timeout` passes.
+pub async fn wait_until_async<F, Fut>(timeout: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = Instant::now() + timeout;
+    while Instant::now() < end {
+        if cond().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cond().await
+}

@@ -474,3 +474,127 @@ async fn a_timed_out_handler_leaves_no_process_behind() {
     let _ = std::fs::remove_file(&cfg);
     env.cleanup().await;
 }
+
+/// Messages `q` holds (passive declare), or `None` when it does not exist.
+async fn depth(env: &Env, q: &str) -> Option<u32> {
+    amqp_delay::broker::queue_state(&env.conn, q)
+        .await
+        .unwrap()
+        .map(|s| s.ready)
+}
+
+/// A message whose header frame outgrew the broker's `frame_max` on a dead-letter hop (as one
+/// published before header sizes were bounded, or by a foreign client into a tier) sits at the
+/// head of a destination: the worker must not loop reconnecting with every message behind it
+/// redelivered. It takes one message at a time until the poison is gone (the queue's delivery
+/// limit parks it: 20 by default on RabbitMQ 4.x, 2 here), and the valid messages behind it run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_over_frame_max_is_parked_and_the_queue_behind_it_runs() {
+    use amqp_delay::Topology;
+    use lapin::options::QueueDeclareOptions;
+
+    let mut env = Env::new(small_topology()).await;
+    let prefix = env.settings.prefix.clone();
+    let q = format!("{prefix}-poisoned");
+    let stage = format!("{prefix}-stage");
+    env.parked_queue(&q);
+    // a delivery limit dead-letters into the parking exchange, whose queue is `<prefix>.parked`
+    let parked = env.layout().unroutable_queue();
+    env.track_queue(&q);
+    env.track_queue(&stage);
+    let ch = env.conn.create_channel().await.unwrap();
+    let mut args = Topology::new(env.layout()).consumed_queue_args();
+    args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(2));
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    ch.queue_declare(q.as_str().into(), durable, args)
+        .await
+        .unwrap();
+    let mut stage_args = FieldTable::default();
+    stage_args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(1));
+    stage_args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString(LongString::from("")),
+    );
+    stage_args.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(LongString::from(q.as_str())),
+    );
+    ch.queue_declare(stage.as_str().into(), durable, stage_args)
+        .await
+        .unwrap();
+
+    // 620 headers of 200 B and a pad: a 130 994-byte table, a 131 021-byte header frame, just
+    // within frame_max (131 072); the hop's x-death pushes it over.
+    let mut headers = FieldTable::default();
+    for i in 0..620 {
+        headers.insert(
+            format!("h{i:03}").into(),
+            AMQPValue::LongString(LongString::from("x".repeat(200))),
+        );
+    }
+    headers.insert(
+        "pad".into(),
+        AMQPValue::LongString(LongString::from("x".repeat(781))),
+    );
+    ch.basic_publish(
+        "".into(),
+        stage.as_str().into(),
+        BasicPublishOptions::default(),
+        b"poison",
+        lapin::BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id("poison".into())
+            .with_headers(headers),
+    )
+    .await
+    .unwrap();
+    assert!(
+        wait_until_async(Duration::from_secs(10), || async {
+            depth(&env, &q).await == Some(1)
+        })
+        .await,
+        "the poison message did not reach {q}"
+    );
+    let p = env.publisher().await;
+    for i in 0..5 {
+        p.schedule(Message::new(q.clone(), 1, "valid").with_id(format!("valid-{i}")))
+            .await
+            .unwrap();
+    }
+    assert!(
+        wait_until_async(Duration::from_secs(10), || async {
+            depth(&env, &q).await == Some(6)
+        })
+        .await,
+        "the valid messages did not reach {q}"
+    );
+
+    let h = crate::worker::Scripted::new(|_| amqp_delay::Outcome::Success);
+    let log = h.log.clone();
+    let (stop, run) = crate::worker::spawn_worker(&env, &q, h, crate::worker::retry(100, 2.0, 3));
+    let ran = wait_until(Duration::from_secs(60), || log.lock().unwrap().len() >= 5).await;
+    let parked_n = if wait_until_async(Duration::from_secs(10), || async {
+        depth(&env, &parked).await == Some(1)
+    })
+    .await
+    {
+        Some(1)
+    } else {
+        depth(&env, &parked).await
+    };
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    let ids: Vec<String> = log.lock().unwrap().iter().map(|r| r.0.clone()).collect();
+    assert!(
+        ran,
+        "the messages behind the poison did not run in 60 s: {ids:?}"
+    );
+    assert!(!ids.contains(&"poison".to_string()));
+    assert_eq!(parked_n, Some(1), "the poison message is parked");
+    assert_eq!(depth(&env, &q).await, Some(0));
+    drop(p);
+    env.cleanup().await;
+}
