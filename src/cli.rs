@@ -100,9 +100,13 @@ pub fn log_filter(rust_log: Option<&str>) -> tracing_subscriber::EnvFilter {
     })
 }
 
+/// The log format chosen by [`init_logging_as`]: fatal errors are printed in it too.
+static LOG_FORMAT: std::sync::OnceLock<LogFormat> = std::sync::OnceLock::new();
+
 /// Logs to stderr in `format`, with [`log_filter`] of `RUST_LOG`; colour only on a terminal.
 pub fn init_logging_as(format: LogFormat) {
     use std::io::IsTerminal;
+    let _ = LOG_FORMAT.set(format);
     let filter = log_filter(std::env::var("RUST_LOG").ok().as_deref());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -142,9 +146,31 @@ macro_rules! outln {
     };
 }
 
-/// Prints `error: ...` with the whole cause chain and exits with `code`.
+/// A fatal error as one line on stderr: `error: ...`, or with `--log-format json` one JSON
+/// object shaped like the log events (`timestamp`, `level`, `fields.message`, `target`), so a
+/// log collector sees why a process exited.
+pub fn error_line(format: LogFormat, message: &str) -> String {
+    match format {
+        LogFormat::Human => format!("error: {message}"),
+        LogFormat::Json => serde_json::json!({
+            "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
+            "level": "ERROR",
+            "fields": { "message": message },
+            "target": "amqp_delay::cli",
+        })
+        .to_string(),
+    }
+}
+
+/// Prints `message` as a fatal error in the chosen log format (see [`error_line`]).
+pub fn print_error(message: &str) {
+    let format = LOG_FORMAT.get().copied().unwrap_or_default();
+    eprintln!("{}", error_line(format, message));
+}
+
+/// Prints the error with its whole cause chain (see [`print_error`]) and exits with `code`.
 pub fn fail(e: &dyn std::error::Error, code: i32) -> ! {
-    eprintln!("error: {}", chain(e));
+    print_error(&chain(e));
     std::process::exit(code)
 }
 
@@ -193,5 +219,19 @@ mod tests {
         assert!(!f.contains("lapin=debug"), "{f}");
         let f = log_filter(None).to_string();
         assert!(f.contains("amqp_delay=info"), "{f}");
+    }
+
+    #[test]
+    fn a_fatal_error_is_one_json_event_in_json_mode() {
+        assert_eq!(error_line(LogFormat::Human, "no \"x\""), "error: no \"x\"");
+        let line = error_line(LogFormat::Json, "queue 'q' does not exist\nsecond line");
+        assert!(!line.contains('\n'), "{line}");
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["level"], "ERROR");
+        assert_eq!(
+            v["fields"]["message"],
+            "queue 'q' does not exist\nsecond line"
+        );
+        assert!(v["timestamp"].as_str().unwrap().ends_with('Z'), "{v}");
     }
 }

@@ -131,8 +131,8 @@ async fn main() {
         cli::fail(&e, EXIT_USAGE);
     }
     if s.consumer.routes.is_empty() {
-        eprintln!(
-            "error: nothing to consume: give --queue Q with an action, or [[consumer.routes]] in --config"
+        cli::print_error(
+            "nothing to consume: give --queue Q with an action, or [[consumer.routes]] in --config",
         );
         std::process::exit(EXIT_USAGE);
     }
@@ -146,7 +146,7 @@ async fn main() {
         match Action::from_route(r, s.consumer.permanent_exit_code, timeout, levels) {
             Ok(action) => worker = worker.subscribe(r.queue.clone(), action),
             Err(e) => {
-                eprintln!("error: {e}");
+                cli::print_error(&e.to_string());
                 std::process::exit(EXIT_USAGE);
             }
         }
