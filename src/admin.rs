@@ -15,7 +15,15 @@ use crate::topology::Topology;
 
 /// The management API of `settings`, if it answers (one request, a few seconds at most).
 pub async fn management(settings: &Settings) -> Option<Management> {
-    let m = Management::new(&settings.url, settings.management_url.as_deref())?;
+    let m = match Management::new(&settings.url, settings.management_url.as_deref())?
+        .with_tls(&settings.tls)
+    {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::warn!("management API not used: {e}");
+            return None;
+        }
+    };
     match m.queues(&format!("{}.", settings.prefix)).await {
         Ok(_) => Some(m),
         Err(e) => {

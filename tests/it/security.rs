@@ -143,3 +143,86 @@ async fn the_server_certificate_is_verified_against_the_configured_ca() {
     .unwrap_err();
     assert!(e.to_string().contains("/nonexistent/ca.pem"), "{e}");
 }
+
+/// The management API over https (what `stats` and `teardown` use to count held messages)
+/// verifies the server against `tls.ca_file` too: an `openssl s_server` with the TLS node's
+/// server certificate stands in for it (it answers every request with a status page, so a
+/// verified handshake ends in "not the management API", a refused one in a certificate error).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_management_api_over_https_is_verified_against_the_configured_ca() {
+    use amqp_delay::management::Management;
+
+    let cert = PathBuf::from(&tls_node()["SERVER_CERT"]);
+    let key = cert.with_extension("key");
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let mut server = tokio::process::Command::new("openssl")
+        .args(["s_server", "-quiet", "-www", "-accept"])
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("-cert")
+        .arg(&cert)
+        .arg("-key")
+        .arg(&key)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("openssl s_server");
+    let mut up = false;
+    for _ in 0..100 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(up, "openssl s_server did not listen on {port}");
+    let endpoint = format!("https://localhost:{port}/");
+    let query = |tls: TlsSettings| {
+        let endpoint = endpoint.clone();
+        async move {
+            let m = Management::new("amqps://guest:guest@localhost/%2f", Some(&endpoint))
+                .unwrap()
+                .with_tls(&tls)?;
+            m.queues("x.").await.map(|_| ())
+        }
+    };
+    // the public roots do not know the throwaway CA
+    let e = query(TlsSettings::default()).await.unwrap_err().to_string();
+    assert!(e.to_lowercase().contains("certificate"), "{e}");
+    // the wrong CA: refused
+    let e = query(TlsSettings {
+        ca_file: path("WRONG_CA_CERT"),
+        ..TlsSettings::default()
+    })
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(e.to_lowercase().contains("certificate"), "{e}");
+    // the right CA: the handshake passes, and the page is not the management API's JSON
+    let e = query(TlsSettings {
+        ca_file: path("CA_CERT"),
+        ..TlsSettings::default()
+    })
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(!e.to_lowercase().contains("certificate"), "{e}");
+    eprintln!("verified handshake, then: {e}");
+    // a CA file without a certificate is named
+    let e = query(TlsSettings {
+        ca_file: path("CLIENT_KEY"),
+        ..TlsSettings::default()
+    })
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("holds no PEM certificate"), "{e}");
+    let _ = server.kill().await;
+}
