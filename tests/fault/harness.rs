@@ -14,7 +14,8 @@ use rand::Rng;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-/// Tests in this binary: the last one to finish tears the cluster down.
+/// Tests in this binary: the last one to finish tears the cluster down (an `#[ignore]`d one
+/// does not count: lower this with it).
 pub const TESTS: usize = 5;
 /// Nodes of the cluster.
 pub const NODES: usize = 3;
@@ -23,7 +24,8 @@ pub const DLX_CONFIRM_TIMEOUT_MS: u64 = 5000;
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 static FINISHED: AtomicUsize = AtomicUsize::new(0);
-static FIRST_UP: OnceLock<Duration> = OnceLock::new();
+/// Why the cluster did not come up: later tests fail at once with it.
+static UP_FAILED: OnceLock<String> = OnceLock::new();
 
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -64,11 +66,15 @@ pub async fn cluster(args: &[&str]) -> String {
 
 /// Brings the cluster up (idempotent: a healthy one is reused, a dead node is started again).
 fn cluster_up() -> Result<(), String> {
-    let t = Instant::now();
+    if let Some(e) = UP_FAILED.get() {
+        return Err(format!("(it failed before, in an earlier test)\n{e}"));
+    }
     let timeout = DLX_CONFIRM_TIMEOUT_MS.to_string();
-    cluster_sh(&["--dlx-confirm-timeout", &timeout, "up", &NODES.to_string()])?;
-    let _ = FIRST_UP.set(t.elapsed());
-    Ok(())
+    cluster_sh(&["--dlx-confirm-timeout", &timeout, "up", &NODES.to_string()])
+        .map(|_| ())
+        .inspect_err(|e| {
+            let _ = UP_FAILED.set(e.clone());
+        })
 }
 
 pub fn port(i: usize) -> u16 {
@@ -548,9 +554,12 @@ impl Tally {
         t
     }
 
-    /// The scenario's one line.
+    /// The scenario's one line, on stderr past the test harness's capture (so it is shown for
+    /// passing tests too).
     pub fn print(&self, scenario: &str) {
-        println!(
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr(),
             "FAULT {scenario}: {} scheduled / {} delivered / {} lost / {} duplicates / {} early / worst lateness {} ms",
             self.scheduled,
             self.delivered,

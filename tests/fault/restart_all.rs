@@ -1,5 +1,6 @@
-//! Every node stopped and started again (`cluster.sh restart-all`) with messages pending in the
-//! tiers of every level above the lowest ones (whose TTLs of a few ms hold nothing for long):
+//! Every node stopped and started again (`cluster.sh restart-all`) with messages pending across
+//! the levels (delays over the whole range, so routes use every level; at the stop they wait in
+//! the upper levels: the lowest ones, TTLs of 1-48 ms, hold a message only for that long):
 //! the worker reconnects by itself and everything arrives within the bound OPERATIONS.md gives
 //! with the 5000 ms dead-letter confirm timeout (the downtime + up to one or two timeouts).
 
@@ -19,7 +20,7 @@ const MAX_MS: u64 = 8000;
 const BOUND_MS: u64 = 2 * DLX_CONFIRM_TIMEOUT_MS + 3000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn full_cluster_restart_with_messages_pending_in_every_level() {
+async fn full_cluster_restart_with_messages_pending_across_the_levels() {
     let mut f = Fault::begin("restart-all", MAX_MS).await;
     let q = f.destination("dest");
     f.declare(&[&q]).await;
