@@ -78,7 +78,7 @@ async fn connection_cut_mid_bulk_send_tells_not_sent_from_maybe_sent() {
         }
         done
     });
-    // ~330 lines/s until the cuts (each takes a second or two of rabbitmqctl) are done, then
+    // ~200 lines/s until the cuts (each takes a second or two of rabbitmqctl) are done, then
     // 200 more: the cuts land mid-send, with confirms outstanding
     let mut ids: Vec<String> = Vec::new();
     let mut after_cuts = 0;
@@ -98,7 +98,7 @@ async fn connection_cut_mid_bulk_send_tells_not_sent_from_maybe_sent() {
         if cutter.is_finished() {
             after_cuts += chunk.len();
         }
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let n = ids.len();
     let cuts = cutter.await.unwrap();
@@ -121,6 +121,9 @@ async fn connection_cut_mid_bulk_send_tells_not_sent_from_maybe_sent() {
         stderr.matches("the publisher reconnected").count() >= 1,
         "the publisher never reconnected:\n{stderr}"
     );
+    for (n, reason) in reasons(&stderr) {
+        eprintln!("[conn-cut]   {n} x {reason}");
+    }
     assert_eq!(invalid, 0, "{stderr}");
     assert_eq!(confirmed + not_sent + maybe_sent, n as u64, "{stdout}");
     // every line that did not end confirmed is reported, with its kind, in stderr and its file

@@ -587,3 +587,21 @@ impl Tally {
         );
     }
 }
+
+/// The reasons a bulk send gave for its failed lines ("line N: " and the prefix taken out),
+/// with how often each was given, most frequent first.
+pub fn reasons(stderr: &str) -> Vec<(usize, String)> {
+    let mut m: HashMap<String, usize> = HashMap::new();
+    for l in stderr.lines().filter(|l| l.starts_with("line ")) {
+        let reason = l.split_once(": ").map_or(l, |(_, r)| r);
+        let reason: String = reason
+            .split('\'')
+            .map(|w| if w.starts_with("fault-") { "<tier>" } else { w })
+            .collect::<Vec<_>>()
+            .join("'");
+        *m.entry(reason).or_default() += 1;
+    }
+    let mut v: Vec<(usize, String)> = m.into_iter().map(|(r, n)| (n, r)).collect();
+    v.sort_by(|a, b| b.cmp(a));
+    v
+}
