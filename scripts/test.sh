@@ -20,8 +20,11 @@
 #      really answers the AMQP protocol header, not just until a process exists.
 #   2. Makes sure Python 3 can `import pika` (the integration tests drive a
 #      Python AMQP client as an independent peer).
-#   3. Runs `cargo test "$@"` (unit, integration and doc tests) with AMQP_URL
-#      exported, and exits with cargo's exit code.
+#   3. Runs `cargo test "$@"` (unit, integration and doc tests, and the fault suite,
+#      tests/fault, which starts its own 3-node cluster with scripts/cluster.sh) with
+#      AMQP_URL exported, and exits with cargo's exit code.
+#   On exit, whatever happened, stops the throwaway nodes the tests may have started
+#   (`scripts/cluster.sh down`, `scripts/tls-node.sh down`); the main broker is left running.
 #
 # Options / environment:
 #   --broker-only        (first argument) stop after step 1: only make sure the
@@ -340,6 +343,16 @@ if [[ "${BROKER_ONLY}" == "1" ]]; then
 fi
 
 ensure_pika
+
+# The fault suite's cluster and the TLS test node are throwaway: stop them however the
+# tests end (both scripts are safe to run when nothing is up, and never touch the main broker).
+stop_test_nodes() {
+    bash "${SCRIPT_DIR}/cluster.sh" down >/dev/null 2>&1 || log "warning: scripts/cluster.sh down failed"
+    bash "${SCRIPT_DIR}/tls-node.sh" down >/dev/null 2>&1 || log "warning: scripts/tls-node.sh down failed"
+}
+if is_root; then
+    trap stop_test_nodes EXIT
+fi
 
 log "running: cargo test $*  (broker ${BROKER_HOST}:${BROKER_PORT})"
 set +e

@@ -142,7 +142,9 @@ pub struct PublisherSettings {
     /// 128 MiB); larger is refused before anything is published.
     pub max_message_bytes: usize,
     /// After losing its connection, how long a publisher keeps trying to reconnect (with
-    /// backoff, every node of `url` in turn) before a publish fails.
+    /// backoff, every node of `url` in turn) before a publish fails; also how long it publishes
+    /// a message again that a tier without `max_tier_length` refused (nack: the tier's leader
+    /// is moving).
     pub reconnect_timeout: DurationMs,
 }
 

@@ -192,7 +192,25 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                 .connect("amqp-delay declare")
                 .await?;
             let topo = Topology::new(layout.clone());
+            // queues deleted from a topology declared before (e.g. by an operator) are named
+            // once re-created, so a repair says what it repaired
+            let missing: Vec<String> = match topo.verify(&conn).await {
+                Ok(()) => topo
+                    .stats(&conn)
+                    .await
+                    .map(|s| {
+                        s.into_iter()
+                            .filter(|s| s.missing)
+                            .map(|s| s.queue)
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+                Err(_) => Vec::new(),
+            };
             topo.declare(&conn).await?;
+            for q in &missing {
+                amqp_delay::outln!("re-created missing queue '{q}'");
+            }
             for q in &queues {
                 let created = topo.declare_destination(&conn, q).await?;
                 if worker {

@@ -124,8 +124,80 @@ impl Inner {
         (body, props)
     }
 
+    /// [`Inner::publish_once`], publishing again after a nack while the tiers have no length
+    /// limit: a nack then cannot mean "full", only that the queue is unavailable (its leader
+    /// moving after a node loss), and the broker took nothing, so trying again cannot duplicate
+    /// it. A channel that published to the queue while its leader was being replaced keeps
+    /// being refused even once a new leader serves other channels (RabbitMQ 3.10, kill -9 of a
+    /// node: nacked for the whole 60 s tried, while new channels were served within 2 s), so
+    /// later publishes go to a new channel. Tried with backoff for up to
+    /// `publisher.reconnect_timeout`, as a lost connection is; with `max_tier_length` set, a
+    /// nack is reported at once (the tier is full).
     pub(super) async fn publish_confirmed(
         &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        props: BasicProperties,
+    ) -> Result<()> {
+        let mut give_up = None;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let channel = self.publish_channel().await?;
+            match self
+                .publish_once(&channel, exchange, routing_key, body, props.clone())
+                .await
+            {
+                Err(Error::Nacked { .. }) if self.layout.max_tier_length().is_none() => {
+                    let end = *give_up.get_or_insert_with(|| {
+                        Instant::now()
+                            + Duration::from_millis(self.settings.reconnect_timeout.as_millis())
+                    });
+                    if Instant::now() + pause > end {
+                        return Err(Error::Nacked {
+                            exchange: exchange.into(),
+                        });
+                    }
+                    self.renew_channel(&channel, exchange).await;
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Replaces the publish channel by a new one if it is still `stale`. The old one stays open
+    /// a while, so the confirms it still awaits can arrive.
+    async fn renew_channel(&self, stale: &Channel, exchange: &str) {
+        let mut ch = self.channel.write().await;
+        if ch.id() != stale.id() || !ch.status().connected() {
+            return;
+        }
+        let Ok(conn) = self.connection().await else {
+            return;
+        };
+        match open_confirm_channel(&conn).await {
+            Ok(new) => {
+                tracing::info!(
+                    "'{exchange}' refused a message (nack): a queue is unavailable, e.g. its leader moved; publishing again on a new channel"
+                );
+                let old = std::mem::replace(&mut *ch, new);
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                    let _ = old.close(200, "replaced".into()).await;
+                });
+            }
+            Err(e) => tracing::warn!(
+                "could not open a new publish channel: {}",
+                crate::error::chain(&e)
+            ),
+        }
+    }
+
+    async fn publish_once(
+        &self,
+        channel: &Channel,
         exchange: &str,
         routing_key: &str,
         body: &[u8],
@@ -137,7 +209,6 @@ impl Inner {
                 routing_key.len()
             ))
         })?;
-        let channel = self.publish_channel().await?;
         let confirm = channel
             .basic_publish(
                 exchange.into(),

@@ -1,0 +1,80 @@
+//! The destination queue deleted and re-created under a running worker: the worker logs the
+//! broker's consumer cancellation, waits, resubscribes once the queue is back, and processes
+//! the messages sent after the re-creation.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use rand::Rng;
+
+use crate::harness::*;
+
+const MAX_MS: u64 = 1500;
+
+async fn send(f: &mut Fault, q: &str, name: &str, ids: &[String]) {
+    let file = f.file(name);
+    let mut rng = rand::rng();
+    let text: String = ids
+        .iter()
+        .map(|id| line(q, id, rng.random_range(0..MAX_MS)) + "\n")
+        .collect();
+    std::fs::write(&file, text).unwrap();
+    let out = f
+        .publisher_ok(&["send", "--jsonl", file.to_str().unwrap()])
+        .await;
+    assert!(
+        out.stdout
+            .contains(&format!("{} confirmed, 0 failed", ids.len())),
+        "{}",
+        out.stdout
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn destination_deleted_and_recreated_under_a_running_worker() {
+    let mut f = Fault::begin("dest-deleted", MAX_MS).await;
+    let q = f.destination("dest");
+    f.declare(&[&q]).await;
+    let worker = f.worker(&q).await;
+
+    let first: Vec<String> = (0..100).map(|i| format!("a{i}")).collect();
+    send(&mut f, &q, "first.jsonl", &first).await;
+    let first: HashSet<String> = first.into_iter().collect();
+    assert!(
+        worker
+            .wait_for(&first, Duration::from_secs(30), Duration::ZERO)
+            .await,
+        "the first messages did not arrive"
+    );
+
+    cluster(&["ctl", "1", "delete_queue", &q]).await;
+    assert!(
+        wait_until(Duration::from_secs(15), || worker
+            .log()
+            .contains("the broker cancelled the consumer"))
+        .await,
+        "the worker did not log the cancellation:\n{}",
+        worker.log()
+    );
+    f.declare(&[&q]).await;
+    assert!(
+        wait_until(Duration::from_secs(30), || worker
+            .log()
+            .contains("the queue is back; consuming it again"))
+        .await,
+        "the worker did not resubscribe:\n{}",
+        worker.log()
+    );
+
+    let second: Vec<String> = (0..300).map(|i| format!("b{i}")).collect();
+    send(&mut f, &q, "second.jsonl", &second).await;
+    let second: HashSet<String> = second.into_iter().collect();
+    worker
+        .wait_for(&second, Duration::from_secs(30), Duration::from_millis(500))
+        .await;
+    let t = Tally::of(&second, &worker.delivered());
+    t.print("destination deleted and re-created");
+    eprintln!("[dest-deleted] worker log:\n{}", worker.log());
+    t.assert_sound("dest-deleted");
+    worker.stop().await;
+}
