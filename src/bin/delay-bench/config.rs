@@ -22,15 +22,33 @@ pub(crate) enum Scenario {
     Mix,
     /// Uniform 0–max through a radix-2 cascade, exact (NServiceBus-style reference).
     Binary,
+    /// As `fixed`, to a destination the library's worker consumes: the publisher batches.
+    #[value(name = "fixed_batched")]
+    #[serde(rename = "fixed_batched")]
+    FixedBatched,
+    /// As `uniform`, to a destination the library's worker consumes: the publisher batches.
+    #[value(name = "uniform_batched")]
+    #[serde(rename = "uniform_batched")]
+    UniformBatched,
+    /// As `uniform_batched`, but the worker is a relay (`delay-consumer --relay`) unpacking
+    /// into a plain queue that a raw consumer reads.
+    Relay,
+    /// Plugin-style: `x-delay` 1–100 ms to the ingress of an in-process gateway, raw consumer
+    /// on a queue bound to its target exchange.
+    Gateway,
 }
 
 impl Scenario {
-    pub(crate) const ALL: [Scenario; 5] = [
+    pub(crate) const ALL: [Scenario; 9] = [
         Scenario::Raw,
         Scenario::Fixed,
         Scenario::Uniform,
         Scenario::Mix,
         Scenario::Binary,
+        Scenario::FixedBatched,
+        Scenario::UniformBatched,
+        Scenario::Relay,
+        Scenario::Gateway,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -40,12 +58,27 @@ impl Scenario {
             Scenario::Uniform => "uniform",
             Scenario::Mix => "mix",
             Scenario::Binary => "binary",
+            Scenario::FixedBatched => "fixed_batched",
+            Scenario::UniformBatched => "uniform_batched",
+            Scenario::Relay => "relay",
+            Scenario::Gateway => "gateway",
         }
+    }
+
+    /// Delivered through batches (the destination is consumed by the library's worker, a relay
+    /// or the gateway, which read batches).
+    pub(crate) fn batched(self) -> bool {
+        matches!(
+            self,
+            Scenario::FixedBatched | Scenario::UniformBatched | Scenario::Relay | Scenario::Gateway
+        )
     }
 }
 
 /// Share of the realistic mix that uses a fixed level exactly.
 pub(crate) const MIX_FIXED_SHARE: f64 = 0.6;
+/// The `x-delay` range of the gateway scenario, in ms.
+pub(crate) const GATEWAY_DELAYS_MS: std::ops::RangeInclusive<u64> = 1..=100;
 /// Real-world upper bound of the mix's arbitrary delays (scaled down to `max_delay` in the run).
 pub(crate) const MIX_REAL_MAX_MS: u64 = 24 * 3_600_000;
 
@@ -174,6 +207,26 @@ impl BenchConfig {
             max_tier_length: t.max_tier_length,
             max_tier_ttl_ms: t.max_tier_ttl_ms,
         }
+    }
+
+    /// `settings` for a library worker or gateway running on `layout`'s prefix and topology
+    /// (one of the layouts below, built from `self.settings`).
+    pub(crate) fn settings_for(&self, prefix: &str, with_fixed: bool) -> Settings {
+        let fixed = if with_fixed {
+            self.declared_fixed_levels()
+        } else {
+            Vec::new()
+        };
+        let mut s = self.settings.clone();
+        s.prefix = prefix.to_string();
+        s.topology = self.topology(self.settings.topology.radix, fixed, self.max_delay_ms);
+        s
+    }
+
+    /// The layout of the gateway scenario: the main shape under `<prefix>-gw` (the gateway
+    /// declares and owns it).
+    pub(crate) fn gateway_settings(&self) -> Settings {
+        self.settings_for(&format!("{}-gw", self.settings.prefix), false)
     }
 
     /// The configured radix and unit, delays up to `max_delay`, with or without the fixed levels
