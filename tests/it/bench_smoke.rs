@@ -27,6 +27,9 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
             "0.5",
             "--max-delay",
             "1s",
+            // every scenario: the default run leaves out uniform_batched and relay
+            "--scenarios",
+            "raw,fixed,uniform,mix,binary,fixed_batched,uniform_batched,relay,gateway",
         ])
         .env("AMQP_URL", broker_url())
         .kill_on_drop(true)

@@ -131,6 +131,7 @@ pub(crate) struct Environment {
 pub(crate) struct RunConfig {
     pub(crate) prefix: String,
     pub(crate) messages: usize,
+    pub(crate) batched_messages: usize,
     pub(crate) quick: bool,
     pub(crate) radix: u32,
     pub(crate) unit_ms: u64,

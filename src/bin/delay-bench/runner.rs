@@ -234,6 +234,7 @@ pub(crate) async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> 
         config: RunConfig {
             prefix: cfg.settings.prefix.clone(),
             messages: cfg.messages,
+            batched_messages: cfg.batched_messages,
             quick: cfg.quick,
             radix: cfg.settings.topology.radix,
             unit_ms: cfg.settings.topology.unit_ms,
@@ -337,7 +338,11 @@ impl Bench<'_> {
         let cfg = self.cfg;
         let prefix = &cfg.settings.prefix;
         let raw = sc == Scenario::Raw;
-        let n = cfg.messages;
+        let n = if sc.batched() {
+            cfg.batched_messages
+        } else {
+            cfg.messages
+        };
         let delays = (!raw).then(|| delays_for(sc, cfg, n, cfg.seed));
         let sat = self
             .run_once(
