@@ -128,7 +128,7 @@ struct Args {
     #[arg(long, value_name = "N")]
     batched_messages: Option<usize>,
     /// Scenarios to run, comma-separated (ratios need raw)
-    #[arg(long, value_delimiter = ',', value_enum, default_values_t = Scenario::DEFAULT.to_vec())]
+    #[arg(long, value_delimiter = ',', value_enum, default_values_t = Scenario::defaults())]
     scenarios: Vec<Scenario>,
     /// Rate of the lateness runs in msg/s [default: half of each scenario's measured rate]
     #[arg(long)]
