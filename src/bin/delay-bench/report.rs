@@ -36,8 +36,11 @@ pub(crate) struct ScenarioResult {
     pub(crate) msgs_per_s: f64,
     /// `msgs_per_s / raw_msgs_per_s` (null when raw was not measured).
     pub(crate) ratio_to_raw: Option<f64>,
-    /// Planned dead-letter hops per message.
+    /// Planned dead-letter hops per message (batched: the routes the batches took).
     pub(crate) avg_hops: f64,
+    /// The same in the rate-limited lateness run (batches formed at a steady rate may take
+    /// other routes than those of a burst).
+    pub(crate) lateness_avg_hops: f64,
     /// Hops the messages actually took (sum of their `x-death` counts); null for the batched
     /// scenarios, whose messages carry no `x-death` of their own.
     pub(crate) observed_avg_hops: Option<f64>,
@@ -292,10 +295,11 @@ impl Report {
             .filter_map(|sc| {
                 let r = self.scenarios.get(sc.name())?;
                 Some(format!(
-                    "{} {}",
+                    "{} {} ({:.2} hops)",
                     sc.name(),
                     r.lateness_broker_msgs_per_msg
-                        .map_or_else(|| "-".into(), |x| format!("{x:.3}"))
+                        .map_or_else(|| "-".into(), |x| format!("{x:.3}")),
+                    r.lateness_avg_hops
                 ))
             })
             .collect();

@@ -371,6 +371,7 @@ impl Bench<'_> {
             )
             .await?;
         let ok_n = (n - sat.publish_errors).max(1) as f64;
+        let ok_lat = (n_lat - lat.publish_errors).max(1) as f64;
         let real_scale_avg_hops = (sc == Scenario::Mix).then(|| {
             let real = real_layout(&cfg.settings);
             real.map_or(f64::NAN, |l| {
@@ -392,6 +393,7 @@ impl Bench<'_> {
             msgs_per_s: round1(measured),
             ratio_to_raw: raw_rate.map(|r| round3(measured / r)),
             avg_hops: round3(sat.hops_sum as f64 / ok_n),
+            lateness_avg_hops: round3(lat.hops_sum as f64 / ok_lat),
             // a batch member, a relayed or a gateway's message carries no `x-death` of its own
             observed_avg_hops: (!sc.batched())
                 .then(|| round3(sat.observed_hops as f64 / sat.unique.max(1) as f64)),
