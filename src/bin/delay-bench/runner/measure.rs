@@ -27,7 +27,7 @@ use crate::report::Percentiles;
 
 /// Lateness of first deliveries in ms: an HDR histogram (negative values recorded as 0) with
 /// the exact minimum, maximum and the number of early messages beside it.
-pub(crate) struct Lateness {
+pub(super) struct Lateness {
     hist: Histogram<u64>,
     min: i64,
     max: i64,
@@ -79,7 +79,7 @@ impl Lateness {
 pub(super) const BENCH_DUE_AT: &str = "bench-due-at";
 
 /// Shared between the consumers, the publishers and the progress display.
-pub(crate) struct Tracker {
+pub(super) struct Tracker {
     counts: Vec<AtomicU8>,
     unique: AtomicUsize,
     duplicates: AtomicUsize,
