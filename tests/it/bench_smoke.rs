@@ -26,7 +26,7 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
             "--lateness-secs",
             "0.5",
             "--max-delay",
-            "1s",
+            "500ms",
             // every scenario: the default run leaves out uniform_batched and relay
             "--scenarios",
             "raw,fixed,uniform,mix,binary,fixed_batched,uniform_batched,relay,gateway",

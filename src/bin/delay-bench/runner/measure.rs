@@ -473,7 +473,11 @@ impl Bench<'_> {
             if let Some(l) = &stage.counted {
                 lateness.merge(&l.lock().expect("lateness"));
             }
-            leftover += self.stop_stage(stage).await;
+            let (left, problem) = self.stop_stage(stage).await;
+            leftover += left;
+            if let Some(p) = problem {
+                self.problems.push(format!("'{}': {p}", run.queue));
+            }
         }
         if run.raw_consumers {
             leftover += match delete_queue(&self.admin, &run.queue).await {

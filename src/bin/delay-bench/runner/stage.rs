@@ -160,7 +160,7 @@ impl Bench<'_> {
             gateway: None,
         };
         if let Err(e) = self.until_consumed(&mut stage, queue).await {
-            self.stop_stage(stage).await;
+            let _ = self.stop_stage(stage).await;
             return Err(e);
         }
         Ok(stage)
@@ -211,7 +211,7 @@ impl Bench<'_> {
         };
         // the worker subscribes the ingress queue, then the due queue
         if let Err(e) = self.until_consumed(&mut stage, &pair.due_queue).await {
-            self.stop_stage(stage).await;
+            let _ = self.stop_stage(stage).await;
             return Err(e);
         }
         Ok(stage)
@@ -245,25 +245,28 @@ impl Bench<'_> {
         }
     }
 
-    /// Stops the stage's worker, deletes what it declared; returns what its queues still held.
-    pub(super) async fn stop_stage(&self, stage: Stage) -> u32 {
+    /// Stops the stage's worker, deletes what it declared; returns what its queues still held
+    /// and, if the worker failed or did not stop, what went wrong (a problem of the run: every
+    /// message it had was settled by then).
+    pub(super) async fn stop_stage(&self, stage: Stage) -> (u32, Option<String>) {
         let _ = stage.stop.send(());
         let mut task = stage.task;
-        match tokio::time::timeout(Duration::from_secs(60), &mut task).await {
-            Ok(Ok(Ok(()))) => {}
-            Ok(Ok(Err(e))) => self.progress.note(&format!(
+        let stop = Duration::from_secs(60);
+        let problem = match tokio::time::timeout(stop, &mut task).await {
+            Ok(Ok(Ok(()))) => None,
+            Ok(Ok(Err(e))) => Some(format!(
                 "the stage's worker failed: {}",
                 amqp_delay::error_chain(&e)
             )),
-            Ok(Err(e)) => self
-                .progress
-                .note(&format!("the stage's worker panicked: {e}")),
+            Ok(Err(e)) => Some(format!("the stage's worker panicked: {e}")),
             Err(_) => {
                 task.abort();
-                self.progress
-                    .note("the stage's worker did not stop within 60 s");
+                Some(format!(
+                    "the stage's worker did not stop within {} s of its shutdown signal",
+                    stop.as_secs()
+                ))
             }
-        }
+        };
         let mut leftover = 0;
         if let Some(g) = &stage.gateway {
             for q in g.pairs().iter().flat_map(|p| p.queues()) {
@@ -290,6 +293,6 @@ impl Bench<'_> {
                 self.cleanup.forget_exchange(x);
             }
         }
-        leftover
+        (leftover, problem)
     }
 }
