@@ -1,12 +1,11 @@
-//! `delay-bench --quick` with a tiny N against the real broker: the JSON has the promised shape,
-//! nothing was lost, duplicated beyond the report or early, every message took exactly its
-//! planned hops, and the run deleted what it declared. No timing assertions. Fails (never skips)
-//! when no broker answers.
+//! `delay-bench --quick` with a tiny N against the real broker, every scenario (the batched ones
+//! through the library's worker, relay and gateway in process): the JSON has the promised shape,
+//! nothing was lost, duplicated beyond the report or early, every unbatched message took exactly
+//! its planned hops, the batched scenarios packed messages into fewer broker messages, and the
+//! run deleted what it declared. No timing assertions. Fails (never skips) when no broker answers.
 
 use std::time::Duration;
 
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
 use serde_json::Value;
 
 use crate::harness::broker_url;
@@ -25,9 +24,12 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
             "-n",
             "300",
             "--lateness-secs",
-            "1",
+            "0.5",
             "--max-delay",
-            "1s",
+            "500ms",
+            // every scenario: the default run leaves out uniform_batched and relay
+            "--scenarios",
+            "raw,fixed,uniform,mix,binary,fixed_batched,uniform_batched,relay,gateway",
         ])
         .env("AMQP_URL", broker_url())
         .kill_on_drop(true)
@@ -54,18 +56,28 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
     assert!(number(&report["raw_msgs_per_s"], "raw_msgs_per_s") > 0.0);
     assert_eq!(report["raw"]["lost"], 0);
 
-    for name in ["fixed", "uniform", "mix", "binary"] {
+    let unbatched = ["fixed", "uniform", "mix", "binary"];
+    let batched = ["fixed_batched", "uniform_batched", "relay", "gateway"];
+    for name in unbatched.into_iter().chain(batched) {
         let s = &report["scenarios"][name];
         assert!(s.is_object(), "scenario {name} missing: {report}");
         assert!(number(&s["msgs_per_s"], "msgs_per_s") > 0.0, "{name}");
         number(&s["ratio_to_raw"], "ratio_to_raw");
         let hops = number(&s["avg_hops"], "avg_hops");
-        // the broker routed every message through exactly the tiers the planner chose
-        let observed = number(&s["observed_avg_hops"], "observed_avg_hops");
-        assert!(
-            (hops - observed).abs() < 0.01,
-            "{name}: planned {hops} hops, took {observed}"
-        );
+        let per_msg = number(&s["broker_msgs_per_msg"], "broker_msgs_per_msg");
+        if batched.contains(&name) {
+            // members carry no `x-death` of their own
+            assert_eq!(s["observed_avg_hops"], Value::Null, "{name}");
+            assert!(per_msg > 0.0 && per_msg <= 1.0, "{name}: {per_msg}");
+        } else {
+            // the broker routed every message through exactly the tiers the planner chose
+            let observed = number(&s["observed_avg_hops"], "observed_avg_hops");
+            assert!(
+                (hops - observed).abs() < 0.01,
+                "{name}: planned {hops} hops, took {observed}"
+            );
+            assert_eq!(per_msg, 1.0, "{name}: unbatched, one broker message each");
+        }
         let l = &s["lateness_ms"];
         for k in ["min", "p50", "p99", "p999", "max"] {
             number(&l[k], k);
@@ -80,6 +92,15 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
         assert_eq!(s["publish_errors"], 0, "{name}");
     }
     assert_eq!(report["scenarios"]["fixed"]["avg_hops"], 1.0);
+    // 300 messages scheduled at once to one fixed level travel in a few batches
+    assert!(
+        number(
+            &report["scenarios"]["fixed_batched"]["broker_msgs_per_msg"],
+            "fixed_batched broker_msgs_per_msg"
+        ) < 0.5,
+        "{}",
+        report["scenarios"]["fixed_batched"]
+    );
     assert_eq!(report["scenarios"]["binary"]["radix"], 2);
 
     // everything the run declared is gone
@@ -88,19 +109,36 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
     let conn = amqp_delay::connection::connect(&broker_url(), "bench smoke test")
         .await
         .expect("connect");
-    for marker in [format!("{prefix}.layout"), format!("{prefix}-r2.layout")] {
-        let ch = conn.create_channel().await.expect("channel");
-        let r = ch
-            .queue_declare(
-                marker.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await;
-        assert!(r.is_err(), "'{marker}' still exists after the run");
+    // the layout markers are exchanges; the rest: one of each kind a run declares
+    let exchanges = [
+        format!("{prefix}.layout"),
+        format!("{prefix}-r2.layout"),
+        format!("{prefix}-gw.layout"),
+        format!("{prefix}.batched.{prefix}.fixed_batched.sat"),
+        format!("{prefix}.gateway.sat.target"),
+        format!("{prefix}.gateway.sat.in"),
+    ];
+    for x in &exchanges {
+        let exists = amqp_delay::broker::exchange_exists(&conn, x)
+            .await
+            .expect("passive declare");
+        assert!(!exists, "exchange '{x}' still exists after the run");
+    }
+    let queues = [
+        format!("{prefix}.control"),
+        format!("{prefix}.fixed_batched.sat"),
+        format!("{prefix}.parked.{prefix}.fixed_batched.sat"),
+        format!("{prefix}.relay.sat"),
+        format!("{prefix}.relay.sat.src"),
+        format!("{prefix}.gateway.sat"),
+        format!("{prefix}-gw.gw.due.{prefix}.gateway.sat.in"),
+        format!("{prefix}-gw.control"),
+    ];
+    for q in &queues {
+        let state = amqp_delay::broker::queue_state(&conn, q)
+            .await
+            .expect("passive declare");
+        assert!(state.is_none(), "queue '{q}' still exists after the run");
     }
     let _ = conn.close(200, "bye".into()).await;
 }

@@ -2,40 +2,73 @@
 
 use std::sync::{Arc, Mutex};
 
-use amqp_delay::{Layout, Result, Topology};
+use amqp_delay::{Layout, Result};
 
-use crate::amqp::{connect, delete_queue};
+use crate::amqp::{connect, delete_exchange, delete_queue, delete_topology};
 
 /// What a run has declared, so it can be deleted on success, error or Ctrl-C. Objects are
 /// registered before they are declared; deleting a missing one is harmless.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Cleanup {
-    inner: Arc<Mutex<(Vec<Layout>, Vec<String>)>>,
+    inner: Arc<Mutex<Registered>>,
+}
+
+#[derive(Debug, Default)]
+struct Registered {
+    layouts: Vec<Layout>,
+    queues: Vec<String>,
+    exchanges: Vec<String>,
 }
 
 impl Cleanup {
     pub(crate) fn add_layout(&self, l: &Layout) {
-        self.inner.lock().expect("cleanup").0.push(l.clone());
+        self.inner.lock().expect("cleanup").layouts.push(l.clone());
     }
     pub(crate) fn add_queue(&self, q: &str) {
-        self.inner.lock().expect("cleanup").1.push(q.to_string());
+        self.inner
+            .lock()
+            .expect("cleanup")
+            .queues
+            .push(q.to_string());
+    }
+    pub(crate) fn add_exchange(&self, x: &str) {
+        self.inner
+            .lock()
+            .expect("cleanup")
+            .exchanges
+            .push(x.to_string());
     }
     /// `layout` was deleted already.
     pub(crate) fn forget_layout(&self, l: &Layout) {
         self.inner
             .lock()
             .expect("cleanup")
-            .0
+            .layouts
             .retain(|x| x.prefix() != l.prefix());
     }
     /// `q` was deleted already.
     pub(crate) fn forget_queue(&self, q: &str) {
-        self.inner.lock().expect("cleanup").1.retain(|x| x != q);
+        self.inner
+            .lock()
+            .expect("cleanup")
+            .queues
+            .retain(|x| x != q);
     }
-    /// Deletes every registered queue and topology (over a fresh connection).
+    /// `x` was deleted already.
+    pub(crate) fn forget_exchange(&self, x: &str) {
+        self.inner
+            .lock()
+            .expect("cleanup")
+            .exchanges
+            .retain(|e| e != x);
+    }
+    /// Deletes every registered queue, exchange and topology (over a fresh connection).
     pub(crate) async fn run(&self, url: &str) -> Result<()> {
-        let (layouts, queues) = self.inner.lock().expect("cleanup").clone();
-        if layouts.is_empty() && queues.is_empty() {
+        let (layouts, queues, exchanges) = {
+            let g = self.inner.lock().expect("cleanup");
+            (g.layouts.clone(), g.queues.clone(), g.exchanges.clone())
+        };
+        if layouts.is_empty() && queues.is_empty() && exchanges.is_empty() {
             return Ok(());
         }
         let conn = connect(url, "delay-bench cleanup").await?;
@@ -45,16 +78,20 @@ impl Cleanup {
                 result = Err(e);
             }
         }
+        for x in &exchanges {
+            if let Err(e) = delete_exchange(&conn, x).await {
+                result = Err(e);
+            }
+        }
         for l in &layouts {
-            if let Err(e) = Topology::new(l.clone()).delete(&conn).await {
+            if let Err(e) = delete_topology(&conn, l).await {
                 result = Err(e);
             }
         }
         let _ = conn.close(200, "bye".into()).await;
         if result.is_ok() {
             let mut g = self.inner.lock().expect("cleanup");
-            g.0.clear();
-            g.1.clear();
+            *g = Registered::default();
         }
         result
     }

@@ -22,15 +22,33 @@ pub(crate) enum Scenario {
     Mix,
     /// Uniform 0–max through a radix-2 cascade, exact (NServiceBus-style reference).
     Binary,
+    /// As `fixed`, to a destination the library's worker consumes: the publisher batches.
+    #[value(name = "fixed_batched")]
+    #[serde(rename = "fixed_batched")]
+    FixedBatched,
+    /// As `uniform`, to a destination the library's worker consumes: the publisher batches.
+    #[value(name = "uniform_batched")]
+    #[serde(rename = "uniform_batched")]
+    UniformBatched,
+    /// As `uniform_batched`, but the worker is a relay (`delay-consumer --relay`) unpacking
+    /// into a plain queue that a raw consumer reads.
+    Relay,
+    /// Plugin-style: `x-delay` 1–100 ms to the ingress of an in-process gateway, raw consumer
+    /// on a queue bound to its target exchange.
+    Gateway,
 }
 
 impl Scenario {
-    pub(crate) const ALL: [Scenario; 5] = [
+    pub(crate) const ALL: [Scenario; 9] = [
         Scenario::Raw,
         Scenario::Fixed,
         Scenario::Uniform,
         Scenario::Mix,
         Scenario::Binary,
+        Scenario::FixedBatched,
+        Scenario::UniformBatched,
+        Scenario::Relay,
+        Scenario::Gateway,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -40,12 +58,37 @@ impl Scenario {
             Scenario::Uniform => "uniform",
             Scenario::Mix => "mix",
             Scenario::Binary => "binary",
+            Scenario::FixedBatched => "fixed_batched",
+            Scenario::UniformBatched => "uniform_batched",
+            Scenario::Relay => "relay",
+            Scenario::Gateway => "gateway",
         }
+    }
+
+    /// Those a run without `--scenarios` measures: all but `uniform_batched` and `relay`,
+    /// which need more messages than the default to measure the broker rather than their 5 s
+    /// delays (`--batched-messages`), and a minute each.
+    pub(crate) fn defaults() -> Vec<Scenario> {
+        Scenario::ALL
+            .into_iter()
+            .filter(|s| !matches!(s, Scenario::UniformBatched | Scenario::Relay))
+            .collect()
+    }
+
+    /// Delivered through batches (the destination is consumed by the library's worker, a relay
+    /// or the gateway, which read batches).
+    pub(crate) fn batched(self) -> bool {
+        matches!(
+            self,
+            Scenario::FixedBatched | Scenario::UniformBatched | Scenario::Relay | Scenario::Gateway
+        )
     }
 }
 
 /// Share of the realistic mix that uses a fixed level exactly.
 pub(crate) const MIX_FIXED_SHARE: f64 = 0.6;
+/// The `x-delay` range of the gateway scenario, in ms.
+pub(crate) const GATEWAY_DELAYS_MS: std::ops::RangeInclusive<u64> = 1..=100;
 /// Real-world upper bound of the mix's arbitrary delays (scaled down to `max_delay` in the run).
 pub(crate) const MIX_REAL_MAX_MS: u64 = 24 * 3_600_000;
 
@@ -57,6 +100,8 @@ pub(crate) struct BenchConfig {
     pub(crate) settings: Settings,
     /// Messages per saturating run.
     pub(crate) messages: usize,
+    /// Messages per saturating run of the batched scenarios.
+    pub(crate) batched_messages: usize,
     pub(crate) scenarios: Vec<Scenario>,
     /// Rate of the lateness runs (msg/s); default half of each scenario's measured capacity.
     pub(crate) rate: Option<f64>,
@@ -93,7 +138,8 @@ impl BenchConfig {
         BenchConfig {
             settings,
             messages: 50_000,
-            scenarios: Scenario::ALL.to_vec(),
+            batched_messages: 50_000,
+            scenarios: Scenario::defaults(),
             rate: None,
             lateness_secs: 20.0,
             max_delay_ms: 5_000,
@@ -134,8 +180,8 @@ impl BenchConfig {
     }
 
     pub(crate) fn validate(&self) -> Result<(), String> {
-        if self.messages == 0 {
-            return Err("--messages must be at least 1".into());
+        if self.messages == 0 || self.batched_messages == 0 {
+            return Err("--messages and --batched-messages must be at least 1".into());
         }
         if self.max_delay_ms < 20 {
             return Err("--max-delay must be at least 20 ms".into());
@@ -174,6 +220,26 @@ impl BenchConfig {
             max_tier_length: t.max_tier_length,
             max_tier_ttl_ms: t.max_tier_ttl_ms,
         }
+    }
+
+    /// `settings` for a library worker or gateway running on `layout`'s prefix and topology
+    /// (one of the layouts below, built from `self.settings`).
+    pub(crate) fn settings_for(&self, prefix: &str, with_fixed: bool) -> Settings {
+        let fixed = if with_fixed {
+            self.declared_fixed_levels()
+        } else {
+            Vec::new()
+        };
+        let mut s = self.settings.clone();
+        s.prefix = prefix.to_string();
+        s.topology = self.topology(self.settings.topology.radix, fixed, self.max_delay_ms);
+        s
+    }
+
+    /// The layout of the gateway scenario: the main shape under `<prefix>-gw` (the gateway
+    /// declares and owns it).
+    pub(crate) fn gateway_settings(&self) -> Settings {
+        self.settings_for(&format!("{}-gw", self.settings.prefix), false)
     }
 
     /// The configured radix and unit, delays up to `max_delay`, with or without the fixed levels

@@ -12,7 +12,7 @@ use amqp_delay::settings::Settings;
 use amqp_delay::time::{DurationMs, compact_duration};
 use amqp_delay::{Layout, Precision, plan};
 
-use crate::config::{BenchConfig, MIX_FIXED_SHARE, MIX_REAL_MAX_MS, Scenario};
+use crate::config::{BenchConfig, GATEWAY_DELAYS_MS, MIX_FIXED_SHARE, MIX_REAL_MAX_MS, Scenario};
 use crate::report::round3;
 
 /// `n` delays of scenario `sc` (deterministic for a seed).
@@ -24,8 +24,11 @@ pub(crate) fn delays_for(sc: Scenario, cfg: &BenchConfig, n: usize, seed: u64) -
     (0..n)
         .map(|i| match sc {
             Scenario::Raw => 0,
-            Scenario::Fixed => fixed[0] + i as u64 % shards,
-            Scenario::Uniform | Scenario::Binary => rng.random_range(0..=max),
+            Scenario::Fixed | Scenario::FixedBatched => fixed[0] + i as u64 % shards,
+            Scenario::Uniform | Scenario::Binary | Scenario::UniformBatched | Scenario::Relay => {
+                rng.random_range(0..=max)
+            }
+            Scenario::Gateway => rng.random_range(GATEWAY_DELAYS_MS),
             Scenario::Mix => mix_delay(&mut rng, &fixed, max),
         })
         .collect()

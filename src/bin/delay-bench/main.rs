@@ -13,6 +13,14 @@
 //!   (b) uniform 0–max (5 s) at the configured unit and lateness budget; (c) a realistic mix, 60%
 //!   on fixed levels, 40% arbitrary 0–max; (d) an NServiceBus-style binary cascade (radix 2, exact).
 //!   Each reports msg/s end to end, its ratio to raw and the average hops per message.
+//! * **fixed_batched / uniform_batched / relay / gateway**: the batched paths, with the
+//!   library's stages running in process (`runner::stage`): the same fixed level and uniform
+//!   delays to a destination the library's `Worker` consumes (its batch marker makes the
+//!   publisher batch; members counted one by one in its handler); uniform delays through the
+//!   relay of `delay-consumer --relay` into a plain queue; and plugin-style `x-delay` 1–100 ms
+//!   publishes to the `x-delay` gateway's ingress, counted on a queue bound to its target.
+//!   Besides the above they report broker messages through the tiers per message (the
+//!   library's metrics: how well batches packed). `uniform_batched` and `relay` are opt-in.
 //! * **lateness** of every scenario, from a second, rate-limited run at half its measured
 //!   capacity (or `rate`): `consume time − x-delay-due-at`, as min/p50/p99/p99.9/max.
 //! * **capacity** (optional): M messages held in one tier, the publish rate and the broker's
@@ -71,18 +79,28 @@ const ABOUT: &str = "Measure amqp-delay against the raw broker: throughput, late
 const LONG_ABOUT: &str = "\
 Measure amqp-delay against the raw broker: throughput, lateness and capacity, in one run.
 
-Scenarios (all by default, choose with --scenarios):
+Scenarios (choose with --scenarios; all but uniform_batched and relay by default):
   raw      N persistent messages, confirms pipelined, straight into one plain queue of the
            tiers' queue type, consumed with manual acks: the ceiling on this machine
   fixed    every message on one fixed level (one hop)
   uniform  delays uniform 0–5 s through the cascade at the configured radix, unit and budget
   mix      60% on fixed levels, 40% uniform 0–5 s (24 h scaled down)
   binary   uniform 0–5 s through a radix-2 cascade, exact: the NServiceBus-style reference
+  fixed_batched    as fixed, to a destination the library's worker consumes (in process):
+                   the publisher batches, the worker unpacks; counted per message
+  uniform_batched  as uniform, batched, to the worker (opt-in: needs --batched-messages
+                   100000 or so, else its 5 s delays, not the broker, set the rate)
+  relay    as uniform_batched, the worker being the relay of `delay-consumer --relay`,
+           unpacking into a plain queue read by a raw consumer (opt-in, as uniform_batched)
+  gateway  plugin-style publishes with x-delay 1–100 ms to the ingress of the x-delay
+           gateway (in process, the configuration's settings), read from a queue bound to
+           its target exchange; with --rate 1000: its lateness at a steady 1,000 msg/s
 
 Each scenario is run twice: saturating (msg/s end to end, from the first publish to the last
 consume, its ratio to raw, average hops per message), then rate-limited at half that rate (or
 --rate) for lateness = consume time − x-delay-due-at (min, p50, p99, p99.9, max). Every message
-is counted: lost, duplicated or early messages are reported and make the exit code 1.
+is counted: lost, duplicated or early messages are reported and make the exit code 1. The
+batched scenarios also report broker messages through the tiers per message (brk/m).
 --capacity M additionally holds M messages in one tier and reads the broker's memory before and
 after (rabbitmqctl, local broker only), then drains them.
 
@@ -106,8 +124,11 @@ struct Args {
     /// Print one JSON object instead of the table
     #[arg(long)]
     json: bool,
+    /// Messages per saturating run of the batched scenarios [default: as --messages]
+    #[arg(long, value_name = "N")]
+    batched_messages: Option<usize>,
     /// Scenarios to run, comma-separated (ratios need raw)
-    #[arg(long, value_delimiter = ',', value_enum, default_values_t = Scenario::ALL.to_vec())]
+    #[arg(long, value_delimiter = ',', value_enum, default_values_t = Scenario::defaults())]
     scenarios: Vec<Scenario>,
     /// Rate of the lateness runs in msg/s [default: half of each scenario's measured rate]
     #[arg(long)]
@@ -213,6 +234,7 @@ fn config(args: &Args) -> Result<BenchConfig, String> {
     c.messages = args
         .messages
         .unwrap_or(if args.quick { 10_000 } else { 50_000 });
+    c.batched_messages = args.batched_messages.unwrap_or(c.messages);
     c.lateness_secs = args
         .lateness_secs
         .unwrap_or(if args.quick { 3.0 } else { 20.0 });

@@ -36,10 +36,19 @@ pub(crate) struct ScenarioResult {
     pub(crate) msgs_per_s: f64,
     /// `msgs_per_s / raw_msgs_per_s` (null when raw was not measured).
     pub(crate) ratio_to_raw: Option<f64>,
-    /// Planned dead-letter hops per message.
+    /// Planned dead-letter hops per message (batched: the routes the batches took).
     pub(crate) avg_hops: f64,
-    /// Hops the messages actually took (sum of their `x-death` counts).
-    pub(crate) observed_avg_hops: f64,
+    /// The same in the rate-limited lateness run (batches formed at a steady rate may take
+    /// other routes than those of a burst).
+    pub(crate) lateness_avg_hops: f64,
+    /// Hops the messages actually took (sum of their `x-death` counts); null for the batched
+    /// scenarios, whose messages carry no `x-death` of their own.
+    pub(crate) observed_avg_hops: Option<f64>,
+    /// Broker messages published into the tiers per message scheduled, in the saturating run
+    /// (1 unbatched; below 1 when batches carried several; null for raw).
+    pub(crate) broker_msgs_per_msg: Option<f64>,
+    /// The same in the rate-limited lateness run.
+    pub(crate) lateness_broker_msgs_per_msg: Option<f64>,
     /// Hops the same mix would take at real scale (24 h, the configured fixed levels).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) real_scale_avg_hops: Option<f64>,
@@ -125,6 +134,7 @@ pub(crate) struct Environment {
 pub(crate) struct RunConfig {
     pub(crate) prefix: String,
     pub(crate) messages: usize,
+    pub(crate) batched_messages: usize,
     pub(crate) quick: bool,
     pub(crate) radix: u32,
     pub(crate) unit_ms: u64,
@@ -221,11 +231,12 @@ impl Report {
         let _ = writeln!(s);
         let _ = writeln!(
             s,
-            "{:<62} {:>7} {:>5} {:>5} {:>8} │ {:>6} {:>5} {:>5} {:>5} {:>6} {:>6} │ {:>4} {:>4}",
+            "{:<62} {:>7} {:>5} {:>5} {:>5} {:>8} │ {:>6} {:>5} {:>5} {:>5} {:>6} {:>6} │ {:>4} {:>4}",
             "scenario",
             "msg/s",
             "×raw",
             "hops",
+            "brk/m",
             "sat p50",
             "@msg/s",
             "min",
@@ -248,7 +259,7 @@ impl Report {
             let l = &r.lateness_ms;
             let _ = writeln!(
                 s,
-                "{:<62} {:>7} {:>5} {:>5.2} {:>8} │ {:>6.0} {:>5} {:>5} {:>5} {:>6} {:>6} │ {:>4} {:>4}",
+                "{:<62} {:>7} {:>5} {:>5.2} {:>5} {:>8} │ {:>6.0} {:>5} {:>5} {:>5} {:>6} {:>6} │ {:>4} {:>4}",
                 truncate(&r.description, 62),
                 format!(
                     "{}{:.0}",
@@ -258,6 +269,8 @@ impl Report {
                 r.ratio_to_raw
                     .map_or_else(|| "-".into(), |x| format!("{x:.2}")),
                 r.avg_hops,
+                r.broker_msgs_per_msg
+                    .map_or_else(|| "-".into(), |x| format!("{x:.3}")),
                 r.backlog_p50_ms,
                 r.lateness_rate_msgs_per_s,
                 l.min,
@@ -273,8 +286,31 @@ impl Report {
             s,
             "\nmsg/s: end to end, first publish to last consume. sat p50: median lateness of that \
              saturating run (ms). Lateness (ms, consume − x-delay-due-at; raw: latency) from a \
-             second run at half the measured rate."
+             second run at half the measured rate (or --rate). brk/m: broker messages through the \
+             tiers per message in the saturating run (1: unbatched; a batch counts once)."
         );
+        let batched: Vec<String> = Scenario::ALL
+            .iter()
+            .filter(|sc| sc.batched())
+            .filter_map(|sc| {
+                let r = self.scenarios.get(sc.name())?;
+                Some(format!(
+                    "{} {} ({:.2} hops)",
+                    sc.name(),
+                    r.lateness_broker_msgs_per_msg
+                        .map_or_else(|| "-".into(), |x| format!("{x:.3}")),
+                    r.lateness_avg_hops
+                ))
+            })
+            .collect();
+        if !batched.is_empty() {
+            let _ = writeln!(
+                s,
+                "brk/m in the lateness runs: {}. Batched hops are the routes the batches took \
+                 (gateway: planned per message alone).",
+                batched.join(", ")
+            );
+        }
         if self.scenarios.values().any(|r| r.delay_bound) {
             let _ = writeln!(
                 s,

@@ -4,6 +4,7 @@
 //! display and the problems found; one publish-and-consume pass is in `measure`.
 
 mod measure;
+mod stage;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -16,14 +17,16 @@ use amqp_delay::connection::redact_url;
 use amqp_delay::time::compact_duration;
 use amqp_delay::{Error, Layout, Precision, Publisher, Result, Topology};
 
-use crate::amqp::connect;
+use crate::amqp::{connect, delete_topology};
 use crate::cleanup::Cleanup;
-use crate::config::{BenchConfig, MIX_FIXED_SHARE, MIX_REAL_MAX_MS, Scenario};
+use crate::config::{BenchConfig, GATEWAY_DELAYS_MS, MIX_FIXED_SHARE, MIX_REAL_MAX_MS, Scenario};
 use crate::environment::{
     HANDLES_PER_QUORUM_QUEUE, broker_info, broker_memory, file_handles, machine,
 };
 use crate::hops::{delays_for, mix_avg_hops, real_layout};
 use crate::progress::Progress;
+use stage::Path;
+
 use crate::report::{
     CapacityResult, Environment, MemoryResult, Report, RunConfig, ScenarioResult,
     describe_precision, fmt_bytes, round1, round3,
@@ -69,6 +72,9 @@ pub(crate) async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> 
         Scenario::Fixed,
         Scenario::Uniform,
         Scenario::Mix,
+        Scenario::FixedBatched,
+        Scenario::UniformBatched,
+        Scenario::Relay,
     ]
     .into_iter()
     .any(wants)
@@ -84,6 +90,7 @@ pub(crate) async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> 
                     &main,
                     Precision::EXACT,
                     None,
+                    &Path::Raw,
                 )
                 .await;
             pubs.close().await;
@@ -94,6 +101,8 @@ pub(crate) async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> 
         }
         let raw_rate = raw.as_ref().map(|r| r.msgs_per_s).filter(|&r| r > 0.0);
         let fixed_name = compact_duration(fixed[0]);
+        let worker = Path::Worker(Box::new(cfg.settings_for(main.prefix(), true)));
+        let relay = Path::Relay(Box::new(cfg.settings_for(main.prefix(), true)));
         let delayed = [
             (
                 Scenario::Fixed,
@@ -106,11 +115,13 @@ pub(crate) async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> 
                     format!("one fixed level ({fixed_name})")
                 },
                 &main,
+                &Path::Tiers,
             ),
             (
                 Scenario::Uniform,
                 format!("uniform 0–{max_s}"),
                 &main_nofixed,
+                &Path::Tiers,
             ),
             (
                 Scenario::Mix,
@@ -125,12 +136,31 @@ pub(crate) async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> 
                     (1.0 - MIX_FIXED_SHARE) * 100.0
                 ),
                 &main,
+                &Path::Tiers,
+            ),
+            (
+                Scenario::FixedBatched,
+                format!("batched: one fixed level ({fixed_name}) → worker"),
+                &main,
+                &worker,
+            ),
+            (
+                Scenario::UniformBatched,
+                format!("batched: uniform 0–{max_s} → worker"),
+                &main_nofixed,
+                &worker,
+            ),
+            (
+                Scenario::Relay,
+                format!("batched: uniform 0–{max_s} → relay → {qt} queue"),
+                &main_nofixed,
+                &relay,
             ),
         ];
-        for (sc, description, layout) in delayed {
+        for (sc, description, layout, path) in delayed {
             if wants(sc) {
                 let r = b
-                    .delayed(sc, description, layout, precision, raw_rate)
+                    .delayed(sc, description, layout, precision, raw_rate, path)
                     .await?;
                 scenarios.insert(sc.name().to_string(), r);
             }
@@ -148,11 +178,37 @@ pub(crate) async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> 
                 &binary,
                 Precision::EXACT,
                 raw_rate,
+                &Path::Tiers,
             )
             .await?;
         scenarios.insert(Scenario::Binary.name().to_string(), r);
         b.check_empty(&binary).await;
         b.delete(&binary).await?;
+    }
+    if wants(Scenario::Gateway) {
+        let raw_rate = raw.as_ref().map(|r| r.msgs_per_s).filter(|&r| r > 0.0);
+        // the gateway's own topology (as `delay-publisher gateway` declares it), its settings
+        // the configuration's: the defaults unless configured
+        let settings = cfg.gateway_settings();
+        let layout = settings.layout()?;
+        b.declare(&layout).await?;
+        let r = b
+            .delayed(
+                Scenario::Gateway,
+                format!(
+                    "gateway: x-delay {}–{} ms → ingress → target → {qt} queue",
+                    GATEWAY_DELAYS_MS.start(),
+                    GATEWAY_DELAYS_MS.end()
+                ),
+                &layout,
+                settings.precision,
+                raw_rate,
+                &Path::Gateway(Box::new(settings.clone())),
+            )
+            .await?;
+        scenarios.insert(Scenario::Gateway.name().to_string(), r);
+        b.check_empty(&layout).await;
+        b.delete(&layout).await?;
     }
     let capacity = match cfg.capacity {
         Some(m) => {
@@ -178,6 +234,7 @@ pub(crate) async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> 
         config: RunConfig {
             prefix: cfg.settings.prefix.clone(),
             messages: cfg.messages,
+            batched_messages: cfg.batched_messages,
             quick: cfg.quick,
             radix: cfg.settings.topology.radix,
             unit_ms: cfg.settings.topology.unit_ms,
@@ -276,11 +333,16 @@ impl Bench<'_> {
         layout: &Layout,
         precision: Precision,
         raw_rate: Option<f64>,
+        path: &Path,
     ) -> Result<ScenarioResult> {
         let cfg = self.cfg;
         let prefix = &cfg.settings.prefix;
         let raw = sc == Scenario::Raw;
-        let n = cfg.messages;
+        let n = if sc.batched() {
+            cfg.batched_messages
+        } else {
+            cfg.messages
+        };
         let delays = (!raw).then(|| delays_for(sc, cfg, n, cfg.seed));
         let sat = self
             .run_once(
@@ -290,6 +352,7 @@ impl Bench<'_> {
                 delays.as_deref(),
                 n,
                 None,
+                path,
             )
             .await?;
         let measured = sat.msgs_per_s();
@@ -304,9 +367,11 @@ impl Bench<'_> {
                 delays_lat.as_deref(),
                 n_lat,
                 Some(rate),
+                path,
             )
             .await?;
         let ok_n = (n - sat.publish_errors).max(1) as f64;
+        let ok_lat = (n_lat - lat.publish_errors).max(1) as f64;
         let real_scale_avg_hops = (sc == Scenario::Mix).then(|| {
             let real = real_layout(&cfg.settings);
             real.map_or(f64::NAN, |l| {
@@ -328,7 +393,12 @@ impl Bench<'_> {
             msgs_per_s: round1(measured),
             ratio_to_raw: raw_rate.map(|r| round3(measured / r)),
             avg_hops: round3(sat.hops_sum as f64 / ok_n),
-            observed_avg_hops: round3(sat.observed_hops as f64 / sat.unique.max(1) as f64),
+            lateness_avg_hops: round3(lat.hops_sum as f64 / ok_lat),
+            // a batch member, a relayed or a gateway's message carries no `x-death` of its own
+            observed_avg_hops: (!sc.batched())
+                .then(|| round3(sat.observed_hops as f64 / sat.unique.max(1) as f64)),
+            broker_msgs_per_msg: sat.broker_msgs_per_msg().map(round3),
+            lateness_broker_msgs_per_msg: lat.broker_msgs_per_msg().map(round3),
             real_scale_avg_hops: real_scale_avg_hops.map(round3),
             e2e_s: round3(sat.e2e_s),
             publish_s: round3(sat.publish_s),
@@ -344,7 +414,7 @@ impl Bench<'_> {
         };
         let l = &result.lateness_ms;
         self.progress.note(&format!(
-            "{:<8} {:>8.0} msg/s{}  hops {:.2}  lateness @{:.0}/s p50 {} p99 {} max {} ms",
+            "{:<15} {:>8.0} msg/s{}  hops {:.2}{}  lateness @{:.0}/s p50 {} p99 {} max {} ms",
             sc.name(),
             result.msgs_per_s,
             result
@@ -352,6 +422,11 @@ impl Bench<'_> {
                 .map(|r| format!(" ({r:.2} of raw)"))
                 .unwrap_or_default(),
             result.avg_hops,
+            result
+                .broker_msgs_per_msg
+                .filter(|_| sc.batched())
+                .map(|b| format!("  {b:.3} broker msgs/msg"))
+                .unwrap_or_default(),
             rate,
             l.p50,
             l.p99,
@@ -361,6 +436,7 @@ impl Bench<'_> {
     }
 
     /// A delayed scenario with its own publishers.
+    #[allow(clippy::too_many_arguments)]
     async fn delayed(
         &mut self,
         sc: Scenario,
@@ -368,10 +444,19 @@ impl Bench<'_> {
         layout: &Layout,
         precision: Precision,
         raw_rate: Option<f64>,
+        path: &Path,
     ) -> Result<ScenarioResult> {
         let pubs = self.publishers(layout, precision).await?;
         let r = self
-            .scenario(sc, description, &pubs.pubs, layout, precision, raw_rate)
+            .scenario(
+                sc,
+                description,
+                &pubs.pubs,
+                layout,
+                precision,
+                raw_rate,
+                path,
+            )
             .await;
         pubs.close().await;
         r
@@ -391,7 +476,7 @@ impl Bench<'_> {
     }
 
     async fn delete(&mut self, layout: &Layout) -> Result<()> {
-        Topology::new(layout.clone()).delete(&self.admin).await?;
+        delete_topology(&self.admin, layout).await?;
         self.cleanup.forget_layout(layout);
         Ok(())
     }
@@ -440,7 +525,9 @@ impl Bench<'_> {
         let n = usize::try_from(m).expect("capacity fits memory");
         let delays = vec![hold_ms; n];
         let queue = format!("{}.capacity", cfg.settings.prefix);
-        let run = self.start("capacity publish", &queue, n).await?;
+        let run = self
+            .start("capacity publish", &queue, n, &Path::Tiers)
+            .await?;
         let published = self.publish(&run, &pubs.pubs, Some(&delays), None).await;
         let pending: u64 = Topology::new(layout.clone())
             .stats(&self.admin)

@@ -1,9 +1,10 @@
-//! One measured pass of the runner: declare a destination queue, start the consumers, publish
-//! N messages (saturating or paced), wait for every confirmed one, then count the lost,
-//! duplicated and early ones and record lateness (an HDR histogram) on first deliveries.
+//! One measured pass of the runner: declare a destination queue, start the consumers (and the
+//! library stage of a batched scenario, `stage`), publish N messages (saturating or paced), wait
+//! for every confirmed one, then count the lost, duplicated and early ones and record lateness
+//! (an HDR histogram) on first deliveries.
 
 use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -20,6 +21,7 @@ use amqp_delay::time::now_ms;
 use amqp_delay::{Message, Publisher, Result};
 
 use super::Bench;
+use super::stage::{Path, Stage, Target};
 use crate::amqp::{declare_plain_queue, delete_queue};
 use crate::report::Percentiles;
 
@@ -33,7 +35,7 @@ pub(super) struct Lateness {
 }
 
 impl Lateness {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         Lateness {
             hist: Histogram::new(3).expect("3 significant figures is valid"),
             min: i64::MAX,
@@ -72,8 +74,12 @@ impl Lateness {
     }
 }
 
+/// Header of the gateway scenario's publishes: when the message falls due (ms since the
+/// epoch), for lateness at the target, where the gateway has removed amqp-delay's headers.
+pub(super) const BENCH_DUE_AT: &str = "bench-due-at";
+
 /// Shared between the consumers, the publishers and the progress display.
-struct Tracker {
+pub(super) struct Tracker {
     counts: Vec<AtomicU8>,
     unique: AtomicUsize,
     duplicates: AtomicUsize,
@@ -83,7 +89,7 @@ struct Tracker {
     last_unique_ns: AtomicU64,
     observed_hops: AtomicU64,
     /// The first publish, as an instant and in ms since the epoch.
-    t0: Mutex<Option<(Instant, u64)>>,
+    t0: OnceLock<(Instant, u64)>,
     /// Latest `x-delay-due-at` seen, in ms after the first publish.
     max_due_ms: AtomicU64,
 }
@@ -98,10 +104,58 @@ impl Tracker {
             published: AtomicUsize::new(0),
             last_unique_ns: AtomicU64::new(0),
             observed_hops: AtomicU64::new(0),
-            t0: Mutex::new(None),
+            t0: OnceLock::new(),
             max_due_ms: AtomicU64::new(0),
         }
     }
+
+    /// Counts one delivery of message `id` that arrived at `arrived` (ms since the epoch):
+    /// the first one records its lateness and hops, later ones are duplicates.
+    pub(super) fn record(
+        &self,
+        id: Option<&str>,
+        h: Option<&FieldTable>,
+        arrived: i64,
+        lateness: &mut Lateness,
+    ) {
+        let idx = id
+            .and_then(|s| s.parse::<usize>().ok())
+            .filter(|&i| i < self.counts.len());
+        let (Some(i), Some(&(t0, epoch0))) = (idx, self.t0.get()) else {
+            self.foreign.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let prev = self.counts[i]
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                Some(c.saturating_add(1))
+            })
+            .unwrap_or(u8::MAX);
+        if prev != 0 {
+            self.duplicates.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.unique.fetch_add(1, Ordering::Relaxed);
+        let ns = t0.elapsed().as_nanos() as u64;
+        self.last_unique_ns.fetch_max(ns, Ordering::Relaxed);
+        if let Some(h) = h {
+            let due =
+                headers::get_int(h, headers::DUE_AT).or_else(|| headers::get_int(h, BENCH_DUE_AT));
+            if let Some(due) = due {
+                lateness.record(arrived - due);
+                let rel = (due - epoch0 as i64).max(0) as u64;
+                self.max_due_ms.fetch_max(rel, Ordering::Relaxed);
+            }
+            self.observed_hops
+                .fetch_add(death_count(h), Ordering::Relaxed);
+        }
+    }
+}
+
+/// The tiers' broker messages and the messages scheduled so far in this process (the library's
+/// metrics: a batch is one broker message).
+fn tier_counts() -> (u64, u64) {
+    let m = amqp_delay::metrics::global();
+    (m.broker_messages.get(), m.scheduled.get())
 }
 
 /// What one publish-and-consume run measured.
@@ -119,6 +173,8 @@ pub(super) struct RunOutcome {
     pub(super) hops_sum: u64,
     pub(super) observed_hops: u64,
     pub(super) lateness: Lateness,
+    /// Broker messages published into the tiers and messages they carried during the pass.
+    pub(super) tier_messages: (u64, u64),
 }
 
 impl RunOutcome {
@@ -140,6 +196,13 @@ impl RunOutcome {
             && self.max_due_s - self.publish_s > 0.2 * self.e2e_s
     }
 
+    /// Broker messages through the tiers per message scheduled (1 unbatched; `None` when
+    /// nothing went through the tiers).
+    pub(super) fn broker_msgs_per_msg(&self) -> Option<f64> {
+        let (broker, scheduled) = self.tier_messages;
+        (scheduled > 0).then(|| broker as f64 / scheduled as f64)
+    }
+
     pub(super) fn publish_msgs_per_s(&self) -> f64 {
         if self.publish_s > 0.0 {
             (self.n - self.publish_errors) as f64 / self.publish_s
@@ -149,14 +212,22 @@ impl RunOutcome {
     }
 }
 
-/// Consumers running on a destination queue, ready for a publish.
+/// Consumers running on a destination queue (and the library stage in front of it), ready for
+/// a publish.
 pub(super) struct Running {
+    /// The measured queue, read by the bench's consumers (or by the stage's worker).
     queue: String,
+    /// The bench's consumers read `queue` (else the stage's worker does, and deletes it).
+    raw_consumers: bool,
+    target: Target,
+    stage: Option<Stage>,
     n: usize,
     tracker: Arc<Tracker>,
     stop: watch::Sender<bool>,
     consumers: Vec<tokio::task::JoinHandle<Result<Lateness>>>,
     monitor: tokio::task::JoinHandle<()>,
+    /// [`tier_counts`] at the start.
+    tier_counts: (u64, u64),
 }
 
 /// What the publishers did in one pass: the indexes that failed and how long publishing took.
@@ -168,14 +239,26 @@ pub(super) struct Published {
 }
 
 impl Bench<'_> {
-    /// Declares `queue` (the tiers' queue type) and starts the consumers on it.
-    pub(super) async fn start(&self, label: &str, queue: &str, n: usize) -> Result<Running> {
-        self.cleanup.add_queue(queue);
-        declare_plain_queue(&self.admin, queue, self.cfg.settings.topology.queue_type).await?;
+    /// Declares `queue` (the tiers' queue type) and starts the consumers on it, or the
+    /// library stage `path` asks for.
+    pub(super) async fn start(
+        &self,
+        label: &str,
+        queue: &str,
+        n: usize,
+        path: &Path,
+    ) -> Result<Running> {
         let tracker = Arc::new(Tracker::new(n));
+        // the worker path's queue is a destination the stage declares and its worker reads
+        let raw_consumers = !matches!(path, Path::Worker(_));
+        if raw_consumers {
+            self.cleanup.add_queue(queue);
+            declare_plain_queue(&self.admin, queue, self.cfg.settings.topology.queue_type).await?;
+        }
+        let (target, stage) = self.start_stage(path, queue, &tracker).await?;
         let (stop, stop_rx) = watch::channel(false);
         let mut consumers = Vec::new();
-        for _ in 0..self.cfg.consumers {
+        for _ in 0..if raw_consumers { self.cfg.consumers } else { 0 } {
             let ch = self
                 .consumer_conn
                 .create_channel()
@@ -211,9 +294,14 @@ impl Bench<'_> {
                 }
             })
         };
-        *tracker.t0.lock().expect("t0") = Some((Instant::now(), now_ms()));
+        let tier_counts = tier_counts();
+        let _ = tracker.t0.set((Instant::now(), now_ms()));
         Ok(Running {
             queue: queue.to_string(),
+            raw_consumers,
+            target,
+            stage,
+            tier_counts,
             n,
             tracker,
             stop,
@@ -222,7 +310,8 @@ impl Bench<'_> {
         })
     }
 
-    /// Publishes message `i` (`0..n`) with `delays[i]` (raw when `None`), paced at `rate`.
+    /// Publishes message `i` (`0..n`) with `delays[i]` where the run's target says (raw: no
+    /// delays), paced at `rate`.
     pub(super) async fn publish(
         &self,
         run: &Running,
@@ -230,9 +319,9 @@ impl Bench<'_> {
         delays: Option<&[u64]>,
         rate: Option<f64>,
     ) -> Published {
-        let (t0, _) = run.tracker.t0.lock().expect("t0").expect("started");
+        let (t0, _) = *run.tracker.t0.get().expect("started");
         let body = vec![b'x'; self.cfg.body_bytes];
-        let (n, p, queue) = (run.n, pubs.len(), run.queue.as_str());
+        let (n, p, target) = (run.n, pubs.len(), &run.target);
         let in_flight = self.cfg.settings.publisher.max_in_flight;
         let tracker = &run.tracker;
         let per_publisher = pubs.iter().enumerate().map(|(j, publisher)| {
@@ -258,11 +347,12 @@ impl Bench<'_> {
                     }
                     tracker.published.fetch_add(1, Ordering::Relaxed);
                 };
-                match delays {
-                    Some(delays) => {
+                let delay = |i: usize| delays.map_or(0, |d| d[i]);
+                match target {
+                    Target::Schedule(queue) => {
                         let msgs = paced.map(|i| {
-                            let m =
-                                Message::new(queue, delays[i], body.clone()).with_id(i.to_string());
+                            let m = Message::new(queue.as_str(), delay(i), body.clone())
+                                .with_id(i.to_string());
                             (i, m)
                         });
                         let mut results = std::pin::pin!(publisher.schedule_all(msgs));
@@ -270,19 +360,40 @@ impl Bench<'_> {
                             note(i, r.map(|s| s.route.hops()));
                         }
                     }
-                    None => {
+                    Target::Queue(_) | Target::Plugin { .. } => {
                         let mut results = std::pin::pin!(
                             paced
                                 .map(|i| async move {
                                     let mut h = FieldTable::default();
-                                    headers::set_schedule_headers(&mut h, 0, now_ms(), 0);
+                                    let (exchange, key, hops) = match target {
+                                        Target::Plugin { exchange, key } => {
+                                            let d = delay(i);
+                                            let x_delay = i64::try_from(d).unwrap_or(i64::MAX);
+                                            h.insert(
+                                                "x-delay".into(),
+                                                AMQPValue::LongLongInt(x_delay),
+                                            );
+                                            h.insert(
+                                                BENCH_DUE_AT.into(),
+                                                AMQPValue::LongLongInt(now_ms() as i64 + x_delay),
+                                            );
+                                            // the gateway plans it: alone, this route
+                                            let hops = publisher.plan(d).map_or(0, |r| r.hops());
+                                            (exchange.as_str(), key.as_str(), hops)
+                                        }
+                                        Target::Queue(q) | Target::Schedule(q) => {
+                                            headers::set_schedule_headers(&mut h, 0, now_ms(), 0);
+                                            ("", q.as_str(), 0)
+                                        }
+                                    };
                                     let props = BasicProperties::default()
                                         .with_message_id(i.to_string().as_str().into())
                                         .with_delivery_mode(2)
                                         .with_headers(h);
-                                    let r =
-                                        publisher.publish_confirmed("", queue, body, props).await;
-                                    (i, r.map(|()| 0))
+                                    let r = publisher
+                                        .publish_confirmed(exchange, key, body, props)
+                                        .await;
+                                    (i, r.map(|()| hops))
                                 })
                                 .buffer_unordered(in_flight)
                         );
@@ -340,6 +451,10 @@ impl Bench<'_> {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         tokio::time::sleep(Duration::from_millis(self.cfg.linger_ms)).await;
+        let tier_messages = {
+            let (b, s) = tier_counts();
+            (b - run.tier_counts.0, s - run.tier_counts.1)
+        };
         let _ = run.stop.send(true);
         let mut lateness = Lateness::new();
         let mut consumer_error = None;
@@ -351,13 +466,28 @@ impl Bench<'_> {
             }
         }
         run.monitor.abort();
-        let leftover = match delete_queue(&self.admin, &run.queue).await {
-            Ok(n) => {
-                self.cleanup.forget_queue(&run.queue);
-                n
+        // what the stage left in its queues (the worker path's: the measured queue) counts
+        // as duplicates: every distinct message arrived already
+        let mut leftover = 0;
+        if let Some(stage) = run.stage {
+            if let Some(l) = &stage.counted {
+                lateness.merge(&l.lock().expect("lateness"));
             }
-            Err(_) => 0, // Cleanup tries again at the end
-        };
+            let (left, problem) = self.stop_stage(stage).await;
+            leftover += left;
+            if let Some(p) = problem {
+                self.problems.push(format!("'{}': {p}", run.queue));
+            }
+        }
+        if run.raw_consumers {
+            leftover += match delete_queue(&self.admin, &run.queue).await {
+                Ok(n) => {
+                    self.cleanup.forget_queue(&run.queue);
+                    n
+                }
+                Err(_) => 0, // Cleanup tries again at the end
+            };
+        }
         if let Some(e) = consumer_error {
             return Err(e);
         }
@@ -392,9 +522,11 @@ impl Bench<'_> {
             hops_sum: published.hops_sum,
             observed_hops: t.observed_hops.load(Ordering::Relaxed),
             lateness,
+            tier_messages,
         })
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn run_once(
         &mut self,
         label: &str,
@@ -403,8 +535,9 @@ impl Bench<'_> {
         delays: Option<&[u64]>,
         n: usize,
         rate: Option<f64>,
+        path: &Path,
     ) -> Result<RunOutcome> {
-        let run = self.start(label, queue, n).await?;
+        let run = self.start(label, queue, n, path).await?;
         let published = self.publish(&run, pubs, delays, rate).await;
         let stall = self.stall;
         let out = self.finish(run, published, stall).await?;
@@ -442,12 +575,6 @@ async fn consume(
     mut stop: watch::Receiver<bool>,
 ) -> Result<Lateness> {
     let mut lateness = Lateness::new();
-    let (t0, epoch0) = loop {
-        if let Some(t0) = *t.t0.lock().expect("t0") {
-            break t0;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    };
     loop {
         let d = tokio::select! {
             biased;
@@ -460,39 +587,12 @@ async fn consume(
             None => break,
         };
         let arrived = now_ms() as i64;
-        let idx = d
-            .properties
-            .message_id()
-            .as_ref()
-            .and_then(|s| s.as_str().parse::<usize>().ok())
-            .filter(|&i| i < t.counts.len());
-        match idx {
-            Some(i) => {
-                let prev = t.counts[i]
-                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
-                        Some(c.saturating_add(1))
-                    })
-                    .unwrap_or(u8::MAX);
-                if prev == 0 {
-                    t.unique.fetch_add(1, Ordering::Relaxed);
-                    let ns = t0.elapsed().as_nanos() as u64;
-                    t.last_unique_ns.fetch_max(ns, Ordering::Relaxed);
-                    if let Some(h) = d.properties.headers().as_ref() {
-                        if let Some(due) = headers::get_int(h, headers::DUE_AT) {
-                            lateness.record(arrived - due);
-                            let rel = (due - epoch0 as i64).max(0) as u64;
-                            t.max_due_ms.fetch_max(rel, Ordering::Relaxed);
-                        }
-                        t.observed_hops.fetch_add(death_count(h), Ordering::Relaxed);
-                    }
-                } else {
-                    t.duplicates.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-            None => {
-                t.foreign.fetch_add(1, Ordering::Relaxed);
-            }
-        }
+        t.record(
+            d.properties.message_id().as_ref().map(|s| s.as_str()),
+            d.properties.headers().as_ref(),
+            arrived,
+            &mut lateness,
+        );
         d.ack(BasicAckOptions::default())
             .await
             .context(|| "acking".into())?;
