@@ -92,7 +92,7 @@ impl Message {
     /// The rules every scheduled message follows, with a reason naming what is wrong: what a
     /// builder could not take, an empty id, `expiration` (it would expire inside a tier and
     /// arrive early), a reserved `x-delay-*` header (unless the library re-publishes its own),
-    /// headers over [`MAX_HEADER_BYTES`], a body over `max_body_bytes`.
+    /// headers over 32 KiB encoded, a body over `max_body_bytes`.
     pub fn check(&self, max_body_bytes: usize) -> Result<(), String> {
         if let Some(p) = &self.problem {
             return Err(p.clone());

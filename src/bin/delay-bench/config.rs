@@ -120,6 +120,8 @@ pub(crate) struct BenchConfig {
     pub(crate) capacity: Option<u64>,
     /// How long the capacity messages wait (default: long enough to publish them all).
     pub(crate) capacity_hold_ms: Option<u64>,
+    /// Capacity mode through batches, to a worker.
+    pub(crate) capacity_batched: bool,
     /// Seed of the delay distributions (the same seed gives the same delays).
     pub(crate) seed: u64,
     /// How long to wait for duplicates after the last distinct message.
@@ -149,6 +151,7 @@ impl BenchConfig {
             body_bytes: 100,
             capacity: None,
             capacity_hold_ms: None,
+            capacity_batched: false,
             seed: 1,
             linger_ms: 300,
             fixed_shards: 1,
@@ -260,8 +263,16 @@ impl BenchConfig {
     }
 
     pub(crate) fn capacity_layout(&self, hold_ms: u64) -> Result<Layout, SettingsError> {
-        let t = self.topology(self.settings.topology.radix, vec![hold_ms], hold_ms);
-        Ok(Layout::new(&format!("{}-cap", self.settings.prefix), &t)?)
+        let s = self.capacity_settings(hold_ms);
+        Ok(Layout::new(&s.prefix, &s.topology)?)
+    }
+
+    /// The settings of the capacity run's topology: one fixed level of `hold_ms`.
+    pub(crate) fn capacity_settings(&self, hold_ms: u64) -> Settings {
+        let mut s = self.settings.clone();
+        s.prefix = format!("{}-cap", self.settings.prefix);
+        s.topology = self.topology(self.settings.topology.radix, vec![hold_ms], hold_ms);
+        s
     }
 }
 

@@ -102,7 +102,8 @@ consume, its ratio to raw, average hops per message), then rate-limited at half 
 is counted: lost, duplicated or early messages are reported and make the exit code 1. The
 batched scenarios also report broker messages through the tiers per message (brk/m).
 --capacity M additionally holds M messages in one tier and reads the broker's memory before and
-after (rabbitmqctl, local broker only), then drains them.
+after (rabbitmqctl, local broker only), then drains them; with --capacity-batched they travel in
+batches to a worker.
 
 The topology shape (radix, unit, queue type, lateness budget, max_in_flight) comes from the
 configuration (--config, AMQP_DELAY_* variables) or the flags below. Everything is declared under
@@ -143,6 +144,10 @@ struct Args {
     /// How long the capacity messages wait [default: long enough to publish them all]
     #[arg(long, value_name = "DURATION")]
     capacity_hold: Option<DurationMs>,
+    /// Capacity mode through batches: the tier's destination is consumed by the library's
+    /// worker, so `schedule_all` packs the messages into batches (as `fixed_batched`)
+    #[arg(long, requires = "capacity")]
+    capacity_batched: bool,
     /// Largest delay of the distributions; the bench's fixed levels are 1/20, 1/5, 1/2 and 1/1 of it
     #[arg(long, value_name = "DURATION", default_value = "5s")]
     max_delay: DurationMs,
@@ -244,6 +249,7 @@ fn config(args: &Args) -> Result<BenchConfig, String> {
     c.rate = args.rate;
     c.capacity = args.capacity;
     c.capacity_hold_ms = args.capacity_hold.map(DurationMs::as_millis);
+    c.capacity_batched = args.capacity_batched;
     c.max_delay_ms = args.max_delay.as_millis();
     c.prefetch = args.prefetch;
     c.publishers = args.publishers;

@@ -78,10 +78,13 @@ pub(crate) struct ScenarioResult {
 /// Capacity mode's numbers.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct CapacityResult {
+    /// The messages travelled in batches (`--capacity-batched`): `pending_at_peak` counts
+    /// broker messages, each holding many.
+    pub(crate) batched: bool,
     pub(crate) messages: u64,
     pub(crate) hold_ms: u64,
     pub(crate) publish_msgs_per_s: f64,
-    /// Messages in the tiers right after the last publish.
+    /// Broker messages in the tiers right after the last publish.
     pub(crate) pending_at_peak: u64,
     pub(crate) memory: MemoryResult,
     /// From the moment the first message became due to the last distinct consume.
@@ -332,9 +335,10 @@ impl Report {
             let m = &cap.memory;
             let _ = writeln!(
                 s,
-                "\ncapacity: {} messages held {} published at {:.0} msg/s, {} pending; broker \
+                "\ncapacity{}: {} messages held {} published at {:.0} msg/s, {} broker messages pending; broker \
                  memory {} → {} (growth {}, {} B/message; after drain {}) [{}]; drained in {:.1} s \
                  ({:.0} msg/s), lost {}, duplicates {}",
+                if cap.batched { " (batched)" } else { "" },
                 cap.messages,
                 compact_duration(cap.hold_ms),
                 cap.publish_msgs_per_s,

@@ -525,9 +525,12 @@ impl Bench<'_> {
         let n = usize::try_from(m).expect("capacity fits memory");
         let delays = vec![hold_ms; n];
         let queue = format!("{}.capacity", cfg.settings.prefix);
-        let run = self
-            .start("capacity publish", &queue, n, &Path::Tiers)
-            .await?;
+        let path = if cfg.capacity_batched {
+            Path::Worker(Box::new(cfg.capacity_settings(hold_ms)))
+        } else {
+            Path::Tiers
+        };
+        let run = self.start("capacity publish", &queue, n, &path).await?;
         let published = self.publish(&run, &pubs.pubs, Some(&delays), None).await;
         let pending: u64 = Topology::new(layout.clone())
             .stats(&self.admin)
@@ -571,6 +574,7 @@ impl Bench<'_> {
         let (b, p) = (before.map(|m| m.total), peak.map(|m| m.total));
         let growth = b.zip(p).map(|(b, p)| p as i64 - b as i64);
         Ok(CapacityResult {
+            batched: cfg.capacity_batched,
             messages: m,
             hold_ms,
             publish_msgs_per_s: round1(publish_rate),
@@ -580,9 +584,10 @@ impl Bench<'_> {
                 before_bytes: b,
                 peak_bytes: p,
                 growth_bytes: growth,
+                // per message scheduled (a batch holds many of them)
                 bytes_per_message: growth
-                    .filter(|_| pending > 0)
-                    .map(|g| round1(g as f64 / pending as f64)),
+                    .filter(|_| pending > 0 && ok > 0.0)
+                    .map(|g| round1(g as f64 / ok)),
                 after_drain_bytes: after.map(|m| m.total),
                 growth_by_category: by_category.into_iter().collect(),
             },
