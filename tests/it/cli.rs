@@ -250,3 +250,100 @@ async fn cli_send_stats_and_clear_errors() {
     let _ = std::fs::remove_file(&cfg);
     env.cleanup().await;
 }
+
+/// A stand-in for the management API: answers every request with `body` (JSON), counting them.
+async fn fake_management(body: String) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = hits.clone();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let body = body.clone();
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 8192];
+                let _ = sock.read(&mut buf).await;
+                counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let reply = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = sock.write_all(reply.as_bytes()).await;
+                let _ = sock.shutdown().await;
+            });
+        }
+    });
+    (port, hits)
+}
+
+/// Messages held by the broker's dead-letter worker (unacknowledged, invisible over AMQP) are
+/// counted from the management API: `stats` shows them with the tier's leader, and `teardown`
+/// refuses to call the topology empty (issue 10: it once removed a topology with 7 389 held
+/// messages). The management API is a stand-in answering what RabbitMQ's answers after a
+/// restart: a tier with 0 ready and 7 unacknowledged messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_messages_are_counted_from_the_management_api_and_block_teardown() {
+    let env = Env::new(small_topology()).await;
+    let layout = env.layout();
+    let tier = layout.tiers()[0].queue.clone();
+    let body = serde_json::json!([{
+        "name": tier,
+        "messages": 7,
+        "messages_ready": 0,
+        "messages_unacknowledged": 7,
+        "leader": "rabbit@node-b",
+        "members": ["rabbit@node-a", "rabbit@node-b", "rabbit@node-c"],
+    }])
+    .to_string();
+    let (port, hits) = fake_management(body).await;
+    let cfg = env.write_config("");
+    let run = |args: &'static [&'static str]| {
+        let cfg = cfg.clone();
+        async move {
+            tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+                .arg("--config")
+                .arg(&cfg)
+                .args(args)
+                .env("AMQP_URL", broker_url())
+                .env(
+                    "AMQP_DELAY_MANAGEMENT_URL",
+                    format!("http://guest:guest@127.0.0.1:{port}/"),
+                )
+                .output()
+                .await
+                .unwrap()
+        }
+    };
+    let out = run(&["stats", "--json", "--non-empty"]).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let row = stats
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["queue"] == tier.as_str())
+        .unwrap_or_else(|| panic!("{tier} not in {stats}"));
+    assert_eq!(row["messages"], 7, "{row}");
+    assert_eq!(row["ready"], 0, "{row}");
+    assert_eq!(row["unacked"], 7, "{row}");
+    assert_eq!(row["leader"], "rabbit@node-b", "{row}");
+    let out = run(&["stats"]).await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("rabbit@node-b"), "{text}");
+    assert!(!text.contains("ready messages only"), "{text}");
+    let out = run(&["teardown"]).await;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("7 messages are still in the tiers"), "{err}");
+    assert!(hits.load(std::sync::atomic::Ordering::Relaxed) >= 3);
+    // the topology is still there
+    env.assert_tiers_empty().await;
+    let _ = std::fs::remove_file(&cfg);
+    env.cleanup().await;
+}
