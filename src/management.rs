@@ -131,29 +131,11 @@ impl Management {
         }
         let mut config = ureq::tls::TlsConfig::builder();
         if let Some(path) = &tls.ca_file {
-            let roots: Vec<_> = pem_items("tls.ca_file", path)?
-                .into_iter()
-                .filter_map(|item| match item {
-                    ureq::tls::PemItem::Certificate(c) => Some(c),
-                    _ => None,
-                })
-                .collect();
-            if roots.is_empty() {
-                return Err(Error::Invalid(format!(
-                    "tls.ca_file {} holds no PEM certificate",
-                    path.display()
-                )));
-            }
+            let roots = pem_certificates("tls.ca_file", path)?;
             config = config.root_certs(ureq::tls::RootCerts::new_with_certs(&roots));
         }
         if let (Some(cert), Some(key)) = (&tls.client_cert, &tls.client_key) {
-            let chain: Vec<_> = pem_items("tls.client_cert", cert)?
-                .into_iter()
-                .filter_map(|item| match item {
-                    ureq::tls::PemItem::Certificate(c) => Some(c),
-                    _ => None,
-                })
-                .collect();
+            let chain = pem_certificates("tls.client_cert", cert)?;
             let key = pem_items("tls.client_key", key)?
                 .into_iter()
                 .find_map(|item| match item {
@@ -166,12 +148,6 @@ impl Management {
                         key.display()
                     ))
                 })?;
-            if chain.is_empty() {
-                return Err(Error::Invalid(format!(
-                    "tls.client_cert {} holds no PEM certificate",
-                    cert.display()
-                )));
-            }
             config = config.client_cert(Some(ureq::tls::ClientCert::new_with_certs(&chain, key)));
         }
         self.agent = agent(config.build());
@@ -249,6 +225,27 @@ fn agent(tls: ureq::tls::TlsConfig) -> ureq::Agent {
         .tls_config(tls)
         .build()
         .into()
+}
+
+/// The certificates of the PEM file `path` (setting `what`); at least one.
+fn pem_certificates(
+    what: &str,
+    path: &std::path::Path,
+) -> Result<Vec<ureq::tls::Certificate<'static>>> {
+    let certs: Vec<_> = pem_items(what, path)?
+        .into_iter()
+        .filter_map(|item| match item {
+            ureq::tls::PemItem::Certificate(c) => Some(c),
+            _ => None,
+        })
+        .collect();
+    if certs.is_empty() {
+        return Err(Error::Invalid(format!(
+            "{what} {} holds no PEM certificate",
+            path.display()
+        )));
+    }
+    Ok(certs)
 }
 
 /// The PEM items of the file `path` (setting `what`).

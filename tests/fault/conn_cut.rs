@@ -47,27 +47,7 @@ async fn connection_cut_mid_bulk_send_tells_not_sent_from_maybe_sent() {
     let worker = f.worker(&q).await;
     let unsent = f.file("unsent");
     let maybe = f.file("maybe");
-    let mut send = f
-        .command(
-            env!("CARGO_BIN_EXE_delay-publisher"),
-            &[
-                "send",
-                "--jsonl",
-                "-",
-                "--unsent",
-                unsent.to_str().unwrap(),
-                "--maybe-sent",
-                maybe.to_str().unwrap(),
-            ],
-        )
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = send.id().unwrap();
-    assert!(
-        wait_until(Duration::from_secs(20), || !nodes_of(pid).is_empty()).await,
-        "the bulk send never connected"
-    );
+    let (mut send, pid) = f.bulk_send(&unsent, &maybe).await;
     let mut rng = rand::rng();
     let mut stdin = send.stdin.take().unwrap();
     let cutter = tokio::spawn(async move {

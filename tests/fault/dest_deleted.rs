@@ -12,22 +12,12 @@ use crate::harness::*;
 const MAX_MS: u64 = 1500;
 
 async fn send(f: &mut Fault, q: &str, name: &str, ids: &[String]) {
-    let file = f.file(name);
     let mut rng = rand::rng();
     let text: String = ids
         .iter()
         .map(|id| line(q, id, rng.random_range(0..MAX_MS)) + "\n")
         .collect();
-    std::fs::write(&file, text).unwrap();
-    let out = f
-        .publisher_ok(&["send", "--jsonl", file.to_str().unwrap()])
-        .await;
-    assert!(
-        out.stdout
-            .contains(&format!("{} confirmed, 0 failed", ids.len())),
-        "{}",
-        out.stdout
-    );
+    f.send_confirmed(name, text, ids.len()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -175,6 +175,48 @@ impl Fault {
         c
     }
 
+    /// `delay-publisher send --jsonl -` (lines come on its stdin) writing its re-send files to
+    /// `unsent` and `maybe`, once it has connected to a node: the child and its pid.
+    pub async fn bulk_send(&self, unsent: &Path, maybe: &Path) -> (Child, u32) {
+        let child = self
+            .command(
+                env!("CARGO_BIN_EXE_delay-publisher"),
+                &[
+                    "send",
+                    "--jsonl",
+                    "-",
+                    "--unsent",
+                    unsent.to_str().unwrap(),
+                    "--maybe-sent",
+                    maybe.to_str().unwrap(),
+                ],
+            )
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id().unwrap();
+        assert!(
+            wait_until(Duration::from_secs(20), || !nodes_of(pid).is_empty()).await,
+            "the bulk send never connected"
+        );
+        (child, pid)
+    }
+
+    /// Writes `lines` (JSONL, one per message) to the file `name` and sends it with
+    /// `delay-publisher send --jsonl`, asserting that all `n` were confirmed.
+    pub async fn send_confirmed(&mut self, name: &str, lines: String, n: usize) {
+        let file = self.file(name);
+        std::fs::write(&file, lines).unwrap();
+        let out = self
+            .publisher_ok(&["send", "--jsonl", file.to_str().unwrap()])
+            .await;
+        assert!(
+            out.stdout.contains(&format!("{n} confirmed, 0 failed")),
+            "{}",
+            out.stdout
+        );
+    }
+
     /// Runs `delay-publisher ARGS` to the end (at most 90 s).
     pub async fn publisher(&self, args: &[&str]) -> Output {
         let t = Instant::now();

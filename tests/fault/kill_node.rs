@@ -28,25 +28,7 @@ async fn kill_9_of_a_leader_node_under_a_bulk_send_and_a_worker() {
     let maybe = f.file("maybe");
     let mut send = None;
     for _ in 0..12 {
-        let child = f
-            .command(
-                env!("CARGO_BIN_EXE_delay-publisher"),
-                &[
-                    "send",
-                    "--jsonl",
-                    "-",
-                    "--unsent",
-                    unsent.to_str().unwrap(),
-                    "--maybe-sent",
-                    maybe.to_str().unwrap(),
-                ],
-            )
-            .stdin(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let pid = child.id().unwrap();
-        let connected = wait_until(Duration::from_secs(20), || !nodes_of(pid).is_empty()).await;
-        assert!(connected, "the bulk send never connected");
+        let (child, pid) = f.bulk_send(&unsent, &maybe).await;
         let node = nodes_of(pid)[0];
         send = Some((child, pid, node));
         if node == worker_node {

@@ -56,7 +56,6 @@ async fn a_tier_queue_deleted_by_an_operator_is_reported_and_repaired() {
 
     // messages through the re-created tier (and the rest) arrive
     let worker = f.worker(&q).await;
-    let file = f.file("bulk.jsonl");
     let mut rng = rand::rng();
     let ids: Vec<String> = (0..400).map(|i| format!("t{i}")).collect();
     let text: String = ids
@@ -71,15 +70,7 @@ async fn a_tier_queue_deleted_by_an_operator_is_reported_and_repaired() {
             line(&q, id, delay) + "\n"
         })
         .collect();
-    std::fs::write(&file, text).unwrap();
-    let out = f
-        .publisher_ok(&["send", "--jsonl", file.to_str().unwrap()])
-        .await;
-    assert!(
-        out.stdout.contains("400 confirmed, 0 failed"),
-        "{}",
-        out.stdout
-    );
+    f.send_confirmed("bulk.jsonl", text, ids.len()).await;
     let scheduled: HashSet<String> = ids.into_iter().collect();
     worker
         .wait_for(
