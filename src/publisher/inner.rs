@@ -258,7 +258,22 @@ impl Inner {
         if !ch.status().connected() {
             let conn = self.connection().await?;
             tracing::info!("the publish channel was closed; reopening it");
-            *ch = open_confirm_channel(&conn).await?;
+            *ch = match open_confirm_channel(&conn).await {
+                Ok(new) => new,
+                Err(e @ Error::Timeout { .. }) => {
+                    // the connection looks open but does not answer: drop it, so the next
+                    // publish reconnects
+                    tokio::spawn(async move {
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(5),
+                            conn.close(320, "not answering".into()),
+                        )
+                        .await;
+                    });
+                    return Err(e);
+                }
+                Err(e) => return Err(e),
+            };
         }
         Ok(ch.clone())
     }
@@ -499,14 +514,29 @@ pub(super) async fn flush(inner: Arc<Inner>, buf: Vec<Prepared>) {
         .await;
 }
 
+/// Opens a channel with publisher confirms, within [`OPEN_TIMEOUT`]: on a connection that broke
+/// while a node stopped, lapin was seen never to answer.
 pub(super) async fn open_confirm_channel(conn: &Connection) -> Result<Channel> {
-    let channel = conn
-        .create_channel()
+    let open = async {
+        let channel = conn
+            .create_channel()
+            .await
+            .context(|| "opening the publish channel".into())?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .context(|| "enabling publisher confirms".into())?;
+        Ok(channel)
+    };
+    tokio::time::timeout(OPEN_TIMEOUT, open)
         .await
-        .context(|| "opening the publish channel".into())?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .context(|| "enabling publisher confirms".into())?;
-    Ok(channel)
+        .unwrap_or_else(|_| {
+            Err(Error::Timeout {
+                context: "opening the publish channel".into(),
+                timeout_ms: OPEN_TIMEOUT.as_millis() as u64,
+            })
+        })
 }
+
+/// How long opening the publish channel may take.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(10);

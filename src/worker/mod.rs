@@ -24,7 +24,7 @@ use futures::stream::{BoxStream, SelectAll};
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::task::JoinSet;
 
 use crate::broker;
@@ -120,6 +120,11 @@ enum SessionEnd {
 /// How long a worker consumes one message at a time after a message too large to receive.
 const CAREFUL_FOR: Duration = Duration::from_secs(30);
 
+/// How long a session may take to start consuming (channels, the control stream, consumers)
+/// before the worker gives up on the connection and makes a new one. A broker call whose
+/// connection broke during a cluster restart was seen never to return.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Whether `e` says a frame exceeded `frame_max`: a message (its header frame) that grew past
 /// the limit on its hops, which no consumer on this connection can receive.
 fn is_frame_error(e: &Error) -> bool {
@@ -179,9 +184,21 @@ impl<H: Handler> Worker<H> {
                 Ok(conn) => {
                     let conn = Arc::new(conn);
                     backoff.reset();
-                    let end = self
-                        .session(&conn, &layout, first, careful, &mut shutdown)
-                        .await;
+                    let (ready_tx, ready_rx) = oneshot::channel::<()>();
+                    let session =
+                        self.session(&conn, &layout, first, careful, &mut shutdown, ready_tx);
+                    tokio::pin!(session);
+                    let end = tokio::select! {
+                        biased;
+                        end = &mut session => end,
+                        r = tokio::time::timeout(SETUP_TIMEOUT, ready_rx) => match r {
+                            Ok(_) => session.await,
+                            Err(_) => Ok(SessionEnd::Lost(Error::Timeout {
+                                context: "starting to consume (a broker call did not return)".into(),
+                                timeout_ms: SETUP_TIMEOUT.as_millis() as u64,
+                            })),
+                        },
+                    };
                     let _ = conn.close(200, "bye".into()).await;
                     if let Ok(SessionEnd::Lost(_)) = end {
                         first = false;
@@ -236,6 +253,7 @@ impl<H: Handler> Worker<H> {
         first: bool,
         careful: bool,
         shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+        ready: oneshot::Sender<()>,
     ) -> Result<SessionEnd> {
         let s = &self.settings;
         let cs = &s.consumer;
@@ -308,6 +326,7 @@ impl<H: Handler> Worker<H> {
             "worker consuming"
         );
         crate::metrics::global().connected.set(1);
+        let _ = ready.send(());
         let mut tasks = JoinSet::new();
         let careful_over = tokio::time::sleep(if careful {
             CAREFUL_FOR

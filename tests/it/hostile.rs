@@ -598,3 +598,100 @@ async fn a_message_over_frame_max_is_parked_and_the_queue_behind_it_runs() {
     drop(p);
     env.cleanup().await;
 }
+
+/// A TCP proxy to the broker whose first connection goes silent right after the AMQP handshake
+/// (the broker's Start, Tune and Open-Ok are passed, nothing after), as a connection to a node
+/// that is stopping was seen to: open, but no broker call on it ever returns. Later connections
+/// pass through. Returns the port and the number of connections accepted.
+async fn silent_after_handshake_proxy() -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    let broker = url::Url::parse(&broker_url()).unwrap();
+    let upstream = format!(
+        "{}:{}",
+        broker.host_str().unwrap(),
+        broker.port().unwrap_or(5672)
+    );
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let k = count.fetch_add(1, Ordering::SeqCst);
+            let server = tokio::net::TcpStream::connect(&upstream).await.unwrap();
+            let (mut cr, mut cw) = client.into_split();
+            let (mut sr, mut sw) = server.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut cr, &mut sw).await;
+            });
+            tokio::spawn(async move {
+                if k > 0 {
+                    let _ = tokio::io::copy(&mut sr, &mut cw).await;
+                    return;
+                }
+                // frame by frame: type (1), channel (2), size (4), payload, frame-end (1)
+                let mut methods = 0;
+                loop {
+                    let mut head = [0u8; 7];
+                    if sr.read_exact(&mut head).await.is_err() {
+                        return;
+                    }
+                    let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]) as usize;
+                    let mut rest = vec![0u8; size + 1];
+                    if sr.read_exact(&mut rest).await.is_err() {
+                        return;
+                    }
+                    if methods < 3 {
+                        methods += u32::from(head[0] == 1);
+                        let _ = cw.write_all(&head).await;
+                        let _ = cw.write_all(&rest).await;
+                    }
+                    // after Open-Ok: swallowed, the connection stays open and silent
+                }
+            });
+        }
+    });
+    (port, accepted)
+}
+
+/// A worker whose connection opens and then never answers (seen during a cluster restart)
+/// gives it up after its setup timeout and reconnects, instead of waiting forever while its
+/// queue fills up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_stops_answering_after_the_handshake_is_replaced() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("silent").await;
+    env.parked_queue(&q);
+    let (port, accepted) = silent_after_handshake_proxy().await;
+    let mut s = env.settings.clone();
+    s.url = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
+    let h = crate::worker::Scripted::new(|_| amqp_delay::Outcome::Success);
+    let log = h.log.clone();
+    let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(
+        amqp_delay::Worker::new(s)
+            .subscribe(q.clone(), h)
+            .run(async {
+                let _ = stop_rx.await;
+            }),
+    );
+    let p = env.publisher().await;
+    p.schedule(Message::new(q.clone(), 1, "x").with_id("after-silence"))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let ran = wait_until(Duration::from_secs(60), || !log.lock().unwrap().is_empty()).await;
+    let took = started.elapsed();
+    let connections = accepted.load(std::sync::atomic::Ordering::SeqCst);
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(20), run).await;
+    assert!(
+        ran,
+        "the worker never gave up the silent connection ({connections} connections in 60 s)"
+    );
+    assert!(connections >= 2, "{connections} connections");
+    eprintln!("the message ran {took:?} after it was sent, over connection {connections}");
+    p.close().await;
+    env.cleanup().await;
+}
