@@ -47,9 +47,19 @@ pub async fn open(conn: &Connection) -> Result<Channel> {
         .context(|| "opening a channel".into())
 }
 
-/// Closes a channel, ignoring errors (it may already be closed by the broker).
+/// How long a close may wait for the broker's answer: on a connection that stopped answering
+/// (a node going down) it never comes, and whoever closes must carry on.
+pub const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Closes a channel, ignoring errors (it may already be closed by the broker); gives up waiting
+/// for the answer after [`CLOSE_TIMEOUT`].
 pub async fn close(ch: &Channel, why: &str) {
-    let _ = ch.close(200, why.into()).await;
+    let _ = tokio::time::timeout(CLOSE_TIMEOUT, ch.close(200, why.into())).await;
+}
+
+/// Closes a connection like [`close`] closes a channel.
+pub async fn close_connection(conn: &Connection, why: &str) {
+    let _ = tokio::time::timeout(CLOSE_TIMEOUT, conn.close(200, why.into())).await;
 }
 
 /// A `LongString` field value.

@@ -374,7 +374,7 @@ impl Topology {
                 .await
                 .context(|| format!("deleting exchange '{x}'"))?;
         }
-        let _ = ch.close(200, "deleted".into()).await;
+        broker::close(&ch, "deleted").await;
         Ok(())
     }
 

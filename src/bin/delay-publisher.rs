@@ -227,7 +227,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                     }
                 );
             }
-            let _ = conn.close(200, "bye".into()).await;
+            amqp_delay::broker::close_connection(&conn, "bye").await;
             amqp_delay::outln!(
                 "declared '{}' on {}: {layout}",
                 layout.prefix(),
@@ -243,7 +243,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             let stats = Topology::new(layout)
                 .stats_with(&conn, management.as_ref())
                 .await;
-            let _ = conn.close(200, "bye".into()).await;
+            amqp_delay::broker::close_connection(&conn, "bye").await;
             let stats = stats?;
             let shown: Vec<_> = stats
                 .iter()
@@ -347,7 +347,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                 let done = match done {
                     Ok(d) => d,
                     Err(e) => {
-                        let _ = conn.close(200, "bye".into()).await;
+                        amqp_delay::broker::close_connection(&conn, "bye").await;
                         return Err(e);
                     }
                 };
@@ -366,7 +366,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                     );
                 }
             }
-            let _ = conn.close(200, "bye".into()).await;
+            amqp_delay::broker::close_connection(&conn, "bye").await;
             Ok(0)
         }
         Cmd::Teardown { force, .. } => {
@@ -375,7 +375,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                 .await?;
             let management = admin::management(&settings).await;
             let done = admin::teardown(&conn, &layout, management.as_ref(), force).await;
-            let _ = conn.close(200, "bye".into()).await;
+            amqp_delay::broker::close_connection(&conn, "bye").await;
             let done = done?;
             amqp_delay::outln!(
                 "removed the topology under prefix '{}' and {} gateway pair(s){}",
@@ -400,7 +400,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                     .connect("amqp-delay gateway declare")
                     .await?;
                 let r = gateway.declare(&conn).await;
-                let _ = conn.close(200, "bye".into()).await;
+                amqp_delay::broker::close_connection(&conn, "bye").await;
                 r?;
                 for p in gateway.pairs() {
                     amqp_delay::outln!(

@@ -406,7 +406,7 @@ impl Gateway {
             .connect("amqp-delay gateway")
             .await?;
         let declared = self.declare(&conn).await;
-        let _ = conn.close(200, "declared".into()).await;
+        crate::broker::close_connection(&conn, "declared").await;
         declared?;
         for p in &self.pairs {
             tracing::info!(

@@ -185,7 +185,7 @@ impl Inner {
                 let old = std::mem::replace(&mut *ch, new);
                 tokio::spawn(async move {
                     tokio::time::sleep(Duration::from_secs(60)).await;
-                    let _ = old.close(200, "replaced".into()).await;
+                    crate::broker::close(&old, "replaced").await;
                 });
             }
             Err(e) => tracing::warn!(

@@ -102,7 +102,7 @@ impl Publisher {
         match built {
             Ok(p) => Ok(p.with_cancel_settings(settings.cancel.clone())),
             Err(e) => {
-                let _ = conn.close(200, "bye".into()).await;
+                crate::broker::close_connection(&conn, "bye").await;
                 Err(e)
             }
         }
@@ -470,12 +470,12 @@ impl Publisher {
             let _ = t.await;
         }
         let inner = &self.inner;
-        let _ = inner.channel.read().await.close(200, "bye".into()).await;
+        crate::broker::close(&*inner.channel.read().await, "bye").await;
         if let Some(c) = inner.admin.lock().await.take() {
-            let _ = c.close(200, "bye".into()).await;
+            crate::broker::close(&c, "bye").await;
         }
         if inner.url.is_some() {
-            let _ = inner.conn.read().await.close(200, "bye".into()).await;
+            crate::broker::close_connection(&*inner.conn.read().await, "bye").await;
         }
     }
 }

@@ -199,7 +199,7 @@ impl<H: Handler> Worker<H> {
                             })),
                         },
                     };
-                    let _ = conn.close(200, "bye".into()).await;
+                    broker::close_connection(&conn, "bye").await;
                     if let Ok(SessionEnd::Lost(_)) = end {
                         first = false;
                     }
