@@ -13,12 +13,12 @@ use crate::harness::*;
 const N: usize = 1500;
 const MAX_MS: u64 = 3000;
 
-// Ignored in the default run: in about 4 of 10 runs on 2026-11-30 ONE confirmed message
-// published within ~200 lines after the kill (k443, k485, k491, k498, k508, k588) never
-// arrived and was in no queue a minute after the node was back. Not explained yet (broker,
-// publisher or worker); run it with `cargo test --test fault -- --ignored kill_node`.
+// Opt-in (`cargo test --test fault -- --ignored`): on 2026-11-30 about 4 of 10 runs lost ONE
+// confirmed message published just after the kill (k443, k485, k491, k498, k508, k588), found
+// in no queue a minute later; after every close was bounded, 0 in 16 runs. The mechanism is
+// not understood; see README "Open findings". The queue dump below says where missing ones wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "loses one confirmed message in ~40% of runs: under investigation (see the comment)"]
+#[ignore = "open finding: a confirmed message lost in some runs, cause not found (README)"]
 async fn kill_9_of_a_leader_node_under_a_bulk_send_and_a_worker() {
     let mut f = Fault::begin("kill-node", MAX_MS).await;
     let q = f.destination("dest");
