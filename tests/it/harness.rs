@@ -213,8 +213,9 @@ impl Env {
             self.delete_queue(q).await;
         }
         for l in &self.declared {
-            Topology::new(l.clone())
-                .delete(&self.conn)
+            // as `delay-publisher teardown --force`: the topology and what the control stream
+            // names (batch markers workers declared, gateway pairs)
+            amqp_delay::admin::teardown(&self.conn, l, None, true)
                 .await
                 .expect("teardown");
         }
