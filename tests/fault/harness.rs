@@ -627,6 +627,42 @@ pub fn ids_in(path: &Path) -> HashSet<String> {
 }
 
 /// The counts of a bulk send's summary line: (confirmed, invalid, not sent, maybe sent).
+/// What a bulk send (`Fault::bulk_send`) ended with.
+pub struct BulkOutcome {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub confirmed: u64,
+    pub invalid: u64,
+    pub not_sent: u64,
+    pub maybe_sent: u64,
+    /// Ids in its "not sent" and "maybe sent" files.
+    pub unsent_ids: HashSet<String>,
+    pub maybe_ids: HashSet<String>,
+}
+
+/// Waits (up to 120 s) for a bulk send whose stdin was closed, and reads its summary line and
+/// re-send files.
+pub async fn finish_bulk_send(send: Child, unsent: &Path, maybe: &Path) -> BulkOutcome {
+    let out = tokio::time::timeout(Duration::from_secs(120), send.wait_with_output())
+        .await
+        .expect("the bulk send did not finish in 120 s")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (confirmed, invalid, not_sent, maybe_sent) = summary(&stdout);
+    BulkOutcome {
+        code: out.status.code(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        stdout,
+        confirmed,
+        invalid,
+        not_sent,
+        maybe_sent,
+        unsent_ids: ids_in(unsent),
+        maybe_ids: ids_in(maybe),
+    }
+}
+
 pub fn summary(stdout: &str) -> (u64, u64, u64, u64) {
     let l = stdout
         .lines()

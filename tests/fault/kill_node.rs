@@ -110,19 +110,21 @@ async fn kill_9_of_a_leader_node_under_a_bulk_send_and_a_worker() {
         one.took, stats.took, declared.took
     );
 
-    let out = tokio::time::timeout(Duration::from_secs(120), send.wait_with_output())
-        .await
-        .expect("the bulk send did not finish in 120 s")
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let (confirmed, invalid, not_sent, maybe_sent) = summary(&stdout);
-    let unsent_ids = ids_in(&unsent);
-    let maybe_ids = ids_in(&maybe);
+    let BulkOutcome {
+        code,
+        stdout,
+        stderr,
+        confirmed,
+        invalid,
+        not_sent,
+        maybe_sent,
+        unsent_ids,
+        maybe_ids,
+    } = finish_bulk_send(send, &unsent, &maybe).await;
     eprintln!(
         "[kill-node] {:?} after the kill, bulk send: {confirmed} confirmed, {not_sent} not sent, {maybe_sent} maybe sent, exit {:?}",
         down_at.elapsed(),
-        out.status.code()
+        code
     );
     for (n, reason) in reasons(&stderr) {
         eprintln!("[kill-node]   {n} x {reason}");

@@ -76,36 +76,19 @@ async fn full_cluster_restart_with_messages_pending_across_the_levels() {
             let seen: HashSet<String> = worker.delivered().into_iter().map(|d| d.id).collect();
             scheduled.iter().filter(|i| !seen.contains(*i)).count()
         };
-        let queues = tokio::task::spawn_blocking(|| {
-            cluster_sh(&[
-                "ctl",
-                "1",
-                "list_queues",
-                "name",
-                "type",
-                "leader",
-                "online",
-                "messages_ready",
-                "messages_unacknowledged",
-                "consumers",
-            ])
-            .unwrap_or_else(|e| e)
-        })
-        .await
-        .unwrap();
-        let ours: Vec<&str> = queues.lines().filter(|l| l.contains(&f.prefix)).collect();
+        let queues = queue_dump(&f.prefix, 1).await;
         let late = worker
             .wait_for(&scheduled, Duration::from_secs(60), Duration::ZERO)
             .await;
         diagnosis = format!(
-            "\n{missing} had not arrived {} s after the restart; after a minute more: {}\nqueues then:\n{}",
+            "\n{missing} had not arrived {} s after the restart; after a minute more: {}\nqueues holding messages then:\n{}",
             (BOUND_MS + 10_000) / 1000,
             if late {
                 "all arrived (late, not lost)"
             } else {
                 "still missing"
             },
-            ours.join("\n")
+            queues
         );
         eprintln!("[restart-all]{diagnosis}");
     }

@@ -664,24 +664,11 @@ async fn a_connection_that_stops_answering_after_the_handshake_is_replaced() {
     let q = env.queue("silent").await;
     env.parked_queue(&q);
     let (port, accepted) = silent_after_handshake_proxy().await;
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(
-            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn,amqp_delay=info".into()),
-        ))
-        .with_test_writer()
-        .try_init();
     let mut s = env.settings.clone();
     s.url = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
     let h = crate::worker::Scripted::new(|_| amqp_delay::Outcome::Success);
     let log = h.log.clone();
-    let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(
-        amqp_delay::Worker::new(s)
-            .subscribe(q.clone(), h)
-            .run(async {
-                let _ = stop_rx.await;
-            }),
-    );
+    let (stop, run) = crate::worker::spawn_worker_with(s, &q, h);
     let p = env.publisher().await;
     p.schedule(Message::new(q.clone(), 1, "x").with_id("after-silence"))
         .await

@@ -64,14 +64,26 @@ pub fn spawn_worker(
     oneshot::Sender<()>,
     tokio::task::JoinHandle<amqp_delay::Result<()>>,
 ) {
+    let mut s = env.settings.clone();
+    s.consumer.retry = policy;
+    spawn_worker_with(s, queue, handler)
+}
+
+/// Runs a library worker with `settings` on `queue` until `stop` fires.
+pub fn spawn_worker_with(
+    s: amqp_delay::Settings,
+    queue: &str,
+    handler: Scripted,
+) -> (
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<amqp_delay::Result<()>>,
+) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(
             std::env::var("RUST_LOG").unwrap_or_else(|_| "warn,amqp_delay=info".into()),
         ))
         .with_test_writer()
         .try_init();
-    let mut s = env.settings.clone();
-    s.consumer.retry = policy;
     let (tx, rx) = oneshot::channel::<()>();
     let w = Worker::new(s).subscribe(queue.to_string(), handler);
     let h = tokio::spawn(w.run(async {
