@@ -168,8 +168,13 @@ async fn cli_send_stats_and_clear_errors() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1));
+    // Normally "cannot connect ... Connection refused" at once. lapin 4.12 can miss a refused
+    // TCP connect that fails while it is still setting up the handshake (the io thread poisons
+    // the connection before the protocol-header reply is registered), and then our connect
+    // timeout answers instead: one CI run saw that. Both are clear errors.
     assert!(
-        err.contains("cannot connect") && err.contains("guest:***@"),
+        (err.contains("cannot connect") || err.contains("no answer from the broker"))
+            && err.contains("guest:***@"),
         "{err}"
     );
     assert!(!err.contains("s3cr3t-pw"), "password leaked: {err}");
