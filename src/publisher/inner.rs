@@ -64,10 +64,20 @@ impl Inner {
                 } else {
                     self.batch_message(&members, &route, earliest)
                 };
+                let batch_id = (members.len() > 1)
+                    .then(|| props.message_id().as_ref().map(|s| s.to_string()))
+                    .flatten();
                 let _permit = self.in_flight.acquire().await.expect("never closed");
-                self.publish_confirmed(&exchange, &key, &body, props)
+                let r = self
+                    .publish_confirmed(&exchange, &key, &body, props)
                     .await
-                    .map(|()| route)
+                    .map(|()| route);
+                if let (Ok(_), Some(batch)) = (&r, batch_id) {
+                    // which messages travel in which batch: the trail an operator follows
+                    // when one is missing (the worker logs the batch id when it arrives)
+                    tracing::debug!(%batch, %exchange, %key, members = ?members.iter().map(|m| m.message_id.as_str()).collect::<Vec<_>>(), "batch confirmed");
+                }
+                r
             }
         };
         let count = members.len();

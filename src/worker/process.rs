@@ -116,6 +116,7 @@ pub(super) async fn delivery<H: Handler>(
             .unwrap_or_default();
         let key = raw.routing_key.as_str().to_string();
         let exchange = raw.exchange.as_str().to_string();
+        tracing::debug!(queue, batch = %batch_id, redelivered, members = members.len(), "batch received");
         let runs = members.into_iter().map(|m| {
             let (key, exchange) = (&key, &exchange);
             async move {
@@ -180,8 +181,17 @@ pub(super) async fn delivery<H: Handler>(
 async fn settle(acker: lapin::Acker, queue: &str, id: &str, r: Result<()>) {
     match r {
         Ok(()) => {
-            if let Err(e) = acker.ack(BasicAckOptions::default()).await {
-                tracing::warn!(queue, id, "ack failed ({e}); the broker will redeliver it");
+            match acker.ack(BasicAckOptions::default()).await {
+                Ok(true) => tracing::debug!(queue, id, "acked"),
+                // its channel is gone: the broker returns it to the queue
+                Ok(false) => tracing::warn!(
+                    queue,
+                    id,
+                    "not acked (its channel closed); the broker will redeliver it"
+                ),
+                Err(e) => {
+                    tracing::warn!(queue, id, "ack failed ({e}); the broker will redeliver it")
+                }
             }
         }
         Err(e) => {

@@ -16,7 +16,7 @@ use tokio::process::{Child, Command};
 
 /// Tests in this binary that run by default: the last one to finish tears the cluster down
 /// (`kill_node` and `restart_all` are `#[ignore]`d; `scripts/test.sh` stops it anyway).
-pub const TESTS: usize = 3;
+pub const TESTS: usize = 4;
 /// Nodes of the cluster.
 pub const NODES: usize = 3;
 /// The broker's dead-letter confirm timeout the cluster runs with (OPERATIONS.md's setting).
@@ -80,6 +80,9 @@ pub async fn queue_dump(prefix: &str, via: usize) -> String {
             "messages_ready",
             "messages_unacknowledged",
             "consumers",
+            // ready + unacknowledged + dead-lettered by a quorum queue and waiting for its
+            // dead-letter worker (3.10's rabbitmqctl cannot show that part alone)
+            "messages",
         ])
         .unwrap_or_else(|e| e)
     })
@@ -89,10 +92,83 @@ pub async fn queue_dump(prefix: &str, via: usize) -> String {
         .filter(|l| l.contains(prefix))
         .filter(|l| {
             let f: Vec<&str> = l.split('\t').collect();
-            f.len() < 7 || f[4] != "0" || f[5] != "0"
+            f.len() < 8 || f[4] != "0" || f[5] != "0" || f[7] != "0"
         })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// Every thread's backtrace of process `pid` (gdb), to see where a stalled worker waits.
+pub async fn stacks(pid: u32) -> String {
+    let out = tokio::process::Command::new("timeout")
+        .args([
+            "30",
+            "gdb",
+            "-p",
+            &pid.to_string(),
+            "-batch",
+            "-ex",
+            "thread apply all bt",
+        ])
+        .output()
+        .await;
+    match out {
+        Ok(o) => String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter(|l| l.starts_with('#') || l.starts_with("Thread"))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        Err(e) => format!("(no backtraces: {e})"),
+    }
+}
+
+/// Nodes on which RabbitMQ's supervisor of quorum queues' dead-letter workers
+/// (`rabbit_fifo_dlx_sup`) is gone. RabbitMQ 3.10 gives it up after two worker crashes within
+/// 5 s, which leader elections after a restart or a node loss cause (a worker whose queue's
+/// leader moved while it registered exits with `ra_command_failed`); it is not restarted.
+/// From then on a queue led from that node keeps what it dead-letters (TTL expiry) in its
+/// dead-letter buffer: nothing moves on to the next tier, and a new queue whose leader lands
+/// there fails to start (`INTERNAL_ERROR` on declare). docs/OPERATIONS.md has the remedy.
+pub async fn nodes_without_dlx_supervisor() -> Vec<usize> {
+    tokio::task::spawn_blocking(|| {
+        (1..=NODES)
+            .filter(|i| {
+                cluster_sh(&[
+                    "ctl",
+                    &i.to_string(),
+                    "eval",
+                    "whereis(rabbit_fifo_dlx_sup).",
+                ])
+                .is_ok_and(|out| out.trim() == "undefined")
+            })
+            .collect()
+    })
+    .await
+    .unwrap()
+}
+
+/// The remedy docs/OPERATIONS.md gives for [`nodes_without_dlx_supervisor`]: restart the
+/// RabbitMQ application on each such node (`stop_app`, `start_app`). Its queues' leaders move to
+/// nodes whose dead-letter workers run, which forward what waited, and it comes back with a new
+/// supervisor. Repeated (up to 3 rounds) while the restart itself costs a supervisor somewhere.
+/// Returns the nodes restarted.
+pub async fn restart_nodes_without_dlx_supervisor(who: &str) -> Vec<usize> {
+    let mut restarted = Vec::new();
+    for _ in 0..3 {
+        let dead = nodes_without_dlx_supervisor().await;
+        if dead.is_empty() {
+            break;
+        }
+        for i in dead {
+            eprintln!(
+                "[{who}] RabbitMQ's dead-letter worker supervisor is gone on node {i} (3.10: two worker crashes in 5 s); restarting its app (OPERATIONS.md)"
+            );
+            cluster(&["stop-app", &i.to_string()]).await;
+            cluster(&["start-app", &i.to_string()]).await;
+            restarted.push(i);
+        }
+    }
+    restarted
 }
 
 /// Waits (up to 90 s) until every node can declare a quorum queue: right after a full restart
@@ -209,6 +285,9 @@ impl Fault {
                 "THE FAULT-TEST CLUSTER DID NOT COME UP (scripts/cluster.sh, run as root):\n{e}"
             );
         }
+        // an earlier scenario's faults may have cost a node its dead-letter supervisor: then
+        // quorum queues led from it neither forward nor start
+        restart_nodes_without_dlx_supervisor(name).await;
         let n: u64 = rand::rng().random();
         let prefix = format!("fault-{:010x}", n & 0xff_ffff_ffff);
         if let Err(e) = quorum_ready(&prefix).await {
@@ -255,7 +334,13 @@ impl Fault {
             .arg(urls())
             .args(args)
             .env_remove("AMQP_DELAY_PREFIX")
-            .env("RUST_LOG", "warn,lapin::channel=off,amqp_delay=info")
+            // FAULT_RUST_LOG=warn,amqp_delay=debug traces which batch carries which message
+            // (publisher) and when each batch arrives and is acked (worker)
+            .env(
+                "RUST_LOG",
+                std::env::var("FAULT_RUST_LOG")
+                    .unwrap_or_else(|_| "warn,lapin::channel=off,amqp_delay=info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -298,6 +383,9 @@ impl Fault {
         let out = self
             .publisher_ok(&["send", "--jsonl", file.to_str().unwrap()])
             .await;
+        if std::env::var_os("FAULT_RUST_LOG").is_some() {
+            eprintln!("[{}] send --jsonl {name}:\n{}", self.name, out.stderr);
+        }
         assert!(
             out.stdout.contains(&format!("{n} confirmed, 0 failed")),
             "{}",
@@ -432,6 +520,14 @@ impl Drop for Fault {
                 Err(e) => eprintln!("[{}] clean-up: {e}", self.name),
             }
         };
+        if std::thread::panicking() && std::env::var_os("FAULT_KEEP_FAILED").is_some() {
+            // post-mortem: the failed scenario's queues stay for `cluster.sh ctl`
+            eprintln!(
+                "[{}] FAULT_KEEP_FAILED: prefix {} left on the cluster",
+                self.name, self.prefix
+            );
+            return;
+        }
         if !self.destinations.is_empty() {
             let mut args = vec!["teardown", "--force"];
             for q in &self.destinations {

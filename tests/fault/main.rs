@@ -9,6 +9,7 @@
 
 mod conn_cut;
 mod dest_deleted;
+mod dlx_stuck;
 mod harness;
 mod kill_node;
 mod restart_all;
