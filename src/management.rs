@@ -44,7 +44,8 @@ impl std::fmt::Debug for Management {
 pub struct QueueInfo {
     /// Queue name.
     pub name: String,
-    /// Ready + unacknowledged.
+    /// Everything it holds: ready + unacknowledged + (a quorum queue) dead-lettered and
+    /// waiting for the broker's dead-letter worker.
     #[serde(default)]
     pub messages: u64,
     /// Ready for delivery.
@@ -65,6 +66,14 @@ pub struct QueueInfo {
 }
 
 impl QueueInfo {
+    /// Messages a quorum queue dead-lettered that its dead-letter worker has not yet moved on:
+    /// counted in `messages` but neither ready nor unacknowledged (RabbitMQ's `messages_dlx`).
+    pub fn dead_lettered(&self) -> u64 {
+        self.messages
+            .saturating_sub(self.messages_ready)
+            .saturating_sub(self.messages_unacknowledged)
+    }
+
     /// Where the queue is led from.
     pub fn leader_node(&self) -> Option<&str> {
         self.leader.as_deref().or(self.node.as_deref())

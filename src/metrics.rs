@@ -72,6 +72,9 @@ pub struct Metrics {
     /// Broker messages in each tier and parking queue (ready + held when the management API
     /// answers), sampled periodically.
     pub tier_messages: Family<TierLabel, Gauge>,
+    /// Of those, dead-lettered by the tier and not yet moved on by the broker's dead-letter
+    /// worker (management API only): a value that stays above 0 means the worker does not run.
+    pub tier_dead_lettered: Family<TierLabel, Gauge>,
     /// 1 while connected and consuming, 0 while (re)connecting.
     pub connected: Gauge,
 }
@@ -108,6 +111,7 @@ impl Metrics {
             handler_duration,
             in_flight: Gauge::default(),
             tier_messages: Family::default(),
+            tier_dead_lettered: Family::default(),
             connected: Gauge::default(),
             registry: Registry::default(),
         };
@@ -165,6 +169,11 @@ impl Metrics {
             "tier_messages",
             "Broker messages in each tier and parking queue (ready + held when the management API answers)",
             m.tier_messages.clone(),
+        );
+        registry.register(
+            "tier_dead_lettered_messages",
+            "Of the tier's messages, those it dead-lettered that the broker's dead-letter worker has not moved on yet (management API only); staying above 0 means the worker does not run",
+            m.tier_dead_lettered.clone(),
         );
         registry.register(
             "connected",

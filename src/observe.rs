@@ -105,6 +105,12 @@ async fn sample_tiers(settings: Settings, every: Duration) {
                     };
                     g.get_or_create(&label)
                         .set(i64::try_from(s.messages).unwrap_or(i64::MAX));
+                    if let Some(n) = s.dead_lettered {
+                        metrics::global()
+                            .tier_dead_lettered
+                            .get_or_create(&label)
+                            .set(i64::try_from(n).unwrap_or(i64::MAX));
+                    }
                 }
             }
             Err(e) => tracing::debug!("sampling tier depths: {e}"),

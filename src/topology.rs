@@ -32,14 +32,20 @@ pub struct QueueStat {
     pub kind: &'static str,
     /// Queue TTL (none for the parking queue).
     pub ttl_ms: Option<u64>,
-    /// Broker messages it holds: ready + unacknowledged when the management API answered,
-    /// ready only otherwise (a batch counts once).
+    /// Broker messages it holds: ready + unacknowledged + dead-lettered and not yet moved on
+    /// when the management API answered, ready only otherwise (a batch counts once).
     pub messages: u64,
     /// Ready messages.
     pub ready: u64,
     /// Delivered and not settled (held by the broker's dead-letter worker, or a consumer);
     /// `None` when not visible (AMQP only).
     pub unacked: Option<u64>,
+    /// Dead-lettered by this quorum queue (its TTL expired) and waiting in its dead-letter
+    /// buffer for the broker's dead-letter worker to move them on: part of `messages`, neither
+    /// ready nor unacknowledged. Normal for a moment after a restart or failover; a number that
+    /// does not shrink means the worker does not run (docs/OPERATIONS.md). `None` when not
+    /// visible (AMQP only).
+    pub dead_lettered: Option<u64>,
     /// The node leading the queue (management API only).
     pub leader: Option<String>,
     /// The queue does not exist (`delay-publisher declare` re-creates it).
@@ -294,6 +300,7 @@ impl Topology {
                 messages: 0,
                 ready: 0,
                 unacked: None,
+                dead_lettered: None,
                 leader: None,
                 missing: false,
             };
@@ -303,6 +310,7 @@ impl Topology {
                         stat.messages = q.messages;
                         stat.ready = q.messages_ready;
                         stat.unacked = Some(q.messages_unacknowledged);
+                        stat.dead_lettered = Some(q.dead_lettered());
                         stat.leader = q.leader_node().map(str::to_string);
                     }
                     None => stat.missing = true,

@@ -1111,6 +1111,10 @@ fn registry_samples() -> BTreeMap<String, BTreeSet<String>> {
         queue: "q".into(),
         kind: "cascade".into(),
     });
+    let _ = m.tier_dead_lettered.get_or_create(&TierLabel {
+        queue: "q".into(),
+        kind: "cascade".into(),
+    });
     let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for line in m.encode().lines() {
         if line.starts_with('#') || line.trim().is_empty() {

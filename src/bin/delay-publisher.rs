@@ -327,6 +327,17 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                         "{missing} queue(s) missing: run `delay-publisher declare` to re-create them"
                     );
                 }
+                let waiting: Vec<String> = stats
+                    .iter()
+                    .filter(|s| s.dead_lettered.unwrap_or(0) > 0)
+                    .map(|s| format!("{} ({})", s.queue, s.dead_lettered.unwrap_or(0)))
+                    .collect();
+                if !waiting.is_empty() {
+                    amqp_delay::outln!(
+                        "dead-lettered, waiting for the broker's dead-letter worker: {}. Normal for a moment after a restart or failover; if it does not shrink, see OPERATIONS.md \"Dead-lettered messages that do not move\"",
+                        waiting.join(", ")
+                    );
+                }
                 if management.is_none() {
                     amqp_delay::outln!(
                         "(ready messages only: without the management API, messages held by the broker's dead-letter worker are not counted)"

@@ -295,7 +295,9 @@ async fn held_messages_are_counted_from_the_management_api_and_block_teardown() 
     let tier = layout.tiers()[0].queue.clone();
     let body = serde_json::json!([{
         "name": tier,
-        "messages": 7,
+        // 7 held by the dead-letter worker, 5 dead-lettered and waiting for it (RabbitMQ counts
+        // those in "messages" only)
+        "messages": 12,
         "messages_ready": 0,
         "messages_unacknowledged": 7,
         "leader": "rabbit@node-b",
@@ -334,18 +336,25 @@ async fn held_messages_are_counted_from_the_management_api_and_block_teardown() 
         .iter()
         .find(|r| r["queue"] == tier.as_str())
         .unwrap_or_else(|| panic!("{tier} not in {stats}"));
-    assert_eq!(row["messages"], 7, "{row}");
+    assert_eq!(row["messages"], 12, "{row}");
     assert_eq!(row["ready"], 0, "{row}");
     assert_eq!(row["unacked"], 7, "{row}");
+    assert_eq!(row["dead_lettered"], 5, "{row}");
     assert_eq!(row["leader"], "rabbit@node-b", "{row}");
     let out = run(&["stats"]).await;
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("rabbit@node-b"), "{text}");
     assert!(!text.contains("ready messages only"), "{text}");
+    assert!(
+        text.contains(&format!(
+            "dead-lettered, waiting for the broker's dead-letter worker: {tier} (5)"
+        )),
+        "{text}"
+    );
     let out = run(&["teardown"]).await;
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("7 messages are still in the tiers"), "{err}");
+    assert!(err.contains("12 messages are still in the tiers"), "{err}");
     assert!(hits.load(std::sync::atomic::Ordering::Relaxed) >= 3);
     // the topology is still there
     env.assert_tiers_empty().await;
