@@ -69,6 +69,21 @@ pub enum Error {
         /// The queue whose consumer was cancelled.
         queue: String,
     },
+    /// Messages wait in a queue the worker consumes, yet none has reached it for a while
+    /// although it has room: the subscription stalled (seen after a full cluster restart, the
+    /// broker holding a prefetch's worth of messages as delivered to a consumer that never
+    /// received them). The worker reconnects, which returns them to the queue.
+    #[error(
+        "consuming '{queue}': {ready} messages are ready but none has reached this idle worker for {idle_ms} ms"
+    )]
+    ConsumerStalled {
+        /// The queue.
+        queue: String,
+        /// Its ready messages.
+        ready: u32,
+        /// How long nothing arrived.
+        idle_ms: u64,
+    },
     /// A handler asked for the message to be put back unchanged ([`crate::Outcome::Requeue`]).
     #[error("the handler could not process the message now and put it back: {reason}")]
     Requeued {
@@ -145,6 +160,15 @@ impl Error {
             },
             Error::ConsumerCancelled { queue } => Error::ConsumerCancelled {
                 queue: queue.clone(),
+            },
+            Error::ConsumerStalled {
+                queue,
+                ready,
+                idle_ms,
+            } => Error::ConsumerStalled {
+                queue: queue.clone(),
+                ready: *ready,
+                idle_ms: *idle_ms,
             },
             Error::Requeued { reason } => Error::Requeued {
                 reason: reason.clone(),

@@ -17,7 +17,7 @@ mod process;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use futures::stream::{BoxStream, SelectAll};
@@ -101,6 +101,9 @@ pub struct Counters {
     pub batches: AtomicU64,
     /// Messages acked without running because they were cancelled.
     pub cancelled: AtomicU64,
+    /// Subscriptions renewed because nothing arrived while their queue had ready messages
+    /// ([`Error::ConsumerStalled`]).
+    pub stalled: AtomicU64,
 }
 
 /// Runs handlers over destination queues.
@@ -108,6 +111,17 @@ pub struct Worker<H: Handler> {
     settings: Settings,
     subscriptions: Vec<(String, Arc<H>)>,
     counters: Arc<Counters>,
+}
+
+/// How a session runs.
+#[derive(Clone, Copy)]
+struct Mode {
+    /// The worker's first session (a missing queue is fatal then).
+    first: bool,
+    /// One message at a time (after a frame too large).
+    careful: bool,
+    /// See [`STALL_AFTER`].
+    stall_after: Duration,
 }
 
 enum SessionEnd {
@@ -124,6 +138,15 @@ const CAREFUL_FOR: Duration = Duration::from_secs(30);
 /// before the worker gives up on the connection and makes a new one. A broker call whose
 /// connection broke during a cluster restart was seen never to return.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// An idle worker (no message in hand) that has received nothing from a queue for this long
+/// while the queue has ready messages treats the subscription as stalled and reconnects
+/// ([`Error::ConsumerStalled`]). Checked every [`STALL_CHECK`]. Doubled after each stall in a
+/// row, up to [`STALL_AFTER_MAX`]: an inactive consumer of a single-active-consumer queue looks
+/// the same and should not reconnect every few seconds.
+const STALL_AFTER: Duration = Duration::from_secs(10);
+const STALL_AFTER_MAX: Duration = Duration::from_secs(300);
+const STALL_CHECK: Duration = Duration::from_secs(5);
 
 /// Whether `e` says a frame exceeded `frame_max`: a message (its header frame) that grew past
 /// the limit on its hops, which no consumer on this connection can receive.
@@ -175,6 +198,7 @@ impl<H: Handler> Worker<H> {
         // after a frame too large: one message at a time, so that only that message is
         // redelivered (and counted against the queue's delivery limit, which parks it)
         let mut careful = false;
+        let mut stall_after = STALL_AFTER;
         loop {
             let conn = tokio::select! {
                 c = connector.connect(&conn_name) => c,
@@ -185,8 +209,12 @@ impl<H: Handler> Worker<H> {
                     let conn = Arc::new(conn);
                     backoff.reset();
                     let (ready_tx, ready_rx) = oneshot::channel::<()>();
-                    let session =
-                        self.session(&conn, &layout, first, careful, &mut shutdown, ready_tx);
+                    let mode = Mode {
+                        first,
+                        careful,
+                        stall_after,
+                    };
+                    let session = self.session(&conn, &layout, mode, &mut shutdown, ready_tx);
                     tokio::pin!(session);
                     let end = tokio::select! {
                         biased;
@@ -208,6 +236,12 @@ impl<H: Handler> Worker<H> {
                 Err(e) => Ok(SessionEnd::Lost(e)),
             };
             careful = matches!(&outcome, Ok(SessionEnd::Lost(e)) if is_frame_error(e));
+            stall_after = match &outcome {
+                Ok(SessionEnd::Lost(Error::ConsumerStalled { .. })) => {
+                    (stall_after * 2).min(STALL_AFTER_MAX)
+                }
+                _ => STALL_AFTER,
+            };
             if careful {
                 tracing::error!(
                     "a message in one of the queues is larger than the connection's frame_max \
@@ -250,11 +284,15 @@ impl<H: Handler> Worker<H> {
         &self,
         conn: &Arc<Connection>,
         layout: &Layout,
-        first: bool,
-        careful: bool,
+        mode: Mode,
         shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
         ready: oneshot::Sender<()>,
     ) -> Result<SessionEnd> {
+        let Mode {
+            first,
+            careful,
+            stall_after,
+        } = mode;
         let s = &self.settings;
         let cs = &s.consumer;
         let publisher = match Publisher::with_connection(
@@ -334,16 +372,31 @@ impl<H: Handler> Worker<H> {
             Duration::MAX / 4
         });
         tokio::pin!(careful_over);
+        // when each subscription last brought a message (or was made)
+        let mut last_delivery = vec![Instant::now(); self.subscriptions.len()];
+        let mut stall_tick =
+            tokio::time::interval_at(tokio::time::Instant::now() + STALL_CHECK, STALL_CHECK);
         let end = loop {
             while tasks.try_join_next().is_some() {}
             tokio::select! {
                 _ = shutdown.as_mut() => break SessionEnd::Stopped,
                 _ = &mut careful_over, if careful => break SessionEnd::Careful,
+                _ = stall_tick.tick(), if tasks.is_empty() => {
+                    match self.stalled(conn, &channels, &last_delivery, stall_after).await {
+                        Ok(None) => {}
+                        Ok(Some(e)) => {
+                            self.counters.stalled.fetch_add(1, Ordering::Relaxed);
+                            break SessionEnd::Lost(e);
+                        }
+                        Err(e) => break SessionEnd::Lost(e),
+                    }
+                }
                 Some(i) = resub_rx.recv() => {
                     match self.subscribe_one(conn, layout, i, careful).await {
                         Ok(Some((ch, tag, stream))) => {
                             tracing::info!(queue = %self.subscriptions[i].0, "the queue is back; consuming it again");
                             channels[i] = Some((ch, tag));
+                            last_delivery[i] = Instant::now();
                             deliveries.push(stream);
                         }
                         Ok(None) => spawn_wait_for_queue(conn, &self.subscriptions[i].0, i, &resub_tx),
@@ -352,7 +405,9 @@ impl<H: Handler> Worker<H> {
                 }
                 next = deliveries.next(), if !deliveries.is_empty() => match next {
                     Some((i, Some(Ok(d)))) => {
+                        last_delivery[i] = Instant::now();
                         let (queue, handler) = self.subscriptions[i].clone();
+                        tracing::trace!(%queue, tag = d.delivery_tag, redelivered = d.redelivered, in_flight = tasks.len(), "delivery");
                         let ctx = ctx.clone();
                         tasks.spawn(async move {
                             process::delivery(d, &queue, &*handler, &ctx).await;
@@ -433,6 +488,35 @@ impl<H: Handler> Worker<H> {
 
     /// Declares what consuming queue `i` needs (its parking queue, its batch marker) and starts
     /// consuming it on a channel of its own. `None` when the queue does not exist.
+    /// With no message in hand: the first subscription that brought nothing for `after`
+    /// ([`STALL_AFTER`] and up) while its queue has ready messages, as
+    /// [`Error::ConsumerStalled`].
+    async fn stalled(
+        &self,
+        conn: &Connection,
+        channels: &[Option<(Channel, lapin::types::ShortString)>],
+        last_delivery: &[Instant],
+        after: Duration,
+    ) -> Result<Option<Error>> {
+        for (i, slot) in channels.iter().enumerate() {
+            let idle = last_delivery[i].elapsed();
+            if slot.is_none() || idle < after {
+                continue;
+            }
+            let queue = &self.subscriptions[i].0;
+            if let Some(state) = broker::queue_state(conn, queue).await?
+                && state.ready > 0
+            {
+                return Ok(Some(Error::ConsumerStalled {
+                    queue: queue.clone(),
+                    ready: state.ready,
+                    idle_ms: idle.as_millis() as u64,
+                }));
+            }
+        }
+        Ok(None)
+    }
+
     async fn subscribe_one(
         &self,
         conn: &Connection,

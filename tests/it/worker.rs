@@ -447,3 +447,98 @@ async fn the_worker_reconnects_after_losing_its_connection() {
     p.close().await;
     env.cleanup().await;
 }
+
+/// A subscription that brings nothing while its queue has ready messages is renewed (after a
+/// full cluster restart the broker once held a prefetch's worth of messages as delivered to a
+/// worker that never received them, and 548 more waited). Stood in for here by a
+/// single-active-consumer queue whose active consumer is someone else: the worker's consumer
+/// gets nothing although messages are ready. The worker reconnects; once the other consumer
+/// leaves, everything is processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_worker_whose_queue_has_ready_messages_renews_its_subscription() {
+    use futures::StreamExt;
+    use lapin::options::{BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+    let mut env = Env::new(small_topology()).await;
+    let q = format!("{}-sac", env.settings.prefix);
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    let ch = env.conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+    env.track_queue(&q);
+    env.parked_queue(&q);
+    for i in 0..4 {
+        ch.basic_publish(
+            "".into(),
+            q.as_str().into(),
+            BasicPublishOptions::default(),
+            b"x",
+            lapin::BasicProperties::default()
+                .with_message_id(format!("sac{i}").into())
+                .with_delivery_mode(2),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    // the active consumer takes one message and keeps it
+    let other = env.conn.create_channel().await.unwrap();
+    other
+        .basic_qos(1, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let mut held = other
+        .basic_consume(
+            q.as_str().into(),
+            "other".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(10), held.next())
+        .await
+        .expect("the other consumer got nothing");
+    assert!(first.is_some());
+
+    let h = Scripted::new(|_| Outcome::Success);
+    let log = h.log.clone();
+    let w = Worker::new(env.settings.clone()).subscribe(q.clone(), h);
+    let counters = w.counters();
+    let (stop, rx) = oneshot::channel::<()>();
+    let run = tokio::spawn(w.run(async {
+        let _ = rx.await;
+    }));
+    assert!(
+        wait_until(Duration::from_secs(40), || {
+            counters.stalled.load(std::sync::atomic::Ordering::Relaxed) >= 1
+        })
+        .await,
+        "the worker did not notice that nothing reached it while 3 messages were ready"
+    );
+    assert!(log.lock().unwrap().is_empty());
+    // the other consumer leaves: its message goes back, and the worker is the active one
+    let _ = other.close(200, "bye".into()).await;
+    assert!(
+        wait_until(Duration::from_secs(60), || log.lock().unwrap().len() >= 4).await,
+        "not everything processed: {:?}",
+        log.lock().unwrap()
+    );
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    let _ = ch.close(200, "ok".into()).await;
+    env.cleanup().await;
+}
