@@ -72,10 +72,16 @@ impl Inner {
                     .publish_confirmed(&exchange, &key, &body, props)
                     .await
                     .map(|()| route);
-                if let (Ok(_), Some(batch)) = (&r, batch_id) {
+                match (&r, batch_id) {
                     // which messages travel in which batch: the trail an operator follows
                     // when one is missing (the worker logs the batch id when it arrives)
-                    tracing::debug!(%batch, %exchange, %key, members = ?members.iter().map(|m| m.message_id.as_str()).collect::<Vec<_>>(), "batch confirmed");
+                    (Ok(_), Some(batch)) => {
+                        tracing::debug!(%batch, %exchange, %key, members = ?members.iter().map(|m| m.message_id.as_str()).collect::<Vec<_>>(), "batch confirmed")
+                    }
+                    (Ok(_), None) => {
+                        tracing::trace!(id = %members[0].message_id, %exchange, %key, "confirmed")
+                    }
+                    _ => {}
                 }
                 r
             }

@@ -88,7 +88,7 @@ async fn dead_lettered_messages_wait_while_a_node_has_no_dead_letter_supervisor(
     );
 
     let t = Instant::now();
-    let restarted = restart_nodes_without_dlx_supervisor("dlx-stuck").await;
+    let restarted = unstick_dead_letters("dlx-stuck", Some(&f.prefix)).await;
     assert_eq!(restarted.first(), Some(&victim));
     let remedied_ms = amqp_delay::time::now_ms();
     let all_came = worker

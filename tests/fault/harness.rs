@@ -15,8 +15,8 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 /// Tests in this binary that run by default: the last one to finish tears the cluster down
-/// (`kill_node` and `restart_all` are `#[ignore]`d; `scripts/test.sh` stops it anyway).
-pub const TESTS: usize = 4;
+/// (`kill_node` is `#[ignore]`d; `scripts/test.sh` stops the cluster anyway).
+pub const TESTS: usize = 5;
 /// Nodes of the cluster.
 pub const NODES: usize = 3;
 /// The broker's dead-letter confirm timeout the cluster runs with (OPERATIONS.md's setting).
@@ -98,6 +98,11 @@ pub async fn queue_dump(prefix: &str, via: usize) -> String {
         .join("\n")
 }
 
+/// What the worker's stall watchdog may add to lateness (it renews a subscription that brought
+/// nothing for 10 s while its queue had ready messages, checking every 5 s; see the worker's
+/// `STALL_AFTER`): allowed past a bound when the worker's log says it renewed one.
+pub const STALL_ALLOWANCE_MS: u64 = 15_000;
+
 /// Every thread's backtrace of process `pid` (gdb), to see where a stalled worker waits.
 pub async fn stacks(pid: u32) -> String {
     let out = tokio::process::Command::new("timeout")
@@ -147,22 +152,79 @@ pub async fn nodes_without_dlx_supervisor() -> Vec<usize> {
     .unwrap()
 }
 
-/// The remedy docs/OPERATIONS.md gives for [`nodes_without_dlx_supervisor`]: restart the
-/// RabbitMQ application on each such node (`stop_app`, `start_app`). Its queues' leaders move to
-/// nodes whose dead-letter workers run, which forward what waited, and it comes back with a new
-/// supervisor. Repeated (up to 3 rounds) while the restart itself costs a supervisor somewhere.
+/// Nodes leading a queue under `prefix` that holds dead-lettered messages not yet moved on
+/// (`messages` above ready + unacknowledged), asked of any node that answers. Called once they
+/// should have moved (two dead-letter confirm timeouts after the fault), these are tiers whose
+/// dead-letter worker does not run or waits for confirms that never come.
+pub async fn leaders_of_waiting_dead_letters(prefix: &str) -> Vec<usize> {
+    let prefix = format!("{prefix}.");
+    tokio::task::spawn_blocking(move || {
+        for via in 1..=NODES {
+            let Ok(out) = cluster_sh(&[
+                "ctl",
+                &via.to_string(),
+                "list_queues",
+                "name",
+                "leader",
+                "messages_ready",
+                "messages_unacknowledged",
+                "messages",
+            ]) else {
+                continue;
+            };
+            let mut nodes: Vec<usize> = out
+                .lines()
+                .filter_map(|l| {
+                    let c: Vec<&str> = l.split('\t').collect();
+                    if c.len() < 5 || !c[0].starts_with(&prefix) {
+                        return None;
+                    }
+                    let n = |i: usize| c[i].trim().parse::<u64>().unwrap_or(0);
+                    let node = (1..=NODES).find(|i| c[1].starts_with(&format!("adfault{i}@")))?;
+                    (n(4) > n(2) + n(3)).then_some(node)
+                })
+                .collect();
+            nodes.sort_unstable();
+            nodes.dedup();
+            return nodes;
+        }
+        Vec::new()
+    })
+    .await
+    .unwrap()
+}
+
+/// The remedy docs/OPERATIONS.md gives for dead-lettered messages that do not move: restart
+/// the RabbitMQ application (`stop_app`, `start_app`), one node at a time, of each node that
+/// lost its dead-letter supervisor ([`nodes_without_dlx_supervisor`]) or leads a tier whose
+/// dead-lettered messages wait ([`leaders_of_waiting_dead_letters`], with `prefix`). The
+/// queues' leaders move to other nodes, whose dead-letter workers start afresh and forward
+/// what waited, and the node comes back with a new supervisor. Up to 3 rounds, two
+/// confirm timeouts apart, while the restarts' own elections leave something behind.
 /// Returns the nodes restarted.
-pub async fn restart_nodes_without_dlx_supervisor(who: &str) -> Vec<usize> {
+pub async fn unstick_dead_letters(who: &str, prefix: Option<&str>) -> Vec<usize> {
     let mut restarted = Vec::new();
-    for _ in 0..3 {
-        let dead = nodes_without_dlx_supervisor().await;
-        if dead.is_empty() {
+    for round in 0..3 {
+        if round > 0 {
+            tokio::time::sleep(Duration::from_millis(2 * DLX_CONFIRM_TIMEOUT_MS + 2000)).await;
+        }
+        let mut nodes = nodes_without_dlx_supervisor().await;
+        let no_sup = nodes.clone();
+        if let Some(p) = prefix {
+            nodes.extend(leaders_of_waiting_dead_letters(p).await);
+        }
+        nodes.sort_unstable();
+        nodes.dedup();
+        if nodes.is_empty() {
             break;
         }
-        for i in dead {
-            eprintln!(
-                "[{who}] RabbitMQ's dead-letter worker supervisor is gone on node {i} (3.10: two worker crashes in 5 s); restarting its app (OPERATIONS.md)"
-            );
+        for i in nodes {
+            let why = if no_sup.contains(&i) {
+                "its dead-letter worker supervisor is gone (3.10: two worker crashes in 5 s)"
+            } else {
+                "it leads a tier whose dead-lettered messages do not move"
+            };
+            eprintln!("[{who}] node {i}: {why}; restarting its app (OPERATIONS.md)");
             cluster(&["stop-app", &i.to_string()]).await;
             cluster(&["start-app", &i.to_string()]).await;
             restarted.push(i);
@@ -287,7 +349,7 @@ impl Fault {
         }
         // an earlier scenario's faults may have cost a node its dead-letter supervisor: then
         // quorum queues led from it neither forward nor start
-        restart_nodes_without_dlx_supervisor(name).await;
+        unstick_dead_letters(name, None).await;
         let n: u64 = rand::rng().random();
         let prefix = format!("fault-{:010x}", n & 0xff_ffff_ffff);
         if let Err(e) = quorum_ready(&prefix).await {
@@ -580,6 +642,11 @@ pub struct Worker {
 impl Worker {
     pub fn log(&self) -> String {
         self.log.lock().unwrap().clone()
+    }
+
+    /// Whether it renewed a subscription that had stalled (see [`STALL_ALLOWANCE_MS`]).
+    pub fn renewed_a_stalled_subscription(&self) -> bool {
+        self.log().contains("none has reached this idle worker")
     }
 
     pub fn delivered(&self) -> Vec<Delivered> {

@@ -13,12 +13,17 @@ use crate::harness::*;
 const N: usize = 1500;
 const MAX_MS: u64 = 3000;
 
-// Opt-in (`cargo test --test fault -- --ignored`): on 2026-11-30 about 4 of 10 runs lost ONE
-// confirmed message published just after the kill (k443, k485, k491, k498, k508, k588), found
-// in no queue a minute later; after every close was bounded, 0 in 16 runs. The mechanism is
-// not understood; see README "Open findings". The queue dump below says where missing ones wait.
+// Opt-in (`cargo test --test fault -- --ignored kill_9`): it still loses a confirmed message
+// in some runs. On 2026-11-30, in 1 of 13 runs with the queue dump that counts dead-lettered
+// messages (and about 4 of 10 earlier ones), ONE message published on the dying node's
+// connection while the kill was under way (k530 of 1 500, confirmed, not reported as maybe
+// sent) was in no queue a minute later, no tier had stopped and no node had lost its
+// dead-letter supervisor. Cause not found; README "Clusters" says so. For the next time:
+// FAULT_RUST_LOG=warn,amqp_delay=trace logs every confirm with its id, route and exchange.
+// When messages are missing 30 s after the node is back the scenario first checks for stopped
+// tiers (OPERATIONS.md "Dead-lettered messages that do not move") and applies the remedy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "open finding: a confirmed message lost in some runs, cause not found (README)"]
+#[ignore = "open finding: one confirmed message lost in about 1 of 13 runs, cause not found (README)"]
 async fn kill_9_of_a_leader_node_under_a_bulk_send_and_a_worker() {
     let mut f = Fault::begin("kill-node", MAX_MS).await;
     let q = f.destination("dest");
@@ -179,11 +184,11 @@ async fn kill_9_of_a_leader_node_under_a_bulk_send_and_a_worker() {
     // the same bound again from its end.
     let mut remedy = String::new();
     if !all_came {
-        let restarted = restart_nodes_without_dlx_supervisor("kill-node").await;
+        let restarted = unstick_dead_letters("kill-node", Some(&f.prefix)).await;
         if !restarted.is_empty() {
             back_ms = amqp_delay::time::now_ms();
             remedy = format!(
-                "; nodes {restarted:?} had lost their dead-letter supervisor and were restarted (app)"
+                "; nodes {restarted:?} were restarted (app) to move waiting dead-lettered messages on"
             );
             all_came = worker
                 .wait_for(&scheduled, Duration::from_secs(30), Duration::from_secs(1))
@@ -229,7 +234,13 @@ async fn kill_9_of_a_leader_node_under_a_bulk_send_and_a_worker() {
     t.assert_sound("kill-node");
     // OPERATIONS.md: a tier led by the lost node waits until it is back, plus up to two
     // dead-letter confirm timeouts
-    let bound = 2 * DLX_CONFIRM_TIMEOUT_MS as i64 + 3000;
+    let bound = (2 * DLX_CONFIRM_TIMEOUT_MS
+        + 3000
+        + if worker.renewed_a_stalled_subscription() {
+            STALL_ALLOWANCE_MS
+        } else {
+            0
+        }) as i64;
     let worst_past_back = worker
         .delivered()
         .iter()
