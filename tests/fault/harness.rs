@@ -427,6 +427,11 @@ impl Fault {
                 ],
             )
             .stdin(Stdio::piped())
+            // to a file, not a pipe nobody reads until the end: with FAULT_RUST_LOG at debug or
+            // trace the log outgrows a pipe's buffer and the send would block on it
+            .stderr(Stdio::from(
+                std::fs::File::create(stderr_file(unsent)).expect("bulk send stderr file"),
+            ))
             .spawn()
             .unwrap();
         let pid = child.id().unwrap();
@@ -806,6 +811,11 @@ pub struct BulkOutcome {
 
 /// Waits (up to 120 s) for a bulk send whose stdin was closed, and reads its summary line and
 /// re-send files.
+/// Where [`Fault::bulk_send`] writes the send's stderr (beside its `unsent` file).
+fn stderr_file(unsent: &Path) -> PathBuf {
+    unsent.with_extension("stderr")
+}
+
 pub async fn finish_bulk_send(send: Child, unsent: &Path, maybe: &Path) -> BulkOutcome {
     let out = tokio::time::timeout(Duration::from_secs(120), send.wait_with_output())
         .await
@@ -813,9 +823,11 @@ pub async fn finish_bulk_send(send: Child, unsent: &Path, maybe: &Path) -> BulkO
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let (confirmed, invalid, not_sent, maybe_sent) = summary(&stdout);
+    let stderr = std::fs::read_to_string(stderr_file(unsent)).unwrap_or_default();
+    let _ = std::fs::remove_file(stderr_file(unsent));
     BulkOutcome {
         code: out.status.code(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        stderr,
         stdout,
         confirmed,
         invalid,
