@@ -330,11 +330,16 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                 let waiting: Vec<String> = stats
                     .iter()
                     .filter(|s| s.dead_lettered.unwrap_or(0) > 0)
-                    .map(|s| format!("{} ({})", s.queue, s.dead_lettered.unwrap_or(0)))
+                    .map(|s| match &s.leader {
+                        Some(l) => {
+                            format!("{} ({}, led by {l})", s.queue, s.dead_lettered.unwrap_or(0))
+                        }
+                        None => format!("{} ({})", s.queue, s.dead_lettered.unwrap_or(0)),
+                    })
                     .collect();
                 if !waiting.is_empty() {
                     amqp_delay::outln!(
-                        "dead-lettered, waiting for the broker's dead-letter worker: {}. Normal for a moment after a restart or failover; if it does not shrink, see OPERATIONS.md \"Dead-lettered messages that do not move\"",
+                        "dead-lettered, waiting for the broker's dead-letter worker: {}. Normal for a moment after a restart or failover; if it does not shrink, restart the RabbitMQ application of the node leading the tier (OPERATIONS.md, \"Dead-lettered messages that do not move\")",
                         waiting.join(", ")
                     );
                 }

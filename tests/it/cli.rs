@@ -347,7 +347,7 @@ async fn held_messages_are_counted_from_the_management_api_and_block_teardown() 
     assert!(!text.contains("ready messages only"), "{text}");
     assert!(
         text.contains(&format!(
-            "dead-lettered, waiting for the broker's dead-letter worker: {tier} (5)"
+            "dead-lettered, waiting for the broker's dead-letter worker: {tier} (5, led by rabbit@node-b)"
         )),
         "{text}"
     );
