@@ -213,6 +213,14 @@ async fn kill_9_of_a_leader_node_under_a_bulk_send_and_a_worker() {
             .iter()
             .filter(|l| t.lost.iter().any(|id| l.contains(&format!("\"{id}\""))))
             .collect();
+        // what the publisher went through around the kill: reconnects, channels renewed
+        // after nacks, confirms lost
+        let events: Vec<&str> = stderr
+            .lines()
+            .filter(|l| !l.contains(" TRACE ") && !l.contains(" DEBUG "))
+            .take(60)
+            .collect();
+        eprintln!("[kill-node] the bulk send's log:\n{}", events.join("\n"));
         eprintln!(
             "[kill-node] missing {:?}; their lines {lines:?}; the send said of them {reports:?}; nodes without a dead-letter supervisor: {:?}; queues holding messages:\n{}",
             t.lost,
