@@ -382,7 +382,7 @@ impl<H: Handler> Worker<H> {
                 _ = shutdown.as_mut() => break SessionEnd::Stopped,
                 _ = &mut careful_over, if careful => break SessionEnd::Careful,
                 _ = stall_tick.tick(), if tasks.is_empty() => {
-                    match self.stalled(conn, &channels, &last_delivery, stall_after).await {
+                    match self.stalled(conn, &channels, &mut last_delivery, stall_after).await {
                         Ok(None) => {}
                         Ok(Some(e)) => {
                             self.counters.stalled.fetch_add(1, Ordering::Relaxed);
@@ -486,16 +486,15 @@ impl<H: Handler> Worker<H> {
         Ok(end)
     }
 
-    /// Declares what consuming queue `i` needs (its parking queue, its batch marker) and starts
-    /// consuming it on a channel of its own. `None` when the queue does not exist.
     /// With no message in hand: the first subscription that brought nothing for `after`
     /// ([`STALL_AFTER`] and up) while its queue has ready messages, as
-    /// [`Error::ConsumerStalled`].
+    /// [`Error::ConsumerStalled`]. A queue found without ready messages counts as active
+    /// again, so an idle worker asks about each queue once per `after`, not every check.
     async fn stalled(
         &self,
         conn: &Connection,
         channels: &[Option<(Channel, lapin::types::ShortString)>],
-        last_delivery: &[Instant],
+        last_delivery: &mut [Instant],
         after: Duration,
     ) -> Result<Option<Error>> {
         for (i, slot) in channels.iter().enumerate() {
@@ -504,19 +503,22 @@ impl<H: Handler> Worker<H> {
                 continue;
             }
             let queue = &self.subscriptions[i].0;
-            if let Some(state) = broker::queue_state(conn, queue).await?
-                && state.ready > 0
-            {
-                return Ok(Some(Error::ConsumerStalled {
-                    queue: queue.clone(),
-                    ready: state.ready,
-                    idle_ms: idle.as_millis() as u64,
-                }));
+            match broker::queue_state(conn, queue).await? {
+                Some(state) if state.ready > 0 => {
+                    return Ok(Some(Error::ConsumerStalled {
+                        queue: queue.clone(),
+                        ready: state.ready,
+                        idle_ms: idle.as_millis() as u64,
+                    }));
+                }
+                _ => last_delivery[i] = Instant::now(),
             }
         }
         Ok(None)
     }
 
+    /// Declares what consuming queue `i` needs (its parking queue, its batch marker) and starts
+    /// consuming it on a channel of its own. `None` when the queue does not exist.
     async fn subscribe_one(
         &self,
         conn: &Connection,
