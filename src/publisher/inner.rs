@@ -11,6 +11,7 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::mpsc;
 
+use super::confirms::{self, Confirms, Outcome};
 use super::{Binding, CONNECTION_NAME, Inner, Prepared};
 use crate::batch::{self, Candidate, Limits};
 use crate::broker::{self, ACCESS_REFUSED, NOT_FOUND};
@@ -185,7 +186,7 @@ impl Inner {
 
     /// Replaces the publish channel by a new one if it is still `stale`. The old one stays open
     /// a while, so the confirms it still awaits can arrive.
-    async fn renew_channel(&self, stale: &Channel, exchange: &str) {
+    async fn renew_channel(&self, stale: &PublishChannel, exchange: &str) {
         let mut ch = self.channel.write().await;
         if ch.id() != stale.id() || !ch.status().connected() {
             return;
@@ -213,7 +214,7 @@ impl Inner {
 
     async fn publish_once(
         &self,
-        channel: &Channel,
+        channel: &PublishChannel,
         exchange: &str,
         routing_key: &str,
         body: &[u8],
@@ -225,6 +226,12 @@ impl Inner {
                 routing_key.len()
             ))
         })?;
+        let identity = confirms::key(
+            exchange,
+            routing_key,
+            props.message_id().as_ref().map(|s| s.as_str()),
+            body,
+        );
         let confirm = channel
             .basic_publish(
                 exchange.into(),
@@ -237,33 +244,38 @@ impl Inner {
                 props,
             )
             .await
-            .context(|| format!("publishing to '{exchange}'"))?
+            .context(|| format!("publishing to '{exchange}'"))?;
+        let outcome = channel
+            .confirms
+            .outcome(identity, confirm)
             .await
             .map_err(|source| Error::MaybeSent {
                 context: format!("awaiting the confirm from '{exchange}'"),
                 source,
             })?;
-        if confirm.is_nack() {
-            crate::metrics::global().nacks.inc();
-            return Err(Error::Nacked {
-                exchange: exchange.into(),
-            });
+        match outcome {
+            Outcome::Ack => Ok(()),
+            Outcome::Nack => {
+                crate::metrics::global().nacks.inc();
+                Err(Error::Nacked {
+                    exchange: exchange.into(),
+                })
+            }
+            Outcome::Returned(ret) => {
+                crate::metrics::global().returns.inc();
+                Err(Error::Returned {
+                    exchange: exchange.into(),
+                    routing_key: routing_key.into(),
+                    code: ret.reply_code,
+                    text: ret.reply_text.to_string(),
+                })
+            }
         }
-        if let Some(ret) = confirm.take_message() {
-            crate::metrics::global().returns.inc();
-            return Err(Error::Returned {
-                exchange: exchange.into(),
-                routing_key: routing_key.into(),
-                code: ret.reply_code,
-                text: ret.reply_text.to_string(),
-            });
-        }
-        Ok(())
     }
 
     /// The confirm channel, reopened if the broker closed it (on a new connection if the
     /// connection was lost and the publisher owns it).
-    pub(super) async fn publish_channel(&self) -> Result<Channel> {
+    pub(super) async fn publish_channel(&self) -> Result<PublishChannel> {
         {
             let ch = self.channel.read().await;
             if ch.status().connected() {
@@ -532,7 +544,7 @@ pub(super) async fn flush(inner: Arc<Inner>, buf: Vec<Prepared>) {
 
 /// Opens a channel with publisher confirms, within [`OPEN_TIMEOUT`]: on a connection that broke
 /// while a node stopped, lapin was seen never to answer.
-pub(super) async fn open_confirm_channel(conn: &Connection) -> Result<Channel> {
+pub(super) async fn open_confirm_channel(conn: &Connection) -> Result<PublishChannel> {
     let open = async {
         let channel = conn
             .create_channel()
@@ -542,7 +554,8 @@ pub(super) async fn open_confirm_channel(conn: &Connection) -> Result<Channel> {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .context(|| "enabling publisher confirms".into())?;
-        Ok(channel)
+        let confirms = Arc::new(Confirms::start(channel.id()));
+        Ok(PublishChannel { channel, confirms })
     };
     tokio::time::timeout(OPEN_TIMEOUT, open)
         .await
@@ -552,6 +565,21 @@ pub(super) async fn open_confirm_channel(conn: &Connection) -> Result<Channel> {
                 timeout_ms: OPEN_TIMEOUT.as_millis() as u64,
             })
         })
+}
+
+/// A confirm channel with the task that awaits its confirms (see [`confirms`]).
+#[derive(Clone)]
+pub(super) struct PublishChannel {
+    channel: Channel,
+    confirms: Arc<Confirms>,
+}
+
+impl std::ops::Deref for PublishChannel {
+    type Target = Channel;
+
+    fn deref(&self) -> &Channel {
+        &self.channel
+    }
 }
 
 /// How long opening the publish channel may take.

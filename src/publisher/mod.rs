@@ -32,8 +32,9 @@ use crate::settings::{CancelSettings, PublisherSettings, Settings};
 use crate::time::now_ms;
 use crate::topology::Topology;
 
+mod confirms;
 mod inner;
-use inner::{open_confirm_channel, run_batcher};
+use inner::{PublishChannel, open_confirm_channel, run_batcher};
 
 /// Schedules messages. Cheap to share (`&Publisher` from many tasks); publishes are pipelined.
 pub struct Publisher {
@@ -52,7 +53,7 @@ struct Inner {
     url: Option<crate::connection::Connector>,
     /// The confirm channel; replaced when the broker closed it (e.g. after a publish to a
     /// missing exchange), so one bad publish does not stop all later ones.
-    channel: tokio::sync::RwLock<Channel>,
+    channel: tokio::sync::RwLock<PublishChannel>,
     admin: tokio::sync::Mutex<Option<Channel>>,
     layout: Layout,
     precision: Precision,

@@ -1,7 +1,7 @@
 //! The core against a real RabbitMQ: scheduling through every kind of tier, delivery to queues,
 //! parking, validation and conflicting re-declares. 1 ms units keep it fast.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use amqp_delay::layout::TierKind;
@@ -496,6 +496,93 @@ async fn a_message_our_destination_gives_up_on_is_parked_not_dropped() {
     assert_eq!(parked.len(), 1);
     assert_eq!(parked[0].id(), "g1");
     let _ = ch.close(200, "ok".into()).await;
+    p.close().await;
+    env.cleanup().await;
+}
+
+/// lapin hands a returned (unroutable) message to whichever confirm completes next, so with
+/// many publishes awaiting one `multiple` ack a return could reach the wrong caller: an
+/// unroutable message then looked confirmed (lost) and a routed one looked refused. With a
+/// tier deleted under 2,000 pipelined publishes, exactly the messages that enter through it are
+/// refused, and every other one arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_tier_missing_exactly_the_messages_entering_it_are_refused() {
+    let mut env = Env::new(small_topology()).await;
+    let a = env.queue("a").await;
+    let p = env.publisher().await;
+    let layout = p.layout().clone();
+    let precision = amqp_delay::Precision::EXACT;
+    let entry = |d: u64| amqp_delay::planner::plan(&layout, &precision, d).unwrap();
+
+    // the cascade tier most routes enter through
+    let mut entries: HashMap<TierKind, usize> = HashMap::new();
+    for d in 1..=1500 {
+        *entries.entry(entry(d).tiers[0]).or_default() += 1;
+    }
+    let (gone, _) = entries
+        .iter()
+        .filter(|(t, _)| matches!(t, TierKind::Cascade { .. }))
+        .max_by_key(|(_, n)| **n)
+        .map(|(t, n)| (*t, *n))
+        .unwrap();
+    let TierKind::Cascade { level, digit } = gone else {
+        unreachable!()
+    };
+    env.delete_queue(&layout.cascade_queue(level, digit)).await;
+
+    // delays that either enter through the deleted tier or never pass it
+    let mut rng = rand::rng();
+    let mut delays = Vec::new();
+    while delays.len() < 2000 {
+        let d = rng.random_range(1..=1500);
+        let r = entry(d);
+        if r.tiers[0] == gone || !r.tiers.contains(&gone) {
+            delays.push(d);
+        }
+    }
+    let msgs: Vec<Message> = delays
+        .iter()
+        .enumerate()
+        .map(|(i, d)| Message::new(a.clone(), *d, format!("m{i}")).with_id(format!("id-{i}")))
+        .collect();
+    let mut refused_wrongly = Vec::new();
+    let mut accepted_wrongly = Vec::new();
+    let mut sent = HashSet::new();
+    for (i, r) in p.schedule_batch(msgs).await.into_iter().enumerate() {
+        let enters_gone = entry(delays[i]).tiers[0] == gone;
+        match (r, enters_gone) {
+            (Ok(_), false) => {
+                sent.insert(format!("id-{i}"));
+            }
+            (Ok(_), true) => accepted_wrongly.push(i),
+            (Err(e), false) => refused_wrongly.push((i, e.to_string())),
+            (Err(e), true) => assert!(
+                e.to_string().contains("not declared") || e.to_string().contains("unroutable"),
+                "{e}"
+            ),
+        }
+    }
+    assert!(
+        accepted_wrongly.is_empty(),
+        "{} messages entering the deleted tier were reported scheduled: {accepted_wrongly:?}",
+        accepted_wrongly.len()
+    );
+    assert!(
+        refused_wrongly.is_empty(),
+        "{} routable messages were refused: {:?}",
+        refused_wrongly.len(),
+        &refused_wrongly[..refused_wrongly.len().min(3)]
+    );
+    let got = counts(&env.expect(&a, sent.len()).await);
+    let missing: Vec<_> = sent.iter().filter(|id| !got.contains_key(*id)).collect();
+    assert!(
+        missing.is_empty(),
+        "scheduled but not delivered: {missing:?}"
+    );
+    assert!(
+        got.keys().all(|id| sent.contains(id)),
+        "refused messages arrived"
+    );
     p.close().await;
     env.cleanup().await;
 }
