@@ -40,6 +40,8 @@ RUN apt-get update \
 COPY --from=builder /out/delay-publisher /out/delay-consumer /usr/local/bin/
 # Numeric, so that a runtime can verify "not root" without reading /etc/passwd.
 USER 10001:10001
-# The metrics port used throughout deploy/ (--metrics-addr 0.0.0.0:9464).
+# Metrics and health on the port used throughout deploy/: the worker, relay and gateway serve
+# /metrics, /healthz and /readyz there (the publisher's one-shot commands serve nothing).
+ENV AMQP_DELAY_METRICS_ADDR=0.0.0.0:9464
 EXPOSE 9464
 CMD ["delay-publisher", "--help"]

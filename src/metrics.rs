@@ -45,7 +45,8 @@ pub struct TierLabel {
 /// Every metric of the process.
 pub struct Metrics {
     registry: Registry,
-    /// Messages a publisher scheduled (confirmed by the broker).
+    /// Messages a publisher scheduled (confirmed by the broker), each once: a worker's retry
+    /// counts in `retried`, not here.
     pub scheduled: Counter,
     /// Broker messages published into the tiers (a batch counts once).
     pub broker_messages: Counter,

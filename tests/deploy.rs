@@ -1451,5 +1451,23 @@ fn the_demo_runs_in_one_command() {
         !err.contains("could not delete") && !err.contains("teardown failed"),
         "{err}"
     );
+    // and nothing of its topology is left on the broker
+    let prefix = out
+        .lines()
+        .find_map(|l| l.split("removing the topology '").nth(1))
+        .and_then(|rest| rest.split('\'').next())
+        .unwrap_or_else(|| panic!("no prefix in:\n{out}"))
+        .to_string();
+    let listed = Command::new("rabbitmqctl")
+        .args(["-q", "list_queues", "name"])
+        .output()
+        .expect("rabbitmqctl (the demo's broker is local)");
+    assert!(listed.status.success(), "rabbitmqctl list_queues failed");
+    let left: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .filter(|l| l.starts_with(&prefix))
+        .map(str::to_string)
+        .collect();
+    assert!(left.is_empty(), "the demo left queues behind: {left:?}");
     eprintln!("demo.sh --quick took {took:?}; {summary}");
 }

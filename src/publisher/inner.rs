@@ -92,7 +92,10 @@ impl Inner {
         if result.is_ok() {
             let m = crate::metrics::global();
             m.broker_messages.inc();
-            m.scheduled.inc_by(count as u64);
+            // a worker's retry is counted by the worker as retried: `scheduled` counts each
+            // message once, so the counters add up (see `metrics`)
+            m.scheduled
+                .inc_by(members.iter().filter(|m| !m.internal).count() as u64);
         }
         for m in members {
             let r = match &result {

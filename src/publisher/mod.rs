@@ -83,6 +83,8 @@ struct Prepared {
     message_id: String,
     properties: BasicProperties,
     body: Vec<u8>,
+    /// A worker's retry: counted as retried, not as scheduled again.
+    internal: bool,
     reply: oneshot::Sender<Result<Scheduled>>,
 }
 
@@ -443,6 +445,7 @@ impl Publisher {
                 message_id,
                 properties,
                 body: msg.body,
+                internal: msg.internal,
                 reply,
             },
             batches,

@@ -142,6 +142,12 @@ async fn metrics_add_up_and_readiness_follows_the_connection() {
     assert_eq!(sample(&text, "amqp_delay_executed_total", &label), 30.0);
     assert_eq!(sample(&text, "amqp_delay_cancelled_total", &label), 5.0);
     assert_eq!(sample(&text, "amqp_delay_retried_total", &label), 5.0);
+    // a worker's retries count as retried, not as scheduled again: this worker scheduled
+    // nothing itself, so `scheduled` stays the count of messages, once each
+    assert!(
+        text.lines().any(|l| l == "amqp_delay_scheduled_total 0"),
+        "the worker counted its retries as scheduled:\n{text}"
+    );
     // delivered = executed + parked + cancelled + retried
     assert_eq!(sample(&text, "amqp_delay_delivered_total", &label), 45.0);
     assert!(
