@@ -81,41 +81,74 @@ pub enum LogFormat {
     Json,
 }
 
-/// The logging filter: `RUST_LOG` or the default (`info` for our crate). lapin's trace level
-/// prints the frames of the login, whose SASL response holds the password, so lapin and
-/// amq-protocol are never logged below `debug`, whatever `RUST_LOG` asks.
+/// The logging filter of `RUST_LOG`, or the default (`info` for our crate) when it is unset,
+/// empty or invalid. [`init_logging_as`] puts [`login_cap`] after it.
 pub fn log_filter(rust_log: Option<&str>) -> tracing_subscriber::EnvFilter {
-    let spec = rust_log
-        .filter(|s| !s.trim().is_empty())
-        .unwrap_or("warn,lapin::channel=off,amqp_delay=info");
-    let mut spec = spec.to_string();
-    if spec.to_ascii_lowercase().contains("trace") {
-        spec.push_str(
-            ",lapin=debug,amq_protocol=debug,amq_protocol_tcp=debug,amq_protocol_types=debug",
-        );
-    }
-    tracing_subscriber::EnvFilter::try_new(&spec).unwrap_or_else(|e| {
+    const DEFAULT: &str = "warn,lapin::channel=off,amqp_delay=info";
+    let spec = rust_log.filter(|s| !s.trim().is_empty()).unwrap_or(DEFAULT);
+    tracing_subscriber::EnvFilter::try_new(spec).unwrap_or_else(|e| {
         eprintln!("warning: RUST_LOG is not a valid filter ({e}); using the default");
-        tracing_subscriber::EnvFilter::new("warn,lapin::channel=off,amqp_delay=info")
+        tracing_subscriber::EnvFilter::new(DEFAULT)
     })
+}
+
+/// Whether `target` is the AMQP client's (lapin, amq-protocol and its sub-crates).
+fn is_amqp_client(target: &str) -> bool {
+    target.starts_with("lapin") || target.starts_with("amq_protocol")
+}
+
+/// Drops every event and span of lapin and amq-protocol more verbose than `debug`. Their trace
+/// level prints the frames of the login, whose SASL response (`response: LongString([0, 103,
+/// 117, ...])`) is the PLAIN password. Applied after [`log_filter`], so no `RUST_LOG` spelling
+/// (`trace`, `5`, `lapin=5`, `lapin::io_loop=trace`, ...) can turn it back on.
+pub fn login_cap<S>() -> impl tracing_subscriber::layer::Filter<S> + use<S> {
+    tracing_subscriber::filter::filter_fn(|meta| {
+        !(is_amqp_client(meta.target()) && *meta.level() > tracing::Level::DEBUG)
+    })
+}
+
+/// The whole filter of the log output: `RUST_LOG` (see [`log_filter`]), then [`login_cap`].
+pub fn log_layer_filter<S>(
+    rust_log: Option<&str>,
+) -> impl tracing_subscriber::layer::Filter<S> + use<S>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    use tracing_subscriber::filter::FilterExt as _;
+    log_filter(rust_log).and(login_cap())
 }
 
 /// The log format chosen by [`init_logging_as`]: fatal errors are printed in it too.
 static LOG_FORMAT: std::sync::OnceLock<LogFormat> = std::sync::OnceLock::new();
 
-/// Logs to stderr in `format`, with [`log_filter`] of `RUST_LOG`; colour only on a terminal.
+/// Logs to stderr in `format`, filtered by [`log_layer_filter`] of `RUST_LOG`; colour only on a
+/// terminal.
 pub fn init_logging_as(format: LogFormat) {
     use std::io::IsTerminal;
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let _ = LOG_FORMAT.set(format);
-    let filter = log_filter(std::env::var("RUST_LOG").ok().as_deref());
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let rust_log = std::env::var("RUST_LOG").ok();
+    let rust_log = rust_log.as_deref();
+    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let registry = tracing_subscriber::registry();
     let _ = match format {
-        LogFormat::Human => builder
-            .with_ansi(std::io::stderr().is_terminal())
+        LogFormat::Human => registry
+            .with(
+                layer
+                    .with_ansi(std::io::stderr().is_terminal())
+                    .with_filter(log_layer_filter(rust_log)),
+            )
             .try_init(),
-        LogFormat::Json => builder.json().with_ansi(false).try_init(),
+        LogFormat::Json => registry
+            .with(
+                layer
+                    .json()
+                    .with_ansi(false)
+                    .with_filter(log_layer_filter(rust_log)),
+            )
+            .try_init(),
     };
 }
 
@@ -211,14 +244,98 @@ pub async fn shutdown_signal() {
 mod tests {
     use super::*;
 
+    /// What reaches the log output with `RUST_LOG=rust_log`, of: lapin's and amq-protocol's
+    /// trace events (the login's SASL response), a lapin debug event, our own trace event.
+    fn logged_with(rust_log: &str) -> String {
+        use tracing_subscriber::Layer as _;
+        use tracing_subscriber::layer::SubscriberExt as _;
+        #[derive(Clone, Default)]
+        struct Buf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Buf {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Buf::default();
+        let out = buf.clone();
+        let layer = tracing_subscriber::fmt::layer()
+            .with_writer(move || out.clone())
+            .with_ansi(false)
+            .with_filter(log_layer_filter(Some(rust_log)));
+        let subscriber = tracing_subscriber::registry().with(layer);
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::trace!(target: "lapin::io_loop", "response: LongString([0, 103, 117]) LAPIN-TRACE");
+            tracing::trace!(target: "lapin", "LAPIN-ROOT-TRACE");
+            tracing::trace!(target: "amq_protocol::frame", "AMQ-TRACE");
+            tracing::trace!(target: "amq_protocol_tcp", "AMQ-TCP-TRACE");
+            tracing::debug!(target: "lapin::channel", "LAPIN-DEBUG");
+            tracing::trace!(target: "amqp_delay::worker", "OURS-TRACE");
+        });
+        String::from_utf8_lossy(&buf.0.lock().unwrap()).into_owned()
+    }
+
     #[test]
-    fn trace_never_reaches_the_login_frames() {
-        let f = log_filter(Some("trace")).to_string();
-        assert!(f.contains("lapin=debug"), "{f}");
-        let f = log_filter(Some("amqp_delay=debug")).to_string();
-        assert!(!f.contains("lapin=debug"), "{f}");
-        let f = log_filter(None).to_string();
-        assert!(f.contains("amqp_delay=info"), "{f}");
+    fn no_rust_log_reaches_the_login_frames() {
+        for spec in [
+            "trace",
+            "TRACE",
+            "5",
+            "lapin=5",
+            "lapin=trace",
+            "lapin::io_loop=trace",
+            "info,lapin::io_loop=trace",
+            "amq_protocol=trace,amq_protocol_tcp=5",
+            "warn,lapin[{channel=1}]=trace",
+        ] {
+            let out = logged_with(spec);
+            for secret in [
+                "LAPIN-TRACE",
+                "LAPIN-ROOT-TRACE",
+                "AMQ-TRACE",
+                "AMQ-TCP-TRACE",
+            ] {
+                assert!(
+                    !out.contains(secret),
+                    "RUST_LOG={spec} let {secret} through: {out}"
+                );
+            }
+        }
+        // the cap is on lapin's trace only: its debug and our own trace level still work
+        let out = logged_with("trace");
+        assert!(
+            out.contains("LAPIN-DEBUG") && out.contains("OURS-TRACE"),
+            "{out}"
+        );
+        let out = logged_with("lapin=5");
+        assert!(
+            out.contains("LAPIN-DEBUG") && !out.contains("OURS-TRACE"),
+            "{out}"
+        );
+        let out = logged_with("amqp_delay=trace");
+        assert!(
+            out.contains("OURS-TRACE") && !out.contains("LAPIN"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn the_default_filter_is_info_for_our_crate() {
+        assert!(log_filter(None).to_string().contains("amqp_delay=info"));
+        assert!(
+            log_filter(Some(" "))
+                .to_string()
+                .contains("amqp_delay=info")
+        );
+        assert!(
+            log_filter(Some("lapin=["))
+                .to_string()
+                .contains("amqp_delay=info"),
+            "an invalid RUST_LOG falls back to the default"
+        );
     }
 
     #[test]
