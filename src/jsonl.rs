@@ -76,6 +76,10 @@ pub fn parse_line(line: &str) -> Result<Option<Message>, String> {
         m = m.with_id(id);
     }
     if let Some(h) = l.headers {
+        // as `send --header =v`: a header needs a name
+        if h.contains_key("") {
+            return Err("'headers' has an empty header name; every header needs a name".into());
+        }
         m = m.with_headers(headers::json_to_table(&h)?);
     }
     // the body's size is the publisher's to check (its limit is configured)
@@ -135,6 +139,14 @@ mod tests {
             (
                 r#"{"queue":"q","delay_ms":1,"body":"x","headers":{"x-delay-ms":1}}"#,
                 "reserved",
+            ),
+            (
+                r#"{"queue":"q","delay_ms":1,"body":"x","headers":{"":"v"}}"#,
+                "empty header name",
+            ),
+            (
+                r#"{"queue":"q","delay_ms":1,"body":"x","headers":{"a":1,"":null}}"#,
+                "empty header name",
             ),
         ];
         for (line, want) in cases {
