@@ -112,14 +112,32 @@ impl Connector {
     }
 
     async fn connect_one(&self, url: &str, name: &str) -> Result<Connection> {
+        // before lapin sizes its buffers from it
+        let target = crate::endpoints::connect_url(url).map_err(Error::Invalid)?;
         let props = ConnectionProperties::default().with_connection_name(name.into());
         let runtime = lapin::runtime::default_runtime().map_err(|source| Error::Connect {
             url: redact_url(url),
             source,
         })?;
-        let attempt = Connection::connect_with_config(url, props, self.tls.clone(), runtime);
+        let attempt = Connection::connect_with_config(&target, props, self.tls.clone(), runtime);
         match tokio::time::timeout(CONNECT_TIMEOUT, attempt).await {
-            Ok(r) => r.map_err(|source| Error::Connect {
+            Ok(Ok(conn)) => {
+                // a broker configured with a smaller frame_max wins the negotiation
+                let frame_max = conn.configuration().frame_max();
+                if frame_max < crate::endpoints::MIN_FRAME_MAX {
+                    crate::broker::close_connection(&conn, "frame_max too small").await;
+                    return Err(Error::Invalid(format!(
+                        "{} allows frames of {frame_max} bytes only; amqp-delay needs at least {} \
+                         (a message's headers, up to {} bytes plus what the tier hops add, must \
+                         fit one frame): raise the broker's frame_max",
+                        redact_url(url),
+                        crate::endpoints::MIN_FRAME_MAX,
+                        crate::message::MAX_HEADER_BYTES
+                    )));
+                }
+                Ok(conn)
+            }
+            Ok(Err(source)) => Err(Error::Connect {
                 url: redact_url(url),
                 source,
             }),

@@ -12,7 +12,9 @@ use crate::planner::Route;
 /// The most header bytes (AMQP field-table encoding) a scheduled message may carry: a message
 /// travelling alone carries them in its content header frame, which the broker's tier hops
 /// grow by an `x-death` entry each, and which must stay within the negotiated `frame_max`
-/// (128 KiB by default) or no consumer can receive it.
+/// (128 KiB by default) or no consumer can receive it. Every connection we make negotiates at
+/// least [`crate::endpoints::MIN_FRAME_MAX`] (this plus room for the rest), so the whole cap is
+/// always usable.
 pub const MAX_HEADER_BYTES: usize = 32 << 10;
 
 /// A message to deliver to `destination` (a queue name) after `delay_ms`.

@@ -434,6 +434,105 @@ async fn a_silent_server_is_given_up_on_not_waited_for_forever() {
     hold.abort();
 }
 
+/// `frame_max=999999999` in the URL made lapin set aside ~64 GB and abort the process: a
+/// frame_max outside 96 KiB ..= 1 MiB is refused before connecting, by the binaries (exit 2)
+/// and the library alike, and a URL without one asks for the broker's 128 KiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_max_out_of_bounds_is_refused_before_connecting() {
+    let with = |fm: &str| {
+        let url = broker_url();
+        let sep = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{sep}frame_max={fm}")
+    };
+    for (fm, want) in [
+        ("999999999", "above 1048576 bytes"),
+        ("0", "below AMQP's minimum frame size of 4096"),
+        ("8192", "too small for amqp-delay"),
+    ] {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+            .args(["--prefix", &random_prefix(), "--url", &with(fm), "stats"])
+            .output()
+            .await
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        no_panic(&err);
+        assert_eq!(out.status.code(), Some(2), "frame_max={fm}: {err}");
+        assert!(err.contains(want), "frame_max={fm}: {err}");
+        match amqp_delay::connection::connect(&with(fm), "frame_max test").await {
+            Err(amqp_delay::Error::Invalid(e)) => assert!(e.contains(want), "{e}"),
+            Err(e) => panic!("frame_max={fm}: {e}"),
+            Ok(_) => panic!("frame_max={fm} was accepted"),
+        }
+    }
+    let conn = amqp_delay::connection::connect(&with("1048576"), "frame_max test")
+        .await
+        .expect("1 MiB is allowed");
+    assert!(conn.configuration().frame_max() <= 1 << 20);
+    let _ = conn.close(200, "bye".into()).await;
+    let conn = connect().await;
+    assert_eq!(conn.configuration().frame_max(), 131_072);
+    let _ = conn.close(200, "bye".into()).await;
+
+    // a broker that offers a smaller frame_max wins the negotiation: refused after the handshake
+    let port = tune_rewriting_proxy(8192).await;
+    let mut url = url::Url::parse(&broker_url()).unwrap();
+    url.set_port(Some(port)).unwrap();
+    match amqp_delay::connection::connect(url.as_str(), "frame_max test").await {
+        Err(amqp_delay::Error::Invalid(e)) => {
+            assert!(e.contains("allows frames of 8192 bytes only"), "{e}")
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a negotiated frame_max of 8192 was accepted"),
+    }
+}
+
+/// A TCP proxy to the broker that rewrites the `frame_max` of the broker's Connection.Tune to
+/// `frame_max`, as a broker configured so would offer it. Returns its port.
+async fn tune_rewriting_proxy(frame_max: u32) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let broker = url::Url::parse(&broker_url()).unwrap();
+    let upstream = format!(
+        "{}:{}",
+        broker.host_str().unwrap(),
+        broker.port().unwrap_or(5672)
+    );
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let server = tokio::net::TcpStream::connect(&upstream).await.unwrap();
+            let (mut cr, mut cw) = client.into_split();
+            let (mut sr, mut sw) = server.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut cr, &mut sw).await;
+            });
+            tokio::spawn(async move {
+                // frame by frame: type (1), channel (2), size (4), payload, frame-end (1)
+                loop {
+                    let mut head = [0u8; 7];
+                    if sr.read_exact(&mut head).await.is_err() {
+                        return;
+                    }
+                    let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]) as usize;
+                    let mut rest = vec![0u8; size + 1];
+                    if sr.read_exact(&mut rest).await.is_err() {
+                        return;
+                    }
+                    // a method frame of class 10 (connection), method 30 (tune): channel_max
+                    // (2 bytes), then frame_max (4 bytes)
+                    if head[0] == 1 && size >= 10 && rest[..4] == [0, 10, 0, 30] {
+                        rest[6..10].copy_from_slice(&frame_max.to_be_bytes());
+                    }
+                    if cw.write_all(&head).await.is_err() || cw.write_all(&rest).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
 /// lapin's trace level prints the login's SASL response, `\0user\0password` as a byte list:
 /// no `RUST_LOG` spelling may bring it back (the audit found `5`, `lapin=5`,
 /// `lapin::io_loop=trace` and `info,lapin::io_loop=trace` did).
