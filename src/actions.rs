@@ -277,8 +277,8 @@ async fn http(url: &str, agent: &ureq::Agent, d: &Delivery) -> Outcome {
         agent
             .post(&url)
             .header("content-type", &ct)
-            .header("x-delay-message-id", &id)
-            .header("x-delay-attempt", &attempt)
+            .header(headers::HTTP_MESSAGE_ID, &id)
+            .header(headers::HTTP_ATTEMPT, &attempt)
             .send(&body[..])
             .map(|r| r.status().as_u16())
             .map_err(|e| e.to_string())

@@ -219,7 +219,7 @@ pub fn headers_for_reschedule(original: Option<&FieldTable>) -> FieldTable {
     headers::filter(original.unwrap_or(&empty), |k| {
         !headers::is_broker_header(k)
             && !headers::RESERVED.contains(&k)
-            && !k.starts_with("x-delay-parked-")
+            && !k.starts_with(headers::PARKED_PREFIX)
     })
 }
 

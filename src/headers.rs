@@ -16,6 +16,8 @@ pub const ATTEMPT: &str = "x-delay-attempt";
 /// Headers only we set on every scheduled message.
 pub const RESERVED: [&str; 3] = [DELAY_MS, DUE_AT, ATTEMPT];
 
+/// What every parking header's name starts with.
+pub const PARKED_PREFIX: &str = "x-delay-parked-";
 /// Why a worker parked a message.
 pub const PARKED_REASON: &str = "x-delay-parked-reason";
 /// When it was parked (ms since the Unix epoch).
@@ -41,6 +43,11 @@ pub const NO_HEADERS: &str = "x-delay-no-headers";
 pub const USER_ID: &str = "x-delay-user-id";
 /// Gateway: why the ingress refused the message; the due handler parks it with this reason.
 pub const INVALID: &str = "x-delay-invalid";
+
+/// The `http` action's request header with the message id.
+pub const HTTP_MESSAGE_ID: &str = "x-delay-message-id";
+/// The `http` action's request header with the delivery attempt (same name as the AMQP header).
+pub const HTTP_ATTEMPT: &str = ATTEMPT;
 
 /// On a batch: the envelope version (see the `batch` module).
 pub const BATCH: &str = "x-delay-batch";
@@ -153,6 +160,14 @@ fn json_to_value(v: &serde_json::Value) -> Result<AMQPValue, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parking_headers_share_the_prefix() {
+        for name in [PARKED_REASON, PARKED_AT, PARKED_ATTEMPTS, PARKED_FROM] {
+            assert!(name.starts_with(PARKED_PREFIX) && is_ours(name), "{name}");
+        }
+        assert!(is_ours(PARKED_PREFIX) && is_ours(HTTP_MESSAGE_ID));
+    }
 
     #[test]
     fn strips_death_history_only() {

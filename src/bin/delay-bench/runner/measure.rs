@@ -370,7 +370,7 @@ impl Bench<'_> {
                                             let d = delay(i);
                                             let x_delay = i64::try_from(d).unwrap_or(i64::MAX);
                                             h.insert(
-                                                "x-delay".into(),
+                                                headers::X_DELAY.into(),
                                                 AMQPValue::LongLongInt(x_delay),
                                             );
                                             h.insert(
