@@ -24,7 +24,7 @@ pub async fn management(settings: &Settings) -> Option<Management> {
             return None;
         }
     };
-    match m.queues(&format!("{}.", settings.prefix)).await {
+    match m.queues(&Layout::namespace_of(&settings.prefix)).await {
         Ok(_) => Some(m),
         Err(e) => {
             tracing::debug!("management API not used: {e}");
@@ -66,7 +66,7 @@ pub async fn teardown(
             .map(|s| s.messages)
             .sum();
         let infos = match management {
-            Some(m) => Some(m.queues(&format!("{}.", layout.prefix())).await?),
+            Some(m) => Some(m.queues(&layout.namespace()).await?),
             None => None,
         };
         for q in pairs.iter().flat_map(|p| p.queues()) {
@@ -134,7 +134,7 @@ pub async fn teardown_destination(
     force: bool,
 ) -> Result<DestinationTeardown> {
     layout.validate_destination(queue).map_err(Error::Invalid)?;
-    if queue.starts_with(&format!("{}.", layout.prefix())) {
+    if queue.starts_with(&layout.namespace()) {
         return Err(Error::Invalid(format!(
             "'{queue}' belongs to the topology under prefix '{}' (a gateway or tier queue); `teardown` without --queue removes those",
             layout.prefix()

@@ -255,6 +255,14 @@ impl Layout {
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
+    /// What every queue and exchange name under this prefix starts with: `<prefix>.`.
+    pub fn namespace(&self) -> String {
+        Self::namespace_of(&self.prefix)
+    }
+    /// [`Layout::namespace`] for a prefix alone (where no layout is at hand).
+    pub fn namespace_of(prefix: &str) -> String {
+        format!("{prefix}.")
+    }
     /// Digits per cascade level.
     pub fn radix(&self) -> u32 {
         self.radix
@@ -427,7 +435,11 @@ impl Layout {
     /// Where a worker parks the messages of `queue` it gave up on (permanent failure, last
     /// attempt failed, invalid envelope).
     pub fn parked_queue(&self, queue: &str) -> String {
-        format!("{}.parked.{queue}", self.prefix)
+        format!("{}{queue}", self.parked_prefix())
+    }
+    /// What the name of every destination's parking queue ([`Layout::parked_queue`]) starts with.
+    pub fn parked_prefix(&self) -> String {
+        format!("{}.parked.", self.prefix)
     }
     /// Queue of gateway ingress exchange `ingress`: bound to it, consumed by the gateway.
     pub fn gateway_ingress_queue(&self, ingress: &str) -> String {

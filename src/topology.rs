@@ -276,14 +276,14 @@ impl Topology {
             .collect();
         queues.push((l.unroutable_queue(), "parked", None, None));
         let infos = match management {
-            Some(m) => Some(m.queues(&format!("{}.", l.prefix())).await?),
+            Some(m) => Some(m.queues(&l.namespace()).await?),
             None => None,
         };
         let mut out = Vec::with_capacity(queues.len());
         let mut ch: Option<Channel> = None;
         // with the management API, every parking queue of a destination too
         if let Some(infos) = infos.as_ref() {
-            let parked_prefix = format!("{}.parked.", l.prefix());
+            let parked_prefix = l.parked_prefix();
             let mut extra: Vec<&String> = infos
                 .keys()
                 .filter(|n| n.starts_with(&parked_prefix))

@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use amqp_delay::layout::{Layout, TopologySettings};
+
 use crate::harness::broker_url;
 
 fn number(v: &Value, path: &str) -> f64 {
@@ -109,14 +111,24 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
     let conn = amqp_delay::connection::connect(&broker_url(), "bench smoke test")
         .await
         .expect("connect");
-    // the layout markers are exchanges; the rest: one of each kind a run declares
+    // the names the library gives: the run's three layouts (main, radix 2, gateway)
+    let layout = |prefix: &str| Layout::new(prefix, &TopologySettings::default()).expect("layout");
+    let (main, r2, gw) = (
+        layout(prefix),
+        layout(&format!("{prefix}-r2")),
+        layout(&format!("{prefix}-gw")),
+    );
+    // the bench's own destinations and ingress, one of each kind a run declares
+    let batched_dest = format!("{prefix}.fixed_batched.sat");
+    let ingress = format!("{prefix}.gateway.sat.in");
+    // the layout markers are exchanges
     let exchanges = [
-        format!("{prefix}.layout"),
-        format!("{prefix}-r2.layout"),
-        format!("{prefix}-gw.layout"),
-        format!("{prefix}.batched.{prefix}.fixed_batched.sat"),
+        main.layout_marker(),
+        r2.layout_marker(),
+        gw.layout_marker(),
+        main.batch_marker(&batched_dest).expect("marker name fits"),
         format!("{prefix}.gateway.sat.target"),
-        format!("{prefix}.gateway.sat.in"),
+        ingress.clone(),
     ];
     for x in &exchanges {
         let exists = amqp_delay::broker::exchange_exists(&conn, x)
@@ -125,14 +137,14 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
         assert!(!exists, "exchange '{x}' still exists after the run");
     }
     let queues = [
-        format!("{prefix}.control"),
-        format!("{prefix}.fixed_batched.sat"),
-        format!("{prefix}.parked.{prefix}.fixed_batched.sat"),
+        main.control_stream(),
+        batched_dest.clone(),
+        main.parked_queue(&batched_dest),
         format!("{prefix}.relay.sat"),
         format!("{prefix}.relay.sat.src"),
         format!("{prefix}.gateway.sat"),
-        format!("{prefix}-gw.gw.due.{prefix}.gateway.sat.in"),
-        format!("{prefix}-gw.control"),
+        gw.gateway_due_queue(&ingress),
+        gw.control_stream(),
     ];
     for q in &queues {
         let state = amqp_delay::broker::queue_state(&conn, q)
