@@ -237,8 +237,8 @@ pub async fn unstick_dead_letters(who: &str, prefix: Option<&str>) -> Vec<usize>
 /// the nodes answer AMQP but refuse declares for a while (`INTERNAL_ERROR`), and a test that
 /// starts then fails in its set-up, not in what it tests.
 async fn quorum_ready(prefix: &str) -> Result<(), String> {
-    use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
-    use lapin::types::{AMQPValue, FieldTable};
+    use amqp_delay::{QueueType, broker};
+    use lapin::options::QueueDeleteOptions;
     let end = Instant::now() + Duration::from_secs(90);
     for i in 1..=NODES {
         let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", port(i));
@@ -249,28 +249,15 @@ async fn quorum_ready(prefix: &str) -> Result<(), String> {
                     .map_err(|e| e.to_string())?;
                 let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
                 let q = format!("{prefix}.probe{i}");
-                let mut args = FieldTable::default();
-                args.insert(
-                    "x-queue-type".into(),
-                    AMQPValue::LongString("quorum".into()),
-                );
-                let r = ch
-                    .queue_declare(
-                        q.as_str().into(),
-                        QueueDeclareOptions {
-                            durable: true,
-                            ..QueueDeclareOptions::default()
-                        },
-                        args,
-                    )
-                    .await;
+                let args = broker::queue_type_args(QueueType::Quorum);
+                let r = broker::declare_queue(&ch, &q, args).await;
                 if r.is_ok() {
                     let _ = ch
                         .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
                         .await;
                 }
-                amqp_delay::broker::close_connection(&conn, "probed").await;
-                r.map(|_| ()).map_err(|e| e.to_string())
+                broker::close_connection(&conn, "probed").await;
+                r.map_err(|e| amqp_delay::error_chain(&e))
             };
             let last = match tokio::time::timeout(Duration::from_secs(15), attempt).await {
                 Ok(Ok(())) => break,

@@ -8,13 +8,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use amqp_delay::Settings;
+use amqp_delay::broker;
 use amqp_delay::gateway::{Gateway, Pair};
 use amqp_delay::settings::GatewaySettings;
 
 use crate::harness::*;
-use lapin::options::{
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-};
+use lapin::options::ExchangeDeleteOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Connection, ExchangeKind};
 
@@ -137,57 +136,37 @@ pub fn pairs_of(env: &Env, pairs: &[(&str, &str)]) -> Vec<Pair> {
         .to_vec()
 }
 
+/// Declares exchange `name` (durable), unwrapping.
 pub async fn declare_exchange(conn: &Connection, name: &str, kind: ExchangeKind) {
-    let ch = conn.create_channel().await.unwrap();
-    ch.exchange_declare(
-        name.into(),
-        kind,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    let _ = ch.close(200, "ok".into()).await;
+    let ch = broker::open(conn).await.unwrap();
+    broker::declare_exchange(&ch, name, kind, FieldTable::default())
+        .await
+        .unwrap();
+    broker::close(&ch, "ok").await;
 }
 
+/// Binds `queue` to `exchange` with `key`, unwrapping.
 pub async fn bind(conn: &Connection, queue: &str, exchange: &str, key: &str) {
-    let ch = conn.create_channel().await.unwrap();
-    ch.queue_bind(
-        queue.into(),
-        exchange.into(),
-        key.into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    let _ = ch.close(200, "ok".into()).await;
+    let ch = broker::open(conn).await.unwrap();
+    broker::bind_queue(&ch, queue, exchange, key).await.unwrap();
+    broker::close(&ch, "ok").await;
 }
 
 /// Waits until every gateway queue has `n` consumers (the gateways are ready).
 pub async fn wait_for_consumers(conn: &Connection, pairs: &[Pair], n: u32, gws: &[&GatewayProc]) {
     let end = Instant::now() + Duration::from_secs(20);
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
     loop {
-        // a fresh channel each round: a missing queue (not declared yet) closes it
-        let ch = conn.create_channel().await.unwrap();
         let mut ready = true;
         for q in pairs.iter().flat_map(|p| [&p.ingress_queue, &p.due_queue]) {
-            match ch
-                .queue_declare(q.as_str().into(), passive, FieldTable::default())
-                .await
-            {
-                Ok(d) => ready &= d.consumer_count() >= n,
-                Err(_) => {
+            // a missing queue: not declared yet
+            match broker::queue_state(conn, q).await {
+                Ok(Some(state)) => ready &= state.consumers >= n,
+                Ok(None) | Err(_) => {
                     ready = false;
                     break;
                 }
             }
         }
-        let _ = ch.close(200, "ok".into()).await;
         if ready {
             return;
         }

@@ -5,12 +5,11 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use amqp_delay::broker;
 use amqp_delay::time::{DurationMs, now_ms};
 use amqp_delay::{Layout, Precision, Publisher, QueueType, Settings, Topology, TopologySettings};
 use futures::StreamExt;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
 use rand::Rng;
@@ -147,18 +146,11 @@ impl Env {
 
     /// Declares exactly `q` (deleted on clean-up).
     pub async fn declare_queue(&mut self, q: &str) {
-        let ch = self.conn.create_channel().await.unwrap();
-        ch.queue_declare(
-            q.into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-        let _ = ch.close(200, "ok".into()).await;
+        let ch = broker::open(&self.conn).await.unwrap();
+        broker::declare_queue(&ch, q, FieldTable::default())
+            .await
+            .unwrap();
+        broker::close(&ch, "ok").await;
         self.queues.push(q.to_string());
     }
 

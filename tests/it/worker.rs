@@ -456,27 +456,15 @@ async fn the_worker_reconnects_after_losing_its_connection() {
 /// leaves, everything is processed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_worker_whose_queue_has_ready_messages_renews_its_subscription() {
+    use amqp_delay::{QueueType, broker};
     use futures::StreamExt;
-    use lapin::options::{BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+    use lapin::options::{BasicConsumeOptions, BasicQosOptions};
     let mut env = Env::new(small_topology()).await;
     let q = format!("{}-sac", env.settings.prefix);
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString("quorum".into()),
-    );
+    let mut args = broker::queue_type_args(QueueType::Quorum);
     args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
     let ch = env.conn.create_channel().await.unwrap();
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
-        },
-        args,
-    )
-    .await
-    .unwrap();
+    broker::declare_queue(&ch, &q, args).await.unwrap();
     env.track_queue(&q);
     env.parked_queue(&q);
     for i in 0..4 {
