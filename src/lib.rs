@@ -19,10 +19,11 @@
 //! ```
 //!
 //! The modules are layered and only point down (checked by a test, see `ARCHITECTURE.md`):
-//! pure core ([`time`], [`layout`], [`planner`], [`headers`], `envelope`, `message`, `retry`,
-//! [`jsonl`], [`settings`], `error`) → broker edge ([`broker`], [`connection`], `topology`,
-//! `publisher`, `worker`) → applications ([`gateway`], [`actions`]) → the binaries' shared
-//! [`cli`] pieces.
+//! pure core ([`time`], `endpoints`, [`layout`], [`planner`], [`headers`], `envelope`,
+//! [`batch`], `message`, `retry`, [`jsonl`], [`metrics`], [`settings`], `error`) → broker edge
+//! ([`broker`], [`connection`], `control`, [`cancel`], [`management`], `topology`, `publisher`,
+//! `worker`) → applications ([`gateway`], [`actions`], [`admin`], [`bulk`], [`observe`]) → the
+//! binaries' shared [`cli`] pieces.
 
 #![warn(missing_docs)]
 
@@ -61,7 +62,7 @@ pub mod observe;
 // ---- shared by the binaries ----------------------------------------------------------------
 pub mod cli;
 
-pub use envelope::{Delivery, Omit, copy_properties};
+pub use envelope::Delivery;
 pub use error::{Error, Result, chain as error_chain};
 pub use layout::{Layout, QueueType, TopologySettings};
 pub use message::{Message, Scheduled};
