@@ -20,7 +20,8 @@
 # matched exactly: regex characters in P, Q, I, T are escaped. Roles:
 #   admin      declare, declare --queue Q --worker, gateway --declare-only, teardown
 #   publisher  send, cancel (applications)
-#   worker     delay-consumer --queue Q (all the --queue Q given here)
+#   worker     delay-consumer --queue Q (all the --queue Q given here); with --forward X,
+#              add write on X by hand
 #   gateway    delay-publisher gateway (all the --gateway pairs given here)
 #   keda       KEDA's rabbitmq trigger over the management API: the monitoring tag, no rights
 
@@ -53,7 +54,7 @@ while [[ $# -gt 0 ]]; do
             ;;
         --user-prefix) USER_PREFIX="${2:?--user-prefix needs a value}"; shift 2 ;;
         --apply) APPLY=1; shift ;;
-        -h | --help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument '$1' (see --help)" ;;
     esac
 done
@@ -74,8 +75,10 @@ Q="$(alt ${QUEUES[@]+"${QUEUES[@]}"})"
 I="$(alt ${INGRESSES[@]+"${INGRESSES[@]}"})"
 T="$(alt ${TARGETS[@]+"${TARGETS[@]}"})"
 
-# admin: everything under the prefix, the destination queues and the gateway ingresses
+# admin: everything under the prefix, the destination queues and the gateway ingresses; write
+# on amq.default too, to record batch markers and gateway pairs in the control stream
 ADMIN="^(${P}\\..*${Q:+|${Q}}${I:+|${I}})\$"
+ADMIN_WRITE="^(${P}\\..*${Q:+|${Q}}${I:+|${I}}|amq\\.default)\$"
 
 run() {
     if [[ ${APPLY} -eq 1 ]]; then
@@ -93,7 +96,7 @@ run() {
     fi
 }
 
-run set_permissions -p "${VHOST}" "${USER_PREFIX}-admin" "${ADMIN}" "${ADMIN}" "${ADMIN}"
+run set_permissions -p "${VHOST}" "${USER_PREFIX}-admin" "${ADMIN}" "${ADMIN_WRITE}" "${ADMIN}"
 run set_permissions -p "${VHOST}" "${USER_PREFIX}-publisher" '^$' "^(${TIERS}|amq\\.default)\$" '^$'
 if [[ -n "${Q}" ]]; then
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-worker" '^$' \

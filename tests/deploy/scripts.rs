@@ -23,6 +23,10 @@ fn the_permission_script_prints_the_documented_sets() {
     let tiers = r"p\.(level\d+|fixed\..+|overflow\d+|deliver)";
     // the shapes of tests/it/permissions.rs, which proves them on a real broker
     for line in [
+        // the admin records batch markers and gateway pairs in the control stream: write on
+        // amq.default
+        r"set_permissions -p / p-admin '^(p\..*|q|i)$' '^(p\..*|q|i|amq\.default)$' '^(p\..*|q|i)$'"
+            .to_string(),
         format!("set_permissions -p / p-publisher '^$' '^({tiers}|amq\\.default)$' '^$'"),
         format!(
             "set_permissions -p / p-worker '^$' '^(amq\\.default|{tiers})$' '^(q|p\\.control)$'"

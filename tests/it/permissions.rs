@@ -1,8 +1,9 @@
-//! The least-privilege permission sets of the README ("Security") hold on a real broker: after
-//! an admin ran `declare`, a publisher, a worker and a gateway each do their job with their
-//! set, and the publisher cannot bind a queue of its own to the delivery exchange (which would
-//! let it read other destinations' messages). Runs on our own TLS test node's plain port (users
-//! are created there, never on the main broker).
+//! The least-privilege permission sets of the README ("Security") hold on a real broker, each
+//! user given exactly its documented set: the admin runs `declare --queue Q --worker`,
+//! `gateway --declare-only` and `teardown`; a publisher sends and cancels; a worker and a
+//! gateway do their job; and a publisher cannot bind a queue of its own to the delivery
+//! exchange (which would let it read other destinations' messages). Runs on our own TLS test
+//! node's plain port (users are created there, never on the main broker).
 
 use std::time::Duration;
 
@@ -40,6 +41,90 @@ fn url(user: &str, port: &str) -> String {
     format!("amqp://{user}:{user}-pw@127.0.0.1:{port}/%2f")
 }
 
+/// Runs `delay-publisher --config cfg --url url args...`; panics naming `what` unless it
+/// succeeds. Returns its stdout.
+async fn cli_as(what: &str, cfg: &std::path::Path, url: &str, args: &[&str]) -> String {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .arg("--config")
+        .arg(cfg)
+        .arg("--url")
+        .arg(url)
+        .args(args)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{what} failed with its documented permission set ({args:?}):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Removes what the test made on the test node, also after a panic: the topology (as
+/// `teardown --force`, with what the control stream names), the queues and the exchange the
+/// test declared itself, the users.
+struct Cleanup {
+    cfg: std::path::PathBuf,
+    root: String,
+    queues: Vec<String>,
+    exchanges: Vec<String>,
+    users: Vec<String>,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let teardown = |extra: &[&str]| {
+            let _ = std::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+                .arg("--config")
+                .arg(&self.cfg)
+                .args(["--url", &self.root, "teardown", "--force"])
+                .args(extra)
+                .output();
+        };
+        if let Some(q) = self.queues.first() {
+            teardown(&["--queue", q]);
+        }
+        teardown(&[]);
+        let (root, queues, exchanges) = (
+            self.root.clone(),
+            self.queues.clone(),
+            self.exchanges.clone(),
+        );
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                let Ok(conn) = amqp_delay::connection::connect(&root, "perm cleanup").await else {
+                    return;
+                };
+                if let Ok(ch) = conn.create_channel().await {
+                    for q in &queues {
+                        let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+                    }
+                    for x in &exchanges {
+                        let _ = ch
+                            .exchange_delete(x.as_str().into(), Default::default())
+                            .await;
+                    }
+                }
+                let _ = conn.close(200, "bye".into()).await;
+            });
+        })
+        .join();
+        for u in &self.users {
+            let _ = std::process::Command::new("rabbitmqctl")
+                .args(["-n", "adtls@localhost", "delete_user", u])
+                .output();
+        }
+        let _ = std::fs::remove_file(&self.cfg);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_role_works_with_its_permission_set_and_no_more() {
     let node = crate::security::tls_node();
@@ -47,11 +132,22 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     let p = random_prefix();
     let q = format!("{p}-orders");
     let tiers = format!(r"{p}\.(level\d+|fixed\..+|overflow\d+|deliver)");
-    // the sets the README documents
+    let (ingress, target) = (format!("{p}-delayed"), format!("{p}-target"));
+    // the sets the README documents, exactly
+    let admin_set = format!(r"^({p}\..*|{q}|{ingress})$");
     user(
-        &format!("{p}-pub"),
+        &format!("{p}-adm"),
+        &admin_set,
+        &format!(r"^({p}\..*|{q}|{ingress}|amq\.default)$"),
+        &admin_set,
+    );
+    let publisher_write = format!(r"^({tiers}|amq\.default)$");
+    user(&format!("{p}-pub"), "^$", &publisher_write, "^$");
+    // a publisher that may also have a queue of its own (configure and read on it)
+    user(
+        &format!("{p}-pubq"),
         &format!("^{p}-evil$"),
-        &format!("^{tiers}$"),
+        &publisher_write,
         &format!("^{p}-evil$"),
     );
     user(
@@ -60,36 +156,72 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
         &format!("^(amq\\.default|{tiers})$"),
         &format!(r"^({q}|{p}\.control)$"),
     );
-    let (ingress, target) = (format!("{p}-delayed"), format!("{p}-target"));
     user(
         &format!("{p}-gw"),
         "^$",
         &format!(r"^(amq\.default|{ingress}|{target}|{p}\.(gw\..*|parking)|{tiers})$"),
         &format!(r"^({ingress}|{p}\.gw\..*|{p}\.control)$"),
     );
-    let admin = url("guest", &port).replace("guest-pw", "guest");
+    // the node's own administrator stands for the application, which owns the target exchange
+    let root = url("guest", &port).replace("guest-pw", "guest");
+    let admin = url(&format!("{p}-adm"), &port);
     let mut settings = Settings {
-        url: admin.clone(),
+        url: root.clone(),
         prefix: p.clone(),
         topology: small_topology(),
         ..Settings::default()
     };
     settings.consumer.retry.base = amqp_delay::time::DurationMs(20);
     settings.consumer.retry.jitter = 0.0;
+    let t = &settings.topology;
+    let cfg = temp_path(&p, "perm.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "prefix = \"{p}\"\n[topology]\nradix = {}\nunit_ms = {}\nmax_delay = {}\nfixed_levels = [150]\nmax_tier_ttl_ms = {}\n",
+            t.radix,
+            t.unit_ms,
+            t.max_delay.as_millis(),
+            t.max_tier_ttl_ms
+        ),
+    )
+    .unwrap();
+    let out = format!("{p}-out");
+    let _cleanup = Cleanup {
+        cfg: cfg.clone(),
+        root: root.clone(),
+        queues: vec![
+            q.clone(),
+            out.clone(),
+            format!("{p}-evil"),
+            settings.layout().unwrap().parked_queue(&q),
+        ],
+        exchanges: vec![target.clone()],
+        users: ["adm", "pub", "pubq", "wrk", "gw"]
+            .iter()
+            .map(|u| format!("{p}-{u}"))
+            .collect(),
+    };
 
-    // the admin declares the topology and the worker's queue with what the worker needs
-    let conn = amqp_delay::connection::connect(&admin, "perm admin")
+    // the admin declares the topology and the worker's queue with what the worker needs (its
+    // parking queue, its batch marker, recorded in the control stream)
+    cli_as("the admin's declare", &cfg, &admin, &["declare"]).await;
+    cli_as(
+        "the admin's declare --queue Q --worker",
+        &cfg,
+        &admin,
+        &["declare", "--queue", &q, "--worker"],
+    )
+    .await;
+    let conn = amqp_delay::connection::connect(&root, "perm root")
         .await
         .unwrap();
     let topo = amqp_delay::Topology::new(settings.layout().unwrap());
-    topo.declare(&conn).await.unwrap();
-    topo.declare_destination(&conn, &q).await.unwrap();
-    topo.declare_parking(&conn, &q).await.unwrap();
-    topo.declare_batch_marker(&conn, &q).await.unwrap();
 
-    // the publisher schedules with write rights on the tiers only
+    // the publisher schedules and cancels with write rights on the tiers and amq.default only
+    let pub_url = url(&format!("{p}-pub"), &port);
     let publisher = Publisher::connect(&Settings {
-        url: url(&format!("{p}-pub"), &port),
+        url: pub_url.clone(),
         ..settings.clone()
     })
     .await
@@ -100,8 +232,29 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
             .await
             .expect("send works");
     }
-    // ... and cannot bind a queue of its own to the delivery exchange
-    let pc = amqp_delay::connection::connect(&url(&format!("{p}-pub"), &port), "perm pub")
+    let late = publisher
+        .schedule(Message::new(q.clone(), 1400, "cancelled").with_id("m-cancelled"))
+        .await
+        .expect("send works");
+    cli_as(
+        "the publisher's cancel",
+        &cfg,
+        &pub_url,
+        &[
+            "cancel",
+            "--id",
+            "m-cancelled",
+            "--due-at",
+            &late.due_at_ms.to_string(),
+        ],
+    )
+    .await;
+    publisher
+        .cancel("never-sent", None)
+        .await
+        .expect("the library's cancel works too");
+    // ... and cannot bind a queue of its own to the delivery exchange, even when it may have one
+    let pc = amqp_delay::connection::connect(&url(&format!("{p}-pubq"), &port), "perm pub")
         .await
         .unwrap();
     let ch = pc.create_channel().await.unwrap();
@@ -138,16 +291,26 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
         ..settings.clone()
     })
     .subscribe(q.clone(), h);
+    let counters = worker.counters();
     let run = tokio::spawn(worker.run(async {
         let _ = stop_rx.await;
     }));
     assert!(
-        wait_until(Duration::from_secs(15), || log.lock().unwrap().len() >= 4).await,
-        "the worker did not execute with its permission set: {:?}",
+        wait_until(Duration::from_secs(15), || log.lock().unwrap().len() >= 4
+            && counters
+                .cancelled
+                .load(std::sync::atomic::Ordering::Relaxed)
+                >= 1)
+        .await,
+        "the worker did not execute (and skip the cancelled message) with its permission set: {:?}",
         log.lock().unwrap()
     );
     let _ = stop.send(());
     run.await.unwrap().expect("the worker ran without errors");
+    assert!(
+        !log.lock().unwrap().iter().any(|r| r.0 == "m-cancelled"),
+        "the cancelled message ran"
+    );
     let parked = collect(
         &conn,
         &settings.layout().unwrap().parked_queue(&q),
@@ -158,7 +321,7 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     .await;
     assert_eq!(parked.len(), 1);
 
-    // the gateway relays with its set (the target is the application's, declared by an admin)
+    // the gateway relays with its set (the target is the application's)
     let ch = conn.create_channel().await.unwrap();
     ch.exchange_declare(
         target.as_str().into(),
@@ -168,7 +331,6 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     )
     .await
     .unwrap();
-    let out = format!("{p}-out");
     ch.queue_declare(
         out.as_str().into(),
         Default::default(),
@@ -194,28 +356,21 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
         .unwrap(),
         ..settings.clone()
     };
-    // an admin declares the pair; the gateway binary then runs as it is deployed
-    amqp_delay::gateway::Gateway::new(Settings {
-        url: admin.clone(),
-        ..gw_settings.clone()
-    })
-    .unwrap()
-    .declare(&conn)
-    .await
-    .unwrap();
-    let t = &settings.topology;
-    let cfg = temp_path(&p, "gw.toml");
-    std::fs::write(
+    // the admin declares the pair; the gateway binary then runs as it is deployed
+    cli_as(
+        "the admin's gateway --declare-only",
         &cfg,
-        format!(
-            "prefix = \"{p}\"\n[topology]\nradix = {}\nunit_ms = {}\nmax_delay = {}\nfixed_levels = [150]\nmax_tier_ttl_ms = {}\n",
-            t.radix,
-            t.unit_ms,
-            t.max_delay.as_millis(),
-            t.max_tier_ttl_ms
-        ),
+        &admin,
+        &[
+            "gateway",
+            "--declare-only",
+            "--ingress",
+            &ingress,
+            "--target",
+            &target,
+        ],
     )
-    .unwrap();
+    .await;
     let mut gw = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
         .arg("--config")
         .arg(&cfg)
@@ -274,7 +429,6 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     .await;
     gw.start_kill().unwrap();
     let gw_out = gw.wait_with_output().await.unwrap();
-    let _ = std::fs::remove_file(&cfg);
     assert_eq!(
         got.len(),
         1,
@@ -282,30 +436,44 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
         String::from_utf8_lossy(&gw_out.stderr)
     );
 
-    // clean up on the test node
-    amqp_delay::gateway::Gateway::new(gw_settings)
-        .unwrap()
-        .delete(&conn)
-        .await
-        .unwrap();
-    for x in [&target] {
-        let _ = ch
-            .exchange_delete(x.as_str().into(), Default::default())
-            .await;
-    }
-    for q in [
-        &q,
-        &out,
-        &format!("{p}-evil"),
-        &settings.layout().unwrap().parked_queue(&q),
+    // the admin removes it all: the topology, the gateway pair and the batch marker the
+    // control stream names
+    let pair_exists = || async {
+        amqp_delay::broker::exchange_exists(&conn, &ingress)
+            .await
+            .unwrap()
+    };
+    assert!(pair_exists().await);
+    let said = cli_as(
+        "the admin's teardown",
+        &cfg,
+        &admin,
+        &["teardown", "--force"],
+    )
+    .await;
+    assert!(
+        !pair_exists().await,
+        "teardown left the gateway's ingress: {said}"
+    );
+    for marker in [
+        topo.layout().batch_marker(&q).unwrap(),
+        topo.layout().batch_marker(&pair.due_queue).unwrap(),
     ] {
-        let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+        assert!(
+            !amqp_delay::broker::exchange_exists(&conn, &marker)
+                .await
+                .unwrap(),
+            "teardown left the batch marker {marker}: {said}"
+        );
     }
-    topo.delete(&conn).await.unwrap();
+    assert!(
+        amqp_delay::broker::queue_state(&conn, &topo.layout().control_stream())
+            .await
+            .unwrap()
+            .is_none(),
+        "teardown left the control stream"
+    );
+
     publisher.close().await;
-    for u in ["pub", "wrk", "gw"] {
-        let _ = std::process::Command::new("rabbitmqctl")
-            .args(["-n", "adtls@localhost", "delete_user", &format!("{p}-{u}")])
-            .output();
-    }
+    let _ = conn.close(200, "bye".into()).await;
 }
