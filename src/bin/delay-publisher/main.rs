@@ -2,148 +2,22 @@
 //! tier depths, plan a delay, remove the topology, run the `x-delay` gateway. Thin: the work is
 //! in the library.
 
+mod args;
+
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use amqp_delay::admin;
 use amqp_delay::bulk;
-use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
+use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE};
 use amqp_delay::connection::{self, Connector};
 use amqp_delay::gateway::Gateway;
 use amqp_delay::headers;
 use amqp_delay::settings::{GatewaySettings, Settings};
-use amqp_delay::time::DurationMs;
 use amqp_delay::{Error, Message, Publisher, Topology};
-use clap::{Parser, Subcommand};
+use args::{CancelArgs, Cli, Cmd, SendArgs};
+use clap::Parser;
 use tokio::io::AsyncRead;
-
-#[derive(Parser)]
-#[command(
-    name = "delay-publisher",
-    version,
-    about = "Delayed delivery for RabbitMQ: declare the tier topology, schedule and inspect delayed messages"
-)]
-struct Cli {
-    #[command(flatten)]
-    global: GlobalArgs,
-    #[command(subcommand)]
-    cmd: Cmd,
-}
-
-#[derive(Subcommand)]
-enum Cmd {
-    /// Create (idempotently) every exchange, tier queue and binding
-    Declare {
-        /// Also make sure this destination queue exists (created durable, of the tiers' queue
-        /// type, if missing) and is bound; repeatable
-        #[arg(long = "queue", value_name = "QUEUE")]
-        queues: Vec<String>,
-        /// The --queue destinations are consumed by delay-consumer (or a library Worker): also
-        /// declare their parking queues and batch markers (publishers then send them batches),
-        /// so that workers need no right to configure anything
-        #[arg(long, requires = "queues")]
-        worker: bool,
-    },
-    /// Schedule one message, or many from a JSONL file
-    Send(SendArgs),
-    /// Cancel scheduled messages by id: no worker, gateway or relay runs or forwards them
-    Cancel(CancelArgs),
-    /// Message count of every tier queue and of the parking queue
-    Stats {
-        /// Print JSON instead of a table
-        #[arg(long)]
-        json: bool,
-        /// Only list queues holding messages
-        #[arg(long)]
-        non_empty: bool,
-    },
-    /// Show the route a delay takes through the tiers (no broker needed)
-    Plan {
-        /// Delay: 1500 (ms), 30s, 1m30s, 24h ...
-        delay: DurationMs,
-    },
-    /// Relay plugin-style messages: publish with an `x-delay` header (ms) to the ingress
-    /// exchange, get them on the target exchange with their routing key after the delay.
-    /// Declares what it needs; runs until SIGTERM/SIGINT
-    Gateway(GatewayArgs),
-    /// Delete every exchange and queue of the topology, or with --queue one destination
-    Teardown {
-        /// Delete even if tiers or the parking queue still hold messages (they are lost)
-        #[arg(long)]
-        force: bool,
-        /// Delete only destination queue QUEUE, its parking queue and its batch marker (the
-        /// tiers stay); repeatable
-        #[arg(long, value_name = "QUEUE")]
-        queue: Vec<String>,
-    },
-}
-
-#[derive(clap::Args)]
-struct SendArgs {
-    /// Destination queue (must exist)
-    #[arg(long, required_unless_present = "jsonl", conflicts_with = "jsonl")]
-    queue: Option<String>,
-    /// Delay: 1500 (ms), 500ms, 30s, 1m30s, 24h ...
-    #[arg(long, required_unless_present = "jsonl", allow_hyphen_values = true)]
-    delay: Option<DurationMs>,
-    /// Message body (text)
-    #[arg(long, conflicts_with = "body_file")]
-    body: Option<String>,
-    /// Message body from a file, byte for byte ('-' for stdin)
-    #[arg(long, value_name = "FILE", conflicts_with = "jsonl")]
-    body_file: Option<PathBuf>,
-    /// Message id (default: a generated UUID v7)
-    #[arg(long)]
-    id: Option<String>,
-    /// Content type
-    #[arg(long)]
-    content_type: Option<String>,
-    /// Header NAME=VALUE (string value), repeatable
-    #[arg(long = "header", value_name = "NAME=VALUE")]
-    headers: Vec<String>,
-    /// Schedule one message per line of FILE ('-' for stdin): {"queue","delay_ms"|"delay","body","id","content_type","headers"}
-    #[arg(long, value_name = "FILE")]
-    jsonl: Option<PathBuf>,
-    /// With --jsonl: where to write the lines that were not scheduled, ids filled in [default: FILE.unsent]
-    #[arg(long, value_name = "FILE", requires = "jsonl")]
-    unsent: Option<PathBuf>,
-    /// With --jsonl: where to write the lines whose confirm was lost (they may have been delivered) [default: FILE.maybe-sent]
-    #[arg(long, value_name = "FILE", requires = "jsonl")]
-    maybe_sent: Option<PathBuf>,
-}
-
-#[derive(clap::Args)]
-#[command(
-    after_help = "A cancel confirmed at least cancel.notice (1s) before the due time is always honoured; give --due-at (the `due_at` that `send` printed) to learn whether it is in time, and to let the tombstone be forgotten sooner."
-)]
-struct CancelArgs {
-    /// Message id to cancel
-    #[arg(long, required_unless_present = "jsonl", conflicts_with = "jsonl")]
-    id: Option<String>,
-    /// Its due time (ms since the epoch, as `send` printed it)
-    #[arg(long, requires = "id")]
-    due_at: Option<u64>,
-    /// Cancel one message per line of FILE ('-' for stdin): {"id": "...", "due_at": 1796...}
-    #[arg(long, value_name = "FILE")]
-    jsonl: Option<PathBuf>,
-}
-
-#[derive(clap::Args)]
-#[command(
-    after_help = "Pairs match in order: --ingress a --target x --ingress b --target y. Without flags, the pairs come from [[gateway.pairs]] in --config. Refused x-delay values and messages unroutable at the target are parked in <prefix>.parked.<prefix>.gw.due.<ingress>."
-)]
-struct GatewayArgs {
-    /// Exchange applications publish to with `x-delay` (declared as a durable fanout); repeatable
-    #[arg(long, value_name = "EXCHANGE")]
-    ingress: Vec<String>,
-    /// Existing exchange that receives the message when due, with its original routing key; one per --ingress
-    #[arg(long, value_name = "EXCHANGE")]
-    target: Vec<String>,
-    /// Only declare the topology and the pairs, then exit: an admin's step, after which the
-    /// gateway runs with least privilege (see README, "Security")
-    #[arg(long)]
-    declare_only: bool,
-}
 
 #[tokio::main]
 async fn main() {
