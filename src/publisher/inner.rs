@@ -95,7 +95,7 @@ impl Inner {
             // a worker's retry is counted by the worker as retried: `scheduled` counts each
             // message once, so the counters add up (see `metrics`)
             m.scheduled
-                .inc_by(members.iter().filter(|m| !m.internal).count() as u64);
+                .inc_by(members.iter().filter(|m| !m.retry).count() as u64);
         }
         for m in members {
             let r = match &result {

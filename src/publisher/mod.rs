@@ -83,8 +83,9 @@ struct Prepared {
     message_id: String,
     properties: BasicProperties,
     body: Vec<u8>,
-    /// A worker's retry: counted as retried, not as scheduled again.
-    internal: bool,
+    /// A worker's retry (re-published by the library with an attempt count): counted as
+    /// retried, not as scheduled again. A gateway's hop is scheduled once, as it should.
+    retry: bool,
     reply: oneshot::Sender<Result<Scheduled>>,
 }
 
@@ -445,7 +446,7 @@ impl Publisher {
                 message_id,
                 properties,
                 body: msg.body,
-                internal: msg.internal,
+                retry: msg.internal && msg.attempt > 0,
                 reply,
             },
             batches,
