@@ -9,10 +9,12 @@ use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 
+use crate::connection::Connector;
 use crate::envelope::{self, Delivery};
 use crate::error::Error;
 use crate::headers;
-use crate::settings::RouteConfig;
+use crate::publisher::Publisher;
+use crate::settings::{RouteConfig, Settings};
 use crate::time::now_ms;
 use crate::worker::{Context, Handler, Outcome};
 
@@ -41,6 +43,9 @@ pub enum Action {
         routing_key: Option<String>,
         /// Digit words in our routing keys (to recover the original key).
         levels: u32,
+        /// Its own connection, once [`Action::prepare`] made it; without one it publishes
+        /// through the worker's publisher.
+        out: Arc<tokio::sync::OnceCell<ForwardOut>>,
     },
     /// Re-publish every message plainly into a queue (batches unpacked): for a queue whose
     /// consumer is not ours.
@@ -110,6 +115,7 @@ impl Action {
                 exchange,
                 routing_key: key,
                 levels,
+                out: Arc::new(tokio::sync::OnceCell::new()),
             });
         }
         if let Some(q) = &r.relay {
@@ -123,6 +129,125 @@ impl Action {
         }
         Ok(Action::Log(Arc::new(std::sync::Mutex::new(()))))
     }
+
+    /// Checks what the action needs on the broker before the worker starts, and connects what
+    /// it publishes with. For `forward`: the exchange must exist ([`Error::Invalid`] naming it
+    /// otherwise; a passive declare, which needs no permission), and forwards get a connection
+    /// of their own, so that a publish the broker refuses (an exchange deleted later, no write
+    /// right on it) closes a channel there, never the channel the worker retries and parks on
+    /// or the connection it consumes on. Other actions need nothing. Connection errors are
+    /// returned as they are (the caller may retry).
+    pub async fn prepare(&self, settings: &Settings) -> Result<(), Error> {
+        let Action::Forward { exchange, out, .. } = self else {
+            return Ok(());
+        };
+        let connector = Connector::new(settings)?;
+        let check = connector.connect("amqp-delay forward check").await?;
+        let exists = exchange_exists(&check, exchange).await;
+        crate::broker::close_connection(&check, "checked").await;
+        if !exists? {
+            return Err(Error::Invalid(format!(
+                "forward exchange '{exchange}' does not exist: declare it (with the bindings its \
+                 consumers need) before starting the consumer"
+            )));
+        }
+        if out.get().is_none() {
+            let publisher = Publisher::connect(settings).await?;
+            let _ = out.set(ForwardOut {
+                publisher,
+                connector,
+                checked: tokio::sync::Mutex::new(None),
+                suspect: std::sync::atomic::AtomicBool::new(false),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// What a prepared `forward` publishes with: a publisher on a connection of its own (it re-opens
+/// its channel and re-makes its connection after a loss), and, after a publish failed, a check
+/// that the exchange exists before the next one, so that a missing exchange is not published to
+/// again and again while it is missing.
+pub struct ForwardOut {
+    publisher: Publisher,
+    connector: Connector,
+    /// The last check after a failure: when, and whether the exchange existed.
+    checked: tokio::sync::Mutex<Option<(std::time::Instant, bool)>>,
+    /// A publish failed since the exchange was last found.
+    suspect: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for ForwardOut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForwardOut")
+            .field("connector", &self.connector)
+            .field("suspect", &self.suspect)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How long the answer of a check after a failed forward is trusted: messages forwarded
+/// meanwhile are retried without a publish or a new check.
+const FORWARD_CHECK_EVERY: Duration = Duration::from_secs(1);
+
+impl ForwardOut {
+    /// `Some(reason)` when a publish failed since the exchange was last found and it is still
+    /// missing (or cannot be checked); `None` when forwarding may go ahead.
+    async fn hold(&self, exchange: &str) -> Option<String> {
+        use std::sync::atomic::Ordering;
+        if !self.suspect.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut checked = self.checked.lock().await;
+        let fresh = checked.filter(|(at, _)| at.elapsed() < FORWARD_CHECK_EVERY);
+        let exists = match fresh {
+            Some((_, exists)) => exists,
+            None => {
+                let found = match self.connector.connect("amqp-delay forward check").await {
+                    Ok(conn) => {
+                        let r = exchange_exists(&conn, exchange).await;
+                        crate::broker::close_connection(&conn, "checked").await;
+                        r
+                    }
+                    Err(e) => Err(e),
+                };
+                match found {
+                    Ok(exists) => {
+                        *checked = Some((std::time::Instant::now(), exists));
+                        exists
+                    }
+                    Err(e) => {
+                        return Some(format!(
+                            "forward to '{exchange}': checking the exchange after a failed \
+                             publish: {}",
+                            crate::error::chain(&e)
+                        ));
+                    }
+                }
+            }
+        };
+        if exists {
+            self.suspect.store(false, Ordering::Relaxed);
+            None
+        } else {
+            Some(format!(
+                "forward exchange '{exchange}' does not exist (deleted while the consumer runs?)"
+            ))
+        }
+    }
+
+    fn failed(&self) {
+        self.suspect
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Whether exchange `name` exists (the default exchange `""` always does).
+async fn exchange_exists(conn: &lapin::Connection, name: &str) -> Result<bool, Error> {
+    if name.is_empty() {
+        return Ok(true);
+    }
+    crate::broker::exchange_exists(conn, name).await
 }
 
 impl Handler for Action {
@@ -137,11 +262,12 @@ impl Handler for Action {
                 exchange,
                 routing_key,
                 levels,
+                out,
             } => {
                 let key = routing_key
                     .clone()
                     .unwrap_or_else(|| d.original_routing_key(*levels));
-                forward(ctx, exchange, &key, d).await
+                forward(ctx, out.get(), exchange, &key, d).await
             }
             Action::Relay { queue } => relay(ctx, queue, d).await,
             Action::Log(lock) => {
@@ -293,14 +419,26 @@ async fn http(url: &str, agent: &ureq::Agent, d: &Delivery) -> Outcome {
     }
 }
 
-async fn forward(ctx: &Context, exchange: &str, key: &str, d: &Delivery) -> Outcome {
+async fn forward(
+    ctx: &Context,
+    out: Option<&ForwardOut>,
+    exchange: &str,
+    key: &str,
+    d: &Delivery,
+) -> Outcome {
+    if let Some(reason) = match out {
+        Some(o) => o.hold(exchange).await,
+        None => None,
+    } {
+        return Outcome::Retry(reason);
+    }
     let empty = lapin::types::FieldTable::default();
     let h = headers::filter(d.headers().unwrap_or(&empty), |k| {
         !headers::is_broker_header(k) && k != headers::ROUTING_KEY
     });
     let props = envelope::republish_properties(&d.properties, h);
-    match ctx
-        .publisher()
+    let publisher = out.map_or(ctx.publisher(), |o| &o.publisher);
+    match publisher
         .publish_confirmed(exchange, key, &d.body, props)
         .await
     {
@@ -308,10 +446,15 @@ async fn forward(ctx: &Context, exchange: &str, key: &str, d: &Delivery) -> Outc
         Err(Error::Returned { .. }) => Outcome::Permanent(format!(
             "unroutable: exchange '{exchange}' has no binding for routing key '{key}'"
         )),
-        Err(e) => Outcome::Retry(format!(
-            "forward to '{exchange}': {}",
-            crate::error::chain(&e)
-        )),
+        Err(e) => {
+            if let Some(o) = out {
+                o.failed();
+            }
+            Outcome::Retry(format!(
+                "forward to '{exchange}': {}",
+                crate::error::chain(&e)
+            ))
+        }
     }
 }
 

@@ -142,19 +142,52 @@ async fn main() {
     };
     let timeout = Duration::from_millis(s.consumer.handler_timeout.as_millis());
     let mut worker = Worker::new(s.clone());
+    let mut actions = Vec::new();
     for r in &s.consumer.routes {
         match Action::from_route(r, s.consumer.permanent_exit_code, timeout, levels) {
-            Ok(action) => worker = worker.subscribe(r.queue.clone(), action),
+            Ok(action) => actions.push((r.queue.clone(), action)),
             Err(e) => {
                 cli::print_error(&e.to_string());
                 std::process::exit(EXIT_USAGE);
             }
         }
     }
+    // what the actions need on the broker (a forward's exchange) is checked before consuming
+    tokio::select! {
+        () = prepare(&actions, &s) => {},
+        () = cli::shutdown_signal() => return,
+    }
+    for (queue, action) in actions {
+        worker = worker.subscribe(queue, action);
+    }
     if let Err(e) = cli::start_metrics(&s).await {
         cli::fail(&e, EXIT_USAGE);
     }
     if let Err(e) = worker.run(cli::shutdown_signal()).await {
         cli::fail(&e, EXIT_FAILURES);
+    }
+}
+
+/// [`Action::prepare`] of every action: a missing forward exchange ends the process with
+/// [`EXIT_USAGE`]; while the broker cannot be reached it is tried again, as the worker would.
+async fn prepare(actions: &[(String, Action)], s: &amqp_delay::Settings) {
+    let mut backoff = amqp_delay::connection::Backoff::default();
+    for (_, action) in actions {
+        loop {
+            match action.prepare(s).await {
+                Ok(()) => break,
+                Err(e @ (amqp_delay::Error::Invalid(_) | amqp_delay::Error::Settings(_))) => {
+                    cli::fail(&e, EXIT_USAGE)
+                }
+                Err(e) => {
+                    let pause = backoff.next_pause();
+                    tracing::warn!(
+                        "checking the action's target: {}; trying again in {pause:?}",
+                        cli::chain(&e)
+                    );
+                    amqp_delay::connection::Backoff::wait(pause, &s.url).await;
+                }
+            }
+        }
     }
 }

@@ -173,3 +173,130 @@ async fn http_action_posts_and_maps_statuses() {
     p.close().await;
     env.cleanup().await;
 }
+
+/// `--forward` to an exchange that does not exist is refused at start-up (exit 2), and one
+/// deleted under a running consumer makes it retry those messages, not lose its connection:
+/// the broker closes a channel that publishes to a missing exchange, which used to take the
+/// worker's own publishing channel (its retries) and then its connection with it, again and
+/// again ("CHANNEL_ERROR - expected 'channel.open'", 11 reconnects in 15 s). Once the exchange
+/// is back, every message arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forward_to_a_missing_exchange_is_refused_at_start_and_never_costs_the_connection() {
+    use amqp_delay::broker;
+    use lapin::ExchangeKind;
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
+    use lapin::types::FieldTable;
+
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("fwd").await;
+    let parked = env.parked_queue(&q);
+    let prefix = env.settings.prefix.clone();
+    let cfg = env.write_config(
+        "[consumer]\nhandler_timeout = 5000\n[consumer.retry]\nbase = 100\nfactor = 2.0\ncap = 800\nmax_attempts = 200\njitter = 0.0\n",
+    );
+
+    // at start-up: a missing exchange is a usage error, said at once
+    let missing = format!("{prefix}-missing");
+    let out = tokio::time::timeout(
+        Duration::from_secs(20),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-consumer"))
+            .arg("--config")
+            .arg(&cfg)
+            .args(["--queue", &q, "--forward", &format!("{missing}:k")])
+            .env("AMQP_URL", broker_url())
+            .output(),
+    )
+    .await
+    .expect("delay-consumer kept running with a missing forward exchange")
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!("forward exchange '{missing}' does not exist")),
+        "{err}"
+    );
+
+    // an exchange of the application's, deleted while the consumer runs
+    let x = format!("{prefix}-fwd-x");
+    let target = format!("{prefix}-fwd-out");
+    env.declare_queue(&target).await;
+    let ch = env.conn.create_channel().await.unwrap();
+    let declare_x = || async {
+        ch.exchange_declare(
+            x.as_str().into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        ch.queue_bind(
+            target.as_str().into(),
+            x.as_str().into(),
+            "k".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    };
+    declare_x().await;
+    let log = temp_path(&prefix, "fwd.log");
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-consumer"))
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--queue", &q, "--forward", &format!("{x}:k")])
+        .env("AMQP_URL", broker_url())
+        .env("RUST_LOG", "warn,amqp_delay=info")
+        .stderr(std::fs::File::create(&log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let p = env.publisher().await;
+    p.schedule(Message::new(q.clone(), 10, "before").with_id("before"))
+        .await
+        .unwrap();
+    assert_eq!(env.expect(&target, 1).await.len(), 1, "forwarding works");
+
+    ch.exchange_delete(x.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    for i in 0..150 {
+        p.schedule(Message::new(q.clone(), 10 + i % 50, "during").with_id(format!("d{i}")))
+            .await
+            .unwrap();
+    }
+    // the messages fall due and are retried while the exchange is missing
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the consumer exited: {text}"
+    );
+    let lost = text.matches("connection lost").count();
+    assert_eq!(
+        lost, 0,
+        "the consumer lost its connection {lost} times over a forward to a deleted exchange:\n{text}"
+    );
+    assert!(text.contains("does not exist"), "{text}");
+    let state = broker::queue_state(&env.conn, &q).await.unwrap().unwrap();
+    assert_eq!(state.consumers, 1, "{text}");
+
+    // back: everything arrives, nothing was parked
+    declare_x().await;
+    let got = env.expect(&target, 150).await;
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(got.len(), 150, "{text}");
+    assert_eq!(counts(&got).len(), 150, "each once: {text}");
+    assert!(!text.contains("connection lost"), "{text}");
+    env.assert_empty(&parked).await;
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    let _ = ch
+        .exchange_delete(x.as_str().into(), Default::default())
+        .await;
+    let _ = std::fs::remove_file(&log);
+    let _ = std::fs::remove_file(&cfg);
+    p.close().await;
+    env.cleanup().await;
+}
