@@ -428,9 +428,13 @@ impl Topology {
     }
 
     /// Arguments of a queue our workers consume (a destination `declare --queue` creates, the
-    /// gateway's queues): a message that reaches a delivery limit (RabbitMQ 4.x quorum queues
-    /// drop one returned 20 times by default) is dead-lettered into the parking exchange, so it
-    /// lands in `<prefix>.parked` with the reason in `x-death`, never lost.
+    /// gateway's queues): a message that reaches the delivery limit is dead-lettered into the
+    /// parking exchange, so it lands in `<prefix>.parked` with the reason (`delivery_limit`) in
+    /// `x-death`, never lost. Quorum queues get the limit [`DELIVERY_LIMIT`] explicitly (4.x's
+    /// default; 3.x has none): a message that can never be received (a header frame over
+    /// `frame_max`) is then parked after that many deliveries instead of blocking the queue
+    /// forever, while the worker takes one message at a time. Classic queues have no delivery
+    /// limit.
     pub fn consumed_queue_args(&self) -> FieldTable {
         let mut a = self.base_queue_args();
         a.insert(
@@ -443,6 +447,10 @@ impl Topology {
                 broker::long_string("at-least-once"),
             );
             a.insert("x-overflow".into(), broker::long_string("reject-publish"));
+            a.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongLongInt(DELIVERY_LIMIT),
+            );
         }
         a
     }
@@ -479,6 +487,10 @@ impl Topology {
         a
     }
 }
+
+/// The delivery limit of the quorum queues our workers consume (RabbitMQ 4.x's default for
+/// every quorum queue): a message delivered this many times without an ack is parked.
+pub const DELIVERY_LIMIT: i64 = 20;
 
 fn not_declared(l: &Layout, detail: &str) -> Error {
     Error::NotDeclared {
@@ -554,6 +566,39 @@ mod tests {
         )
         .unwrap();
         assert!(long.signature_exchange().len() <= 255);
+    }
+
+    #[test]
+    fn consumed_quorum_queues_park_after_the_delivery_limit() {
+        let get = |t: &Topology, k: &str| t.consumed_queue_args().inner().get(k).cloned();
+        let quorum =
+            Topology::new(Layout::new("p", &crate::layout::TopologySettings::default()).unwrap());
+        assert_eq!(
+            get(&quorum, "x-delivery-limit"),
+            Some(AMQPValue::LongLongInt(20))
+        );
+        // ... where a message that reaches it goes: the parking exchange (→ p.parked), kept
+        // at least once
+        assert_eq!(
+            get(&quorum, "x-dead-letter-exchange"),
+            Some(broker::long_string("p.parking"))
+        );
+        assert_eq!(quorum.layout().parking_exchange(), "p.parking");
+        assert_eq!(
+            get(&quorum, "x-dead-letter-strategy"),
+            Some(broker::long_string("at-least-once"))
+        );
+        let classic = Topology::new(
+            Layout::new(
+                "p",
+                &crate::layout::TopologySettings {
+                    queue_type: QueueType::Classic,
+                    ..crate::layout::TopologySettings::default()
+                },
+            )
+            .unwrap(),
+        );
+        assert_eq!(get(&classic, "x-delivery-limit"), None);
     }
 
     #[test]

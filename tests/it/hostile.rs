@@ -631,8 +631,10 @@ async fn depth(env: &Env, q: &str) -> Option<u32> {
 /// A message whose header frame outgrew the broker's `frame_max` on a dead-letter hop (as one
 /// published before header sizes were bounded, or by a foreign client into a tier) sits at the
 /// head of a destination: the worker must not loop reconnecting with every message behind it
-/// redelivered. It takes one message at a time until the poison is gone (the queue's delivery
-/// limit parks it: 20 by default on RabbitMQ 4.x, 2 here), and the valid messages behind it run.
+/// redelivered. It takes one message at a time until the poison is gone, and the valid messages
+/// behind it run. The destination is the one `declare --queue` creates: its delivery limit (20,
+/// 4.x's default, set explicitly so that 3.x has one too) parks the poison in `<prefix>.parked`.
+/// Without it, on 3.10, the queue stayed blocked forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_over_frame_max_is_parked_and_the_queue_behind_it_runs() {
     use amqp_delay::Topology;
@@ -648,15 +650,17 @@ async fn a_message_over_frame_max_is_parked_and_the_queue_behind_it_runs() {
     env.track_queue(&q);
     env.track_queue(&stage);
     let ch = env.conn.create_channel().await.unwrap();
-    let mut args = Topology::new(env.layout()).consumed_queue_args();
-    args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(2));
+    assert!(
+        Topology::new(env.layout())
+            .declare_destination(&env.conn, &q)
+            .await
+            .unwrap(),
+        "{q} is created by declare"
+    );
     let durable = QueueDeclareOptions {
         durable: true,
         ..QueueDeclareOptions::default()
     };
-    ch.queue_declare(q.as_str().into(), durable, args)
-        .await
-        .unwrap();
     let mut stage_args = FieldTable::default();
     stage_args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(1));
     stage_args.insert(
@@ -720,7 +724,8 @@ async fn a_message_over_frame_max_is_parked_and_the_queue_behind_it_runs() {
     let h = crate::worker::Scripted::new(|_| amqp_delay::Outcome::Success);
     let log = h.log.clone();
     let (stop, run) = crate::worker::spawn_worker(&env, &q, h, crate::worker::retry(100, 2.0, 3));
-    let ran = wait_until(Duration::from_secs(60), || log.lock().unwrap().len() >= 5).await;
+    // 20 deliveries of the poison, each costing the worker a connection, then the rest
+    let ran = wait_until(Duration::from_secs(90), || log.lock().unwrap().len() >= 5).await;
     let parked_n = if wait_until_async(Duration::from_secs(10), || async {
         depth(&env, &parked).await == Some(1)
     })
@@ -735,7 +740,7 @@ async fn a_message_over_frame_max_is_parked_and_the_queue_behind_it_runs() {
     let ids: Vec<String> = log.lock().unwrap().iter().map(|r| r.0.clone()).collect();
     assert!(
         ran,
-        "the messages behind the poison did not run in 60 s: {ids:?}"
+        "the messages behind the poison did not run in 90 s: {ids:?}"
     );
     assert!(!ids.contains(&"poison".to_string()));
     assert_eq!(parked_n, Some(1), "the poison message is parked");
