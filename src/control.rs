@@ -57,6 +57,24 @@ pub enum Record {
         /// The tombstones.
         items: Vec<(String, u64)>,
     },
+    /// A follower starts a checkpoint: the parts that follow (same nonce) hold every tombstone
+    /// it had read when it read this record back, so a follower that starts later needs the
+    /// stream only from here (see [`crate::cancel`]).
+    CheckpointBegin {
+        /// Unique per checkpoint.
+        nonce: String,
+    },
+    /// One part of a checkpoint: tombstones `[id, until_ms]` as of its begin record.
+    Checkpoint {
+        /// The nonce of its begin record.
+        nonce: String,
+        /// This part's number, from 0.
+        part: u32,
+        /// How many parts the checkpoint has (at least 1).
+        parts: u32,
+        /// The tombstones.
+        items: Vec<(String, u64)>,
+    },
 }
 
 impl Record {
@@ -71,8 +89,13 @@ impl Record {
     }
 }
 
-/// How long reading up to a barrier may take.
-const READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long reading up to a barrier may go without a record arriving: a long stream takes as
+/// long as it takes, a reader that gets nothing gives up.
+pub(crate) const READ_STALL: Duration = Duration::from_secs(10);
+/// Prefetch of a reader of the control stream, and how often it acks (`multiple`): acking each
+/// record made reading several times slower (RabbitMQ 3.10, a scratch reader).
+pub(crate) const READ_PREFETCH: u16 = 2_000;
+pub(crate) const ACK_EVERY: u64 = 500;
 
 /// Arguments of the control stream: a stream queue, records kept for `max_age_secs`.
 pub fn stream_args(max_age_secs: u64) -> FieldTable {
@@ -132,8 +155,8 @@ pub async fn append(conn: &Connection, layout: &Layout, record: &Record) -> Resu
     Ok(())
 }
 
-/// Every record in the stream, oldest first (barriers left out). `Ok(vec![])` when the stream
-/// does not exist.
+/// Every record in the stream, oldest first (barriers and checkpoints left out). `Ok(vec![])`
+/// when the stream does not exist. Gives up only when no record arrives for [`READ_STALL`].
 pub async fn read_all(conn: &Connection, layout: &Layout) -> Result<Vec<Record>> {
     let stream = layout.control_stream();
     if broker::queue_state(conn, &stream).await?.is_none() {
@@ -149,7 +172,7 @@ pub async fn read_all(conn: &Connection, layout: &Layout) -> Result<Vec<Record>>
     )
     .await?;
     let ch = broker::open(conn).await?;
-    ch.basic_qos(500, BasicQosOptions::default())
+    ch.basic_qos(READ_PREFETCH, BasicQosOptions::default())
         .await
         .context(|| "setting prefetch".into())?;
     let mut args = FieldTable::default();
@@ -164,13 +187,35 @@ pub async fn read_all(conn: &Connection, layout: &Layout) -> Result<Vec<Record>>
         .await
         .context(|| format!("reading '{stream}'"))?;
     let mut out = Vec::new();
+    let mut unacked = 0u64;
     let read = async {
-        while let Some(d) = consumer.next().await {
+        loop {
+            let next = match tokio::time::timeout(READ_STALL, consumer.next()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    return Err(Error::Timeout {
+                        context: format!(
+                            "reading '{stream}' up to a barrier (no record for {READ_STALL:?})"
+                        ),
+                        timeout_ms: READ_STALL.as_millis() as u64,
+                    });
+                }
+            };
+            let Some(d) = next else { break };
             let d = d.context(|| format!("reading '{stream}'"))?;
-            let _ = d.ack(BasicAckOptions::default()).await;
+            // a stream needs acks as credit; one `multiple` ack every few hundred records
+            unacked += 1;
+            if unacked >= ACK_EVERY {
+                let _ = d.ack(BasicAckOptions { multiple: true }).await;
+                unacked = 0;
+            }
             match serde_json::from_slice::<Record>(&d.data) {
                 Ok(Record::Barrier { nonce: n }) if n == nonce => return Ok(()),
-                Ok(Record::Barrier { .. }) => {}
+                Ok(
+                    Record::Barrier { .. }
+                    | Record::CheckpointBegin { .. }
+                    | Record::Checkpoint { .. },
+                ) => {}
                 Ok(r) => out.push(r),
                 // a record of a newer version, or garbage someone published: skip it
                 Err(e) => tracing::debug!(%stream, "skipping an unreadable record: {e}"),
@@ -180,14 +225,7 @@ pub async fn read_all(conn: &Connection, layout: &Layout) -> Result<Vec<Record>>
             "the broker ended the read of '{stream}' before the barrier"
         )))
     };
-    let r = tokio::time::timeout(READ_TIMEOUT, read).await;
+    let r = read.await;
     broker::close(&ch, "read").await;
-    match r {
-        Ok(Ok(())) => Ok(out),
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err(Error::Timeout {
-            context: format!("reading '{stream}' up to a barrier"),
-            timeout_ms: READ_TIMEOUT.as_millis() as u64,
-        }),
-    }
+    r.map(|()| out)
 }
