@@ -64,6 +64,10 @@ pub struct Metrics {
     pub parked: Family<ParkedLabel, Counter>,
     /// Messages acked without running because they were cancelled.
     pub cancelled: Family<QueueLabel, Counter>,
+    /// Cancels a worker read after it had run the message (succeeded or parked).
+    pub cancel_too_late: Family<QueueLabel, Counter>,
+    /// Barriers appended to the control stream to sync before running a message.
+    pub cancel_syncs: Counter,
     /// Due time → handler start, in seconds.
     pub lateness: Family<QueueLabel, Histogram>,
     /// Handler run time, in seconds.
@@ -108,6 +112,8 @@ impl Metrics {
             retried: Family::default(),
             parked: Family::default(),
             cancelled: Family::default(),
+            cancel_too_late: Family::default(),
+            cancel_syncs: Counter::default(),
             lateness,
             handler_duration,
             in_flight: Gauge::default(),
@@ -152,6 +158,16 @@ impl Metrics {
             "cancelled",
             "Messages acked without running because they were cancelled",
             m.cancelled.clone(),
+        );
+        registry.register(
+            "cancel_too_late",
+            "Cancels a worker read after it had run the message",
+            m.cancel_too_late.clone(),
+        );
+        registry.register(
+            "cancel_syncs",
+            "Barriers appended to the control stream to sync before running a message",
+            m.cancel_syncs.clone(),
         );
         registry.register_with_unit(
             "lateness",

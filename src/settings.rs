@@ -77,11 +77,11 @@ impl Default for Settings {
 pub struct CancelSettings {
     /// The guarantee: a cancel confirmed at least this long before the message falls due is
     /// always honoured. Every worker, gateway and relay syncs with the control stream before it
-    /// runs a message whenever its last sync is older than this.
+    /// runs a message due at `D` whenever its last sync started before `D − notice`.
     pub notice: DurationMs,
     /// How long after its due time a cancelled message may still arrive (retries, handler
-    /// timeouts, redeliveries): its tombstone is kept that long, then forgotten. At least the
-    /// consumer's retry horizon.
+    /// timeouts, redeliveries): its tombstone is live that long (then kept, bounded in number,
+    /// for a week more; see `amqp_delay::cancel`). At least the consumer's retry horizon.
     pub horizon: DurationMs,
 }
 

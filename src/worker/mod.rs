@@ -28,7 +28,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::task::JoinSet;
 
 use crate::broker;
-use crate::cancel::Cancellations;
+use crate::cancel::{Cancellations, FollowOptions};
 use crate::envelope::Delivery;
 use crate::error::{Error, Result, ResultExt};
 use crate::layout::Layout;
@@ -101,6 +101,9 @@ pub struct Counters {
     pub batches: AtomicU64,
     /// Messages acked without running because they were cancelled.
     pub cancelled: AtomicU64,
+    /// Barriers appended to the control stream before running a message (the last sync was
+    /// too old for its due time); the other checks used a recent sync.
+    pub cancel_syncs: AtomicU64,
     /// Subscriptions renewed because nothing arrived while their queue had ready messages
     /// ([`Error::ConsumerStalled`]).
     pub stalled: AtomicU64,
@@ -134,9 +137,10 @@ enum SessionEnd {
 /// How long a worker consumes one message at a time after a message too large to receive.
 const CAREFUL_FOR: Duration = Duration::from_secs(30);
 
-/// How long a session may take to start consuming (channels, the control stream, consumers)
-/// before the worker gives up on the connection and makes a new one. A broker call whose
-/// connection broke during a cluster restart was seen never to return.
+/// How long a session may go without progress while it starts consuming (channels, the control
+/// stream, consumers) before the worker gives up on the connection and makes a new one. A
+/// broker call whose connection broke during a cluster restart was seen never to return.
+/// Reading the control stream is progress: a long read is not a broken connection.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// An idle worker (no message in hand) that has received nothing from a queue for this long
@@ -147,6 +151,9 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 const STALL_AFTER: Duration = Duration::from_secs(10);
 const STALL_AFTER_MAX: Duration = Duration::from_secs(300);
 const STALL_CHECK: Duration = Duration::from_secs(5);
+
+/// How often a session checks that its control stream follower still reads.
+const FOLLOWER_CHECK: Duration = Duration::from_secs(1);
 
 /// Whether `e` says a frame exceeded `frame_max`: a message (its header frame) that grew past
 /// the limit on its hops, which no consumer on this connection can receive.
@@ -209,22 +216,30 @@ impl<H: Handler> Worker<H> {
                     let conn = Arc::new(conn);
                     backoff.reset();
                     let (ready_tx, ready_rx) = oneshot::channel::<()>();
+                    let progress = Arc::new(AtomicU64::new(0));
                     let mode = Mode {
                         first,
                         careful,
                         stall_after,
                     };
-                    let session = self.session(&conn, &layout, mode, &mut shutdown, ready_tx);
+                    let session = self.session(
+                        &conn,
+                        &layout,
+                        mode,
+                        &mut shutdown,
+                        (ready_tx, progress.clone()),
+                    );
                     tokio::pin!(session);
                     let end = tokio::select! {
                         biased;
                         end = &mut session => end,
-                        r = tokio::time::timeout(SETUP_TIMEOUT, ready_rx) => match r {
-                            Ok(_) => session.await,
-                            Err(_) => Ok(SessionEnd::Lost(Error::Timeout {
+                        started = setup_watchdog(ready_rx, &progress) => if started {
+                            session.await
+                        } else {
+                            Ok(SessionEnd::Lost(Error::Timeout {
                                 context: "starting to consume (a broker call did not return)".into(),
                                 timeout_ms: SETUP_TIMEOUT.as_millis() as u64,
-                            })),
+                            }))
                         },
                     };
                     broker::close_connection(&conn, "bye").await;
@@ -286,7 +301,7 @@ impl<H: Handler> Worker<H> {
         layout: &Layout,
         mode: Mode,
         shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
-        ready: oneshot::Sender<()>,
+        (ready, progress): (oneshot::Sender<()>, Arc<AtomicU64>),
     ) -> Result<SessionEnd> {
         let Mode {
             first,
@@ -320,16 +335,14 @@ impl<H: Handler> Worker<H> {
             }
         }
         // cancellations first: nothing runs before every tombstone so far has been read
-        let cancels = match Cancellations::follow(
-            conn,
-            layout,
+        let mut follow = FollowOptions::new(
             Duration::from_millis(s.cancel.notice.as_millis()),
             s.cancel.horizon.as_millis(),
-        )
-        .await
-        {
+        );
+        follow.progress = Some(progress);
+        let cancels = match Cancellations::follow_with(conn, layout, follow).await {
             Ok(c) => Arc::new(c),
-            Err(e @ (Error::Amqp { .. } | Error::Timeout { .. })) => {
+            Err(e @ (Error::Amqp { .. } | Error::Timeout { .. } | Error::Invalid(_))) => {
                 return Ok(SessionEnd::Lost(e));
             }
             Err(e) => return Err(e),
@@ -376,11 +389,22 @@ impl<H: Handler> Worker<H> {
         let mut last_delivery = vec![Instant::now(); self.subscriptions.len()];
         let mut stall_tick =
             tokio::time::interval_at(tokio::time::Instant::now() + STALL_CHECK, STALL_CHECK);
+        // a follower whose control stream consumer ended cannot check cancellations: every
+        // message would go back to the queue; a new session follows the stream anew
+        let mut follower_tick =
+            tokio::time::interval_at(tokio::time::Instant::now() + FOLLOWER_CHECK, FOLLOWER_CHECK);
         let end = loop {
             while tasks.try_join_next().is_some() {}
             tokio::select! {
                 _ = shutdown.as_mut() => break SessionEnd::Stopped,
                 _ = &mut careful_over, if careful => break SessionEnd::Careful,
+                _ = follower_tick.tick() => {
+                    if let Some(why) = ctx.cancels.broken() {
+                        break SessionEnd::Lost(Error::Invalid(format!(
+                            "the control stream follower stopped ({why})"
+                        )));
+                    }
+                }
                 _ = stall_tick.tick(), if tasks.is_empty() => {
                     match self.stalled(conn, &channels, &mut last_delivery, stall_after).await {
                         Ok(None) => {}
@@ -575,6 +599,28 @@ impl<H: Handler> Worker<H> {
         let ended = futures::stream::once(async move { (i, None) });
         let stream = consumer.map(move |d| (i, Some(d))).chain(ended).boxed();
         Ok(Some((ch, tag, stream)))
+    }
+}
+
+/// Waits until the session says it consumes (`true`; also when it ended before) or until it
+/// made no progress for [`SETUP_TIMEOUT`] (`false`).
+async fn setup_watchdog(ready: oneshot::Receiver<()>, progress: &AtomicU64) -> bool {
+    let mut ready = std::pin::pin!(ready);
+    let mut seen = progress.load(Ordering::Relaxed);
+    let mut moved = Instant::now();
+    loop {
+        tokio::select! {
+            _ = &mut ready => return true,
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                let now = progress.load(Ordering::Relaxed);
+                if now != seen {
+                    seen = now;
+                    moved = Instant::now();
+                } else if moved.elapsed() >= SETUP_TIMEOUT {
+                    return false;
+                }
+            }
+        }
     }
 }
 

@@ -241,17 +241,16 @@ async fn one<H: Handler>(
     if may_skip && ctx.stopping.load(Ordering::Relaxed) {
         return Ok((d, Done::NotStarted));
     }
-    // every cancel confirmed `cancel.notice` ago has been read before anything runs; if the
-    // stream cannot be read, the message waits (it goes back to the queue)
+    // every cancel confirmed `cancel.notice` before the due time has been read before anything
+    // runs; if the stream cannot be read, the message waits (it goes back to the queue)
     let metrics = crate::metrics::global();
     let label = Metrics::queue(&d.queue);
     metrics.delivered.get_or_create(&label).inc();
-    ctx.cancels.sync_if_stale().await?;
+    if ctx.cancels.sync_for(d.due_at_ms).await? {
+        ctx.counters.cancel_syncs.fetch_add(1, Ordering::Relaxed);
+    }
     if ctx.cancels.is_cancelled(&d.message_id) {
-        ctx.cancels.fell_due(&d.message_id, d.due_at_ms);
-        ctx.counters.cancelled.fetch_add(1, Ordering::Relaxed);
-        metrics.cancelled.get_or_create(&label).inc();
-        tracing::info!(queue = %d.queue, id = %d.message_id, attempt = d.attempt, "cancelled: acked without running");
+        cancelled(&d, ctx, "acked without running");
         return Ok((d, Done::Cancelled));
     }
     let timeout = Duration::from_millis(ctx.settings.handler_timeout.as_millis());
@@ -292,7 +291,7 @@ async fn one<H: Handler>(
         .get_or_create(&label)
         .observe(held.elapsed().as_secs_f64());
     if !matches!(outcome, Outcome::Requeue(_)) {
-        ctx.cancels.executed(&d.message_id);
+        ctx.cancels.executed(&d.message_id, &d.queue);
     }
     let done = match outcome {
         Outcome::Success => {
@@ -321,6 +320,17 @@ async fn one<H: Handler>(
         Outcome::Requeue(reason) => Done::PutBack(reason),
     };
     Ok((d, done))
+}
+
+/// Counts and logs a cancelled message (acked without running, or without running again).
+fn cancelled(d: &Delivery, ctx: &TaskCtx, what: &str) {
+    ctx.cancels.fell_due(&d.message_id, d.due_at_ms);
+    ctx.counters.cancelled.fetch_add(1, Ordering::Relaxed);
+    crate::metrics::global()
+        .cancelled
+        .get_or_create(&Metrics::queue(&d.queue))
+        .inc();
+    tracing::info!(queue = %d.queue, id = %d.message_id, attempt = d.attempt, "cancelled: {what}");
 }
 
 /// Re-schedules a copy of `d` through the tiers after `delay` ms with attempt `attempt`.

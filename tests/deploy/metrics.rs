@@ -17,6 +17,7 @@ fn registry_samples() -> BTreeMap<String, BTreeSet<String>> {
     let _ = m.executed.get_or_create(&q);
     let _ = m.retried.get_or_create(&q);
     let _ = m.cancelled.get_or_create(&q);
+    let _ = m.cancel_too_late.get_or_create(&q);
     let _ = m.lateness.get_or_create(&q);
     let _ = m.handler_duration.get_or_create(&q);
     m.park("q", "permanent");

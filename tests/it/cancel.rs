@@ -2,12 +2,15 @@
 //! worker, across restarts and retries, with memory that follows the live cancellations only.
 
 use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use amqp_delay::cancel::{Cancellations, Verdict};
+use amqp_delay::cancel::{CHECKPOINT_EVERY, Cancellations, EXPIRED_KEPT, FollowOptions, Verdict};
 use amqp_delay::time::{DurationMs, now_ms};
-use amqp_delay::{Message, Outcome, Precision, Topology};
+use amqp_delay::{Counters, Message, Outcome, Precision, Settings, Topology, Worker};
 use rand::seq::SliceRandom;
+use tokio::sync::oneshot;
 
 use crate::harness::*;
 use crate::worker::{Scripted, retry, spawn_worker};
@@ -343,6 +346,341 @@ async fn memory_follows_live_cancellations_only() {
     .await
     .unwrap();
     assert_eq!(fresh.len(), 0);
+    // expired tombstones are kept for a while, never more than EXPIRED_KEPT
+    let (a, b) = (follower.stats(), fresh.stats());
+    eprintln!("expired tombstones kept: {} and {}", a.expired, b.expired);
+    assert!(a.expired <= EXPIRED_KEPT && b.expired <= EXPIRED_KEPT);
+    p.close().await;
+    env.cleanup().await;
+}
+
+/// Runs a library worker on `queue` until `stop` fires, with its counters.
+fn spawn_counted(
+    settings: Settings,
+    queue: &str,
+    handler: Scripted,
+) -> (
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<amqp_delay::Result<()>>,
+    Arc<Counters>,
+) {
+    let (tx, rx) = oneshot::channel::<()>();
+    let w = Worker::new(settings).subscribe(queue.to_string(), handler);
+    let counters = w.counters();
+    let h = tokio::spawn(w.run(async {
+        let _ = rx.await;
+    }));
+    (tx, h, counters)
+}
+
+/// Appends raw JSON records to the control stream, confirmed, many in flight at once.
+async fn append_raw(env: &Env, bodies: impl Iterator<Item = String>) {
+    let stream = env.layout().control_stream();
+    let ch = env.conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    let mut pending = Vec::new();
+    for body in bodies {
+        pending.push(
+            ch.basic_publish(
+                "".into(),
+                stream.as_str().into(),
+                Default::default(),
+                body.as_bytes(),
+                lapin::BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .unwrap(),
+        );
+        if pending.len() >= 2_000 {
+            for c in pending.drain(..) {
+                assert!(c.await.unwrap().is_ack());
+            }
+        }
+    }
+    for c in pending.drain(..) {
+        assert!(c.await.unwrap().is_ack());
+    }
+    let _ = ch.close(200, "ok".into()).await;
+}
+
+fn cancelled_count(c: &Counters) -> u64 {
+    c.cancelled.load(Ordering::Relaxed)
+}
+
+/// Start-up is bounded by checkpoints: with 100 000 old records (barriers, as busy workers
+/// leave them) in the stream, the first follower reads them all and writes a checkpoint; the
+/// next one reads back from the end only as far as that checkpoint, and still holds the
+/// tombstones recorded before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_up_reads_from_the_latest_checkpoint_not_the_whole_stream() {
+    let env = env().await;
+    let now = now_ms();
+    let n = 100_000;
+    let t = Instant::now();
+    let early = [
+        format!(
+            r#"{{"type":"cancel","id":"early-live","until_ms":{}}}"#,
+            now + 3_600_000
+        ),
+        // past its until already: kept as an expired tombstone
+        format!(
+            r#"{{"type":"cancel","id":"early-expired","until_ms":{}}}"#,
+            now - 1_000
+        ),
+    ];
+    let junk = (0..n).map(|i| format!(r#"{{"type":"barrier","nonce":"old-{i:08}"}}"#));
+    append_raw(&env, early.into_iter().chain(junk)).await;
+    eprintln!("{n} old records appended in {:?}", t.elapsed());
+    let opts = FollowOptions::new(Duration::from_millis(1_000), 60_000);
+
+    let t = Instant::now();
+    let first = Cancellations::follow_with(&env.conn, &env.layout(), opts.clone())
+        .await
+        .unwrap();
+    let first_took = t.elapsed();
+    let s = first.stats();
+    assert!(s.start_records > n, "{s:?}");
+    assert!(first.is_cancelled("early-live") && first.is_cancelled("early-expired"));
+    // it read far more than a checkpoint's worth: it writes one
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let s = first.stats();
+            s.checkpoints_written >= 1 && s.checkpoints_read >= 1
+        })
+        .await,
+        "no checkpoint: {:?}",
+        first.stats()
+    );
+    // more records after the checkpoint
+    append_raw(
+        &env,
+        (0..5_000).map(|i| format!(r#"{{"type":"barrier","nonce":"new-{i:08}"}}"#)),
+    )
+    .await;
+
+    let t = Instant::now();
+    let second = Cancellations::follow_with(&env.conn, &env.layout(), opts)
+        .await
+        .unwrap();
+    let second_took = t.elapsed();
+    let s2 = second.stats();
+    eprintln!(
+        "start-up with {} records in the stream: without a checkpoint {first_took:?} ({} records read), from the checkpoint {second_took:?} ({} records read)",
+        n + 5_000,
+        s.start_records,
+        s2.start_records
+    );
+    assert!(
+        s2.start_records <= 2 * CHECKPOINT_EVERY + 100,
+        "read more than the way back to the checkpoint: {s2:?}"
+    );
+    assert!(s2.checkpoints_read >= 1, "{s2:?}");
+    assert!(second.is_cancelled("early-live"), "lost a tombstone");
+    assert!(second.is_cancelled("early-expired"), "lost an expired one");
+    assert!(!second.is_cancelled("never"));
+    assert!(
+        second_took < Duration::from_secs(5),
+        "start-up took {second_took:?}"
+    );
+    // and it works as a follower: a cancel now reaches it
+    let p = env.publisher().await;
+    p.cancel("later", None).await.unwrap();
+    second.sync().await.unwrap();
+    assert!(second.is_cancelled("later"));
+    p.close().await;
+    drop((first, second));
+    env.cleanup().await;
+}
+
+/// The guarantee's boundary where it is easiest to get wrong: a busy worker (a message falling
+/// due every 40 ms) has always just synced, so it checks most messages against a recent sync
+/// without a barrier of its own. A cancel confirmed exactly `cancel.notice` before the due time
+/// must still win, every time; one sent later is answered `too_late`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_worker_honours_every_cancel_confirmed_exactly_the_notice_before_due() {
+    let mut t = small_topology();
+    t.max_delay = DurationMs(10_000);
+    let mut env = Env::new(t).await;
+    env.settings.precision = Precision {
+        lateness_ms: 20,
+        lateness_ratio: 0.0,
+    };
+    let q = env.queue("busy").await;
+    env.parked_queue(&q);
+    let mut s = env.settings.clone();
+    s.consumer.retry = retry(20, 2.0, 3);
+    let notice = s.cancel.notice.as_millis();
+    let h = Scripted::new(|_| Outcome::Success);
+    let log = h.log.clone();
+    let (stop, run, counters) = spawn_counted(s, &q, h);
+    let p = env.publisher().await;
+    // fillers fall due every 40 ms for 6.5 s
+    let fillers: Vec<Message> = (0..160)
+        .map(|i| Message::new(q.clone(), 200 + i * 40, "f").with_id(format!("f{i}")))
+        .collect();
+    for r in p.schedule_batch(fillers).await {
+        r.unwrap();
+    }
+    // 20 at the boundary and 5 too late, due 1.6 s to 5.3 s from now, 150 ms apart
+    let mut targets = Vec::new();
+    for i in 0..25u64 {
+        let id = if i % 5 == 4 {
+            format!("late{i}")
+        } else {
+            format!("edge{i}")
+        };
+        let m = p
+            .schedule(Message::new(q.clone(), 1_600 + i * 150, "t").with_id(id))
+            .await
+            .unwrap();
+        targets.push(m);
+    }
+    let syncs_before = counters.cancel_syncs.load(Ordering::Relaxed);
+    let mut edge = Vec::new();
+    let mut on_time = 0;
+    for m in &targets {
+        let late = m.message_id.starts_with("late");
+        // the cancel's confirm lands at the notice (a few ms early), or 100 ms after it
+        let at = if late {
+            m.due_at_ms - notice + 100
+        } else {
+            m.due_at_ms - notice - 8
+        };
+        tokio::time::sleep(Duration::from_millis(at.saturating_sub(now_ms()))).await;
+        let c = p.cancel_scheduled(m).await.unwrap();
+        let confirmed = now_ms();
+        if late {
+            assert_eq!(c.verdict, Verdict::TooLate, "{}", m.message_id);
+        } else {
+            assert_eq!(c.verdict, Verdict::Honoured, "{}", m.message_id);
+            if confirmed <= m.due_at_ms - notice {
+                on_time += 1;
+            }
+            edge.push((m.message_id.clone(), m.due_at_ms - confirmed));
+        }
+    }
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            executed_ids(&log)
+                .iter()
+                .filter(|id| id.starts_with('f'))
+                .count()
+                == 160
+        })
+        .await
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    let ran: HashSet<String> = executed_ids(&log).into_iter().collect();
+    for (id, ahead) in &edge {
+        assert!(
+            !ran.contains(id),
+            "{id} ran although its cancel was confirmed {ahead} ms before its due time"
+        );
+    }
+    assert_eq!(edge.len(), 20);
+    assert!(
+        on_time >= 18,
+        "only {on_time} of 20 confirms landed at the notice: {edge:?}"
+    );
+    let syncs = counters.cancel_syncs.load(Ordering::Relaxed) - syncs_before;
+    let checked = log.lock().unwrap().len() as u64 + cancelled_count(&counters);
+    eprintln!(
+        "busy worker: {checked} messages checked with {syncs} barriers; cancels confirmed ahead of due (ms): {:?}",
+        edge.iter().map(|e| e.1).collect::<Vec<_>>()
+    );
+    assert!(
+        syncs * 3 < checked,
+        "most checks should use a recent sync: {syncs} barriers for {checked} messages"
+    );
+    p.close().await;
+    env.cleanup().await;
+}
+
+/// A worker that was down until long after `cancel.horizon` past the due time still honours the
+/// cancel: an expired tombstone is kept (bounded in number) while the stream holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_down_past_the_horizon_still_honours_a_cancel() {
+    let mut env = env().await;
+    env.settings.consumer.retry.max_attempts = 1;
+    env.settings.consumer.handler_timeout = DurationMs(500);
+    env.settings.cancel.horizon = DurationMs(1_000);
+    let q = env.queue("down").await;
+    env.parked_queue(&q);
+    let p = env.publisher().await;
+    let gone = p
+        .schedule(Message::new(q.clone(), 300, "gone").with_id("gone"))
+        .await
+        .unwrap();
+    p.schedule(Message::new(q.clone(), 300, "kept").with_id("kept"))
+        .await
+        .unwrap();
+    let c = p.cancel_scheduled(&gone).await.unwrap();
+    assert_eq!(c.until_ms, gone.due_at_ms + 1_000);
+    // no worker until 2 s after the tombstone's until
+    tokio::time::sleep(Duration::from_millis(c.until_ms + 2_000 - now_ms())).await;
+    let h = Scripted::new(|_| Outcome::Success);
+    let log = h.log.clone();
+    let (stop, run, counters) = spawn_counted(env.settings.clone(), &q, h);
+    assert!(wait_until(Duration::from_secs(10), || !log.lock().unwrap().is_empty()).await);
+    assert!(wait_until(Duration::from_secs(5), || cancelled_count(&counters) == 1).await);
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    assert_eq!(executed_ids(&log), ["kept"]);
+    p.close().await;
+    env.cleanup().await;
+}
+
+/// A follower whose control stream consumer ends (here: the stream was deleted) can no longer
+/// check cancellations; the worker notices, starts a new session, follows the stream again once
+/// it is back, and honours cancels as before instead of returning every message to the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_follows_the_control_stream_anew_when_its_follower_stops() {
+    let mut env = env().await;
+    let q = env.queue("refollow").await;
+    env.parked_queue(&q);
+    let mut s = env.settings.clone();
+    s.consumer.retry = retry(20, 2.0, 3);
+    let h = Scripted::new(|_| Outcome::Success);
+    let log = h.log.clone();
+    let (stop, run, counters) = spawn_counted(s, &q, h);
+    let p = env.publisher().await;
+    p.schedule(Message::new(q.clone(), 50, "a").with_id("before"))
+        .await
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || !log.lock().unwrap().is_empty()).await);
+    let ch = env.conn.create_channel().await.unwrap();
+    ch.queue_delete(
+        env.layout().control_stream().as_str().into(),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    env.declare().await.unwrap();
+    let gone = p
+        .schedule(Message::new(q.clone(), 2_000, "g").with_id("gone"))
+        .await
+        .unwrap();
+    p.schedule(Message::new(q.clone(), 2_000, "k").with_id("kept"))
+        .await
+        .unwrap();
+    assert_eq!(
+        p.cancel_scheduled(&gone).await.unwrap().verdict,
+        Verdict::Honoured
+    );
+    assert!(
+        wait_until(Duration::from_secs(15), || executed_ids(&log)
+            .contains(&"kept".to_string()))
+        .await,
+        "the worker did not come back"
+    );
+    assert!(wait_until(Duration::from_secs(5), || cancelled_count(&counters) == 1).await);
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    assert_eq!(executed_ids(&log), ["before", "kept"]);
+    let _ = ch.close(200, "ok".into()).await;
     p.close().await;
     env.cleanup().await;
 }

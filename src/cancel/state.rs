@@ -1,0 +1,405 @@
+//! What a follower knows, changed in stream order by its reader: live tombstones, the expired
+//! ones it still keeps, the barriers it waits for, and where checkpoints begin and end.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Mutex, MutexGuard};
+
+use rand::Rng;
+use tokio::sync::oneshot;
+
+use super::{EXPIRED_KEPT, EXPIRED_KEPT_MS};
+use crate::control::Record;
+
+/// Tombstones as records carry them: `(id, until_ms)`.
+pub(super) type Items = Vec<(String, u64)>;
+
+/// The records read since a checkpoint's begin record, while its parts arrive.
+pub(super) struct OpenCheckpoint {
+    /// `State::read` when its begin record was read.
+    pub(super) begin: u64,
+    pub(super) parts: u32,
+    pub(super) got: HashSet<u32>,
+}
+
+/// What a follower knows; changed only by its reader task (and by the lookups that prune).
+pub(super) struct State {
+    /// id → live until (ms since the epoch).
+    pub(super) tombstones: HashMap<String, u64>,
+    /// Expired tombstones still kept: id → kept until.
+    pub(super) expired: HashMap<String, u64>,
+    /// The same, oldest first (an id may appear more than once; the map says which counts).
+    pub(super) expired_order: VecDeque<(String, u64)>,
+    /// Barriers appended by this follower and not read back yet.
+    pub(super) waiting: HashMap<String, oneshot::Sender<()>>,
+    /// Why the follower stopped, if it did.
+    pub(super) broken: Option<String>,
+    pub(super) last_prune: u64,
+    /// Recently executed ids (→ their queue), oldest first, to say when a cancel came too late.
+    pub(super) executed: VecDeque<String>,
+    pub(super) executed_set: HashMap<String, String>,
+    /// Cancels read after this follower's worker had run the message.
+    pub(super) too_late: u64,
+    /// Records read by the current consumer (positions for checkpoints).
+    pub(super) read: u64,
+    /// Records read in all, for progress.
+    pub(super) records: u64,
+    /// Checkpoints whose begin record the current consumer read and whose parts are coming.
+    pub(super) open: HashMap<String, OpenCheckpoint>,
+    /// `read` at the begin record of the latest whole checkpoint the current consumer read.
+    pub(super) complete_at: Option<u64>,
+    /// `read` at the latest checkpoint begin record read (anyone's).
+    pub(super) begun_at: Option<u64>,
+    /// This follower's own checkpoint: its nonce, and where to hand the tombstones when its
+    /// begin record is read back.
+    pub(super) own: Option<(String, Option<oneshot::Sender<Items>>)>,
+    /// Whether this follower has read everything up to its start barrier: only then may it
+    /// write a checkpoint.
+    pub(super) ready: bool,
+    /// This follower's own threshold factor (1.0 to 1.5), so that followers reading the same
+    /// records do not all write a checkpoint at once.
+    pub(super) jitter: f64,
+    pub(super) checkpoints_written: u64,
+    pub(super) checkpoints_read: u64,
+}
+
+impl State {
+    pub(super) fn new() -> State {
+        State {
+            tombstones: HashMap::new(),
+            expired: HashMap::new(),
+            expired_order: VecDeque::new(),
+            waiting: HashMap::new(),
+            broken: None,
+            last_prune: 0,
+            executed: VecDeque::new(),
+            executed_set: HashMap::new(),
+            too_late: 0,
+            read: 0,
+            records: 0,
+            open: HashMap::new(),
+            complete_at: None,
+            begun_at: None,
+            own: None,
+            ready: false,
+            jitter: 1.0 + rand::rng().random::<f64>() / 2.0,
+            checkpoints_written: 0,
+            checkpoints_read: 0,
+        }
+    }
+
+    /// A tombstone read (a cancel, or a checkpoint's copy).
+    pub(super) fn add(&mut self, id: String, until_ms: u64, now: u64) {
+        if until_ms > now {
+            if let Some(queue) = self.executed_set.get(&id) {
+                tracing::warn!(%id, %queue, "a cancel arrived after the message ran: too late");
+                crate::metrics::global()
+                    .cancel_too_late
+                    .get_or_create(&crate::metrics::Metrics::queue(queue))
+                    .inc();
+                self.too_late += 1;
+            }
+            let e = self.tombstones.entry(id).or_insert(until_ms);
+            *e = (*e).max(until_ms);
+        } else {
+            self.keep_expired(id, until_ms.saturating_add(EXPIRED_KEPT_MS), now);
+        }
+    }
+
+    pub(super) fn keep_expired(&mut self, id: String, keep_until: u64, now: u64) {
+        if keep_until <= now || self.tombstones.contains_key(&id) {
+            return;
+        }
+        let e = self.expired.entry(id.clone()).or_insert(keep_until);
+        *e = (*e).max(keep_until);
+        let keep_until = *e;
+        self.expired_order.push_back((id, keep_until));
+        self.trim_expired(now);
+    }
+
+    pub(super) fn trim_expired(&mut self, now: u64) {
+        while let Some((_, keep)) = self.expired_order.front() {
+            if self.expired_order.len() <= EXPIRED_KEPT && *keep > now {
+                break;
+            }
+            if let Some((id, keep)) = self.expired_order.pop_front()
+                && self.expired.get(&id) == Some(&keep)
+            {
+                self.expired.remove(&id);
+            }
+        }
+    }
+
+    /// Moves tombstones past their `until` to the expired ones.
+    pub(super) fn prune(&mut self, now: u64) {
+        let gone: Vec<(String, u64)> = self
+            .tombstones
+            .iter()
+            .filter(|(_, until)| **until <= now)
+            .map(|(id, until)| (id.clone(), *until))
+            .collect();
+        for (id, until) in gone {
+            self.tombstones.remove(&id);
+            self.keep_expired(id, until.saturating_add(EXPIRED_KEPT_MS), now);
+        }
+        self.trim_expired(now);
+        self.last_prune = now;
+    }
+
+    pub(super) fn is_cancelled(&self, id: &str, now: u64) -> bool {
+        self.tombstones.get(id).is_some_and(|until| *until > now)
+            || self.expired.get(id).is_some_and(|keep| *keep > now)
+    }
+
+    /// Every tombstone held, as checkpoint items: live ones with their `until`, expired ones
+    /// with the `until` that keeps them as long again.
+    pub(super) fn snapshot(&self, now: u64) -> Items {
+        self.tombstones
+            .iter()
+            .filter(|(_, until)| **until > now)
+            .map(|(id, until)| (id.clone(), *until))
+            .chain(
+                self.expired
+                    .iter()
+                    .filter(|(_, keep)| **keep > now)
+                    .map(|(id, keep)| (id.clone(), keep.saturating_sub(EXPIRED_KEPT_MS))),
+            )
+            .collect()
+    }
+
+    /// A new consumer starts reading: positions start again.
+    pub(super) fn restart_positions(&mut self) {
+        self.read = 0;
+        self.open.clear();
+        self.complete_at = None;
+        self.begun_at = None;
+    }
+
+    pub(super) fn apply(&mut self, r: Record, now: u64) {
+        self.read += 1;
+        self.records += 1;
+        match r {
+            Record::Cancel { id, until_ms, .. } => self.add(id, until_ms, now),
+            Record::Cancels { items } => {
+                for (id, until_ms) in items {
+                    self.add(id, until_ms, now);
+                }
+            }
+            Record::Barrier { nonce } => {
+                if let Some(w) = self.waiting.remove(&nonce) {
+                    let _ = w.send(());
+                }
+            }
+            Record::CheckpointBegin { nonce } => {
+                self.begun_at = Some(self.read);
+                if let Some((own, tx)) = &mut self.own
+                    && *own == nonce
+                    && let Some(tx) = tx.take()
+                {
+                    let _ = tx.send(self.snapshot(now));
+                }
+                self.open.insert(
+                    nonce,
+                    OpenCheckpoint {
+                        begin: self.read,
+                        parts: 0,
+                        got: HashSet::new(),
+                    },
+                );
+            }
+            Record::Checkpoint {
+                nonce,
+                part,
+                parts,
+                items,
+            } => {
+                for (id, until_ms) in items {
+                    self.add(id, until_ms, now);
+                }
+                if let Some(open) = self.open.get_mut(&nonce) {
+                    open.parts = parts;
+                    if part < parts {
+                        open.got.insert(part);
+                    }
+                    if open.got.len() as u64 >= u64::from(open.parts) {
+                        let begin = open.begin;
+                        self.open.remove(&nonce);
+                        self.complete_at = Some(begin);
+                        self.checkpoints_read += 1;
+                    }
+                }
+            }
+            Record::GatewayPair { .. } | Record::BatchMarker { .. } => {}
+        }
+        if now.saturating_sub(self.last_prune) >= 1_000 {
+            self.prune(now);
+        }
+    }
+
+    /// When this follower should write a checkpoint now: its nonce, and where the reader will
+    /// hand over the tombstones when it reads the begin record back.
+    pub(super) fn begin_checkpoint(
+        &mut self,
+        every: u64,
+    ) -> Option<(String, oneshot::Receiver<Items>)> {
+        if !self.wants_checkpoint(every) {
+            return None;
+        }
+        let nonce = uuid::Uuid::now_v7().to_string();
+        let (tx, rx) = oneshot::channel();
+        self.own = Some((nonce.clone(), Some(tx)));
+        Some((nonce, rx))
+    }
+
+    /// Whether this follower should write a checkpoint now.
+    pub(super) fn wants_checkpoint(&self, every: u64) -> bool {
+        if !self.ready || self.own.is_some() || self.broken.is_some() {
+            return false;
+        }
+        let held = (self.tombstones.len() + self.expired.len()) as u64;
+        let threshold = (every.max(held.saturating_mul(2)) as f64 * self.jitter) as u64;
+        let since_complete = self.read - self.complete_at.unwrap_or(0);
+        let since_begun = self.read - self.begun_at.unwrap_or(0);
+        since_complete >= threshold && since_begun >= threshold / 2
+    }
+}
+
+/// The state, also after a panic elsewhere held its lock.
+pub(super) fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    // a panic while holding the lock leaves a state that is still a valid map of tombstones
+    state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cancel(id: &str, until_ms: u64) -> Record {
+        Record::Cancel {
+            id: id.into(),
+            until_ms,
+            due_at_ms: None,
+        }
+    }
+
+    #[test]
+    fn state_keeps_live_tombstones_and_a_bounded_number_of_expired_ones() {
+        let mut s = State::new();
+        s.apply(cancel("old", 5), 10);
+        s.apply(cancel("live", 5_000), 10);
+        assert_eq!(s.tombstones.len(), 1);
+        assert!(s.is_cancelled("old", 10), "expired, but still kept");
+        s.apply(cancel("later", 9_000), 6_000);
+        assert!(
+            !s.tombstones.contains_key("live"),
+            "no longer live after its until"
+        );
+        assert!(s.is_cancelled("live", 6_000), "kept after its until");
+        assert!(s.tombstones.contains_key("later"));
+        // kept for EXPIRED_KEPT_MS after the until, no longer
+        assert!(s.is_cancelled("live", 5_000 + EXPIRED_KEPT_MS - 1));
+        assert!(!s.is_cancelled("live", 5_000 + EXPIRED_KEPT_MS));
+        // and at most EXPIRED_KEPT of them, the most recently expired
+        let mut s = State::new();
+        for i in 0..EXPIRED_KEPT + 10 {
+            s.apply(cancel(&format!("e{i}"), 5), 10);
+        }
+        assert_eq!(s.expired.len(), EXPIRED_KEPT);
+        assert!(!s.is_cancelled("e0", 10));
+        assert!(s.is_cancelled(&format!("e{}", EXPIRED_KEPT + 9), 10));
+    }
+
+    #[test]
+    fn a_checkpoint_counts_once_all_its_parts_follow_its_begin() {
+        let mut s = State::new();
+        let part = |n: u32, items: Vec<(String, u64)>| Record::Checkpoint {
+            nonce: "k".into(),
+            part: n,
+            parts: 2,
+            items,
+        };
+        // parts without their begin: tombstones taken, no checkpoint
+        s.apply(part(0, vec![("a".into(), 100)]), 10);
+        assert!(s.is_cancelled("a", 10));
+        assert_eq!(s.complete_at, None);
+        s.apply(cancel("x", 100), 10);
+        s.apply(Record::CheckpointBegin { nonce: "k".into() }, 10);
+        s.apply(cancel("y", 100), 10);
+        s.apply(part(1, vec![]), 10);
+        assert_eq!(s.complete_at, None, "one part of two");
+        s.apply(part(1, vec![]), 10);
+        assert_eq!(s.complete_at, None, "the same part again");
+        s.apply(part(0, vec![("b".into(), 100)]), 10);
+        assert_eq!(
+            s.complete_at,
+            Some(3),
+            "whole from its begin record, the 3rd read"
+        );
+        assert_eq!(s.checkpoints_read, 1);
+    }
+
+    #[test]
+    fn a_snapshot_read_back_restores_what_its_writer_held() {
+        let mut w = State::new();
+        w.apply(cancel("live", 50_000), 1_000);
+        w.apply(cancel("expired", 500), 1_000);
+        let items = w.snapshot(1_000);
+        let mut r = State::new();
+        r.apply(
+            Record::Checkpoint {
+                nonce: "k".into(),
+                part: 0,
+                parts: 1,
+                items,
+            },
+            2_000,
+        );
+        assert_eq!(r.tombstones.get("live"), Some(&50_000));
+        assert!(r.is_cancelled("expired", 2_000));
+        assert_eq!(
+            r.expired.get("expired"),
+            w.expired.get("expired"),
+            "kept exactly as long"
+        );
+    }
+
+    #[test]
+    fn only_a_ready_follower_checkpoints_after_enough_records() {
+        let mut s = State::new();
+        s.jitter = 1.0;
+        for i in 0..100 {
+            s.apply(
+                Record::Barrier {
+                    nonce: format!("{i}"),
+                },
+                10,
+            );
+        }
+        assert!(
+            !s.wants_checkpoint(100),
+            "not ready: its state may be partial"
+        );
+        s.ready = true;
+        assert!(s.wants_checkpoint(100));
+        assert!(!s.wants_checkpoint(101));
+        // someone else began one: wait for it
+        s.apply(Record::CheckpointBegin { nonce: "k".into() }, 10);
+        assert!(!s.wants_checkpoint(100));
+        // many tombstones: checkpoints further apart (twice as many records as tombstones)
+        let mut s = State::new();
+        s.jitter = 1.0;
+        s.ready = true;
+        for i in 0..100 {
+            s.apply(cancel(&format!("c{i}"), 1_000), 10);
+        }
+        assert!(!s.wants_checkpoint(10), "holds 100: every 200 records");
+        for i in 0..100 {
+            s.apply(
+                Record::Barrier {
+                    nonce: format!("{i}"),
+                },
+                10,
+            );
+        }
+        assert!(s.wants_checkpoint(10));
+    }
+}
