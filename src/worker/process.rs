@@ -268,6 +268,7 @@ async fn one<H: Handler>(
             .observe(late as f64 / 1000.0);
     }
     metrics.in_flight.inc();
+    // `None`: cancelled while the handler kept saying "not now"
     let outcome = loop {
         let outcome = match tokio::time::timeout(timeout, handler.handle(&d, &hctx)).await {
             Ok(o) => o,
@@ -281,8 +282,11 @@ async fn one<H: Handler>(
                 tracing::info!(queue = %d.queue, id = %d.message_id, %reason, "not processed now; trying again in {pause:?}");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(2));
+                if ctx.cancels.is_cancelled(&d.message_id) {
+                    break None;
+                }
             }
-            other => break other,
+            other => break Some(other),
         }
     };
     metrics.in_flight.dec();
@@ -290,6 +294,10 @@ async fn one<H: Handler>(
         .handler_duration
         .get_or_create(&label)
         .observe(held.elapsed().as_secs_f64());
+    let Some(outcome) = outcome else {
+        cancelled(&d, ctx, "acked while held by \"not now\", not run again");
+        return Ok((d, Done::Cancelled));
+    };
     if !matches!(outcome, Outcome::Requeue(_)) {
         ctx.cancels.executed(&d.message_id, &d.queue);
     }

@@ -492,6 +492,45 @@ async fn start_up_reads_from_the_latest_checkpoint_not_the_whole_stream() {
     env.cleanup().await;
 }
 
+/// A handler that keeps saying "not now" is not called again once its message is cancelled:
+/// the message is acked as cancelled, not held for `requeue_hold`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_held_by_not_now_stops_when_cancelled() {
+    let mut env = env().await;
+    let q = env.queue("held").await;
+    env.parked_queue(&q);
+    let mut s = env.settings.clone();
+    s.consumer.requeue_hold = DurationMs(30_000);
+    s.consumer.retry = retry(20, 2.0, 3);
+    let h = Scripted::new(|_| Outcome::Requeue("not now".into()));
+    let log = h.log.clone();
+    let (stop, run, counters) = spawn_counted(s, &q, h);
+    let p = env.publisher().await;
+    p.schedule(Message::new(q.clone(), 50, "h").with_id("held"))
+        .await
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || log.lock().unwrap().len() >= 2).await);
+    p.cancel("held", None).await.unwrap();
+    assert!(
+        wait_until(Duration::from_secs(5), || cancelled_count(&counters) == 1).await,
+        "still held after the cancel: {} calls",
+        log.lock().unwrap().len()
+    );
+    let calls = log.lock().unwrap().len();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert_eq!(
+        log.lock().unwrap().len(),
+        calls,
+        "called again after the cancel"
+    );
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    assert_eq!(counters.parked.load(Ordering::Relaxed), 0);
+    env.assert_empty(&q).await;
+    p.close().await;
+    env.cleanup().await;
+}
+
 /// The guarantee's boundary where it is easiest to get wrong: a busy worker (a message falling
 /// due every 40 ms) has always just synced, so it checks most messages against a recent sync
 /// without a barrier of its own. A cancel confirmed exactly `cancel.notice` before the due time
