@@ -298,11 +298,9 @@ async fn one<H: Handler>(
         cancelled(&d, ctx, "acked while held by \"not now\", not run again");
         return Ok((d, Done::Cancelled));
     };
-    if !matches!(outcome, Outcome::Requeue(_)) {
-        ctx.cancels.executed(&d.message_id, &d.queue);
-    }
     let done = match outcome {
         Outcome::Success => {
+            ctx.cancels.executed(&d.message_id, &d.queue);
             ctx.counters.succeeded.fetch_add(1, Ordering::Relaxed);
             metrics.executed.get_or_create(&label).inc();
             Done::Succeeded
@@ -319,10 +317,12 @@ async fn one<H: Handler>(
                 d.attempt + 1
             );
             park(&d, &why, "exhausted", ctx).await?;
+            ctx.cancels.executed(&d.message_id, &d.queue);
             Done::Parked
         }
         Outcome::Permanent(reason) => {
             park(&d, &reason, "permanent", ctx).await?;
+            ctx.cancels.executed(&d.message_id, &d.queue);
             Done::Parked
         }
         Outcome::Requeue(reason) => Done::PutBack(reason),

@@ -147,6 +147,9 @@ async fn a_cancel_survives_a_worker_restart_and_stops_retries() {
         ["retried"],
         "a cancelled retry ran again"
     );
+    // the first attempt failed and was retried: the cancel came in time for the next one,
+    // not "after the message ran"
+    assert_eq!(too_late_metric(&q), 0, "a retried message counted as run");
     env.assert_tiers_empty().await;
     p.close().await;
     env.cleanup().await;
@@ -248,6 +251,11 @@ async fn a_cancel_confirmed_the_notice_before_due_is_honoured_and_a_late_one_is_
     assert_eq!(
         p.cancel_scheduled(&s).await.unwrap().verdict,
         Verdict::TooLate
+    );
+    // and the worker that ran it says so
+    assert!(
+        wait_until(Duration::from_secs(5), || too_late_metric(&q) == 1).await,
+        "no too-late count for a message that ran"
     );
     tokio::time::sleep(Duration::from_millis(1_800)).await;
     stop.send(()).unwrap();
@@ -405,6 +413,15 @@ async fn append_raw(env: &Env, bodies: impl Iterator<Item = String>) {
 
 fn cancelled_count(c: &Counters) -> u64 {
     c.cancelled.load(Ordering::Relaxed)
+}
+
+/// The metric `amqp_delay_cancel_too_late_total` of `queue` (0 when never counted).
+fn too_late_metric(queue: &str) -> u64 {
+    let text = amqp_delay::metrics::global().encode();
+    let key = format!("amqp_delay_cancel_too_late_total{{queue=\"{queue}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .map_or(0, |v| v.trim().parse().unwrap())
 }
 
 /// Start-up is bounded by checkpoints: with 100 000 old records (barriers, as busy workers
