@@ -494,6 +494,7 @@ impl<H: Handler> Worker<H> {
                     succeeded = c.succeeded.load(Ordering::Relaxed),
                     retried = c.retried.load(Ordering::Relaxed),
                     parked = c.parked.load(Ordering::Relaxed),
+                    cancelled = c.cancelled.load(Ordering::Relaxed),
                     "worker stopped"
                 );
             }
