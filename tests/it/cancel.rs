@@ -548,6 +548,164 @@ async fn a_message_held_by_not_now_stops_when_cancelled() {
     env.cleanup().await;
 }
 
+/// `delay-publisher cancel --id` and `cancel --jsonl`: what they print, their exit codes, and
+/// that a running worker honours what they cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_cancel_by_id_and_by_jsonl() {
+    let mut env = env().await;
+    let q = env.queue("cli").await;
+    env.parked_queue(&q);
+    let h = Scripted::new(|_| Outcome::Success);
+    let log = h.log.clone();
+    let mut s = env.settings.clone();
+    s.consumer.retry = retry(20, 2.0, 3);
+    let (stop, run, counters) = spawn_counted(s, &q, h);
+    let p = env.publisher().await;
+    let mut due = std::collections::HashMap::new();
+    for id in ["a", "b", "c", "kept"] {
+        let m = p
+            .schedule(Message::new(q.clone(), 3_000, "x").with_id(id))
+            .await
+            .unwrap();
+        due.insert(id, m.due_at_ms);
+    }
+    let cfg = env.write_config("");
+    let cli = |args: Vec<String>| {
+        let cfg = cfg.clone();
+        async move {
+            let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+                .arg("--config")
+                .arg(&cfg)
+                .args(&args)
+                .env("AMQP_URL", broker_url())
+                .output()
+                .await
+                .unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        }
+    };
+    let verdicts = |stdout: &str| -> Vec<(String, String)> {
+        stdout
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                assert!(v["until"].as_u64().is_some(), "{l}");
+                (
+                    v["id"].as_str().unwrap().to_string(),
+                    v["verdict"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+
+    let (code, out, err) = cli(vec![
+        "cancel".into(),
+        "--id".into(),
+        "a".into(),
+        "--due-at".into(),
+        due["a"].to_string(),
+    ])
+    .await;
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(verdicts(&out), [("a".to_string(), "honoured".to_string())]);
+    // an id nobody scheduled: harmless, and without a due time the verdict is unknown
+    let (code, out, err) = cli(vec!["cancel".into(), "--id".into(), "nobody".into()]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(
+        verdicts(&out),
+        [("nobody".to_string(), "unknown".to_string())]
+    );
+
+    let file = temp_path(&env.settings.prefix, "cancel.jsonl");
+    std::fs::write(
+        &file,
+        format!(
+            "{{\"id\":\"b\",\"due_at\":{}}}\n\nnot json\n{{\"id\":\"c\"}}\n{{\"id\":\"gone-by\",\"due_at\":{}}}\n",
+            due["b"],
+            now_ms() - 60_000
+        ),
+    )
+    .unwrap();
+    let (code, out, err) = cli(vec![
+        "cancel".into(),
+        "--jsonl".into(),
+        file.to_str().unwrap().into(),
+    ])
+    .await;
+    assert_eq!(code, Some(1), "a bad line fails the run: {err}");
+    let mut got = verdicts(&out);
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            ("b".to_string(), "honoured".to_string()),
+            ("c".to_string(), "unknown".to_string()),
+            ("gone-by".to_string(), "too_late".to_string()),
+        ]
+    );
+    assert!(err.contains("line 3: not a cancel request"), "{err}");
+    assert!(err.contains("3 cancelled, 1 failed"), "{err}");
+
+    assert!(wait_until(Duration::from_secs(10), || !log.lock().unwrap().is_empty()).await);
+    assert!(wait_until(Duration::from_secs(5), || cancelled_count(&counters) == 3).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    assert_eq!(executed_ids(&log), ["kept"]);
+    assert_eq!(cancelled_count(&counters), 3);
+    let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_file(&cfg);
+    p.close().await;
+    env.cleanup().await;
+}
+
+/// Cancelled while a worker runs, which then restarts before the due time: the new session
+/// reads the tombstone back and honours it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_read_by_a_running_worker_holds_after_its_restart() {
+    let mut env = env().await;
+    let q = env.queue("rerun").await;
+    env.parked_queue(&q);
+    let mut s = env.settings.clone();
+    s.consumer.retry = retry(20, 2.0, 3);
+    let h = Scripted::new(|_| Outcome::Success);
+    let log = h.log.clone();
+    let (stop, run, _) = spawn_counted(s.clone(), &q, h.clone());
+    let p = env.publisher().await;
+    let gone = p
+        .schedule(Message::new(q.clone(), 2_500, "gone").with_id("gone"))
+        .await
+        .unwrap();
+    p.schedule(Message::new(q.clone(), 2_500, "kept").with_id("kept"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        p.cancel_scheduled(&gone).await.unwrap().verdict,
+        Verdict::Honoured
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    assert!(
+        now_ms() < gone.due_at_ms,
+        "restarted too late to prove anything"
+    );
+    let (stop, run, counters) = spawn_counted(s, &q, h);
+    assert!(wait_until(Duration::from_secs(10), || !log.lock().unwrap().is_empty()).await);
+    assert!(wait_until(Duration::from_secs(5), || cancelled_count(&counters) == 1).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    assert_eq!(executed_ids(&log), ["kept"]);
+    p.close().await;
+    env.cleanup().await;
+}
+
 /// The guarantee's boundary where it is easiest to get wrong: a busy worker (a message falling
 /// due every 40 ms) has always just synced, so it checks most messages against a recent sync
 /// without a barrier of its own. A cancel confirmed exactly `cancel.notice` before the due time
