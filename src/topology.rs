@@ -430,7 +430,7 @@ impl Topology {
     /// Arguments of a queue our workers consume (a destination `declare --queue` creates, the
     /// gateway's queues): a message that reaches the delivery limit is dead-lettered into the
     /// parking exchange, so it lands in `<prefix>.parked` with the reason (`delivery_limit`) in
-    /// `x-death`, never lost. Quorum queues get the limit [`DELIVERY_LIMIT`] explicitly (4.x's
+    /// `x-death`, never lost. Quorum queues get the limit (`DELIVERY_LIMIT`, 20) explicitly (4.x's
     /// default; 3.x has none): a message that can never be received (a header frame over
     /// `frame_max`) is then parked after that many deliveries instead of blocking the queue
     /// forever, while the worker takes one message at a time. Classic queues have no delivery

@@ -307,7 +307,13 @@ async fn one<H: Handler>(
         }
         Outcome::Retry(reason) if ctx.settings.retry.may_retry(d.attempt) => {
             let random: f64 = rand::rng().random();
-            let delay = ctx.settings.retry.backoff_ms(d.attempt, random);
+            // a backoff longer than the topology's longest delay (retry.cap defaults to 1 h)
+            // could never be scheduled: the message would go back to the queue again and again
+            let delay = ctx
+                .settings
+                .retry
+                .backoff_ms(d.attempt, random)
+                .min(ctx.layout.max_delay_ms());
             reschedule(&d, &reason, ctx, d.attempt + 1, delay).await?;
             Done::Retried
         }

@@ -128,6 +128,50 @@ async fn fails_twice_then_succeeds_on_attempt_2_through_the_same_tiers() {
     env.cleanup().await;
 }
 
+/// A backoff longer than the topology's longest delay (the default retry.cap is 1 h) cannot
+/// be scheduled as it is: the retry waits the longest delay instead of going back to the queue
+/// again and again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backoff_longer_than_the_topology_allows_waits_the_longest_delay() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("long-backoff").await;
+    env.parked_queue(&q);
+    let h = Scripted::new(|d| {
+        if d.attempt == 0 {
+            Outcome::Retry("once".into())
+        } else {
+            Outcome::Success
+        }
+    });
+    let log = h.log.clone();
+    let max = env.layout().max_delay_ms();
+    // 5 s backoff, on a topology whose longest delay is 1.5 s
+    let (stop, run) = spawn_worker(&env, &q, h, retry(5_000, 1.0, 3));
+    let p = env.publisher().await;
+    p.schedule(Message::new(q.clone(), 10, "x").with_id("m1"))
+        .await
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || log.lock().unwrap().len() >= 2).await,
+        "the retry never ran: {:?}",
+        log.lock().unwrap()
+    );
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    let runs = log.lock().unwrap().clone();
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    assert_eq!(runs[1].1, 1, "{runs:?}");
+    let waited = runs[1].2 - runs[0].2;
+    assert!(
+        waited >= max,
+        "the retry came after {waited} ms, before {max} ms"
+    );
+    assert!(waited < 4_000, "the retry waited {waited} ms");
+    env.assert_tiers_empty().await;
+    p.close().await;
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn always_failing_is_parked_after_max_attempts_with_the_reason() {
     let mut env = Env::new(small_topology()).await;
