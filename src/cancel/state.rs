@@ -90,7 +90,10 @@ impl State {
     /// A tombstone read (a cancel, or a checkpoint's copy).
     pub(super) fn add(&mut self, id: String, until_ms: u64, now: u64) {
         if until_ms > now {
-            if let Some(queue) = self.executed_set.get(&id) {
+            // a checkpoint repeats every live tombstone: count a late cancel once, when it is new
+            if !self.tombstones.contains_key(&id)
+                && let Some(queue) = self.executed_set.get(&id)
+            {
                 tracing::warn!(%id, %queue, "a cancel arrived after the message ran: too late");
                 crate::metrics::global()
                     .cancel_too_late
@@ -107,6 +110,11 @@ impl State {
 
     pub(super) fn keep_expired(&mut self, id: String, keep_until: u64, now: u64) {
         if keep_until <= now || self.tombstones.contains_key(&id) {
+            return;
+        }
+        // a checkpoint repeats every expired tombstone: one entry in the order each, or trimming
+        // an old duplicate would drop the id while the new one stays queued
+        if self.expired.get(&id).is_some_and(|k| *k >= keep_until) {
             return;
         }
         let e = self.expired.entry(id.clone()).or_insert(keep_until);
@@ -146,7 +154,10 @@ impl State {
     }
 
     pub(super) fn is_cancelled(&self, id: &str, now: u64) -> bool {
-        self.tombstones.get(id).is_some_and(|until| *until > now)
+        // a tombstone past its `until` counts as expired even before `prune` moves it
+        self.tombstones
+            .get(id)
+            .is_some_and(|until| until.saturating_add(EXPIRED_KEPT_MS) > now)
             || self.expired.get(id).is_some_and(|keep| *keep > now)
     }
 
@@ -155,7 +166,7 @@ impl State {
     pub(super) fn snapshot(&self, now: u64) -> Items {
         self.tombstones
             .iter()
-            .filter(|(_, until)| **until > now)
+            .filter(|(_, until)| until.saturating_add(EXPIRED_KEPT_MS) > now)
             .map(|(id, until)| (id.clone(), *until))
             .chain(
                 self.expired
@@ -306,6 +317,40 @@ mod tests {
         assert_eq!(s.expired.len(), EXPIRED_KEPT);
         assert!(!s.is_cancelled("e0", 10));
         assert!(s.is_cancelled(&format!("e{}", EXPIRED_KEPT + 9), 10));
+    }
+
+    #[test]
+    fn reading_the_same_expired_tombstones_again_keeps_them_all() {
+        // every checkpoint repeats them: re-reading must not push duplicates that trimming
+        // would later take for the originals
+        let mut s = State::new();
+        for _ in 0..3 {
+            for i in 0..EXPIRED_KEPT {
+                s.apply(cancel(&format!("e{i}"), 5), 10);
+            }
+        }
+        assert_eq!(s.expired.len(), EXPIRED_KEPT);
+        assert_eq!(s.expired_order.len(), EXPIRED_KEPT);
+        assert!(s.is_cancelled("e0", 10));
+    }
+
+    #[test]
+    fn a_tombstone_past_its_until_counts_before_it_is_pruned() {
+        let mut s = State::new();
+        s.apply(cancel("t", 100), 10);
+        // no prune has run since: still cancelled, and still in a checkpoint
+        assert!(s.is_cancelled("t", 200));
+        assert!(s.snapshot(200).iter().any(|(id, _)| id == "t"));
+        assert!(!s.is_cancelled("t", 100 + EXPIRED_KEPT_MS));
+    }
+
+    #[test]
+    fn a_late_cancel_read_again_from_a_checkpoint_counts_once() {
+        let mut s = State::new();
+        s.executed_set.insert("ran".into(), "q".into());
+        s.add("ran".into(), 5_000, 10);
+        s.add("ran".into(), 5_000, 20);
+        assert_eq!(s.too_late, 1);
     }
 
     #[test]
