@@ -217,6 +217,10 @@ impl ForwardOut {
                         exists
                     }
                     Err(e) => {
+                        // remembered as "not there" for as long as an answer is trusted, so
+                        // that handlers waiting behind this one do not each spend a connect
+                        // timeout on a broker that does not answer
+                        *checked = Some((std::time::Instant::now(), false));
                         return Some(format!(
                             "forward to '{exchange}': checking the exchange after a failed \
                              publish: {}",

@@ -333,7 +333,13 @@ impl Cancellations {
     /// Why the follower stopped reading the stream, if it did (its consumer ended or its
     /// channel closed): it then knows no new cancel, and every sync fails.
     pub fn broken(&self) -> Option<String> {
-        lock(&self.state).broken.clone()
+        if let Some(why) = lock(&self.state).broken.clone() {
+            return Some(why);
+        }
+        // barriers and checkpoints are appended on their own channel: without it no sync can
+        // succeed, and every message would go back to the queue
+        (!self.channel.status().connected())
+            .then(|| "the channel appending to the control stream was closed".to_string())
     }
 
     /// What the follower did so far.

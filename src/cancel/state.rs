@@ -208,6 +208,17 @@ impl State {
                 {
                     let _ = tx.send(self.snapshot(now));
                 }
+                // begins whose parts never came (a writer that failed): forget the oldest
+                if self.open.len() >= 64 {
+                    let oldest = self
+                        .open
+                        .iter()
+                        .min_by_key(|(_, o)| o.begin)
+                        .map(|(n, _)| n.clone());
+                    if let Some(n) = oldest {
+                        self.open.remove(&n);
+                    }
+                }
                 self.open.insert(
                     nonce,
                     OpenCheckpoint {
@@ -226,7 +237,11 @@ impl State {
                 for (id, until_ms) in items {
                     self.add(id, until_ms, now);
                 }
-                if let Some(open) = self.open.get_mut(&nonce) {
+                // a checkpoint has at least one part, and its first part read says how many
+                if parts > 0
+                    && let Some(open) = self.open.get_mut(&nonce)
+                    && (open.parts == 0 || open.parts == parts)
+                {
                     open.parts = parts;
                     if part < parts {
                         open.got.insert(part);
@@ -351,6 +366,25 @@ mod tests {
         s.add("ran".into(), 5_000, 10);
         s.add("ran".into(), 5_000, 20);
         assert_eq!(s.too_late, 1);
+    }
+
+    #[test]
+    fn a_checkpoint_of_no_parts_or_of_changing_parts_is_not_complete() {
+        let mut s = State::new();
+        s.apply(Record::CheckpointBegin { nonce: "k".into() }, 10);
+        let part = |part: u32, parts: u32| Record::Checkpoint {
+            nonce: "k".into(),
+            part,
+            parts,
+            items: vec![],
+        };
+        s.apply(part(0, 0), 10);
+        assert_eq!(s.complete_at, None, "zero parts");
+        s.apply(part(0, 2), 10);
+        s.apply(part(1, 1), 10);
+        assert_eq!(s.complete_at, None, "a part claiming fewer parts");
+        s.apply(part(1, 2), 10);
+        assert!(s.complete_at.is_some());
     }
 
     #[test]

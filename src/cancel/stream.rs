@@ -183,7 +183,11 @@ pub(super) async fn pump(
             }
             s.begin_checkpoint(every)
         };
-        if let Some(p) = &progress {
+        // progress feeds the worker's start-up watchdog: only the start-up read counts, or a
+        // busy stream would keep a session that hangs later from ever timing out
+        if let Some(p) = &progress
+            && !lock(&state).ready
+        {
             p.fetch_add(1, Ordering::Relaxed);
         }
         if let Some((nonce, rx)) = checkpoint {
