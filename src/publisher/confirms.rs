@@ -10,8 +10,9 @@
 //! Here one task per channel awaits every confirm of that channel. It puts every return on hand
 //! as soon as any confirm brings it, lets each completed publish wait a few milliseconds (so
 //! that the other completions of lapin's pass are seen too), then gives each return to the
-//! publish that carries its exchange, routing key, message id and body. Two publishes identical in all four are interchangeable,
-//! so swapping their outcomes changes nothing a caller can tell.
+//! publish that carries its exchange, routing key, message id and body. Two publishes identical
+//! in all four are interchangeable, so swapping their outcomes changes nothing a caller can
+//! tell.
 
 use std::collections::VecDeque;
 use std::collections::hash_map::DefaultHasher;
