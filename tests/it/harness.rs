@@ -75,10 +75,32 @@ impl Drop for Env {
                 }
             }
             for l in declared {
-                let _ = Topology::new(l).delete(&conn).await;
+                delete_batch_markers(&conn, &l, &queues).await;
+                // as cleanup does; the bare topology when the control stream cannot be read
+                if amqp_delay::admin::teardown(&conn, &l, None, true)
+                    .await
+                    .is_err()
+                {
+                    let _ = Topology::new(l).delete(&conn).await;
+                }
             }
         });
     }
+}
+
+/// Deletes the batch marker exchange of each of `queues` under `layout` (absent ones are fine).
+async fn delete_batch_markers(conn: &Connection, layout: &Layout, queues: &[String]) {
+    let Ok(ch) = conn.create_channel().await else {
+        return;
+    };
+    for q in queues {
+        if let Some(x) = layout.batch_marker(q) {
+            let _ = ch
+                .exchange_delete(x.as_str().into(), Default::default())
+                .await;
+        }
+    }
+    let _ = ch.close(200, "bye".into()).await;
 }
 
 /// Runs `f` with a new connection on a new runtime in its own thread, and waits for it: for
@@ -205,6 +227,9 @@ impl Env {
             self.delete_queue(q).await;
         }
         for l in &self.declared {
+            // the batch markers of this test's queues even if the control stream lost them (a
+            // test that deleted it)
+            delete_batch_markers(&self.conn, l, &self.queues).await;
             // as `delay-publisher teardown --force`: the topology and what the control stream
             // names (batch markers workers declared, gateway pairs)
             amqp_delay::admin::teardown(&self.conn, l, None, true)
