@@ -171,7 +171,7 @@ pub(super) async fn pump(
             None => break,
         };
         let record = Record::decode(&d.data);
-        let checkpoint = {
+        let (checkpoint, starting) = {
             let mut s = lock(&state);
             match record {
                 Some(r) => s.apply(r, now_ms()),
@@ -181,12 +181,12 @@ pub(super) async fn pump(
                     s.records += 1;
                 }
             }
-            s.begin_checkpoint(every)
+            (s.begin_checkpoint(every), !s.ready)
         };
         // progress feeds the worker's start-up watchdog: only the start-up read counts, or a
         // busy stream would keep a session that hangs later from ever timing out
         if let Some(p) = &progress
-            && !lock(&state).ready
+            && starting
         {
             p.fetch_add(1, Ordering::Relaxed);
         }
