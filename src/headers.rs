@@ -59,6 +59,18 @@ pub fn is_ours(name: &str) -> bool {
     name.starts_with("x-delay-")
 }
 
+/// The quorum queues' count of earlier returns of a delivery (set by the broker).
+pub const DELIVERY_COUNT: &str = "x-delivery-count";
+
+/// How many times the broker says this delivery was returned to its queue before
+/// (`x-delivery-count`; 0 when absent, negative or not an integer).
+pub fn delivery_count(table: Option<&FieldTable>) -> u64 {
+    table
+        .and_then(|t| get_int(t, DELIVERY_COUNT))
+        .and_then(|n| u64::try_from(n).ok())
+        .unwrap_or(0)
+}
+
 /// The broker's dead-letter history headers.
 pub fn is_death_header(name: &str) -> bool {
     name == "x-death" || name.starts_with("x-first-death-") || name.starts_with("x-last-death-")
@@ -67,7 +79,7 @@ pub fn is_death_header(name: &str) -> bool {
 /// Headers the broker adds on its own: the dead-letter history and the quorum queues'
 /// redelivery counter. Never carried into anything we re-publish.
 pub fn is_broker_header(name: &str) -> bool {
-    is_death_header(name) || name == "x-delivery-count"
+    is_death_header(name) || name == DELIVERY_COUNT
 }
 
 /// Returns `table` without `x-death`, `x-first-death-*`, `x-last-death-*` and
@@ -207,5 +219,18 @@ mod tests {
         assert_eq!(t.inner()["f"], AMQPValue::Double(1.5));
         assert_eq!(t.inner()["s"], AMQPValue::LongString("x".into()));
         assert!(matches!(t.inner()["o"], AMQPValue::FieldTable(_)));
+    }
+
+    #[test]
+    fn the_delivery_count_is_read_from_any_integer_and_absent_is_zero() {
+        let mut t = FieldTable::default();
+        assert_eq!(delivery_count(None), 0);
+        assert_eq!(delivery_count(Some(&t)), 0);
+        t.insert(DELIVERY_COUNT.into(), AMQPValue::LongInt(3));
+        assert_eq!(delivery_count(Some(&t)), 3);
+        t.insert(DELIVERY_COUNT.into(), AMQPValue::LongLongInt(-2));
+        assert_eq!(delivery_count(Some(&t)), 0);
+        t.insert(DELIVERY_COUNT.into(), AMQPValue::LongString("7".into()));
+        assert_eq!(delivery_count(Some(&t)), 0);
     }
 }

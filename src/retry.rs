@@ -100,6 +100,21 @@ impl RetryPolicy {
     }
 }
 
+/// How long the worker holds a message it could not settle (its retry or parked copy was
+/// not confirmed) before returning it to its queue, from the broker's count of its earlier
+/// returns: 1 s, doubling, at most 30 s. Every return counts toward the quorum queues'
+/// delivery limit (20, then the message is parked), so the pause grows: the limit is
+/// reached after about 8 minutes of failures, not 20 seconds.
+pub fn requeue_pause_ms(returned_before: u64) -> u64 {
+    1000u64
+        .checked_shl(returned_before.min(16) as u32)
+        .unwrap_or(u64::MAX)
+        .min(REQUEUE_PAUSE_CAP_MS)
+}
+
+/// The longest pause of [`requeue_pause_ms`].
+pub const REQUEUE_PAUSE_CAP_MS: u64 = 30_000;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,5 +164,16 @@ mod tests {
             prop_assert!(b <= p.ceiling_ms(attempt));
             prop_assert!(b >= p.floor_ms(attempt));
         }
+    }
+
+    #[test]
+    fn the_requeue_pause_doubles_to_its_cap_and_twenty_returns_take_minutes() {
+        assert_eq!(requeue_pause_ms(0), 1000);
+        assert_eq!(requeue_pause_ms(1), 2000);
+        assert_eq!(requeue_pause_ms(4), 16_000);
+        assert_eq!(requeue_pause_ms(5), REQUEUE_PAUSE_CAP_MS);
+        assert_eq!(requeue_pause_ms(u64::MAX), REQUEUE_PAUSE_CAP_MS);
+        let to_limit: u64 = (0..20).map(requeue_pause_ms).sum();
+        assert_eq!(to_limit, 481_000);
     }
 }

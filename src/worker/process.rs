@@ -63,6 +63,12 @@ pub(super) async fn delivery<H: Handler>(
     ctx: &TaskCtx,
 ) {
     let redelivered = raw.redelivered;
+    // read before our headers are cleaned off for the handler
+    let returned_before = headers::delivery_count(raw.properties.headers().as_ref());
+    let requeue = Requeue {
+        returned_before,
+        stopping: &ctx.stopping,
+    };
     if redelivered {
         ctx.counters.redelivered.fetch_add(1, Ordering::Relaxed);
     }
@@ -104,7 +110,7 @@ pub(super) async fn delivery<H: Handler>(
                 let r = park(&d, &reason, "invalid", ctx)
                     .await
                     .map(|()| Done::Parked);
-                settle(acker, queue, &d.message_id, r.map(|_| ())).await;
+                settle(acker, queue, &d.message_id, r.map(|_| ()), requeue).await;
                 return;
             }
         };
@@ -141,7 +147,7 @@ pub(super) async fn delivery<H: Handler>(
             None => Ok(()),
             Some(e) => Err(e),
         };
-        settle(acker, queue, &batch_id, r).await;
+        settle(acker, queue, &batch_id, r, requeue).await;
         return;
     }
     let decoded = envelope::decode(
@@ -171,14 +177,25 @@ pub(super) async fn delivery<H: Handler>(
                 })
                 .await;
         }
-        Ok(_) => settle(acker, queue, &id, Ok(())).await,
-        Err(e) => settle(acker, queue, &id, Err(e)).await,
+        Ok(_) => settle(acker, queue, &id, Ok(()), requeue).await,
+        Err(e) => settle(acker, queue, &id, Err(e), requeue).await,
     }
 }
 
+/// What `settle` needs to return a message it could not settle.
+#[derive(Clone, Copy)]
+struct Requeue<'a> {
+    /// The broker's count of this delivery's earlier returns (`x-delivery-count`).
+    returned_before: u64,
+    /// Set when the worker stops: the pause ends early.
+    stopping: &'a std::sync::atomic::AtomicBool,
+}
+
 /// Acks after success; after a failure to re-schedule or park, returns the message (a
-/// batch: all of it, its finished members run again — at-least-once) after a pause.
-async fn settle(acker: lapin::Acker, queue: &str, id: &str, r: Result<()>) {
+/// batch: all of it, its finished members run again — at-least-once) after a pause that grows
+/// with its earlier returns (`retry::requeue_pause_ms`): each return counts toward the quorum
+/// queues' delivery limit, so broker trouble of a few minutes does not park it.
+async fn settle(acker: lapin::Acker, queue: &str, id: &str, r: Result<()>, requeue: Requeue<'_>) {
     match r {
         Ok(()) => {
             match acker.ack(BasicAckOptions::default()).await {
@@ -195,14 +212,25 @@ async fn settle(acker: lapin::Acker, queue: &str, id: &str, r: Result<()>) {
             }
         }
         Err(e) => {
-            // a short pause keeps a persistent failure from becoming a hot loop
+            let pause =
+                Duration::from_millis(crate::retry::requeue_pause_ms(requeue.returned_before));
             tracing::error!(
                 queue,
                 id,
-                "{}; returning the message to the queue",
+                returned_before = requeue.returned_before,
+                "{}; returning the message to the queue in {pause:?}",
                 crate::error::chain(&e)
             );
-            tokio::time::sleep(Duration::from_secs(1)).await;
+            // the pause keeps a persistent failure from becoming a hot loop; a stopping
+            // worker returns the message at once
+            let until = Instant::now() + pause;
+            while !requeue.stopping.load(Ordering::Relaxed) {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                tokio::time::sleep(left.min(Duration::from_millis(100))).await;
+            }
             let _ = acker
                 .nack(BasicNackOptions {
                     requeue: true,

@@ -272,6 +272,62 @@ async fn a_poison_message_is_parked_and_the_rest_processed() {
     env.cleanup().await;
 }
 
+/// A message whose retry cannot be published (its tiers are gone) goes back to its queue, and
+/// the worker waits longer before each return (1 s, 2 s, 4 s, ... from `x-delivery-count`):
+/// every return counts toward the quorum queue's delivery limit (20), so a short outage must
+/// not park it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_that_cannot_be_published_is_returned_after_a_growing_pause() {
+    let mut env = Env::new(small_topology()).await;
+    let q = format!("{}-unsettled", env.settings.prefix);
+    amqp_delay::Topology::new(env.layout())
+        .declare_destination(&env.conn, &q)
+        .await
+        .unwrap();
+    env.track_queue(&q);
+    let parked = env.parked_queue(&q);
+    for t in env.layout().tiers() {
+        env.delete_queue(&t.queue).await;
+    }
+    let h = Scripted::new(|_| Outcome::Retry("boom".into()));
+    let log = h.log.clone();
+    let (stop, run) = spawn_worker(&env, &q, h, retry(20, 2.0, 5));
+    let ch = env.conn.create_channel().await.unwrap();
+    ch.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        BasicPublishOptions::default(),
+        b"x",
+        lapin::BasicProperties::default().with_message_id("m1".into()),
+    )
+    .await
+    .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(30), || log.lock().unwrap().len() >= 4).await,
+        "ran {} times",
+        log.lock().unwrap().len()
+    );
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    let runs = log.lock().unwrap().clone();
+    // the retry was never published: every run is the first attempt
+    assert!(runs.iter().all(|r| r.0 == "m1" && r.1 == 0), "{runs:?}");
+    let gaps: Vec<u64> = runs.windows(2).map(|w| w[1].2 - w[0].2).collect();
+    for (i, (gap, pause)) in gaps.iter().zip([1000, 2000, 4000]).enumerate() {
+        assert!(
+            *gap >= pause,
+            "return {i}: ran again after {gap} ms, not {pause}: {gaps:?}"
+        );
+    }
+    // back in its queue, counted by the broker, not parked
+    let got = env.expect(&q, 1).await;
+    assert_eq!(got.len(), 1);
+    assert!(got[0].int_header("x-delivery-count").unwrap_or(0) >= 3);
+    env.assert_empty(&parked).await;
+    let _ = ch.close(200, "ok".into()).await;
+    env.cleanup().await;
+}
+
 /// `delay-consumer` as a child process, killed when dropped.
 pub fn consumer(_env: &Env, config: &std::path::Path, args: &[&str]) -> tokio::process::Child {
     tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-consumer"))
