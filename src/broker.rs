@@ -47,6 +47,73 @@ pub async fn open(conn: &Connection) -> Result<Channel> {
         .context(|| "opening a channel".into())
 }
 
+/// A confirm channel that several tasks publish on at once.
+///
+/// lapin 4.12 gives a publish its delivery tag (by which the broker's acks and nacks are
+/// matched to it) and queues its frames in two separate steps. Two tasks publishing on one
+/// channel from two threads can take their tags in one order and have their frames sent in the
+/// other; then each gets the other's ack or nack, and a message the broker refused looks
+/// confirmed. Measured: 4,000 concurrent publishes on one channel from 4 runtime threads, every
+/// third into a queue that refuses it, had 900–1,800 outcomes swapped in each of 5 rounds. In
+/// the kill -9 fault scenario this lost messages: during the leader election some tiers nack,
+/// and a nacked message took an ack meant for another.
+///
+/// [`SharedChannel::basic_publish`] takes both steps under one lock (they are the first poll
+/// of lapin's publish, with no wait in between), so tags follow the order frames are sent in.
+/// Only that poll is under the lock: publishes still pipeline.
+#[derive(Clone)]
+pub struct SharedChannel {
+    channel: Channel,
+    turn: std::sync::Arc<std::sync::Mutex<()>>,
+}
+
+impl SharedChannel {
+    /// Wraps `channel`; every publish on it must go through [`SharedChannel::basic_publish`].
+    pub fn new(channel: Channel) -> Self {
+        SharedChannel {
+            channel,
+            turn: Default::default(),
+        }
+    }
+
+    /// [`Channel::basic_publish`], its delivery tag taken in the order its frames are sent.
+    pub async fn basic_publish(
+        &self,
+        exchange: lapin::types::ShortString,
+        routing_key: lapin::types::ShortString,
+        options: lapin::options::BasicPublishOptions,
+        payload: &[u8],
+        properties: lapin::BasicProperties,
+    ) -> lapin::Result<lapin::PublisherConfirm> {
+        use std::future::Future;
+        use std::task::Poll;
+        let mut publish = std::pin::pin!(self.channel.basic_publish(
+            exchange,
+            routing_key,
+            options,
+            payload,
+            properties
+        ));
+        let first = std::future::poll_fn(|cx| {
+            let _turn = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+            Poll::Ready(publish.as_mut().poll(cx))
+        })
+        .await;
+        match first {
+            Poll::Ready(r) => r,
+            Poll::Pending => publish.await,
+        }
+    }
+}
+
+impl std::ops::Deref for SharedChannel {
+    type Target = Channel;
+
+    fn deref(&self) -> &Channel {
+        &self.channel
+    }
+}
+
 /// How long a close may wait for the broker's answer: on a connection that stopped answering
 /// (a node going down) it never comes, and whoever closes must carry on.
 pub const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);

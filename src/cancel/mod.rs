@@ -38,12 +38,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use lapin::Connection;
 use lapin::options::ConfirmSelectOptions;
 use lapin::types::AMQPValue;
-use lapin::{Channel, Connection};
 use tokio::sync::oneshot;
 
-use crate::broker::{self, ResultExt};
+use crate::broker::{self, ResultExt, SharedChannel};
 use crate::control::{READ_PREFETCH, Record};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
@@ -168,7 +168,7 @@ pub struct FollowerStats {
 /// share; [`Cancellations::is_cancelled`] is a map lookup.
 pub struct Cancellations {
     state: Arc<Mutex<State>>,
-    channel: Channel,
+    channel: SharedChannel,
     stream: String,
     notice_ms: u64,
     horizon_ms: u64,
@@ -215,6 +215,8 @@ impl Cancellations {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .context(|| "enabling publisher confirms".into())?;
+        // barriers (syncs) and checkpoints are appended on it from different tasks
+        let channel = SharedChannel::new(channel);
         let state = Arc::new(Mutex::new(State::new()));
         let every = opts.checkpoint_every.max(1);
         // the end: a marker first, so that an empty stream has one, then the probe; the start

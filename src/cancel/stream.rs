@@ -14,7 +14,7 @@ use tokio::sync::oneshot;
 
 use super::state::{Items, State, lock};
 use super::{CHECKPOINT_PART, CONFIRM_TIMEOUT, PROBE_TIMEOUT};
-use crate::broker::{self, ResultExt};
+use crate::broker::{self, ResultExt, SharedChannel};
 use crate::control::{ACK_EVERY, READ_STALL, Record};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
@@ -69,7 +69,7 @@ pub(super) async fn consume(
 }
 
 /// Appends `record` on `channel` (confirms on) and waits for the broker's confirm.
-pub(super) async fn append(channel: &Channel, stream: &str, record: &Record) -> Result<()> {
+pub(super) async fn append(channel: &SharedChannel, stream: &str, record: &Record) -> Result<()> {
     let body = record.encode();
     let appended = async {
         let confirm = channel
@@ -138,7 +138,7 @@ pub(super) async fn end_offset(
 pub(super) async fn pump(
     mut consumer: lapin::Consumer,
     state: Arc<Mutex<State>>,
-    channel: Channel,
+    channel: SharedChannel,
     stream: String,
     every: u64,
     progress: Option<Arc<AtomicU64>>,
@@ -215,7 +215,7 @@ pub(super) async fn pump(
 /// over every tombstone it held at that point, the parts. A checkpoint left unfinished (an
 /// error, the follower stopped) is ignored by its readers.
 pub(super) async fn write_checkpoint(
-    channel: Channel,
+    channel: SharedChannel,
     stream: String,
     state: Arc<Mutex<State>>,
     nonce: String,

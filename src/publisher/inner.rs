@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions};
 use lapin::types::{FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::{BasicProperties, Connection};
 use tokio::sync::mpsc;
 
 use super::confirms::{self, Confirms, Outcome};
 use super::{Binding, CONNECTION_NAME, Inner, Prepared};
 use crate::batch::{self, Candidate, Limits};
-use crate::broker::{self, ACCESS_REFUSED, NOT_FOUND};
+use crate::broker::{self, ACCESS_REFUSED, NOT_FOUND, SharedChannel};
 use crate::error::{Error, Result, ResultExt};
 use crate::headers;
 use crate::message::Scheduled;
@@ -558,7 +558,10 @@ pub(super) async fn open_confirm_channel(conn: &Connection) -> Result<PublishCha
             .await
             .context(|| "enabling publisher confirms".into())?;
         let confirms = Arc::new(Confirms::start(channel.id()));
-        Ok(PublishChannel { channel, confirms })
+        Ok(PublishChannel {
+            channel: SharedChannel::new(channel),
+            confirms,
+        })
     };
     tokio::time::timeout(OPEN_TIMEOUT, open)
         .await
@@ -570,17 +573,18 @@ pub(super) async fn open_confirm_channel(conn: &Connection) -> Result<PublishCha
         })
 }
 
-/// A confirm channel with the task that awaits its confirms (see [`confirms`]).
+/// A confirm channel with the task that awaits its confirms (see [`confirms`]). Many tasks
+/// publish on it at once: publishes go through [`SharedChannel::basic_publish`].
 #[derive(Clone)]
 pub(super) struct PublishChannel {
-    channel: Channel,
+    channel: SharedChannel,
     confirms: Arc<Confirms>,
 }
 
 impl std::ops::Deref for PublishChannel {
-    type Target = Channel;
+    type Target = SharedChannel;
 
-    fn deref(&self) -> &Channel {
+    fn deref(&self) -> &SharedChannel {
         &self.channel
     }
 }

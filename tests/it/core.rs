@@ -586,3 +586,181 @@ async fn with_a_tier_missing_exactly_the_messages_entering_it_are_refused() {
     p.close().await;
     env.cleanup().await;
 }
+
+/// lapin numbers a publish (the delivery tag its ack or nack comes back with) and queues its
+/// frames in two steps; publishes from several threads on one channel could be numbered in one
+/// order and sent in the other, and then swapped outcomes: a refused message looked confirmed.
+/// `broker::SharedChannel` takes both steps at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_publishes_on_one_channel_each_get_their_own_ack_or_nack() {
+    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    let conn = connect().await;
+    let prefix = random_prefix();
+    let (refusing, taking) = (format!("{prefix}-refusing"), format!("{prefix}-taking"));
+    let ch = amqp_delay::broker::open(&conn).await.unwrap();
+    let mut full = FieldTable::default();
+    full.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    full.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    amqp_delay::broker::declare_queue(&ch, &refusing, full)
+        .await
+        .unwrap();
+    amqp_delay::broker::declare_queue(&ch, &taking, FieldTable::default())
+        .await
+        .unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let shared = amqp_delay::broker::SharedChannel::new(ch.clone());
+    let tasks: Vec<_> = (0..4000u32)
+        .map(|i| {
+            let shared = shared.clone();
+            let q = if i % 3 == 0 { &refusing } else { &taking }.clone();
+            tokio::spawn(async move {
+                let confirm = shared
+                    .basic_publish(
+                        "".into(),
+                        q.as_str().into(),
+                        BasicPublishOptions::default(),
+                        b"x",
+                        lapin::BasicProperties::default(),
+                    )
+                    .await
+                    .unwrap();
+                (i % 3 == 0, confirm.await.unwrap().is_ack())
+            })
+        })
+        .collect();
+    let mut swapped = 0;
+    for t in tasks {
+        let (refused, acked) = t.await.unwrap();
+        if refused == acked {
+            swapped += 1;
+        }
+    }
+    let admin = amqp_delay::broker::open(&conn).await.unwrap();
+    for q in [&refusing, &taking] {
+        admin
+            .queue_delete(q.as_str().into(), Default::default())
+            .await
+            .unwrap();
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    assert_eq!(
+        swapped, 0,
+        "{swapped} of 4000 publishes got another's outcome"
+    );
+}
+
+/// The same through the publisher: with a tier that refuses everything (full, reject-publish)
+/// and many `schedule` calls at once, every message reported scheduled arrives and none reported
+/// refused does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_concurrent_schedules_a_refusing_tier_refuses_exactly_its_own_messages() {
+    let mut topology = small_topology();
+    topology.max_tier_length = Some(100_000);
+    let mut env = Env::new(topology).await;
+    let a = env.queue("a").await;
+    let layout = env.layout();
+    let precision = amqp_delay::Precision::EXACT;
+    let entry = |d: u64| amqp_delay::planner::plan(&layout, &precision, d).unwrap();
+    let mut entries: HashMap<TierKind, usize> = HashMap::new();
+    for d in 1..=1500 {
+        *entries.entry(entry(d).tiers[0]).or_default() += 1;
+    }
+    let (level, digit) = entries
+        .iter()
+        .filter_map(|(t, n)| match t {
+            TierKind::Cascade { level, digit } => Some((*n, *level, *digit)),
+            _ => None,
+        })
+        .max()
+        .map(|(_, l, d)| (l, d))
+        .unwrap();
+    // the tier, replaced by a queue that refuses every message (nack)
+    let tier = layout.cascade_queue(level, digit);
+    env.delete_queue(&tier).await;
+    let ch = amqp_delay::broker::open(&env.conn).await.unwrap();
+    let mut full = FieldTable::default();
+    full.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    full.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    amqp_delay::broker::declare_queue(&ch, &tier, full)
+        .await
+        .unwrap();
+    amqp_delay::broker::bind_queue(
+        &ch,
+        &tier,
+        &layout.level_exchange(level),
+        &layout.level_binding(level, digit),
+    )
+    .await
+    .unwrap();
+    amqp_delay::broker::close(&ch, "ok").await;
+
+    // every call its own publish, from many tasks at once
+    let mut s = env.settings.clone();
+    s.publisher.batch_max_messages = 1;
+    s.publisher.batch_linger = DurationMs(0);
+    let p = std::sync::Arc::new(amqp_delay::Publisher::connect(&s).await.unwrap());
+    // delays that either enter through that tier or never pass it (one dead-lettered into it
+    // would wait in the tier before)
+    let gone = TierKind::Cascade { level, digit };
+    let mut rng = rand::rng();
+    let mut delays = Vec::new();
+    while delays.len() < 3000 {
+        let d = rng.random_range(1..=1500u64);
+        let r = entry(d);
+        if r.tiers[0] == gone || !r.tiers.contains(&gone) {
+            delays.push(d);
+        }
+    }
+    let calls: Vec<_> = delays
+        .into_iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let (p, a) = (p.clone(), a.clone());
+            tokio::spawn(async move {
+                let r = p
+                    .schedule(Message::new(a, d, format!("m{i}")).with_id(format!("id-{i}")))
+                    .await;
+                (format!("id-{i}"), r)
+            })
+        })
+        .collect();
+    let mut sent = HashSet::new();
+    let mut refused = 0;
+    for c in calls {
+        match c.await.unwrap() {
+            (id, Ok(_)) => {
+                sent.insert(id);
+            }
+            (_, Err(Error::Nacked { .. })) => refused += 1,
+            (id, Err(e)) => panic!("{id}: {e}"),
+        }
+    }
+    assert!(
+        refused > 100 && sent.len() > 1000,
+        "{refused} refused, {} scheduled",
+        sent.len()
+    );
+    let got = counts(&env.expect(&a, sent.len()).await);
+    let missing: Vec<_> = sent.iter().filter(|id| !got.contains_key(*id)).collect();
+    let extra: Vec<_> = got.keys().filter(|id| !sent.contains(*id)).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "{} scheduled but not delivered: {:?}; {} refused but delivered: {:?}",
+        missing.len(),
+        &missing[..missing.len().min(5)],
+        extra.len(),
+        &extra[..extra.len().min(5)]
+    );
+    if let Ok(p) = std::sync::Arc::try_unwrap(p) {
+        p.close().await;
+    }
+    env.cleanup().await;
+}
