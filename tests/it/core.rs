@@ -511,35 +511,13 @@ async fn with_a_tier_missing_exactly_the_messages_entering_it_are_refused() {
     let a = env.queue("a").await;
     let p = env.publisher().await;
     let layout = p.layout().clone();
-    let precision = amqp_delay::Precision::EXACT;
-    let entry = |d: u64| amqp_delay::planner::plan(&layout, &precision, d).unwrap();
-
-    // the cascade tier most routes enter through
-    let mut entries: HashMap<TierKind, usize> = HashMap::new();
-    for d in 1..=1500 {
-        *entries.entry(entry(d).tiers[0]).or_default() += 1;
-    }
-    let (gone, _) = entries
-        .iter()
-        .filter(|(t, _)| matches!(t, TierKind::Cascade { .. }))
-        .max_by_key(|(_, n)| **n)
-        .map(|(t, n)| (*t, *n))
-        .unwrap();
+    let (gone, delays) = busiest_cascade_tier(&layout, 2000);
     let TierKind::Cascade { level, digit } = gone else {
         unreachable!()
     };
     env.delete_queue(&layout.cascade_queue(level, digit)).await;
-
-    // delays that either enter through the deleted tier or never pass it
-    let mut rng = rand::rng();
-    let mut delays = Vec::new();
-    while delays.len() < 2000 {
-        let d = rng.random_range(1..=1500);
-        let r = entry(d);
-        if r.tiers[0] == gone || !r.tiers.contains(&gone) {
-            delays.push(d);
-        }
-    }
+    let entry =
+        |d: u64| amqp_delay::planner::plan(&layout, &amqp_delay::Precision::EXACT, d).unwrap();
     let msgs: Vec<Message> = delays
         .iter()
         .enumerate()
@@ -587,6 +565,44 @@ async fn with_a_tier_missing_exactly_the_messages_entering_it_are_refused() {
     env.cleanup().await;
 }
 
+/// The cascade tier most delays of 1–1500 ms enter through (small topology, exact), and `n`
+/// random delays that either enter through it or never pass it (a message dead-lettered into
+/// it from another tier would wait there, neither refused nor delivered).
+fn busiest_cascade_tier(layout: &amqp_delay::Layout, n: usize) -> (TierKind, Vec<u64>) {
+    let entry =
+        |d: u64| amqp_delay::planner::plan(layout, &amqp_delay::Precision::EXACT, d).unwrap();
+    let mut entries: HashMap<TierKind, usize> = HashMap::new();
+    for d in 1..=1500 {
+        *entries.entry(entry(d).tiers[0]).or_default() += 1;
+    }
+    let (busiest, _) = entries
+        .into_iter()
+        .filter(|(t, _)| matches!(t, TierKind::Cascade { .. }))
+        .max_by_key(|(_, n)| *n)
+        .unwrap();
+    let mut rng = rand::rng();
+    let mut delays = Vec::new();
+    while delays.len() < n {
+        let d = rng.random_range(1..=1500);
+        let r = entry(d);
+        if r.tiers[0] == busiest || !r.tiers.contains(&busiest) {
+            delays.push(d);
+        }
+    }
+    (busiest, delays)
+}
+
+/// Arguments of a queue that refuses (nacks) every message: full at 0, `reject-publish`.
+fn refusing_args() -> FieldTable {
+    let mut a = FieldTable::default();
+    a.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    a.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    a
+}
+
 /// lapin numbers a publish (the delivery tag its ack or nack comes back with) and queues its
 /// frames in two steps; publishes from several threads on one channel could be numbered in one
 /// order and sent in the other, and then swapped outcomes: a refused message looked confirmed.
@@ -598,13 +614,7 @@ async fn concurrent_publishes_on_one_channel_each_get_their_own_ack_or_nack() {
     let prefix = random_prefix();
     let (refusing, taking) = (format!("{prefix}-refusing"), format!("{prefix}-taking"));
     let ch = amqp_delay::broker::open(&conn).await.unwrap();
-    let mut full = FieldTable::default();
-    full.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
-    full.insert(
-        "x-overflow".into(),
-        AMQPValue::LongString("reject-publish".into()),
-    );
-    amqp_delay::broker::declare_queue(&ch, &refusing, full)
+    amqp_delay::broker::declare_queue(&ch, &refusing, refusing_args())
         .await
         .unwrap();
     amqp_delay::broker::declare_queue(&ch, &taking, FieldTable::default())
@@ -664,32 +674,15 @@ async fn under_concurrent_schedules_a_refusing_tier_refuses_exactly_its_own_mess
     let mut env = Env::new(topology).await;
     let a = env.queue("a").await;
     let layout = env.layout();
-    let precision = amqp_delay::Precision::EXACT;
-    let entry = |d: u64| amqp_delay::planner::plan(&layout, &precision, d).unwrap();
-    let mut entries: HashMap<TierKind, usize> = HashMap::new();
-    for d in 1..=1500 {
-        *entries.entry(entry(d).tiers[0]).or_default() += 1;
-    }
-    let (level, digit) = entries
-        .iter()
-        .filter_map(|(t, n)| match t {
-            TierKind::Cascade { level, digit } => Some((*n, *level, *digit)),
-            _ => None,
-        })
-        .max()
-        .map(|(_, l, d)| (l, d))
-        .unwrap();
+    let (gone, delays) = busiest_cascade_tier(&layout, 3000);
+    let TierKind::Cascade { level, digit } = gone else {
+        unreachable!()
+    };
     // the tier, replaced by a queue that refuses every message (nack)
     let tier = layout.cascade_queue(level, digit);
     env.delete_queue(&tier).await;
     let ch = amqp_delay::broker::open(&env.conn).await.unwrap();
-    let mut full = FieldTable::default();
-    full.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
-    full.insert(
-        "x-overflow".into(),
-        AMQPValue::LongString("reject-publish".into()),
-    );
-    amqp_delay::broker::declare_queue(&ch, &tier, full)
+    amqp_delay::broker::declare_queue(&ch, &tier, refusing_args())
         .await
         .unwrap();
     amqp_delay::broker::bind_queue(
@@ -707,18 +700,6 @@ async fn under_concurrent_schedules_a_refusing_tier_refuses_exactly_its_own_mess
     s.publisher.batch_max_messages = 1;
     s.publisher.batch_linger = DurationMs(0);
     let p = std::sync::Arc::new(amqp_delay::Publisher::connect(&s).await.unwrap());
-    // delays that either enter through that tier or never pass it (one dead-lettered into it
-    // would wait in the tier before)
-    let gone = TierKind::Cascade { level, digit };
-    let mut rng = rand::rng();
-    let mut delays = Vec::new();
-    while delays.len() < 3000 {
-        let d = rng.random_range(1..=1500u64);
-        let r = entry(d);
-        if r.tiers[0] == gone || !r.tiers.contains(&gone) {
-            delays.push(d);
-        }
-    }
     let calls: Vec<_> = delays
         .into_iter()
         .enumerate()
