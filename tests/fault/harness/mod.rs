@@ -26,9 +26,9 @@ pub use cluster::*;
 pub use tally::*;
 pub use worker::*;
 
-/// Tests in this binary that run by default: the last one to finish tears the cluster down
-/// (`kill_node` is `#[ignore]`d; `scripts/test.sh` stops the cluster anyway).
-pub const TESTS: usize = 5;
+/// Tests in this binary: the last one to finish tears the cluster down (`scripts/test.sh`
+/// stops the cluster anyway).
+pub const TESTS: usize = 6;
 /// Nodes of the cluster.
 pub const NODES: usize = 3;
 /// The broker's dead-letter confirm timeout the cluster runs with (OPERATIONS.md's setting).
