@@ -106,10 +106,8 @@ impl RetryPolicy {
 /// delivery limit (20, then the message is parked), so the pause grows: the limit is
 /// reached after about 8 minutes of failures, not 20 seconds.
 pub fn requeue_pause_ms(returned_before: u64) -> u64 {
-    1000u64
-        .checked_shl(returned_before.min(16) as u32)
-        .unwrap_or(u64::MAX)
-        .min(REQUEUE_PAUSE_CAP_MS)
+    // 1 s · 2^5 is past the cap already
+    (1000u64 << returned_before.min(5)).min(REQUEUE_PAUSE_CAP_MS)
 }
 
 /// The longest pause of [`requeue_pause_ms`].
