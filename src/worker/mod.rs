@@ -12,6 +12,7 @@
 //! A consumer the broker cancels (its queue was deleted) is logged and, once the queue exists
 //! again, subscribed anew; the other queues keep flowing meanwhile.
 
+mod acks;
 mod process;
 
 use std::future::Future;
@@ -162,7 +163,11 @@ fn is_frame_error(e: &Error) -> bool {
 }
 
 /// A delivery stream tagged with its subscription; `None` once the broker cancelled it.
-type Tagged = (usize, Option<lapin::Result<lapin::message::Delivery>>);
+/// A delivery of subscription `i` with the acks of its channel; `None` when its consumer ended.
+type Tagged = (
+    usize,
+    Option<(Arc<acks::Acks>, lapin::Result<lapin::message::Delivery>)>,
+);
 
 impl<H: Handler> Worker<H> {
     /// A worker with `settings` and no queue yet (add them with [`Worker::subscribe`]).
@@ -361,10 +366,13 @@ impl<H: Handler> Worker<H> {
         let mut deliveries: SelectAll<BoxStream<'static, Tagged>> = SelectAll::new();
         let mut channels: Vec<Option<(Channel, lapin::types::ShortString)>> =
             vec![None; self.subscriptions.len()];
+        // every channel's acks, to flush before a stopping worker closes them
+        let mut all_acks: Vec<Arc<acks::Acks>> = Vec::new();
         for (i, slot) in channels.iter_mut().enumerate() {
             match self.subscribe_one(conn, layout, i, careful).await? {
-                Some((ch, tag, stream)) => {
+                Some((ch, tag, a, stream)) => {
                     *slot = Some((ch, tag));
+                    all_acks.push(a);
                     deliveries.push(stream);
                 }
                 None => spawn_wait_for_queue(conn, &self.subscriptions[i].0, i, &resub_tx),
@@ -417,9 +425,10 @@ impl<H: Handler> Worker<H> {
                 }
                 Some(i) = resub_rx.recv() => {
                     match self.subscribe_one(conn, layout, i, careful).await {
-                        Ok(Some((ch, tag, stream))) => {
+                        Ok(Some((ch, tag, a, stream))) => {
                             tracing::info!(queue = %self.subscriptions[i].0, "the queue is back; consuming it again");
                             channels[i] = Some((ch, tag));
+                            all_acks.push(a);
                             last_delivery[i] = Instant::now();
                             deliveries.push(stream);
                         }
@@ -428,16 +437,17 @@ impl<H: Handler> Worker<H> {
                     }
                 }
                 next = deliveries.next(), if !deliveries.is_empty() => match next {
-                    Some((i, Some(Ok(d)))) => {
+                    Some((i, Some((acks, Ok(d))))) => {
                         last_delivery[i] = Instant::now();
                         let (queue, handler) = self.subscriptions[i].clone();
                         tracing::trace!(%queue, tag = d.delivery_tag, redelivered = d.redelivered, in_flight = tasks.len(), "delivery");
+                        let settle = acks.received(d.delivery_tag, d.acker.clone());
                         let ctx = ctx.clone();
                         tasks.spawn(async move {
-                            process::delivery(d, &queue, &*handler, &ctx).await;
+                            process::delivery(d, settle, &queue, &*handler, &ctx).await;
                         });
                     }
-                    Some((i, Some(Err(e)))) => {
+                    Some((i, Some((_, Err(e))))) => {
                         break SessionEnd::Lost(Error::Amqp {
                             context: format!("consuming '{}'", self.subscriptions[i].0),
                             source: e,
@@ -487,6 +497,9 @@ impl<H: Handler> Worker<H> {
                     "shutdown grace over: unfinished messages go back to the queue"
                 );
                 tasks.abort_all();
+            }
+            for a in &all_acks {
+                a.flush(true).await;
             }
             let c = &self.counters;
             if let SessionEnd::Stopped = end {
@@ -554,6 +567,7 @@ impl<H: Handler> Worker<H> {
         Option<(
             Channel,
             lapin::types::ShortString,
+            Arc<acks::Acks>,
             BoxStream<'static, Tagged>,
         )>,
     > {
@@ -596,10 +610,15 @@ impl<H: Handler> Worker<H> {
             Err(e) => return Err(e).context(|| format!("consuming '{q}'")),
         };
         let tag = consumer.tag();
+        let acks = acks::Acks::new(q, prefetch);
         // A consumer's stream ends when the broker cancels it: say which one ended.
         let ended = futures::stream::once(async move { (i, None) });
-        let stream = consumer.map(move |d| (i, Some(d))).chain(ended).boxed();
-        Ok(Some((ch, tag, stream)))
+        let each = acks.clone();
+        let stream = consumer
+            .map(move |d| (i, Some((each.clone(), d))))
+            .chain(ended)
+            .boxed();
+        Ok(Some((ch, tag, acks, stream)))
     }
 }
 

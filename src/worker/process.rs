@@ -6,11 +6,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use rand::Rng;
 use tokio::sync::Semaphore;
 
+use super::acks::Settle;
 use super::{Context, Counters, Handler, Outcome};
 use crate::batch;
 use crate::cancel::Cancellations;
@@ -58,6 +58,7 @@ enum Done {
 /// acks when everything it carried is settled, else returns it to the queue.
 pub(super) async fn delivery<H: Handler>(
     raw: lapin::message::Delivery,
+    acker: Settle,
     queue: &str,
     handler: &H,
     ctx: &TaskCtx,
@@ -81,14 +82,8 @@ pub(super) async fn delivery<H: Handler>(
             raw.properties = raw.properties.clone().with_headers(clean);
         }
     }
-    let acker = raw.acker.clone();
     if ctx.stopping.load(Ordering::Relaxed) {
-        let _ = acker
-            .nack(BasicNackOptions {
-                requeue: true,
-                ..BasicNackOptions::default()
-            })
-            .await;
+        let _ = acker.give_back().await;
         return;
     }
     if batch::is_batch(&raw.properties) {
@@ -161,21 +156,11 @@ pub(super) async fn delivery<H: Handler>(
     let id = decoded.0.message_id.clone();
     match one(decoded, handler, ctx, true).await {
         Ok((_, Done::NotStarted)) => {
-            let _ = acker
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    ..BasicNackOptions::default()
-                })
-                .await;
+            let _ = acker.give_back().await;
         }
         Ok((d, Done::PutBack(reason))) => {
             tracing::warn!(queue, id = %d.message_id, %reason, "the handler still cannot process it; returning it to the queue");
-            let _ = acker
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    ..BasicNackOptions::default()
-                })
-                .await;
+            let _ = acker.give_back().await;
         }
         Ok(_) => settle(acker, queue, &id, Ok(()), requeue).await,
         Err(e) => settle(acker, queue, &id, Err(e), requeue).await,
@@ -195,21 +180,11 @@ struct Requeue<'a> {
 /// batch: all of it, its finished members run again — at-least-once) after a pause that grows
 /// with its earlier returns (`retry::requeue_pause_ms`): each return counts toward the quorum
 /// queues' delivery limit, so broker trouble of a few minutes does not park it.
-async fn settle(acker: lapin::Acker, queue: &str, id: &str, r: Result<()>, requeue: Requeue<'_>) {
+async fn settle(acker: Settle, queue: &str, id: &str, r: Result<()>, requeue: Requeue<'_>) {
     match r {
         Ok(()) => {
-            match acker.ack(BasicAckOptions::default()).await {
-                Ok(true) => tracing::debug!(queue, id, "acked"),
-                // its channel is gone: the broker returns it to the queue
-                Ok(false) => tracing::warn!(
-                    queue,
-                    id,
-                    "not acked (its channel closed); the broker will redeliver it"
-                ),
-                Err(e) => {
-                    tracing::warn!(queue, id, "ack failed ({e}); the broker will redeliver it")
-                }
-            }
+            tracing::debug!(queue, id, "done; acked with its run");
+            acker.ack().await;
         }
         Err(e) => {
             let pause =
@@ -231,12 +206,7 @@ async fn settle(acker: lapin::Acker, queue: &str, id: &str, r: Result<()>, reque
                 }
                 tokio::time::sleep(left.min(Duration::from_millis(100))).await;
             }
-            let _ = acker
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    ..BasicNackOptions::default()
-                })
-                .await;
+            let _ = acker.give_back().await;
         }
     }
 }

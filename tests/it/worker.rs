@@ -630,3 +630,167 @@ async fn an_idle_worker_whose_queue_has_ready_messages_renews_its_subscription()
     let _ = ch.close(200, "ok".into()).await;
     env.cleanup().await;
 }
+
+/// Counts finished runs per message id; sleeps first, as long as `ms` says for the id.
+#[derive(Clone)]
+struct Paced {
+    runs: Arc<Mutex<HashMap<String, usize>>>,
+    ms: fn(&str) -> u64,
+}
+
+impl Paced {
+    fn new(ms: fn(&str) -> u64) -> Paced {
+        Paced {
+            runs: Arc::default(),
+            ms,
+        }
+    }
+
+    fn finished(&self) -> usize {
+        self.runs.lock().unwrap().len()
+    }
+
+    fn twice(&self) -> Vec<String> {
+        let runs = self.runs.lock().unwrap();
+        runs.iter()
+            .filter(|(_, n)| **n > 1)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+}
+
+impl Handler for Paced {
+    async fn handle(&self, d: &Delivery, _ctx: &Context) -> Outcome {
+        tokio::time::sleep(Duration::from_millis((self.ms)(&d.message_id))).await;
+        *self
+            .runs
+            .lock()
+            .unwrap()
+            .entry(d.message_id.clone())
+            .or_default() += 1;
+        Outcome::Success
+    }
+}
+
+/// A quorum queue `<prefix>-<name>` holding plain messages with ids `ids`, published by an
+/// application (no amqp-delay headers).
+async fn queue_with_plain_messages(env: &mut Env, name: &str, ids: &[String]) -> String {
+    use amqp_delay::{QueueType, broker};
+    let q = format!("{}-{name}", env.settings.prefix);
+    let ch = env.conn.create_channel().await.unwrap();
+    broker::declare_queue(&ch, &q, broker::queue_type_args(QueueType::Quorum))
+        .await
+        .unwrap();
+    env.track_queue(&q);
+    env.parked_queue(&q);
+    ch.confirm_select(Default::default()).await.unwrap();
+    let mut confirms = Vec::new();
+    for id in ids {
+        let c = ch
+            .basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                b"x",
+                lapin::BasicProperties::default()
+                    .with_message_id(id.as_str().into())
+                    .with_delivery_mode(2),
+            )
+            .await
+            .unwrap();
+        confirms.push(c);
+    }
+    for c in confirms {
+        assert!(c.await.unwrap().is_ack());
+    }
+    let _ = ch.close(200, "ok".into()).await;
+    q
+}
+
+async fn ready(env: &Env, q: &str) -> u32 {
+    amqp_delay::broker::queue_state(&env.conn, q)
+        .await
+        .unwrap()
+        .expect("the queue exists")
+        .ready
+}
+
+/// Acks are sent in runs (one `basic.ack` with `multiple` for many deliveries). A worker
+/// stopped while it is busy gives back what it had not started and acks what it finished:
+/// nothing is lost, and nothing it finished runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stopped_mid_stream_acks_what_it_finished_and_gives_back_the_rest() {
+    let mut env = Env::new(small_topology()).await;
+    let n = 600;
+    let ids: Vec<String> = (0..n).map(|i| format!("m{i}")).collect();
+    let q = queue_with_plain_messages(&mut env, "runs", &ids).await;
+    let mut s = env.settings.clone();
+    s.consumer.prefetch = 64;
+    s.consumer.concurrency = 16;
+    let h = Paced::new(|_| 2);
+    let w = Worker::new(s.clone()).subscribe(q.clone(), h.clone());
+    let (stop, rx) = oneshot::channel::<()>();
+    let run = tokio::spawn(w.run(async {
+        let _ = rx.await;
+    }));
+    assert!(wait_until(Duration::from_secs(30), || h.finished() >= 200).await);
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    let finished = h.finished();
+    assert!(finished < n, "it finished everything before the stop");
+    assert!(h.twice().is_empty(), "ran twice: {:?}", h.twice());
+    // everything it did not finish is ready again, nothing more
+    let left = (n - finished) as u32;
+    assert!(
+        wait_until_async(Duration::from_secs(10), || async {
+            ready(&env, &q).await == left
+        })
+        .await,
+        "{} ready after the stop, {left} expected ({finished} finished)",
+        ready(&env, &q).await
+    );
+    // the next worker runs exactly the rest
+    let w = Worker::new(s).subscribe(q.clone(), h.clone());
+    let (stop, rx) = oneshot::channel::<()>();
+    let run = tokio::spawn(w.run(async {
+        let _ = rx.await;
+    }));
+    assert!(wait_until(Duration::from_secs(30), || h.finished() >= n).await);
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    assert!(h.twice().is_empty(), "ran twice: {:?}", h.twice());
+    assert_eq!(ready(&env, &q).await, 0);
+    env.cleanup().await;
+}
+
+/// A delivery whose handler runs long does not hold back the acks of those after it: with
+/// a prefetch of 4, forty quick messages behind a slow one all finish while it still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_message_does_not_hold_back_the_acks_of_those_after_it() {
+    let mut env = Env::new(small_topology()).await;
+    let mut ids = vec!["slow".to_string()];
+    ids.extend((0..40).map(|i| format!("quick{i}")));
+    let q = queue_with_plain_messages(&mut env, "slow", &ids).await;
+    let mut s = env.settings.clone();
+    s.consumer.prefetch = 4;
+    s.consumer.concurrency = 4;
+    let h = Paced::new(|id| if id == "slow" { 6_000 } else { 1 });
+    let w = Worker::new(s).subscribe(q.clone(), h.clone());
+    let (stop, rx) = oneshot::channel::<()>();
+    let run = tokio::spawn(w.run(async {
+        let _ = rx.await;
+    }));
+    let quick_done = wait_until(Duration::from_secs(5), || h.finished() >= 40).await;
+    assert!(
+        quick_done,
+        "only {} of 40 quick messages finished while the slow one ran",
+        h.finished()
+    );
+    assert!(!h.runs.lock().unwrap().contains_key("slow"));
+    assert!(wait_until(Duration::from_secs(20), || h.finished() >= 41).await);
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    assert!(h.twice().is_empty(), "ran twice: {:?}", h.twice());
+    assert_eq!(ready(&env, &q).await, 0);
+    env.cleanup().await;
+}
