@@ -338,11 +338,24 @@ impl ConsumerSettings {
 }
 
 /// `[gateway]` section of the configuration.
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct GatewaySettings {
     /// `[[gateway.pairs]]`: ingress exchange → target exchange.
     pub pairs: Vec<PairConfig>,
+    /// How long an ingress message may wait in the gateway to share a batch (its
+    /// `publisher.batch_linger`; never past a member's deadline). Longer than a library
+    /// caller's: the ingress message waits, not an application.
+    pub batch_linger: DurationMs,
+}
+
+impl Default for GatewaySettings {
+    fn default() -> Self {
+        GatewaySettings {
+            pairs: Vec::new(),
+            batch_linger: DurationMs(30),
+        }
+    }
 }
 
 /// One `[[gateway.pairs]]` entry.
@@ -373,13 +386,22 @@ impl GatewaySettings {
                 target: t.clone(),
             })
             .collect();
-        let s = GatewaySettings { pairs };
+        let s = GatewaySettings {
+            pairs,
+            ..GatewaySettings::default()
+        };
         s.validate()?;
         Ok(s)
     }
 
     /// Checks what can be checked without the layout or a broker.
     pub fn validate(&self) -> Result<(), String> {
+        if self.batch_linger.as_millis() > 1_000 {
+            return Err(format!(
+                "gateway.batch_linger must be at most 1s, got {}",
+                self.batch_linger
+            ));
+        }
         let mut seen = std::collections::HashSet::new();
         for p in &self.pairs {
             for (what, name) in [("ingress", &p.ingress), ("target", &p.target)] {
@@ -555,6 +577,18 @@ mod tests {
         assert_eq!(s.consumer.routes.len(), 3);
         assert_eq!(s.consumer.routes[0].queue, "orders.timeout");
         assert_eq!(s.consumer.routes[2].relay.as_deref(), Some("billing.due"));
+        assert_eq!(s.gateway.batch_linger, defaults.gateway.batch_linger);
+        assert_eq!(s.gateway.pairs.len(), 1);
+    }
+
+    #[test]
+    fn the_gateway_lingers_longer_than_a_caller_and_is_bounded() {
+        let s = Settings::load_with_env(None, env(&[])).unwrap();
+        assert_eq!(s.gateway.batch_linger, DurationMs(30));
+        assert!(s.gateway.batch_linger > s.publisher.batch_linger);
+        let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__BATCH_LINGER", "2s")]));
+        let e = s.unwrap_err().to_string();
+        assert!(e.contains("gateway.batch_linger must be at most 1s"), "{e}");
     }
 
     #[test]

@@ -373,7 +373,9 @@ impl Gateway {
         // worker's handler timeout would turn it into a retry.
         let handler_ms = self.settings.consumer.handler_timeout.as_millis();
         let confirm_timeout = Duration::from_millis((handler_ms / 2).clamp(1, 30_000));
-        let mut w = Worker::new(self.settings.clone());
+        let mut settings = self.settings.clone();
+        settings.publisher.batch_linger = settings.gateway.batch_linger;
+        let mut w = Worker::new(settings);
         for p in &self.pairs {
             let ctx = Arc::new(PairCtx {
                 pair: p.clone(),

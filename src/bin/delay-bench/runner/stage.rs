@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 use amqp_delay::actions::Action;
 use amqp_delay::broker;
 use amqp_delay::gateway::Gateway;
-use amqp_delay::settings::{GatewaySettings, PairConfig, Settings};
+use amqp_delay::settings::{PairConfig, Settings};
 use amqp_delay::{Context, Delivery, Error, Handler, Outcome, Result, Topology, Worker};
 
 use super::Bench;
@@ -173,12 +173,10 @@ impl Bench<'_> {
         let target = format!("{queue}.target");
         let ingress = format!("{queue}.in");
         let mut s = settings.clone();
-        s.gateway = GatewaySettings {
-            pairs: vec![PairConfig {
-                ingress: ingress.clone(),
-                target: target.clone(),
-            }],
-        };
+        s.gateway.pairs = vec![PairConfig {
+            ingress: ingress.clone(),
+            target: target.clone(),
+        }];
         let gateway = Gateway::new(s.clone())?;
         let pair = gateway.pairs()[0].clone();
         let layout = s.layout()?;
