@@ -88,6 +88,42 @@ async fn batched_members_arrive_once_never_early_within_budget() {
     env.cleanup().await;
 }
 
+/// A message that must leave soon does not take the others with it: a group that falls due
+/// later keeps waiting (up to `batch_linger`) for members to join it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_due_later_keeps_collecting_after_an_earlier_one_left() {
+    let mut env = Env::new(small_topology()).await;
+    batching_env_precision(&mut env);
+    env.settings.publisher.batch_linger = amqp_delay::time::DurationMs(300);
+    let q = env.queue("linger").await;
+    env.parked_queue(&q);
+    mark_batched(&env, &q).await;
+    let p = env.publisher().await;
+    let t0 = now_ms();
+    let msg = |id: &str, due: u64| {
+        let delay = (t0 + due).saturating_sub(now_ms());
+        Message::new(q.clone(), delay, id.to_string()).with_id(id.to_string())
+    };
+    let (soon, later1, later2) = tokio::join!(
+        p.schedule(msg("soon", 0)),
+        p.schedule(msg("later1", 500)),
+        async {
+            // joins after "soon" had to leave (its deadline is 20 ms away)
+            tokio::time::sleep(Duration::from_millis(80)).await;
+            p.schedule(msg("later2", 505)).await
+        }
+    );
+    let (soon, later1, later2) = (soon.unwrap(), later1.unwrap(), later2.unwrap());
+    assert_eq!(soon.batched_with, 1, "the early message waited for the others");
+    assert_eq!(
+        (later1.batched_with, later2.batched_with),
+        (2, 2),
+        "the later messages did not share a batch"
+    );
+    p.close().await;
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_failing_member_is_retried_alone() {
     let mut env = Env::new(small_topology()).await;
