@@ -353,7 +353,7 @@ impl Default for GatewaySettings {
     fn default() -> Self {
         GatewaySettings {
             pairs: Vec::new(),
-            batch_linger: DurationMs(30),
+            batch_linger: DurationMs(100),
         }
     }
 }
@@ -584,7 +584,7 @@ mod tests {
     #[test]
     fn the_gateway_lingers_longer_than_a_caller_and_is_bounded() {
         let s = Settings::load_with_env(None, env(&[])).unwrap();
-        assert_eq!(s.gateway.batch_linger, DurationMs(30));
+        assert_eq!(s.gateway.batch_linger, DurationMs(100));
         assert!(s.gateway.batch_linger > s.publisher.batch_linger);
         let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__BATCH_LINGER", "2s")]));
         let e = s.unwrap_err().to_string();

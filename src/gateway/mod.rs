@@ -375,6 +375,9 @@ impl Gateway {
         let confirm_timeout = Duration::from_millis((handler_ms / 2).clamp(1, 30_000));
         let mut settings = self.settings.clone();
         settings.publisher.batch_linger = settings.gateway.batch_linger;
+        // Ingress messages wait in the batcher while they hold prefetch slots: half the
+        // prefetch in hand sends everything, so lingering never caps the throughput.
+        settings.publisher.max_pending = (settings.consumer.io_concurrency / 2).max(1);
         let mut w = Worker::new(settings);
         for p in &self.pairs {
             let ctx = Arc::new(PairCtx {
