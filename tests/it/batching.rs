@@ -114,7 +114,10 @@ async fn a_group_due_later_keeps_collecting_after_an_earlier_one_left() {
         }
     );
     let (soon, later1, later2) = (soon.unwrap(), later1.unwrap(), later2.unwrap());
-    assert_eq!(soon.batched_with, 1, "the early message waited for the others");
+    assert_eq!(
+        soon.batched_with, 1,
+        "the early message waited for the others"
+    );
     assert_eq!(
         (later1.batched_with, later2.batched_with),
         (2, 2),
