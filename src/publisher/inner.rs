@@ -494,6 +494,8 @@ pub(super) async fn run_batcher(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiv
 /// A message in the batcher's hands.
 struct Held {
     leave_by: Instant,
+    /// Its size as a batch member (computed once: it is grouped again every round).
+    bytes: usize,
     prepared: Prepared,
 }
 
@@ -511,6 +513,7 @@ fn hold(held: &mut Vec<Held>, batch: Vec<Prepared>, linger: Duration) {
         };
         Held {
             leave_by: now + wait,
+            bytes: batch::member_len(batch::encode_properties(&p.properties).len(), p.body.len()),
             prepared: p,
         }
     }));
@@ -551,10 +554,7 @@ fn plan_groups(inner: &Inner, held: Vec<Held>) -> Vec<Group<Held>> {
             .map(|h| Candidate {
                 due_at_ms: h.prepared.due_at_ms,
                 deadline_ms: h.prepared.deadline_ms,
-                bytes: batch::member_len(
-                    batch::encode_properties(&h.prepared.properties).len(),
-                    h.prepared.body.len(),
-                ),
+                bytes: h.bytes,
             })
             .collect();
         let plan = batch::group(&cands, limits);

@@ -89,8 +89,8 @@ impl Acks {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Takes delivery `d` in hand (called in the order deliveries arrive): its task settles it
-    /// through the returned value.
+    /// Takes delivery `tag` in hand (called in the order deliveries arrive): its task settles
+    /// it through the returned value.
     pub(super) fn received(self: &Arc<Self>, tag: u64, acker: Acker) -> Settle {
         self.state().slots.insert(tag, Slot::Running);
         Settle {
@@ -137,20 +137,10 @@ impl Acks {
                 ..BasicNackOptions::default()
             })
             .await;
-        self.state().slots.insert(tag, Slot::Settled);
-        self.trim();
-        r
-    }
-
-    /// Drops settled slots at the front (nothing to send for them).
-    fn trim(&self) {
         let mut st = self.state();
-        while let Some(e) = st.slots.first_entry() {
-            if !matches!(e.get(), Slot::Settled) {
-                break;
-            }
-            e.remove();
-        }
+        st.slots.insert(tag, Slot::Settled);
+        drop_settled_front(&mut st.slots);
+        r
     }
 
     /// Sends the acks that are due: the run from the oldest delivery in hand, and with
@@ -254,15 +244,19 @@ fn take(slots: &mut BTreeMap<u64, Slot>, all: bool) -> Flush {
             }
             _ => true,
         });
-        // settled slots at the front of what is left end no run
-        while let Some(e) = slots.first_entry() {
-            if !matches!(e.get(), Slot::Settled) {
-                break;
-            }
-            e.remove();
-        }
+        drop_settled_front(slots);
     }
     Flush { run, single }
+}
+
+/// Drops settled slots at the front: nothing is sent for them, and they end no run.
+fn drop_settled_front(slots: &mut BTreeMap<u64, Slot>) {
+    while let Some(e) = slots.first_entry() {
+        if !matches!(e.get(), Slot::Settled) {
+            break;
+        }
+        e.remove();
+    }
 }
 
 #[cfg(test)]
