@@ -347,6 +347,10 @@ pub struct GatewaySettings {
     /// `publisher.batch_linger`; never past a member's deadline). Longer than a library
     /// caller's: the ingress message waits, not an application.
     pub batch_linger: DurationMs,
+    /// A message whose `x-delay` is at most this is held by the gateway (unacked in the ingress
+    /// queue, so nothing is lost if the gateway dies) and published to its target when due,
+    /// without the tiers. 0 sends every message through the tiers.
+    pub hold: DurationMs,
 }
 
 impl Default for GatewaySettings {
@@ -354,6 +358,7 @@ impl Default for GatewaySettings {
         GatewaySettings {
             pairs: Vec::new(),
             batch_linger: DurationMs(100),
+            hold: DurationMs(100),
         }
     }
 }
@@ -400,6 +405,12 @@ impl GatewaySettings {
             return Err(format!(
                 "gateway.batch_linger must be at most 1s, got {}",
                 self.batch_linger
+            ));
+        }
+        if self.hold.as_millis() > 1_000 {
+            return Err(format!(
+                "gateway.hold must be at most 1s, got {}",
+                self.hold
             ));
         }
         let mut seen = std::collections::HashSet::new();
@@ -522,6 +533,14 @@ impl Settings {
                 "cancel.notice must be positive".into(),
             ));
         }
+        // a held message waits for its delay inside the gateway's handler, then for a confirm
+        // of up to half the handler timeout
+        if self.gateway.hold.as_millis() * 2 >= self.consumer.handler_timeout.as_millis() {
+            return Err(SettingsError::Invalid(format!(
+                "gateway.hold ({}) must be shorter than half of consumer.handler_timeout ({})",
+                self.gateway.hold, self.consumer.handler_timeout
+            )));
+        }
         let horizon = self
             .consumer
             .retry
@@ -582,13 +601,31 @@ mod tests {
     }
 
     #[test]
-    fn the_gateway_lingers_longer_than_a_caller_and_is_bounded() {
+    fn the_gateway_lingers_longer_than_a_caller_and_holds_short_delays_bounded() {
         let s = Settings::load_with_env(None, env(&[])).unwrap();
         assert_eq!(s.gateway.batch_linger, DurationMs(100));
         assert!(s.gateway.batch_linger > s.publisher.batch_linger);
+        assert_eq!(s.gateway.hold, DurationMs(100));
         let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__BATCH_LINGER", "2s")]));
         let e = s.unwrap_err().to_string();
         assert!(e.contains("gateway.batch_linger must be at most 1s"), "{e}");
+        let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__HOLD", "1500ms")]));
+        let e = s.unwrap_err().to_string();
+        assert!(e.contains("gateway.hold must be at most 1s"), "{e}");
+        let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__HOLD", "0")])).unwrap();
+        assert_eq!(s.gateway.hold, DurationMs(0));
+        let s = Settings::load_with_env(
+            None,
+            env(&[
+                ("AMQP_DELAY_GATEWAY__HOLD", "1s"),
+                ("AMQP_DELAY_CONSUMER__HANDLER_TIMEOUT", "2s"),
+            ]),
+        );
+        let e = s.unwrap_err().to_string();
+        assert!(
+            e.contains("shorter than half of consumer.handler_timeout"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -17,7 +17,13 @@
 //!   The ingress message is acked only after the broker confirmed that publish; if it fails the
 //!   message is requeued unchanged ([`Outcome::Requeue`]), never re-scheduled as a modified copy.
 //!   A non-numeric or over-range `x-delay` goes to the due queue at once, marked, and is parked
-//!   there with the reason.
+//!   there with the reason. A delay of at most `gateway.hold` (100 ms by default) does not cross
+//!   the tiers: the gateway holds the message — unacked in the ingress queue, so a gateway that
+//!   dies loses nothing — and publishes it to `T` when due, as the due stage would; if that
+//!   publish is returned, refused or not confirmed in time, the message goes to the due queue at
+//!   once, whose retries and parking apply. Held messages have prefetch slots of their own (as
+//!   many as `consumer.io_concurrency`); once those are taken, short delays go through the tiers
+//!   too.
 //! * **due**: rebuilds the message as published ([`x_delay::restore`]: original routing key and
 //!   properties, `x-delay` rewritten to minus the delay as the plugin does, our headers and the
 //!   broker's `x-death` history removed) and publishes it to `T` with `mandatory` and a confirm.
@@ -37,6 +43,7 @@ pub mod x_delay;
 
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
@@ -158,6 +165,30 @@ struct PairCtx {
     max_delay_ms: u64,
     /// Longest wait for the tier publish's confirm before the ingress message is requeued.
     confirm_timeout: Duration,
+    /// `gateway.hold`: delays up to this are held here instead of crossing the tiers.
+    hold_ms: u64,
+    /// Messages held now, across every pair of the gateway, and their bound.
+    held: Arc<AtomicUsize>,
+    hold_cap: usize,
+}
+
+/// A place among the gateway's held messages, given back when dropped.
+struct HoldSlot(Arc<AtomicUsize>);
+
+impl HoldSlot {
+    fn take(held: &Arc<AtomicUsize>, cap: usize) -> Option<HoldSlot> {
+        held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < cap).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| HoldSlot(held.clone()))
+    }
+}
+
+impl Drop for HoldSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// The gateway's [`Handler`]: one value per subscribed queue.
@@ -195,17 +226,28 @@ impl GatewayHandler {
             Ok(ms) => (ms, None),
             Err(reason) => (0, Some(reason)),
         };
-        let msg = Message::new(c.pair.due_queue.clone(), delay_ms, d.body.clone())
+        let mut msg = Message::new(c.pair.due_queue.clone(), delay_ms, d.body.clone())
             .with_properties(stash(&d.properties, &d.routing_key, invalid.as_deref()))
             .internal();
+        if invalid.is_none() && delay_ms <= c.hold_ms {
+            // what could not cross the tiers is parked whatever its delay, as it would be
+            if let Err(e) = ctx.publisher().check(&msg) {
+                return cannot_schedule(&e);
+            }
+            if let Some(_slot) = HoldSlot::take(&c.held, c.hold_cap) {
+                if self.publish_held(d, delay_ms, &msg.properties, ctx).await {
+                    return Outcome::Success;
+                }
+                // due now: the due queue retries it, or parks it with the reason
+                msg.delay_ms = 0;
+            }
+        }
         let sent = tokio::time::timeout(c.confirm_timeout, ctx.publisher().schedule(msg)).await;
         match sent {
             Ok(Ok(_)) => Outcome::Success,
             // The message itself cannot travel (headers or body too large); a delay out of
             // range cannot happen (checked against the same layout): park it with the reason.
-            Ok(Err(e @ (Error::Plan(_) | Error::Invalid(_)))) => {
-                Outcome::Permanent(format!("cannot schedule: {}", crate::error::chain(&e)))
-            }
+            Ok(Err(e @ (Error::Plan(_) | Error::Invalid(_)))) => cannot_schedule(&e),
             // Everything else (nack, lost channel, missing delivery exchange or due queue) is
             // the infrastructure's: the message waits in the ingress queue, unchanged.
             Ok(Err(e)) => Outcome::Requeue(format!(
@@ -216,6 +258,36 @@ impl GatewayHandler {
                 "the broker did not confirm the tier publish within {:?}",
                 c.confirm_timeout
             )),
+        }
+    }
+
+    /// Waits `delay_ms`, then publishes the message to its target as the due stage would.
+    /// The ingress message stays unacked meanwhile, so a gateway that dies loses nothing.
+    /// False when the publish was returned, refused or not confirmed in time: the caller sends
+    /// the message through the due queue, whose retries and parking then apply.
+    async fn publish_held(
+        &self,
+        d: &Delivery,
+        delay_ms: u64,
+        props: &lapin::BasicProperties,
+        ctx: &Context,
+    ) -> bool {
+        let c = &self.ctx;
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        let Ok((key, props)) = restore(props) else {
+            return false;
+        };
+        let target = &c.pair.target;
+        let publish = ctx
+            .publisher()
+            .publish_confirmed(target, &key, &d.body, props);
+        match tokio::time::timeout(c.confirm_timeout, publish).await {
+            Ok(Ok(())) => true,
+            Ok(Err(e)) => {
+                tracing::debug!(%target, %key, error = %crate::error::chain(&e), "a held message goes through the due queue");
+                false
+            }
+            Err(_) => false,
         }
     }
 
@@ -247,6 +319,11 @@ impl GatewayHandler {
             )),
         }
     }
+}
+
+/// A message that cannot travel (headers or body too large) is parked with the reason.
+fn cannot_schedule(e: &Error) -> Outcome {
+    Outcome::Permanent(format!("cannot schedule: {}", crate::error::chain(e)))
 }
 
 // ---- broker I/O ----------------------------------------------------------------------------
@@ -378,12 +455,26 @@ impl Gateway {
         // Ingress messages wait in the batcher while they hold prefetch slots: half the
         // prefetch in hand sends everything, so lingering never caps the throughput.
         settings.publisher.max_pending = (settings.consumer.io_concurrency / 2).max(1);
+        // Messages held until due (`gateway.hold`) wait for their delay in a prefetch slot and
+        // a handler: as many again as `consumer.io_concurrency`, so that holding never takes
+        // the slots of the messages in flight to the tiers. Past that they go through the tiers.
+        let hold_cap = if self.settings.gateway.hold.as_millis() > 0 {
+            settings.consumer.io_concurrency
+        } else {
+            0
+        };
+        settings.consumer.io_concurrency =
+            (settings.consumer.io_concurrency + hold_cap).min(usize::from(u16::MAX));
+        let held = Arc::new(AtomicUsize::new(0));
         let mut w = Worker::new(settings);
         for p in &self.pairs {
             let ctx = Arc::new(PairCtx {
                 pair: p.clone(),
                 max_delay_ms: self.layout.max_delay_ms(),
                 confirm_timeout,
+                hold_ms: self.settings.gateway.hold.as_millis(),
+                held: held.clone(),
+                hold_cap,
             });
             w = w
                 .subscribe(

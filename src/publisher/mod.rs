@@ -312,6 +312,20 @@ impl Publisher {
         )?)
     }
 
+    /// What [`Publisher::schedule`] would refuse `msg` for before publishing anything: its
+    /// destination's name, [`Message::check`], a delay the topology cannot serve. No I/O.
+    pub fn check(&self, msg: &Message) -> Result<()> {
+        let inner = &self.inner;
+        inner
+            .layout
+            .validate_destination(&msg.destination)
+            .map_err(Error::Invalid)?;
+        msg.check(inner.settings.max_message_bytes)
+            .map_err(Error::Invalid)?;
+        self.plan(msg.delay_ms)?;
+        Ok(())
+    }
+
     /// Schedules one message; returns once the broker has confirmed it (alone, or in a batch
     /// with concurrent calls to the same destination).
     pub async fn schedule(&self, msg: Message) -> Result<Scheduled> {
@@ -409,14 +423,7 @@ impl Publisher {
         reply: oneshot::Sender<Result<Scheduled>>,
     ) -> Result<(Prepared, bool)> {
         let inner = &self.inner;
-        inner
-            .layout
-            .validate_destination(&msg.destination)
-            .map_err(Error::Invalid)?;
-        msg.check(inner.settings.max_message_bytes)
-            .map_err(Error::Invalid)?;
-        // a delay the topology cannot serve is refused before anything is published
-        self.plan(msg.delay_ms)?;
+        self.check(&msg)?;
         let caller_headers = msg.properties.headers().clone().unwrap_or_default();
         // the broker's history never travels again; a retry's previous schedule headers are
         // replaced by the ones set below

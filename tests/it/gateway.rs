@@ -13,7 +13,9 @@ use amqp_delay::gateway::{Gateway, Pair};
 use amqp_delay::settings::GatewaySettings;
 
 use crate::harness::*;
-use lapin::options::ExchangeDeleteOptions;
+use lapin::options::{
+    BasicConsumeOptions, BasicQosOptions, ExchangeDeleteOptions, QueueDeclareOptions,
+};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Connection, ExchangeKind};
 
@@ -449,6 +451,19 @@ async fn gateways_killed_mid_stream_lose_nothing() {
 }
 
 async fn gateways_killed_mid_stream_lose_nothing_body() {
+    killed_mid_stream("").await;
+}
+
+/// With `gateway.hold` at 1 s every message (delays 0–1000 ms) is held by a gateway until due,
+/// unacked in the ingress queue: killing the gateways must lose none and deliver none early.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_killed_while_holding_messages_lose_nothing() {
+    within(killed_mid_stream("[gateway]\nhold = \"1s\"\n")).await;
+}
+
+/// 300 messages with delays 0–1000 ms over 3 s through two competing gateways (`extra`
+/// configuration), both killed with SIGKILL mid-stream, then one started again.
+async fn killed_mid_stream(extra: &str) {
     require_pika();
     let env = Env::new(small_topology()).await;
     let p = env.settings.prefix.clone();
@@ -456,7 +471,7 @@ async fn gateways_killed_mid_stream_lose_nothing_body() {
     declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
     let pairs = [(x_in.as_str(), x_t.as_str())];
     let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
-    let config = write_config(&env, "");
+    let config = write_config(&env, extra);
     // two competing gateways
     let mut a = GatewayProc::start(&env, &config.0, &pairs, "a");
     let mut b = GatewayProc::start(&env, &config.0, &pairs, "b");
@@ -476,8 +491,11 @@ async fn gateways_killed_mid_stream_lose_nothing_body() {
     let a2 = GatewayProc::start(&env, &config.0, &pairs, "a2");
     let report = finish(app, &[&a2]).await;
     eprintln!(
-        "kill -9 x2 mid-stream: {} published, {} received, {} duplicates",
-        report["published"], report["received"], report["duplicates"]
+        "kill -9 x2 mid-stream ({}): {} published, {} received, {} duplicates",
+        extra.trim(),
+        report["published"],
+        report["received"],
+        report["duplicates"]
     );
     assert_eq!(report["published"], n);
     assert_eq!(report["missing"], serde_json::json!([]), "{report}");
@@ -495,6 +513,86 @@ async fn a_full_tier_keeps_messages_in_the_ingress_unchanged() {
 /// nacked. The ingress message must then stay in the ingress queue as published (requeued,
 /// not re-scheduled as a copy that would lose its routing key) until there is room.
 async fn a_full_tier_keeps_messages_in_the_ingress_unchanged_body() {
+    // every message takes the one-hop 150 ms fixed tier (longer than `gateway.hold`)
+    let log = through_full_tiers(150).await;
+    assert!(
+        log.contains("nack"),
+        "no tier publish was refused: the test did not fill a tier\n{log}"
+    );
+}
+
+/// A delay within `gateway.hold` (100 ms by default) does not cross the tiers or the due
+/// queue: the gateway holds the message and publishes it to the target when due. The pair's
+/// due queue is declared beforehand as a single-active-consumer queue whose active consumer is
+/// the test's, which takes and keeps whatever reaches it: nothing may, and all 24 messages of
+/// 60 ms arrive, none early. (With `AMQP_DELAY_GATEWAY__HOLD=0` this test fails.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_delays_are_held_by_the_gateway_not_sent_through_the_tiers() {
+    within(async {
+        use futures::StreamExt;
+        require_pika();
+        let env = Env::new(small_topology()).await;
+        let p = env.settings.prefix.clone();
+        let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
+        declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+        let pairs = [(x_in.as_str(), x_t.as_str())];
+        let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
+        let pair = pairs_of(&env, &pairs);
+        let due = pair[0].due_queue.as_str();
+        let mut args = amqp_delay::Topology::new(env.layout()).consumed_queue_args();
+        args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+        let watch = env.conn.create_channel().await.unwrap();
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        watch
+            .queue_declare(due.into(), durable, args)
+            .await
+            .unwrap();
+        watch
+            .basic_qos(1000, BasicQosOptions::default())
+            .await
+            .unwrap();
+        let mut on_due = watch
+            .basic_consume(
+                due.into(),
+                "watcher".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let config = write_config(&env, "");
+        let gw = GatewayProc::start(&env, &config.0, &pairs, "gw");
+        wait_for_consumers(&env.conn, &pair, 1, &[&gw]).await;
+
+        let app = start_app(
+            "stream",
+            serde_json::json!({"prefix": p, "ingress": x_in, "target": x_t, "n": 24,
+                               "publish_seconds": 0.2, "delay": 60, "timeout": 10}),
+        );
+        let report = finish(app, &[&gw]).await;
+        assert_eq!(report["missing"], serde_json::json!([]), "{report}");
+        let mut reached_due = 0;
+        while let Ok(Some(_)) =
+            tokio::time::timeout(Duration::from_millis(200), on_due.next()).await
+        {
+            reached_due += 1;
+        }
+        assert_eq!(reached_due, 0, "held messages went through the due queue");
+        let _ = watch.close(200, "bye".into()).await;
+        env.assert_empty(&pair[0].parked_queue).await;
+        drop(gw);
+        env.cleanup().await;
+    })
+    .await;
+}
+
+/// 24 messages with `x-delay` `delay` ms over 0.2 s through one gateway, on tiers of one
+/// message each (`max_tier_length = 1`, reject-publish): each arrives, not early, none is
+/// parked. Returns the gateway's log.
+async fn through_full_tiers(delay: u64) -> String {
     require_pika();
     let mut topology = small_topology();
     topology.max_tier_length = Some(1);
@@ -509,23 +607,19 @@ async fn a_full_tier_keeps_messages_in_the_ingress_unchanged_body() {
     let pair = pairs_of(&env, &pairs);
     wait_for_consumers(&env.conn, &pair, 1, &[&gw]).await;
 
-    // every message takes the one-hop 150 ms fixed tier, which holds one at a time
     let n = 24;
     let app = start_app(
         "stream",
         serde_json::json!({"prefix": p, "ingress": x_in, "target": x_t, "n": n,
-                           "publish_seconds": 0.2, "delay": 150}),
+                           "publish_seconds": 0.2, "delay": delay}),
     );
     let report = finish(app, &[&gw]).await;
     assert_eq!(report["missing"], serde_json::json!([]), "{report}");
-    assert!(
-        gw.log().contains("nack"),
-        "no tier publish was refused: the test did not fill a tier\n{}",
-        gw.log()
-    );
     env.assert_empty(&pair[0].parked_queue).await;
+    let log = gw.log();
     drop(gw);
     env.cleanup().await;
+    log
 }
 
 /// `teardown` finds the gateway pairs declared under the prefix (the control stream remembers

@@ -281,8 +281,11 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
         Cmd::Gateway(a) => {
             let mut settings = settings;
             if !a.ingress.is_empty() || !a.target.is_empty() {
-                settings.gateway =
-                    GatewaySettings::from_flags(&a.ingress, &a.target).map_err(Error::Invalid)?;
+                // the flags name the pairs; `gateway.batch_linger` and `gateway.hold` still
+                // come from the configuration
+                settings.gateway.pairs = GatewaySettings::from_flags(&a.ingress, &a.target)
+                    .map_err(Error::Invalid)?
+                    .pairs;
             }
             let gateway = Gateway::new(settings.clone())?;
             if a.declare_only {
