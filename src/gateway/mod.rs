@@ -172,6 +172,13 @@ struct PairCtx {
     hold_cap: usize,
 }
 
+/// How holding a message ended.
+enum Held {
+    Published,
+    Cancelled,
+    Failed,
+}
+
 /// A place among the gateway's held messages, given back when dropped.
 struct HoldSlot(Arc<AtomicUsize>);
 
@@ -235,11 +242,12 @@ impl GatewayHandler {
                 return cannot_schedule(&e);
             }
             if let Some(_slot) = HoldSlot::take(&c.held, c.hold_cap) {
-                if self.publish_held(d, delay_ms, &msg.properties, ctx).await {
-                    return Outcome::Success;
+                match self.publish_held(d, delay_ms, &msg.properties, ctx).await {
+                    Held::Published => return Outcome::Success,
+                    Held::Cancelled => return Outcome::Cancelled,
+                    // due now: the due queue retries it, or parks it with the reason
+                    Held::Failed => msg.delay_ms = 0,
                 }
-                // due now: the due queue retries it, or parks it with the reason
-                msg.delay_ms = 0;
             }
         }
         let sent = tokio::time::timeout(c.confirm_timeout, ctx.publisher().schedule(msg)).await;
@@ -261,33 +269,40 @@ impl GatewayHandler {
         }
     }
 
-    /// Waits `delay_ms`, then publishes the message to its target as the due stage would.
-    /// The ingress message stays unacked meanwhile, so a gateway that dies loses nothing.
-    /// False when the publish was returned, refused or not confirmed in time: the caller sends
-    /// the message through the due queue, whose retries and parking then apply.
+    /// Waits `delay_ms`, then publishes the message to its target as the due stage would,
+    /// unless it was cancelled meanwhile. The ingress message stays unacked, so a gateway that
+    /// dies loses nothing. [`Held::Failed`] when the publish was returned, refused or not
+    /// confirmed in time, or the cancels could not be read: the caller sends the message
+    /// through the due queue, whose checks, retries and parking then apply.
     async fn publish_held(
         &self,
         d: &Delivery,
         delay_ms: u64,
         props: &lapin::BasicProperties,
         ctx: &Context,
-    ) -> bool {
+    ) -> Held {
         let c = &self.ctx;
+        let due_at_ms = crate::time::now_ms() + delay_ms;
         tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        match ctx.is_cancelled(&d.message_id, due_at_ms).await {
+            Ok(true) => return Held::Cancelled,
+            Ok(false) => {}
+            Err(_) => return Held::Failed,
+        }
         let Ok((key, props)) = restore(props) else {
-            return false;
+            return Held::Failed;
         };
         let target = &c.pair.target;
         let publish = ctx
             .publisher()
             .publish_confirmed(target, &key, &d.body, props);
         match tokio::time::timeout(c.confirm_timeout, publish).await {
-            Ok(Ok(())) => true,
+            Ok(Ok(())) => Held::Published,
             Ok(Err(e)) => {
                 tracing::debug!(%target, %key, error = %crate::error::chain(&e), "a held message goes through the due queue");
-                false
+                Held::Failed
             }
-            Err(_) => false,
+            Err(_) => Held::Failed,
         }
     }
 

@@ -52,6 +52,9 @@ pub enum Outcome {
     /// its queue unchanged (a member of a batch: re-scheduled alone, attempt unchanged). No
     /// attempt is counted.
     Requeue(String),
+    /// The message was cancelled while the handler had it ([`Context::is_cancelled`]): acked
+    /// and counted as cancelled, like a message cancelled before its handler started.
+    Cancelled,
 }
 
 /// Business logic run on every due message. Must be idempotent: delivery is at-least-once.
@@ -75,15 +78,26 @@ pub trait Handler: Send + Sync + 'static {
 }
 
 /// What a handler may use besides the message: the worker's confirmed publisher (to forward
-/// or schedule follow-up messages on the worker's connection).
+/// or schedule follow-up messages on the worker's connection) and its view of the cancels.
 pub struct Context {
     publisher: Arc<Publisher>,
+    cancels: Arc<Cancellations>,
 }
 
 impl Context {
     /// The worker's confirmed publisher.
     pub fn publisher(&self) -> &Publisher {
         &self.publisher
+    }
+
+    /// Whether `message_id`, due at `due_at_ms`, has been cancelled, after reading every cancel
+    /// that matters for it (those confirmed `cancel.notice` before the due time), as the worker
+    /// does before it runs a handler. For a handler that itself waits until a message is due
+    /// (the gateway holding a short delay); it then returns [`Outcome::Cancelled`]. An error
+    /// when the control stream cannot be read.
+    pub async fn is_cancelled(&self, message_id: &str, due_at_ms: u64) -> Result<bool> {
+        self.cancels.sync_for(Some(due_at_ms)).await?;
+        Ok(self.cancels.is_cancelled(message_id))
     }
 }
 

@@ -255,6 +255,7 @@ async fn one<H: Handler>(
     let hold = Duration::from_millis(ctx.settings.requeue_hold.as_millis());
     let hctx = Context {
         publisher: ctx.publisher.clone(),
+        cancels: ctx.cancels.clone(),
     };
     let held = Instant::now();
     let mut pause = Duration::from_millis(250);
@@ -330,6 +331,10 @@ async fn one<H: Handler>(
             Done::Parked
         }
         Outcome::Requeue(reason) => Done::PutBack(reason),
+        Outcome::Cancelled => {
+            cancelled(&d, ctx, "acked by its handler, which found it cancelled");
+            Done::Cancelled
+        }
     };
     Ok((d, done))
 }

@@ -703,3 +703,61 @@ async fn teardown_removes_the_gateway_queues_without_a_config() {
     })
     .await;
 }
+
+/// A message the gateway holds (`gateway.hold` 1 s) and that is cancelled while it waits,
+/// more than `cancel.notice` before its due time, is not delivered; its neighbour is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_message_cancelled_while_it_waits_is_not_delivered() {
+    within(async {
+        let mut env = Env::new(small_topology()).await;
+        let p = env.settings.prefix.clone();
+        let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
+        declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+        let out = env.queue("held-out").await;
+        bind(&env.conn, &out, &x_t, "k").await;
+        let pairs = [(x_in.as_str(), x_t.as_str())];
+        let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
+        let config = write_config(&env, "[gateway]\nhold = \"1s\"\n\n[cancel]\nnotice = \"200ms\"\n");
+        let gw = GatewayProc::start(&env, &config.0, &pairs, "gw");
+        let pair = pairs_of(&env, &pairs);
+        wait_for_consumers(&env.conn, &pair, 1, &[&gw]).await;
+
+        let ch = env.conn.create_channel().await.unwrap();
+        let due_at_ms = amqp_delay::time::now_ms() + 900;
+        for id in ["keep", "drop"] {
+            let mut h = FieldTable::default();
+            h.insert("x-delay".into(), AMQPValue::LongInt(900));
+            ch.basic_publish(
+                x_in.as_str().into(),
+                "k".into(),
+                lapin::options::BasicPublishOptions::default(),
+                id.as_bytes(),
+                lapin::BasicProperties::default()
+                    .with_message_id(id.into())
+                    .with_headers(h),
+            )
+            .await
+            .unwrap();
+        }
+        let publisher = env.publisher().await;
+        publisher.cancel("drop", Some(due_at_ms)).await.unwrap();
+        assert!(
+            amqp_delay::time::now_ms() + 200 < due_at_ms,
+            "the cancel was not confirmed a cancel.notice before the due time: the test proves nothing"
+        );
+        let got = env.expect(&out, 1).await;
+        let ids: Vec<String> = got.iter().map(|r| r.id()).collect();
+        assert_eq!(ids, ["keep"], "{}", gw.log());
+        let log = gw.log();
+        assert!(
+            log.contains("found it cancelled"),
+            "the cancel was not seen by the held message:\n{log}"
+        );
+        env.assert_empty(&pair[0].parked_queue).await;
+        publisher.close().await;
+        let _ = ch.close(200, "bye".into()).await;
+        drop(gw);
+        env.cleanup().await;
+    })
+    .await;
+}
