@@ -284,6 +284,12 @@ impl GatewayHandler {
         let c = &self.ctx;
         let due_at_ms = crate::time::now_ms() + delay_ms;
         tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        // the lateness of the due stage, which a held message skips
+        let late = crate::time::now_ms().saturating_sub(due_at_ms);
+        crate::metrics::global()
+            .lateness
+            .get_or_create(&crate::metrics::Metrics::queue(&c.pair.due_queue))
+            .observe(late as f64 / 1000.0);
         match ctx.is_cancelled(&d.message_id, due_at_ms).await {
             Ok(true) => return Held::Cancelled,
             Ok(false) => {}
