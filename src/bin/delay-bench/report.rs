@@ -45,7 +45,8 @@ pub(crate) struct ScenarioResult {
     /// scenarios, whose messages carry no `x-death` of their own.
     pub(crate) observed_avg_hops: Option<f64>,
     /// Broker messages published into the tiers per message scheduled, in the saturating run
-    /// (1 unbatched; below 1 when batches carried several; null for raw).
+    /// (1 unbatched; below 1 when batches carried several; null for raw). The gateway's is per
+    /// message delivered: the messages it holds take no broker message (0 when it held all).
     pub(crate) broker_msgs_per_msg: Option<f64>,
     /// The same in the rate-limited lateness run.
     pub(crate) lateness_broker_msgs_per_msg: Option<f64>,
@@ -290,7 +291,8 @@ impl Report {
             "\nmsg/s: end to end, first publish to last consume. sat p50: median lateness of that \
              saturating run (ms). Lateness (ms, consume − x-delay-due-at; raw: latency) from a \
              second run at half the measured rate (or --rate). brk/m: broker messages through the \
-             tiers per message in the saturating run (1: unbatched; a batch counts once)."
+             tiers per message in the saturating run (1: unbatched; a batch counts once; gateway: \
+             per message delivered, a held one takes none)."
         );
         let batched: Vec<String> = Scenario::ALL
             .iter()

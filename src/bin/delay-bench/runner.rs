@@ -384,6 +384,10 @@ impl Bench<'_> {
                 )
             })
         });
+        let per_msg = |r: &measure::RunOutcome| match sc {
+            Scenario::Gateway => r.broker_msgs_per_delivered(),
+            _ => r.broker_msgs_per_msg(),
+        };
         let result = ScenarioResult {
             description,
             radix: layout.radix(),
@@ -397,8 +401,8 @@ impl Bench<'_> {
             // a batch member, a relayed or a gateway's message carries no `x-death` of its own
             observed_avg_hops: (!sc.batched())
                 .then(|| round3(sat.observed_hops as f64 / sat.unique.max(1) as f64)),
-            broker_msgs_per_msg: sat.broker_msgs_per_msg().map(round3),
-            lateness_broker_msgs_per_msg: lat.broker_msgs_per_msg().map(round3),
+            broker_msgs_per_msg: per_msg(&sat).map(round3),
+            lateness_broker_msgs_per_msg: per_msg(&lat).map(round3),
             real_scale_avg_hops: real_scale_avg_hops.map(round3),
             e2e_s: round3(sat.e2e_s),
             publish_s: round3(sat.publish_s),

@@ -203,6 +203,12 @@ impl RunOutcome {
         (scheduled > 0).then(|| broker as f64 / scheduled as f64)
     }
 
+    /// Broker messages through the tiers per message delivered: the gateway's measure, since
+    /// the messages it holds are never scheduled into the tiers (0 when it held them all).
+    pub(super) fn broker_msgs_per_delivered(&self) -> Option<f64> {
+        (self.unique > 0).then(|| self.tier_messages.0 as f64 / self.unique as f64)
+    }
+
     pub(super) fn publish_msgs_per_s(&self) -> f64 {
         if self.publish_s > 0.0 {
             (self.n - self.publish_errors) as f64 / self.publish_s
