@@ -253,6 +253,17 @@ impl Publisher {
         precision: Precision,
         settings: PublisherSettings,
     ) -> Result<Publisher> {
+        // our own connections check this when they connect; the caller's is checked here
+        let frame_max = conn.configuration().frame_max();
+        if frame_max < crate::endpoints::MIN_FRAME_MAX {
+            return Err(Error::Invalid(format!(
+                "the connection allows frames of {frame_max} bytes only; amqp-delay needs at least {} \
+                 (a message's headers, up to {} bytes plus what the tier hops add, must fit one \
+                 frame): connect with a larger frame_max (the broker's default is 131072)",
+                crate::endpoints::MIN_FRAME_MAX,
+                crate::message::MAX_HEADER_BYTES
+            )));
+        }
         Publisher::build(conn, None, layout, precision, settings).await
     }
 

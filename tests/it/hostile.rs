@@ -486,6 +486,45 @@ async fn a_frame_max_out_of_bounds_is_refused_before_connecting() {
     }
 }
 
+/// An application's own connection with a `frame_max` below amqp-delay's floor is refused by
+/// `Publisher::with_connection`, saying what to change (our own connections are checked when
+/// they connect, above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_connection_with_a_small_frame_max_is_refused_by_the_publisher() {
+    let env = Env::new(small_topology()).await;
+    let url = broker_url();
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let conn = lapin::Connection::connect(
+        &format!("{url}{sep}frame_max=8192"),
+        lapin::ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(conn.configuration().frame_max(), 8192);
+    let conn = std::sync::Arc::new(conn);
+    let r = amqp_delay::Publisher::with_connection(
+        conn.clone(),
+        env.layout(),
+        env.settings.precision,
+        env.settings.publisher.clone(),
+    )
+    .await;
+    match r {
+        Err(amqp_delay::Error::Invalid(e)) => assert!(
+            e.contains("allows frames of 8192 bytes only") && e.contains("larger frame_max"),
+            "{e}"
+        ),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a connection with frame_max 8192 was accepted"),
+    }
+    assert!(
+        conn.status().connected(),
+        "the caller's connection was closed"
+    );
+    let _ = conn.close(200, "bye".into()).await;
+    env.cleanup().await;
+}
+
 /// A TCP proxy to the broker that rewrites the `frame_max` of the broker's Connection.Tune to
 /// `frame_max`, as a broker configured so would offer it. Returns its port.
 async fn tune_rewriting_proxy(frame_max: u32) -> u16 {
