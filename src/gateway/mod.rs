@@ -473,8 +473,9 @@ impl Gateway {
         let confirm_timeout = Duration::from_millis((handler_ms / 2).clamp(1, 30_000));
         let mut settings = self.settings.clone();
         settings.publisher.batch_linger = settings.gateway.batch_linger;
-        // Ingress messages wait in the batcher while they hold prefetch slots: half the
-        // prefetch in hand sends everything, so lingering never caps the throughput.
+        // Ingress messages wait in the batcher while they hold prefetch slots: half of
+        // `consumer.io_concurrency` in hand sends everything, so lingering never caps the
+        // throughput.
         settings.publisher.max_pending = (settings.consumer.io_concurrency / 2).max(1);
         // Messages held until due (`gateway.hold`) wait for their delay in a prefetch slot and
         // a handler: as many again as `consumer.io_concurrency`, so that holding never takes
