@@ -351,6 +351,9 @@ pub struct GatewaySettings {
     /// queue, so nothing is lost if the gateway dies) and published to its target when due,
     /// without the tiers. 0 sends every message through the tiers.
     pub hold: DurationMs,
+    /// How many messages the gateway holds at once, each in a prefetch slot of its own (on top
+    /// of `consumer.io_concurrency`); past that, short delays go through the tiers too.
+    pub max_held: usize,
 }
 
 impl Default for GatewaySettings {
@@ -359,6 +362,7 @@ impl Default for GatewaySettings {
             pairs: Vec::new(),
             batch_linger: DurationMs(100),
             hold: DurationMs(100),
+            max_held: 1536,
         }
     }
 }
@@ -412,6 +416,11 @@ impl GatewaySettings {
                 "gateway.hold must be at most 1s, got {}",
                 self.hold
             ));
+        }
+        if self.max_held == 0 {
+            return Err(
+                "gateway.max_held must be at least 1 (gateway.hold = 0 holds nothing)".into(),
+            );
         }
         let mut seen = std::collections::HashSet::new();
         for p in &self.pairs {
@@ -541,6 +550,15 @@ impl Settings {
                 self.gateway.hold, self.consumer.handler_timeout
             )));
         }
+        // the gateway's prefetch: its handlers in flight plus the messages it holds
+        if self.gateway.hold.as_millis() > 0
+            && self.consumer.io_concurrency + self.gateway.max_held > usize::from(u16::MAX)
+        {
+            return Err(SettingsError::Invalid(format!(
+                "consumer.io_concurrency ({}) + gateway.max_held ({}) must be at most 65535: together they are the gateway's prefetch",
+                self.consumer.io_concurrency, self.gateway.max_held
+            )));
+        }
         let horizon = self
             .consumer
             .retry
@@ -626,6 +644,14 @@ mod tests {
             e.contains("shorter than half of consumer.handler_timeout"),
             "{e}"
         );
+        let s = Settings::load_with_env(None, env(&[])).unwrap();
+        assert_eq!(s.gateway.max_held, 1536);
+        let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__MAX_HELD", "65100")]));
+        let e = s.unwrap_err().to_string();
+        assert!(e.contains("must be at most 65535"), "{e}");
+        let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__MAX_HELD", "0")]));
+        let e = s.unwrap_err().to_string();
+        assert!(e.contains("gateway.max_held must be at least 1"), "{e}");
     }
 
     #[test]

@@ -21,9 +21,8 @@
 //!   the tiers: the gateway holds the message — unacked in the ingress queue, so a gateway that
 //!   dies loses nothing — and publishes it to `T` when due, as the due stage would; if that
 //!   publish is returned, refused or not confirmed in time, the message goes to the due queue at
-//!   once, whose retries and parking apply. Held messages have prefetch slots of their own (as
-//!   many as `consumer.io_concurrency`); once those are taken, short delays go through the tiers
-//!   too.
+//!   once, whose retries and parking apply. Held messages have prefetch slots of their own
+//!   (`gateway.max_held`, 1536); once those are taken, short delays go through the tiers too.
 //! * **due**: rebuilds the message as published ([`x_delay::restore`]: original routing key and
 //!   properties, `x-delay` rewritten to minus the delay as the plugin does, our headers and the
 //!   broker's `x-death` history removed) and publishes it to `T` with `mandatory` and a confirm.
@@ -478,10 +477,10 @@ impl Gateway {
         // throughput.
         settings.publisher.max_pending = (settings.consumer.io_concurrency / 2).max(1);
         // Messages held until due (`gateway.hold`) wait for their delay in a prefetch slot and
-        // a handler: as many again as `consumer.io_concurrency`, so that holding never takes
-        // the slots of the messages in flight to the tiers. Past that they go through the tiers.
+        // a handler of their own (`gateway.max_held`), so that holding never takes the slots
+        // of the messages in flight to the tiers. Past that they go through the tiers.
         let hold_cap = if self.settings.gateway.hold.as_millis() > 0 {
-            settings.consumer.io_concurrency
+            self.settings.gateway.max_held
         } else {
             0
         };
