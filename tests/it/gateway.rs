@@ -263,6 +263,16 @@ impl Drop for GatewayObjects {
     }
 }
 
+/// The test's one pair, `<prefix>-delayed` → `<prefix>-target` (a direct exchange declared
+/// here): its names, and a guard that deletes the pair's objects and the target when dropped.
+pub async fn one_pair(env: &Env) -> (String, String, GatewayObjects) {
+    let p = &env.settings.prefix;
+    let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
+    declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+    let objects = GatewayObjects::new(env, &[(x_in.as_str(), x_t.as_str())], &[&x_t]);
+    (x_in, x_t, objects)
+}
+
 /// A hung broker operation fails the test instead of hanging it.
 async fn within(test: impl std::future::Future<Output = ()>) {
     tokio::time::timeout(Duration::from_secs(90), test)
@@ -389,10 +399,8 @@ async fn x_delay_edge_values_and_unroutable_messages_body() {
     require_pika();
     let env = Env::new(small_topology()).await;
     let p = env.settings.prefix.clone();
-    let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
-    declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+    let (x_in, x_t, _objects) = one_pair(&env).await;
     let pairs = [(x_in.as_str(), x_t.as_str())];
-    let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
     // this one takes its pair from the config file
     let config = write_config(
         &env,
@@ -467,10 +475,8 @@ async fn killed_mid_stream(extra: &str) {
     require_pika();
     let env = Env::new(small_topology()).await;
     let p = env.settings.prefix.clone();
-    let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
-    declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+    let (x_in, x_t, _objects) = one_pair(&env).await;
     let pairs = [(x_in.as_str(), x_t.as_str())];
-    let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
     let config = write_config(&env, extra);
     // two competing gateways
     let mut a = GatewayProc::start(&env, &config.0, &pairs, "a");
@@ -533,10 +539,8 @@ async fn short_delays_are_held_by_the_gateway_not_sent_through_the_tiers() {
         require_pika();
         let env = Env::new(small_topology()).await;
         let p = env.settings.prefix.clone();
-        let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
-        declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+        let (x_in, x_t, _objects) = one_pair(&env).await;
         let pairs = [(x_in.as_str(), x_t.as_str())];
-        let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
         let pair = pairs_of(&env, &pairs);
         let due = pair[0].due_queue.as_str();
         let mut args = amqp_delay::Topology::new(env.layout()).consumed_queue_args();
@@ -598,10 +602,8 @@ async fn through_full_tiers(delay: u64) -> String {
     topology.max_tier_length = Some(1);
     let env = Env::new(topology).await;
     let p = env.settings.prefix.clone();
-    let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
-    declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+    let (x_in, x_t, _objects) = one_pair(&env).await;
     let pairs = [(x_in.as_str(), x_t.as_str())];
-    let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
     let config = write_config(&env, "");
     let gw = GatewayProc::start(&env, &config.0, &pairs, "gw");
     let pair = pairs_of(&env, &pairs);
@@ -628,11 +630,8 @@ async fn through_full_tiers(delay: u64) -> String {
 async fn teardown_removes_the_gateway_queues_without_a_config() {
     within(async {
         let env = Env::new(small_topology()).await;
-        let p = env.settings.prefix.clone();
-        let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
-        declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+        let (x_in, x_t, _objects) = one_pair(&env).await;
         let pairs = [(x_in.as_str(), x_t.as_str())];
-        let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
         let gw = Gateway::new(settings_with(&env, &pairs)).unwrap();
         gw.declare(&env.conn).await.unwrap();
         gw.declare(&env.conn).await.unwrap(); // twice: recorded twice, removed once
@@ -710,13 +709,10 @@ async fn teardown_removes_the_gateway_queues_without_a_config() {
 async fn a_held_message_cancelled_while_it_waits_is_not_delivered() {
     within(async {
         let mut env = Env::new(small_topology()).await;
-        let p = env.settings.prefix.clone();
-        let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
-        declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+        let (x_in, x_t, _objects) = one_pair(&env).await;
         let out = env.queue("held-out").await;
         bind(&env.conn, &out, &x_t, "k").await;
         let pairs = [(x_in.as_str(), x_t.as_str())];
-        let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
         let config = write_config(&env, "[gateway]\nhold = \"1s\"\n\n[cancel]\nnotice = \"200ms\"\n");
         let gw = GatewayProc::start(&env, &config.0, &pairs, "gw");
         let pair = pairs_of(&env, &pairs);

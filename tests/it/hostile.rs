@@ -6,13 +6,10 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use amqp_delay::Message;
-use lapin::ExchangeKind;
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 
-use crate::gateway::{
-    GatewayObjects, GatewayProc, declare_exchange, pairs_of, wait_for_consumers, write_config,
-};
+use crate::gateway::{GatewayProc, pairs_of, wait_for_consumers, write_config};
 use crate::harness::*;
 
 /// Runs `delay-publisher` with this test's config; returns (exit code, stdout, stderr).
@@ -282,14 +279,11 @@ async fn the_library_refuses_reserved_headers_and_oversize_headers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_ingress_strips_forged_headers_and_parks_oversize_ones() {
     let env = Env::new(small_topology()).await;
-    let p = env.settings.prefix.clone();
-    let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
-    declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
+    let (x_in, x_t, _objects) = crate::gateway::one_pair(&env).await;
     let mut env = env;
     let out = env.queue("gw-out").await;
     crate::gateway::bind(&env.conn, &out, &x_t, "k").await;
     let pairs = [(x_in.as_str(), x_t.as_str())];
-    let _objects = GatewayObjects::new(&env, &pairs, &[&x_t]);
     let config = write_config(&env, "");
     let gw = GatewayProc::start(&env, &config.0, &pairs, "gw");
     let pair = pairs_of(&env, &pairs);
