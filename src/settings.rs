@@ -542,23 +542,6 @@ impl Settings {
                 "cancel.notice must be positive".into(),
             ));
         }
-        // a held message waits for its delay inside the gateway's handler, then for a confirm
-        // of up to half the handler timeout
-        if self.gateway.hold.as_millis() * 2 >= self.consumer.handler_timeout.as_millis() {
-            return Err(SettingsError::Invalid(format!(
-                "gateway.hold ({}) must be shorter than half of consumer.handler_timeout ({})",
-                self.gateway.hold, self.consumer.handler_timeout
-            )));
-        }
-        // the gateway's prefetch: its handlers in flight plus the messages it holds
-        if self.gateway.hold.as_millis() > 0
-            && self.consumer.io_concurrency + self.gateway.max_held > usize::from(u16::MAX)
-        {
-            return Err(SettingsError::Invalid(format!(
-                "consumer.io_concurrency ({}) + gateway.max_held ({}) must be at most 65535: together they are the gateway's prefetch",
-                self.consumer.io_concurrency, self.gateway.max_held
-            )));
-        }
         let horizon = self
             .consumer
             .retry
@@ -632,23 +615,8 @@ mod tests {
         assert!(e.contains("gateway.hold must be at most 1s"), "{e}");
         let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__HOLD", "0")])).unwrap();
         assert_eq!(s.gateway.hold, DurationMs(0));
-        let s = Settings::load_with_env(
-            None,
-            env(&[
-                ("AMQP_DELAY_GATEWAY__HOLD", "1s"),
-                ("AMQP_DELAY_CONSUMER__HANDLER_TIMEOUT", "2s"),
-            ]),
-        );
-        let e = s.unwrap_err().to_string();
-        assert!(
-            e.contains("shorter than half of consumer.handler_timeout"),
-            "{e}"
-        );
         let s = Settings::load_with_env(None, env(&[])).unwrap();
         assert_eq!(s.gateway.max_held, 1536);
-        let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__MAX_HELD", "65100")]));
-        let e = s.unwrap_err().to_string();
-        assert!(e.contains("must be at most 65535"), "{e}");
         let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__MAX_HELD", "0")]));
         let e = s.unwrap_err().to_string();
         assert!(e.contains("gateway.max_held must be at least 1"), "{e}");
