@@ -162,10 +162,14 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 /// while the queue has ready messages treats the subscription as stalled and reconnects
 /// ([`Error::ConsumerStalled`]). Checked every [`STALL_CHECK`]. Doubled after each stall in a
 /// row, up to [`STALL_AFTER_MAX`]: an inactive consumer of a single-active-consumer queue looks
-/// the same and should not reconnect every few seconds.
+/// the same and should not reconnect every few seconds. Each check also ends the consumer of
+/// a queue that no longer exists, in case the broker's cancel never came.
 const STALL_AFTER: Duration = Duration::from_secs(10);
 const STALL_AFTER_MAX: Duration = Duration::from_secs(300);
 const STALL_CHECK: Duration = Duration::from_secs(5);
+
+/// How long ending a consumer whose queue vanished may take before its channel is closed.
+const CANCEL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How often a session checks that its control stream follower still reads.
 const FOLLOWER_CHECK: Duration = Duration::from_secs(1);
@@ -427,8 +431,9 @@ impl<H: Handler> Worker<H> {
                         )));
                     }
                 }
-                _ = stall_tick.tick(), if tasks.is_empty() => {
-                    match self.stalled(conn, &channels, &mut last_delivery, stall_after).await {
+                _ = stall_tick.tick() => {
+                    let idle = tasks.is_empty();
+                    match self.stalled(conn, &channels, &mut last_delivery, stall_after, idle).await {
                         Ok(None) => {}
                         Ok(Some(e)) => {
                             self.counters.stalled.fetch_add(1, Ordering::Relaxed);
@@ -548,22 +553,41 @@ impl<H: Handler> Worker<H> {
         channels: &[Option<(Channel, lapin::types::ShortString)>],
         last_delivery: &mut [Instant],
         after: Duration,
+        idle_worker: bool,
     ) -> Result<Option<Error>> {
         for (i, slot) in channels.iter().enumerate() {
             let idle = last_delivery[i].elapsed();
-            if slot.is_none() || idle < after {
+            let Some((ch, tag)) = slot else { continue };
+            if idle < STALL_CHECK {
                 continue;
             }
             let queue = &self.subscriptions[i].0;
             match broker::queue_state(conn, queue).await? {
-                Some(state) if state.ready > 0 => {
+                None => {
+                    // The broker's cancel for a deleted queue did not reach us (seen with a
+                    // quorum queue deleted from another cluster node): end the consumer
+                    // ourselves, which ends its stream and starts waiting for the queue.
+                    tracing::warn!(
+                        queue = %queue,
+                        "the queue no longer exists but its consumer was not cancelled; cancelling it"
+                    );
+                    let cancel = ch.basic_cancel(tag.clone(), BasicCancelOptions::default());
+                    if !matches!(
+                        tokio::time::timeout(CANCEL_TIMEOUT, cancel).await,
+                        Ok(Ok(()))
+                    ) {
+                        broker::close(ch, "queue deleted").await;
+                    }
+                }
+                Some(state) if idle_worker && idle >= after && state.ready > 0 => {
                     return Ok(Some(Error::ConsumerStalled {
                         queue: queue.clone(),
                         ready: state.ready,
                         idle_ms: idle.as_millis() as u64,
                     }));
                 }
-                _ => last_delivery[i] = Instant::now(),
+                Some(_) if idle >= after => last_delivery[i] = Instant::now(),
+                Some(_) => {}
             }
         }
         Ok(None)

@@ -38,8 +38,10 @@ async fn destination_deleted_and_recreated_under_a_running_worker() {
     );
 
     cluster(&["ctl", "1", "delete_queue", &q]).await;
+    // the broker's cancel usually comes at once; once it never came, and the worker's own check
+    // (every 5 s, for a queue idle 5 s) ends the consumer within ~10 s
     assert!(
-        wait_until(Duration::from_secs(15), || worker
+        wait_until(Duration::from_secs(30), || worker
             .log()
             .contains("the broker cancelled the consumer"))
         .await,
