@@ -190,3 +190,86 @@ pub async fn teardown_destination(
     }
     Ok(done)
 }
+
+/// The totals `stats` prints under its table (and alone with `--summary`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StatsSummary {
+    /// Messages not yet due, counted from the ledger; `None` when the topology has none or it
+    /// could not be read (`messages_error` says why).
+    pub messages: Option<crate::ledger::Counted>,
+    /// Why the messages could not be counted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub messages_error: Option<String>,
+    /// Broker messages (a batch counts once).
+    pub broker_messages: BrokerTotals,
+    /// Queues of the topology that do not exist.
+    pub missing_queues: usize,
+    /// Tiers whose dead-lettered messages wait for the broker's dead-letter worker, with how
+    /// many and (with the management API) their leader.
+    pub dead_lettered_waiting: Vec<String>,
+}
+
+/// Broker messages in the tiers, by when their tier lets them out at the latest, and parked.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct BrokerTotals {
+    /// In every tier queue.
+    pub in_tiers: u64,
+    /// In tiers whose longest wait is a minute or less.
+    pub within_1m: u64,
+    /// ... an hour or less.
+    pub within_1h: u64,
+    /// ... a day or less.
+    pub within_1d: u64,
+    /// In tiers that may hold them longer.
+    pub later: u64,
+    /// In the parking queues.
+    pub parked: u64,
+}
+
+impl StatsSummary {
+    /// The totals of `stats` and what counting the ledger gave.
+    pub fn of(
+        stats: &[crate::topology::QueueStat],
+        counted: Result<Option<crate::ledger::Counted>>,
+    ) -> StatsSummary {
+        let mut b = BrokerTotals::default();
+        for s in stats.iter().filter(|s| !s.missing) {
+            if s.kind == "parked" {
+                b.parked += s.messages;
+                continue;
+            }
+            b.in_tiers += s.messages;
+            match s.due_within_ms {
+                Some(w) if w <= 60_000 => b.within_1m += s.messages,
+                Some(w) if w <= 3_600_000 => b.within_1h += s.messages,
+                Some(w) if w <= 86_400_000 => b.within_1d += s.messages,
+                _ => b.later += s.messages,
+            }
+        }
+        // cumulative, as the messages' counts are
+        b.within_1h += b.within_1m;
+        b.within_1d += b.within_1h;
+        let dead_lettered_waiting = stats
+            .iter()
+            .filter(|s| s.dead_lettered.unwrap_or(0) > 0)
+            .map(|s| {
+                let n = s.dead_lettered.unwrap_or(0);
+                match &s.leader {
+                    Some(l) => format!("{} ({n}, led by {l})", s.queue),
+                    None => format!("{} ({n})", s.queue),
+                }
+            })
+            .collect();
+        let (messages, messages_error) = match counted {
+            Ok(c) => (c, None),
+            Err(e) => (None, Some(crate::error::chain(&e))),
+        };
+        StatsSummary {
+            messages,
+            messages_error,
+            broker_messages: b,
+            missing_queues: stats.iter().filter(|s| s.missing).count(),
+            dead_lettered_waiting,
+        }
+    }
+}

@@ -166,6 +166,19 @@ pub async fn queue_state(conn: &Connection, queue: &str) -> Result<Option<QueueS
     }
 }
 
+/// The stream offset a delivery carries (RabbitMQ sets `x-stream-offset` on every record it
+/// delivers from a stream).
+pub fn stream_offset(d: &lapin::message::Delivery) -> Option<u64> {
+    let h = d.properties.headers().as_ref()?;
+    match h.inner().get("x-stream-offset")? {
+        AMQPValue::LongLongInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::LongInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::LongUInt(v) => Some(u64::from(*v)),
+        AMQPValue::Timestamp(v) => Some(*v),
+        _ => None,
+    }
+}
+
 /// Passive declare of exchange `name` on a channel of its own: whether it exists.
 pub async fn exchange_exists(conn: &Connection, name: &str) -> Result<bool> {
     let ch = open(conn).await?;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
 use serde::{Deserialize, Serialize};
 
@@ -96,6 +96,8 @@ pub(crate) const READ_STALL: Duration = Duration::from_secs(10);
 /// record made reading several times slower (RabbitMQ 3.10, a scratch reader).
 pub(crate) const READ_PREFETCH: u16 = 2_000;
 pub(crate) const ACK_EVERY: u64 = 500;
+/// Longer than any barrier record (JSON with a UUID nonce).
+pub(crate) const BARRIER_MAX: usize = 256;
 
 /// Arguments of the control stream: a stream queue, records kept for `max_age_secs`.
 pub fn stream_args(max_age_secs: u64) -> FieldTable {
@@ -119,21 +121,30 @@ pub async fn declare(conn: &Connection, layout: &Layout) -> Result<()> {
 
 /// Appends `record` and waits for the broker's confirm.
 pub async fn append(conn: &Connection, layout: &Layout, record: &Record) -> Result<()> {
-    let stream = layout.control_stream();
+    append_to(conn, layout, &layout.control_stream(), &record.encode()).await
+}
+
+/// Appends a JSON `body` to `stream` (of `layout`) on a channel of its own and waits for the
+/// broker's confirm; returns the stream's missing as [`Error::NotDeclared`].
+pub(crate) async fn append_to(
+    conn: &Connection,
+    layout: &Layout,
+    stream: &str,
+    body: &[u8],
+) -> Result<()> {
     let ch = broker::open(conn).await?;
     ch.confirm_select(Default::default())
         .await
         .context(|| "enabling publisher confirms".into())?;
-    let body = record.encode();
     let confirm = ch
         .basic_publish(
             "".into(),
-            stream.as_str().into(),
+            stream.into(),
             lapin::options::BasicPublishOptions {
                 mandatory: true,
                 ..Default::default()
             },
-            &body,
+            body,
             BasicProperties::default()
                 .with_delivery_mode(2)
                 .with_content_type("application/json".into()),
@@ -144,12 +155,14 @@ pub async fn append(conn: &Connection, layout: &Layout, record: &Record) -> Resu
         .context(|| format!("awaiting the confirm from '{stream}'"))?;
     broker::close(&ch, "appended").await;
     if confirm.is_nack() {
-        return Err(Error::Nacked { exchange: stream });
+        return Err(Error::Nacked {
+            exchange: stream.to_string(),
+        });
     }
     if confirm.take_message().is_some() {
         return Err(Error::NotDeclared {
             prefix: layout.prefix().to_string(),
-            detail: format!(": the control stream '{stream}' is missing"),
+            detail: format!(": the stream '{stream}' is missing"),
         });
     }
     Ok(())
@@ -171,22 +184,56 @@ pub async fn read_all(conn: &Connection, layout: &Layout) -> Result<Vec<Record>>
         },
     )
     .await?;
+    let mut out = Vec::new();
+    // a barrier is a few dozen bytes: larger records are not parsed twice
+    let is_barrier = |body: &[u8]| {
+        body.len() < BARRIER_MAX
+            && matches!(Record::decode(body), Some(Record::Barrier { nonce: n }) if n == nonce)
+    };
+    read_to_barrier(
+        conn,
+        &stream,
+        broker::long_string("first"),
+        is_barrier,
+        |_, body| match serde_json::from_slice::<Record>(body) {
+            Ok(
+                Record::Barrier { .. } | Record::CheckpointBegin { .. } | Record::Checkpoint { .. },
+            ) => {}
+            Ok(r) => out.push(r),
+            // a record of a newer version, or garbage someone published: skip it
+            Err(e) => tracing::debug!(%stream, "skipping an unreadable record: {e}"),
+        },
+    )
+    .await?;
+    Ok(out)
+}
+
+/// Reads `stream` from `offset` (an `x-stream-offset` value) until a record `is_barrier` says
+/// is the reader's own barrier, giving every record before it to `each` with its offset (when
+/// the broker said it). Returns the barrier's offset. Gives up only when no record arrives for
+/// [`READ_STALL`].
+pub(crate) async fn read_to_barrier(
+    conn: &Connection,
+    stream: &str,
+    offset: AMQPValue,
+    is_barrier: impl Fn(&[u8]) -> bool,
+    mut each: impl FnMut(Option<u64>, &[u8]),
+) -> Result<Option<u64>> {
     let ch = broker::open(conn).await?;
     ch.basic_qos(READ_PREFETCH, BasicQosOptions::default())
         .await
         .context(|| "setting prefetch".into())?;
     let mut args = FieldTable::default();
-    args.insert("x-stream-offset".into(), broker::long_string("first"));
+    args.insert("x-stream-offset".into(), offset);
     let mut consumer = ch
         .basic_consume(
-            stream.as_str().into(),
+            stream.into(),
             "".into(),
             BasicConsumeOptions::default(),
             args,
         )
         .await
         .context(|| format!("reading '{stream}'"))?;
-    let mut out = Vec::new();
     let mut unacked = 0u64;
     let read = async {
         loop {
@@ -209,17 +256,11 @@ pub async fn read_all(conn: &Connection, layout: &Layout) -> Result<Vec<Record>>
                 let _ = d.ack(BasicAckOptions { multiple: true }).await;
                 unacked = 0;
             }
-            match serde_json::from_slice::<Record>(&d.data) {
-                Ok(Record::Barrier { nonce: n }) if n == nonce => return Ok(()),
-                Ok(
-                    Record::Barrier { .. }
-                    | Record::CheckpointBegin { .. }
-                    | Record::Checkpoint { .. },
-                ) => {}
-                Ok(r) => out.push(r),
-                // a record of a newer version, or garbage someone published: skip it
-                Err(e) => tracing::debug!(%stream, "skipping an unreadable record: {e}"),
+            let offset = broker::stream_offset(&d);
+            if is_barrier(&d.data) {
+                return Ok(offset);
             }
+            each(offset, &d.data);
         }
         Err(Error::Invalid(format!(
             "the broker ended the read of '{stream}' before the barrier"
@@ -227,5 +268,5 @@ pub async fn read_all(conn: &Connection, layout: &Layout) -> Result<Vec<Record>>
     };
     let r = read.await;
     broker::close(&ch, "read").await;
-    r.map(|()| out)
+    r
 }

@@ -453,6 +453,11 @@ impl Layout {
     pub fn control_stream(&self) -> String {
         format!("{}.control", self.prefix)
     }
+    /// The ledger stream: how many messages (not broker messages) publishers put into the
+    /// tiers, by due time (see `tally`). Kept as long as the control stream.
+    pub fn ledger_stream(&self) -> String {
+        format!("{}.ledger", self.prefix)
+    }
     /// How long the control stream keeps a record: the longest delay plus a week (for
     /// retries after it), in seconds.
     pub fn control_max_age_secs(&self) -> u64 {

@@ -40,6 +40,7 @@ pub mod metrics;
 pub mod planner;
 mod retry;
 pub mod settings;
+pub mod tally;
 pub mod time;
 
 // ---- broker edge ---------------------------------------------------------------------------
@@ -47,6 +48,7 @@ pub mod broker;
 pub mod cancel;
 pub mod connection;
 mod control;
+pub mod ledger;
 pub mod management;
 mod publisher;
 mod topology;

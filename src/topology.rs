@@ -79,6 +79,7 @@ impl Topology {
         )
         .await?;
         control::declare(conn, l).await?;
+        crate::ledger::declare(conn, l).await?;
 
         // Parking first: the delivery exchange's alternate exchange must exist before anything
         // can be delivered.
@@ -362,6 +363,7 @@ impl Topology {
         // the marker of versions before 0.2 was a classic queue of the same name
         queues.push(l.layout_marker());
         queues.push(l.control_stream());
+        queues.push(l.ledger_stream());
         let mut exchanges: Vec<String> = (0..l.levels()).map(|k| l.level_exchange(k)).collect();
         exchanges.extend(l.tiers().into_iter().filter_map(|t| match t.kind {
             TierKind::Cascade { .. } => None,

@@ -100,12 +100,12 @@ run set_permissions -p "${VHOST}" "${USER_PREFIX}-admin" "${ADMIN}" "${ADMIN_WRI
 run set_permissions -p "${VHOST}" "${USER_PREFIX}-publisher" '^$' "^(${TIERS}|amq\\.default)\$" '^$'
 if [[ -n "${Q}" ]]; then
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-worker" '^$' \
-        "^(amq\\.default|${TIERS})\$" "^(${Q}|${P}\\.control)\$"
+        "^(amq\\.default|${TIERS})\$" "^(${Q}|${P}\\.(control|ledger))\$"
 fi
 if [[ -n "${I}" ]]; then
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-gateway" '^$' \
         "^(amq\\.default|${I}|${T}|${P}\\.(gw\\..*|parking)|${TIERS})\$" \
-        "^(${I}|${P}\\.gw\\..*|${P}\\.control)\$"
+        "^(${I}|${P}\\.gw\\..*|${P}\\.(control|ledger))\$"
 fi
 run set_permissions -p "${VHOST}" "${USER_PREFIX}-keda" '^$' '^$' '^$'
 run set_user_tags "${USER_PREFIX}-keda" monitoring

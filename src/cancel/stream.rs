@@ -20,17 +20,9 @@ use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::time::now_ms;
 
-/// The stream offset a delivery carries (RabbitMQ sets `x-stream-offset` on every record it
-/// delivers from a stream).
+/// The stream offset a delivery carries.
 pub(super) fn offset_of(d: &lapin::message::Delivery) -> Option<u64> {
-    let h = d.properties.headers().as_ref()?;
-    match h.inner().get("x-stream-offset")? {
-        AMQPValue::LongLongInt(v) => u64::try_from(*v).ok(),
-        AMQPValue::LongInt(v) => u64::try_from(*v).ok(),
-        AMQPValue::LongUInt(v) => Some(u64::from(*v)),
-        AMQPValue::Timestamp(v) => Some(*v),
-        _ => None,
-    }
+    broker::stream_offset(d)
 }
 
 /// Consumes `stream` from `offset`; a missing stream is [`Error::NotDeclared`].

@@ -89,7 +89,10 @@ impl Inner {
         };
         let count = members.len();
         let mut out = Vec::with_capacity(count);
-        if result.is_ok() {
+        if let Ok(route) = &result {
+            if route.delay_ms > 0 && self.ledger_on.load(std::sync::atomic::Ordering::Relaxed) {
+                self.ledger.add(now + route.delay_ms, count as u64);
+            }
             let m = crate::metrics::global();
             m.broker_messages.inc();
             // a worker's retry is counted by the worker as retried: `scheduled` counts each
@@ -115,6 +118,36 @@ impl Inner {
             out.push(r);
         }
         out
+    }
+
+    /// Writes what it put into the tiers since the last time to the ledger stream; keeps it for
+    /// the next time when the write fails, and stops recording when the stream is missing.
+    pub(super) async fn write_ledger(&self) {
+        use std::sync::atomic::Ordering;
+        if !self.ledger_on.load(Ordering::Relaxed) {
+            return;
+        }
+        let Some(entry) = self.ledger.take() else {
+            return;
+        };
+        let stream = self.layout.ledger_stream();
+        let props = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type("application/json".into());
+        match self
+            .publish_confirmed("", &stream, &entry.encode(), props)
+            .await
+        {
+            Ok(()) => {}
+            Err(Error::Returned { .. }) => {
+                self.ledger_on.store(false, Ordering::Relaxed);
+                tracing::warn!(%stream, "the ledger stream is gone: `stats` counts broker messages only until `delay-publisher declare` adds it back");
+            }
+            Err(e) => {
+                tracing::warn!(%stream, "could not write the ledger (kept for the next try): {}", crate::error::chain(&e));
+                self.ledger.put_back(entry);
+            }
+        }
     }
 
     /// The body and properties of a batch of `members` travelling `route`.

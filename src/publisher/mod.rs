@@ -44,6 +44,8 @@ pub struct Publisher {
     /// Feeds the batcher task (`None` when batching is off).
     batcher: Option<mpsc::UnboundedSender<Vec<Prepared>>>,
     batcher_task: Option<tokio::task::JoinHandle<()>>,
+    /// Writes the ledger every [`LEDGER_EVERY`] (ends when the publisher is dropped).
+    ledger_task: Option<tokio::task::JoinHandle<()>>,
 }
 
 struct Inner {
@@ -63,6 +65,10 @@ struct Inner {
     in_flight: Semaphore,
     /// Publishes so far, to take turns over the shards of a fixed level.
     turn: std::sync::atomic::AtomicU64,
+    /// What it put into the tiers since it last wrote the ledger.
+    ledger: crate::ledger::Recorder,
+    /// Whether the topology has a ledger stream (declared by this version or later).
+    ledger_on: std::sync::atomic::AtomicBool,
 }
 
 /// What the publisher knows of a destination, refreshed every `binding_cache_secs`.
@@ -276,6 +282,15 @@ impl Publisher {
     ) -> Result<Publisher> {
         settings.validate().map_err(Error::Invalid)?;
         Topology::new(layout.clone()).verify(&conn).await?;
+        let ledger_on = crate::broker::queue_state(&conn, &layout.ledger_stream())
+            .await?
+            .is_some();
+        if !ledger_on {
+            tracing::info!(
+                stream = %layout.ledger_stream(),
+                "the topology has no ledger stream (declared by an earlier version): `stats` counts broker messages only until `delay-publisher declare` adds it"
+            );
+        }
         let channel = open_confirm_channel(&conn).await?;
         let inner = Arc::new(Inner {
             conn: tokio::sync::RwLock::new(conn),
@@ -288,7 +303,10 @@ impl Publisher {
             settings,
             bound: Mutex::new(HashMap::new()),
             turn: std::sync::atomic::AtomicU64::new(0),
+            ledger: crate::ledger::Recorder::default(),
+            ledger_on: std::sync::atomic::AtomicBool::new(ledger_on),
         });
+        let ledger_task = Some(tokio::spawn(run_ledger(Arc::downgrade(&inner))));
         let (batcher, batcher_task) = if inner.settings.batching() {
             let (tx, rx) = mpsc::unbounded_channel();
             let task = tokio::spawn(run_batcher(inner.clone(), rx));
@@ -301,6 +319,7 @@ impl Publisher {
             cancel: CancelSettings::default(),
             batcher,
             batcher_task,
+            ledger_task,
         })
     }
 
@@ -492,13 +511,49 @@ impl Publisher {
         if let Some(t) = self.batcher_task.take() {
             let _ = t.await;
         }
+        if let Some(t) = self.ledger_task.take() {
+            t.abort();
+        }
         let inner = &self.inner;
+        inner.write_ledger().await;
         crate::broker::close(&*inner.channel.read().await, "bye").await;
         if let Some(c) = inner.admin.lock().await.take() {
             crate::broker::close(&c, "bye").await;
         }
         if inner.url.is_some() {
             crate::broker::close_connection(&*inner.conn.read().await, "bye").await;
+        }
+    }
+}
+
+/// How often a publisher writes what it put into the tiers to the ledger (and how far behind
+/// `stats` may count).
+const LEDGER_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Writes the ledger every [`LEDGER_EVERY`] while the publisher lives, and about every
+/// [`crate::tally::SNAPSHOT_EVERY_MS`] counts it, which leaves a snapshot when none is recent:
+/// so a topology whose publishers run keeps its ledger quick to read even when nobody runs
+/// `stats`.
+async fn run_ledger(inner: std::sync::Weak<Inner>) {
+    let snapshot_every = std::time::Duration::from_millis(crate::tally::SNAPSHOT_EVERY_MS);
+    // publishers started together do not all count at once
+    let jitter =
+        std::time::Duration::from_millis(u64::from(uuid::Uuid::now_v7().as_u128() as u16) * 10);
+    let mut next_count = tokio::time::Instant::now() + snapshot_every + jitter;
+    let mut tick = tokio::time::interval(LEDGER_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let Some(inner) = inner.upgrade() else { return };
+        inner.write_ledger().await;
+        if tokio::time::Instant::now() >= next_count {
+            next_count = tokio::time::Instant::now() + snapshot_every;
+            if let Ok(conn) = inner.connection().await
+                && let Err(e) = crate::ledger::count(&conn, &inner.layout).await
+            {
+                tracing::debug!("counting the ledger: {}", crate::error::chain(&e));
+            }
         }
     }
 }

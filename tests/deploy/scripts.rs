@@ -29,10 +29,10 @@ fn the_permission_script_prints_the_documented_sets() {
             .to_string(),
         format!("set_permissions -p / p-publisher '^$' '^({tiers}|amq\\.default)$' '^$'"),
         format!(
-            "set_permissions -p / p-worker '^$' '^(amq\\.default|{tiers})$' '^(q|p\\.control)$'"
+            "set_permissions -p / p-worker '^$' '^(amq\\.default|{tiers})$' '^(q|p\\.(control|ledger))$'"
         ),
         format!(
-            "set_permissions -p / p-gateway '^$' '^(amq\\.default|i|t|p\\.(gw\\..*|parking)|{tiers})$' '^(i|p\\.gw\\..*|p\\.control)$'"
+            "set_permissions -p / p-gateway '^$' '^(amq\\.default|i|t|p\\.(gw\\..*|parking)|{tiers})$' '^(i|p\\.gw\\..*|p\\.(control|ledger))$'"
         ),
     ] {
         assert!(

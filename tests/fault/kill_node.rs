@@ -104,7 +104,11 @@ async fn kill_9_of_a_leader_node_under_a_bulk_send_and_a_worker() {
         ])
         .await;
     let stats = f.publisher_ok(&["stats"]).await;
-    assert!(stats.stdout.contains("total in tiers:"), "{}", stats.stdout);
+    assert!(
+        stats.stdout.contains("broker messages in the tiers:"),
+        "{}",
+        stats.stdout
+    );
     assert!(!stats.stdout.contains("MISSING"), "{}", stats.stdout);
     let declared = f.declare(&[&q]).await;
     eprintln!(

@@ -301,3 +301,121 @@ async fn a_relay_unpacks_batches_into_a_plain_queue() {
     p.close().await;
     env.cleanup().await;
 }
+
+/// `stats` counts messages, not broker messages: publishers write how many messages each
+/// broker message holds to the ledger stream, and a count starts from the last snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_count_messages_not_broker_messages() {
+    let mut t = small_topology();
+    t.max_delay = amqp_delay::time::DurationMs(60_000);
+    t.max_tier_ttl_ms = 20_000;
+    let mut env = Env::new(t).await;
+    batching_env_precision(&mut env);
+    let q = env.queue("counted").await;
+    mark_batched(&env, &q).await;
+    let layout = env.layout();
+
+    // 300 messages due within 5 ms of each other, 40 s from now: a few broker messages
+    let p = env.publisher().await;
+    let msgs: Vec<Message> = (0..300)
+        .map(|i| Message::new(q.clone(), 40_000 + i % 5, format!("m{i}")))
+        .collect();
+    for r in p.schedule_batch(msgs).await {
+        r.expect("scheduled");
+    }
+    p.close().await;
+    let in_tiers: u64 = Topology::new(layout.clone())
+        .stats(&env.conn)
+        .await
+        .unwrap()
+        .iter()
+        .map(|s| s.messages)
+        .sum();
+    assert!(
+        (1..30).contains(&in_tiers),
+        "300 messages took {in_tiers} broker messages"
+    );
+    let c = amqp_delay::ledger::count(&env.conn, &layout)
+        .await
+        .unwrap()
+        .expect("the topology has a ledger");
+    assert_eq!((c.pending.total, c.pending.within_1m), (300, 300), "{c:?}");
+    assert_eq!(c.snapshot_at_ms, None, "the first count reads every record");
+    assert!(c.wrote_snapshot, "{c:?}");
+
+    // 7 more, each alone: the next count starts from the snapshot and adds them
+    let p = env.publisher().await;
+    for i in 0..7 {
+        p.schedule(Message::new(q.clone(), 30_000, format!("a{i}")))
+            .await
+            .expect("scheduled");
+    }
+    p.close().await;
+    let c = amqp_delay::ledger::count(&env.conn, &layout)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(c.pending.total, 307, "{c:?}");
+    assert!(c.snapshot_at_ms.is_some() && !c.wrote_snapshot, "{c:?}");
+
+    // what the command line shows
+    let cfg = env.write_config("");
+    let stats = |summary: bool| {
+        let cfg = cfg.clone();
+        async move {
+            let mut args = vec!["--config", cfg.to_str().unwrap(), "stats"];
+            if summary {
+                args.extend(["--summary", "--json"]);
+            }
+            let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+                .args(args)
+                .env("AMQP_URL", broker_url())
+                .output()
+                .await
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8_lossy(&out.stdout).to_string()
+        }
+    };
+    let summary: serde_json::Value = serde_json::from_str(&stats(true).await).unwrap();
+    assert_eq!(summary["messages"]["total"], 307, "{summary}");
+    assert_eq!(
+        summary["broker_messages"]["in_tiers"],
+        in_tiers + 7,
+        "{summary}"
+    );
+    let text = stats(false).await;
+    assert!(
+        text.contains("messages not yet due: 307 (due within 1 minute: 307,"),
+        "{text}"
+    );
+
+    // a topology declared before the ledger: publishing works, stats says what it cannot count
+    let ch = amqp_delay::broker::open(&env.conn).await.unwrap();
+    ch.queue_delete(
+        layout.ledger_stream().as_str().into(),
+        lapin::options::QueueDeleteOptions::default(),
+    )
+    .await
+    .unwrap();
+    amqp_delay::broker::close(&ch, "ok").await;
+    let p = env.publisher().await;
+    p.schedule(Message::new(q.clone(), 30_000, "late".to_string()))
+        .await
+        .expect("scheduled without a ledger");
+    p.close().await;
+    assert_eq!(
+        amqp_delay::ledger::count(&env.conn, &layout).await.unwrap(),
+        None
+    );
+    let text = stats(false).await;
+    assert!(
+        text.contains("messages not yet due: unknown (the topology has no ledger stream"),
+        "{text}"
+    );
+    env.cleanup().await;
+}

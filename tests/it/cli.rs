@@ -132,6 +132,11 @@ async fn cli_send_stats_and_clear_errors() {
         text.contains("due within 1 minute: 0, within 1 hour: 1,"),
         "{text}"
     );
+    // the message itself falls due in 50 s (the ledger knows when, not just the tier)
+    assert!(
+        text.contains("messages not yet due: 1 (due within 1 minute: 1,"),
+        "{text}"
+    );
     // teardown refuses while messages wait (they would be lost)
     let out = run(s(&["teardown"])).await;
     assert_eq!(out.status.code(), Some(2));

@@ -154,13 +154,13 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
         &format!("{p}-wrk"),
         "^$",
         &format!("^(amq\\.default|{tiers})$"),
-        &format!(r"^({q}|{p}\.control)$"),
+        &format!(r"^({q}|{p}\.(control|ledger))$"),
     );
     user(
         &format!("{p}-gw"),
         "^$",
         &format!(r"^(amq\.default|{ingress}|{target}|{p}\.(gw\..*|parking)|{tiers})$"),
-        &format!(r"^({ingress}|{p}\.gw\..*|{p}\.control)$"),
+        &format!(r"^({ingress}|{p}\.gw\..*|{p}\.(control|ledger))$"),
     );
     // the node's own administrator stands for the application, which owns the target exchange
     let root = url("guest", &port).replace("guest-pw", "guest");

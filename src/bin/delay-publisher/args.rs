@@ -37,7 +37,7 @@ pub(crate) enum Cmd {
     Send(SendArgs),
     /// Cancel scheduled messages by id: no worker, gateway or relay runs or forwards them
     Cancel(CancelArgs),
-    /// Message count of every tier queue and of the parking queue
+    /// Messages not yet due, and the depth of every tier queue and of the parking queue
     Stats {
         /// Print JSON instead of a table
         #[arg(long)]
@@ -45,6 +45,10 @@ pub(crate) enum Cmd {
         /// Only list queues holding messages
         #[arg(long)]
         non_empty: bool,
+        /// Only the totals: messages not yet due (from the ledger) and broker messages, and
+        /// when they fall due (with --json: one object)
+        #[arg(long)]
+        summary: bool,
     },
     /// Show the route a delay takes through the tiers (no broker needed)
     Plan {

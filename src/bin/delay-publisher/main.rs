@@ -109,16 +109,37 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             );
             Ok(0)
         }
-        Cmd::Stats { json, non_empty } => {
+        Cmd::Stats {
+            json,
+            non_empty,
+            summary,
+        } => {
             let conn = Connector::new(&settings)?
                 .connect("amqp-delay stats")
                 .await?;
             let management = admin::management(&settings).await;
-            let stats = Topology::new(layout)
+            let stats = Topology::new(layout.clone())
                 .stats_with(&conn, management.as_ref())
                 .await;
+            // messages rather than broker messages: a failure to count is said, not fatal
+            let counted = match &stats {
+                Ok(_) => amqp_delay::ledger::count(&conn, &layout).await,
+                Err(_) => Ok(None),
+            };
             amqp_delay::broker::close_connection(&conn, "bye").await;
             let stats = stats?;
+            let totals = admin::StatsSummary::of(&stats, counted);
+            if summary {
+                if json {
+                    amqp_delay::outln!(
+                        "{}",
+                        serde_json::to_string_pretty(&totals).expect("serialisable")
+                    );
+                } else {
+                    print_summary(&totals, management.is_some());
+                }
+                return Ok(0);
+            }
             let shown: Vec<_> = stats
                 .iter()
                 .filter(|s| !non_empty || s.messages > 0 || s.missing)
@@ -164,64 +185,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                         s.leader.as_deref().unwrap_or("-")
                     );
                 }
-                let total: u64 = stats
-                    .iter()
-                    .filter(|s| s.kind != "parked")
-                    .map(|s| s.messages)
-                    .sum();
-                let parked: u64 = stats
-                    .iter()
-                    .filter(|s| s.kind == "parked")
-                    .map(|s| s.messages)
-                    .sum();
-                // when work is coming: each tier's messages fall due within its bound
-                let mut within = [0u64; 4];
-                for s in stats.iter().filter(|s| !s.missing) {
-                    if let Some(w) = s.due_within_ms {
-                        let slot = [60_000u64, 3_600_000, 86_400_000]
-                            .iter()
-                            .position(|&b| w <= b)
-                            .unwrap_or(3);
-                        within[slot] += s.messages;
-                    }
-                }
-                amqp_delay::outln!(
-                    "due within 1 minute: {}, within 1 hour: {}, within 1 day: {}, later: {} (broker messages, by their tier's longest wait)",
-                    within[0],
-                    within[0] + within[1],
-                    within[0] + within[1] + within[2],
-                    within[3]
-                );
-                let missing = stats.iter().filter(|s| s.missing).count();
-                amqp_delay::outln!(
-                    "total in tiers: {total} broker messages (a batch counts once), parked: {parked}"
-                );
-                if missing > 0 {
-                    amqp_delay::outln!(
-                        "{missing} queue(s) missing: run `delay-publisher declare` to re-create them"
-                    );
-                }
-                let waiting: Vec<String> = stats
-                    .iter()
-                    .filter(|s| s.dead_lettered.unwrap_or(0) > 0)
-                    .map(|s| match &s.leader {
-                        Some(l) => {
-                            format!("{} ({}, led by {l})", s.queue, s.dead_lettered.unwrap_or(0))
-                        }
-                        None => format!("{} ({})", s.queue, s.dead_lettered.unwrap_or(0)),
-                    })
-                    .collect();
-                if !waiting.is_empty() {
-                    amqp_delay::outln!(
-                        "dead-lettered, waiting for the broker's dead-letter worker: {}. Normal for a moment after a restart or failover; if it does not shrink, restart the RabbitMQ application of the node leading the tier (OPERATIONS.md, \"Dead-lettered messages that do not move\")",
-                        waiting.join(", ")
-                    );
-                }
-                if management.is_none() {
-                    amqp_delay::outln!(
-                        "(ready messages only: without the management API, messages held by the broker's dead-letter worker are not counted)"
-                    );
-                }
+                print_summary(&totals, management.is_some());
             }
             Ok(0)
         }
@@ -549,4 +513,48 @@ async fn send_jsonl(
     } else {
         0
     })
+}
+
+/// The totals under `stats`' table (and all of `stats --summary`).
+fn print_summary(t: &admin::StatsSummary, with_management: bool) {
+    match (&t.messages, &t.messages_error) {
+        (Some(m), _) => amqp_delay::outln!(
+            "messages not yet due: {} (due within 1 minute: {}, within 1 hour: {}, within 1 day: {}), counted from the ledger",
+            m.pending.total,
+            m.pending.within_1m,
+            m.pending.within_1h,
+            m.pending.within_1d
+        ),
+        (None, Some(e)) => amqp_delay::outln!("messages not yet due: unknown ({e})"),
+        (None, None) => amqp_delay::outln!(
+            "messages not yet due: unknown (the topology has no ledger stream: `delay-publisher declare` adds it; until then only broker messages are counted)"
+        ),
+    }
+    let b = &t.broker_messages;
+    amqp_delay::outln!(
+        "broker messages in the tiers: {} (a batch counts once; due within 1 minute: {}, within 1 hour: {}, within 1 day: {}, later: {}, by their tier's longest wait), parked: {}",
+        b.in_tiers,
+        b.within_1m,
+        b.within_1h,
+        b.within_1d,
+        b.later,
+        b.parked
+    );
+    if t.missing_queues > 0 {
+        amqp_delay::outln!(
+            "{} queue(s) missing: run `delay-publisher declare` to re-create them",
+            t.missing_queues
+        );
+    }
+    if !t.dead_lettered_waiting.is_empty() {
+        amqp_delay::outln!(
+            "dead-lettered, waiting for the broker's dead-letter worker: {}. Normal for a moment after a restart or failover; if it does not shrink, restart the RabbitMQ application of the node leading the tier (OPERATIONS.md, \"Dead-lettered messages that do not move\")",
+            t.dead_lettered_waiting.join(", ")
+        );
+    }
+    if !with_management {
+        amqp_delay::outln!(
+            "(ready messages only: without the management API, messages held by the broker's dead-letter worker are not counted)"
+        );
+    }
 }
