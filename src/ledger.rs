@@ -60,15 +60,19 @@ pub async fn count(conn: &Connection, layout: &Layout) -> Result<Option<Counted>
         },
     )
     .await?;
+    let started = std::time::Instant::now();
     let since_s = now_ms().saturating_sub(READ_WINDOW_MS) / 1000;
     let (reckoning, barrier) = read(conn, &stream, AMQPValue::Timestamp(since_s), &nonce).await?;
-    let (reckoned, barrier) = match reckoning.finish(false) {
+    let whole = reckoning.began_at_zero();
+    let (reckoned, barrier) = match reckoning.finish(whole) {
         Some(r) => (r, barrier),
         None => {
+            tracing::debug!(%stream, "no snapshot in the last hour: reading the whole ledger");
             let (all, barrier) = read(conn, &stream, broker::long_string("first"), &nonce).await?;
             (all.finish(true).expect("a read from the start"), barrier)
         }
     };
+    tracing::debug!(%stream, records = reckoned.records, elapsed = ?started.elapsed(), "ledger read");
     let now = now_ms();
     let pending = reckoned.dues.pending(now);
     let stale = reckoned

@@ -205,6 +205,12 @@ impl Reckoning {
         }
     }
 
+    /// Whether the read began at offset 0, the first record a stream ever had (so it read the
+    /// whole stream: nothing has been dropped by retention yet).
+    pub fn began_at_zero(&self) -> bool {
+        self.first == Some(0)
+    }
+
     /// The sum. With `from_start` (the read began at the stream's first record) it is always
     /// right; otherwise `None` when no snapshot read has all of its later records read too.
     pub fn finish(self, from_start: bool) -> Option<Reckoned> {
