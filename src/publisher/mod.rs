@@ -44,8 +44,10 @@ pub struct Publisher {
     /// Feeds the batcher task (`None` when batching is off).
     batcher: Option<mpsc::UnboundedSender<Vec<Prepared>>>,
     batcher_task: Option<tokio::task::JoinHandle<()>>,
-    /// Writes the ledger every [`LEDGER_EVERY`] (ends when the publisher is dropped).
+    /// Writes the ledger every [`LEDGER_EVERY`], and once more when told to stop (or when the
+    /// publisher is dropped, which drops the sender).
     ledger_task: Option<tokio::task::JoinHandle<()>>,
+    ledger_stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 struct Inner {
@@ -306,7 +308,8 @@ impl Publisher {
             ledger: crate::ledger::Recorder::default(),
             ledger_on: std::sync::atomic::AtomicBool::new(ledger_on),
         });
-        let ledger_task = Some(tokio::spawn(run_ledger(Arc::downgrade(&inner))));
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let ledger_task = Some(tokio::spawn(run_ledger(inner.clone(), stopped)));
         let (batcher, batcher_task) = if inner.settings.batching() {
             let (tx, rx) = mpsc::unbounded_channel();
             let task = tokio::spawn(run_batcher(inner.clone(), rx));
@@ -320,6 +323,7 @@ impl Publisher {
             batcher,
             batcher_task,
             ledger_task,
+            ledger_stop: Some(stop),
         })
     }
 
@@ -511,11 +515,12 @@ impl Publisher {
         if let Some(t) = self.batcher_task.take() {
             let _ = t.await;
         }
+        // the ledger task writes what is left, then ends
+        drop(self.ledger_stop.take());
         if let Some(t) = self.ledger_task.take() {
-            t.abort();
+            let _ = t.await;
         }
         let inner = &self.inner;
-        inner.write_ledger().await;
         crate::broker::close(&*inner.channel.read().await, "bye").await;
         if let Some(c) = inner.admin.lock().await.take() {
             crate::broker::close(&c, "bye").await;
@@ -530,11 +535,13 @@ impl Publisher {
 /// `stats` may count).
 const LEDGER_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Writes the ledger every [`LEDGER_EVERY`] while the publisher lives, and about every
-/// [`crate::tally::SNAPSHOT_EVERY_MS`] counts it, which leaves a snapshot when none is recent:
-/// so a topology whose publishers run keeps its ledger quick to read even when nobody runs
-/// `stats`.
-async fn run_ledger(inner: std::sync::Weak<Inner>) {
+/// Writes the ledger every [`LEDGER_EVERY`] while the publisher lives, and once more when
+/// `stop` fires (closed, or the publisher dropped: a dropped publisher's counts are written
+/// too, as long as the runtime runs). About every [`crate::tally::SNAPSHOT_EVERY_MS`] it counts
+/// the ledger, which leaves a snapshot when none is recent: so a topology whose publishers run
+/// keeps its ledger quick to read even when nobody runs `stats`. A write is never cut short; a
+/// count is, by `stop`.
+async fn run_ledger(inner: Arc<Inner>, mut stop: tokio::sync::oneshot::Receiver<()>) {
     let snapshot_every = std::time::Duration::from_millis(crate::tally::SNAPSHOT_EVERY_MS);
     // publishers started together do not all count at once
     let jitter =
@@ -544,18 +551,28 @@ async fn run_ledger(inner: std::sync::Weak<Inner>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
     loop {
-        tick.tick().await;
-        let Some(inner) = inner.upgrade() else { return };
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = &mut stop => break,
+        }
         inner.write_ledger().await;
         if tokio::time::Instant::now() >= next_count {
             next_count = tokio::time::Instant::now() + snapshot_every;
-            if let Ok(conn) = inner.connection().await
-                && let Err(e) = crate::ledger::count(&conn, &inner.layout).await
-            {
-                tracing::debug!("counting the ledger: {}", crate::error::chain(&e));
+            let count = async {
+                let conn = inner.connection().await?;
+                crate::ledger::count(&conn, &inner.layout).await
+            };
+            tokio::select! {
+                r = count => {
+                    if let Err(e) = r {
+                        tracing::debug!("counting the ledger: {}", crate::error::chain(&e));
+                    }
+                }
+                _ = &mut stop => break,
             }
         }
     }
+    inner.write_ledger().await;
 }
 
 /// Name of the connection a publisher opens itself.

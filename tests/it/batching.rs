@@ -343,18 +343,28 @@ async fn stats_count_messages_not_broker_messages() {
     assert_eq!(c.snapshot_at_ms, None, "the first count reads every record");
     assert!(c.wrote_snapshot, "{c:?}");
 
-    // 7 more, each alone: the next count starts from the snapshot and adds them
+    // 7 more, each alone, from a publisher dropped without `close` (it still writes its
+    // counts): the next count starts from the snapshot and adds them
     let p = env.publisher().await;
     for i in 0..7 {
         p.schedule(Message::new(q.clone(), 30_000, format!("a{i}")))
             .await
             .expect("scheduled");
     }
-    p.close().await;
-    let c = amqp_delay::ledger::count(&env.conn, &layout)
-        .await
-        .unwrap()
-        .unwrap();
+    drop(p);
+    let mut c = None;
+    for _ in 0..50 {
+        let now = amqp_delay::ledger::count(&env.conn, &layout)
+            .await
+            .unwrap()
+            .unwrap();
+        c = Some(now);
+        if now.pending.total == 307 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let c = c.unwrap();
     assert_eq!(c.pending.total, 307, "{c:?}");
     assert!(c.snapshot_at_ms.is_some() && !c.wrote_snapshot, "{c:?}");
 
