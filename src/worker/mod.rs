@@ -168,6 +168,10 @@ const STALL_AFTER: Duration = Duration::from_secs(10);
 const STALL_AFTER_MAX: Duration = Duration::from_secs(300);
 const STALL_CHECK: Duration = Duration::from_secs(5);
 
+/// How long one stall check (passive declares of the idle queues, perhaps a cancel) may take
+/// before the session gives up on the connection.
+const STALL_CHECK_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// How long ending a consumer whose queue vanished may take before its channel is closed.
 const CANCEL_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -433,7 +437,16 @@ impl<H: Handler> Worker<H> {
                 }
                 _ = stall_tick.tick() => {
                     let idle = tasks.is_empty();
-                    match self.stalled(conn, &channels, &mut last_delivery, stall_after, idle).await {
+                    // the loop waits for this check: a broker that stops answering it ends
+                    // the session rather than freezing it
+                    let check = self.stalled(conn, &channels, &mut last_delivery, stall_after, idle);
+                    let checked = tokio::time::timeout(STALL_CHECK_TIMEOUT, check)
+                        .await
+                        .unwrap_or_else(|_| Err(Error::Timeout {
+                            context: "checking the consumed queues".into(),
+                            timeout_ms: STALL_CHECK_TIMEOUT.as_millis() as u64,
+                        }));
+                    match checked {
                         Ok(None) => {}
                         Ok(Some(e)) => {
                             self.counters.stalled.fetch_add(1, Ordering::Relaxed);
