@@ -116,23 +116,24 @@ impl Dues {
         p
     }
 
-    /// The pairs of what is not yet due at `now_ms`, for a snapshot: to the second within two
-    /// hours (a snapshot is used for up to [`READ_WINDOW_MS`] after it is taken, and the
-    /// nearest bound a reader draws is one minute), to the minute within two days, to the hour
-    /// within 30 days, to the day beyond; rounded down, so a message is never counted as due
-    /// later than it is. At most 7 200 + 2 760 + 672 + one per day of the longest delay pairs.
+    /// The pairs of what is not yet due at `now_ms`, for a record or a snapshot: to the second
+    /// within two hours (a snapshot is used for up to [`READ_WINDOW_MS`] after it is taken, and
+    /// the nearest bound a reader draws is one minute), to the minute within 180 days, to the
+    /// hour beyond. Rounded up, so a message is never counted as due before it is; and since a
+    /// snapshot is summed into the next, a message scheduled more than two hours ahead stays
+    /// counted up to a minute after it fell due (more than 180 days ahead: up to an hour). At
+    /// most 7 200 + 1 440 per day up to 180 days + 24 per day beyond pairs (about 270 000,
+    /// ~4 MB of JSON, for a year).
     pub fn compact(&self, now_ms: u64) -> Vec<(u64, u64)> {
         let now_s = now_ms / 1000;
         let mut out: BTreeMap<u64, u64> = BTreeMap::new();
         for (&s, &n) in self.0.range(now_s + 1..) {
-            let ahead = s - now_s;
-            let step = match ahead {
+            let step = match s - now_s {
                 0..=7_200 => 1,
-                7_201..=172_800 => 60,
-                172_801..=2_592_000 => 3_600,
-                _ => 86_400,
+                7_201..=15_552_000 => 60,
+                _ => 3_600,
             };
-            let key = (s / step * step).max(now_s + 1);
+            let key = s.div_ceil(step).saturating_mul(step);
             let e = out.entry(key).or_default();
             *e = e.saturating_add(n);
         }
@@ -281,24 +282,25 @@ mod tests {
     }
 
     #[test]
-    fn a_snapshot_is_coarser_far_ahead_and_never_later() {
+    fn a_snapshot_is_coarser_far_ahead_and_never_early() {
         let now_s = 1_000_000;
         let mut d = Dues::default();
-        for ahead in [1, 59, 7_199, 7_201, 7_210, 200_000, 200_001, 9_000_000] {
+        for ahead in [1, 59, 7_199, 7_201, 7_210, 200_000, 200_001, 20_000_000] {
             d.add((now_s + ahead) * 1000, 1);
         }
         d.add((now_s - 3) * 1000, 5);
         let c = d.compact(now_s * 1000);
         assert_eq!(c.iter().map(|(_, n)| n).sum::<u64>(), 8, "{c:?}");
-        for &(s, _) in &c {
-            assert!(s > now_s, "{c:?}");
-        }
-        // seconds within 2 h, minutes to 2 days, hours to 30 days, days beyond
+        // seconds within 2 h, minutes to 180 days, hours beyond: rounded up
         assert!(c.contains(&(now_s + 1, 1)) && c.contains(&(now_s + 7_199, 1)));
-        assert!(c.contains(&((now_s + 7_201) / 60 * 60, 2)), "{c:?}");
-        assert!(c.contains(&((now_s + 200_000) / 3600 * 3600, 2)), "{c:?}");
+        assert!(c.contains(&((now_s + 7_201).div_ceil(60) * 60, 2)), "{c:?}");
+        assert!(c.contains(&(now_s + 200_000, 1)), "{c:?}");
         assert!(
-            c.contains(&((now_s + 9_000_000) / 86_400 * 86_400, 1)),
+            c.contains(&((now_s + 200_001).div_ceil(60) * 60, 1)),
+            "{c:?}"
+        );
+        assert!(
+            c.contains(&((now_s + 20_000_000).div_ceil(3600) * 3600, 1)),
             "{c:?}"
         );
         let mut back = Dues::default();
@@ -308,6 +310,28 @@ mod tests {
             (a.total, a.within_1m, a.within_1h),
             (b.total, b.within_1m, b.within_1h)
         );
+    }
+
+    #[test]
+    fn a_far_message_through_a_chain_of_snapshots_is_counted_until_due_and_at_most_a_minute_more() {
+        let due_s = 1_000_000 + 3 * 86_400 + 37;
+        let mut d = Dues::default();
+        d.add(due_s * 1000, 1);
+        // a snapshot every 30 min from 3 days before its due time
+        let mut now_s = 1_000_000;
+        while now_s < due_s + 120 {
+            let mut next = Dues::default();
+            next.merge(&d.compact(now_s * 1000));
+            d = next;
+            let pending = d.pending(now_s * 1000).total;
+            if now_s < due_s {
+                assert_eq!(pending, 1, "counted as due early at {now_s}");
+            }
+            if now_s >= due_s + 60 {
+                assert_eq!(pending, 0, "still counted at {now_s}");
+            }
+            now_s += if due_s - 600 < now_s { 7 } else { 1_800 };
+        }
     }
 
     #[test]
