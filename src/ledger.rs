@@ -2,12 +2,17 @@
 //! (not broker messages) waiting in the tiers. What it holds and how it is summed is in
 //! `tally`; publishers write it (`publisher`).
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
 use lapin::Connection;
-use lapin::types::AMQPValue;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::{AMQPValue, FieldTable};
 
 use crate::broker;
 use crate::control::{self, BARRIER_MAX};
-use crate::error::Result;
+use crate::error::{Result, ResultExt};
 use crate::layout::Layout;
 use crate::tally::{Dues, Entry, Pending, READ_WINDOW_MS, Reckoning, SNAPSHOT_EVERY_MS};
 use crate::time::now_ms;
@@ -47,6 +52,14 @@ pub struct Counted {
 /// Reads the last [`READ_WINDOW_MS`] from the newest snapshot in it, or the whole stream when
 /// there is none; leaves a snapshot when the newest is older than [`SNAPSHOT_EVERY_MS`].
 pub async fn count(conn: &Connection, layout: &Layout) -> Result<Option<Counted>> {
+    Ok(reckon(conn, layout).await?.map(|(c, ..)| c))
+}
+
+/// [`count`], with the sum itself and the offset of the barrier it read up to.
+async fn reckon(
+    conn: &Connection,
+    layout: &Layout,
+) -> Result<Option<(Counted, Dues, Option<u64>)>> {
     let stream = layout.ledger_stream();
     if broker::queue_state(conn, &stream).await?.is_none() {
         return Ok(None);
@@ -93,12 +106,108 @@ pub async fn count(conn: &Connection, layout: &Layout) -> Result<Option<Counted>
             }
         }
     }
-    Ok(Some(Counted {
+    let counted = Counted {
         pending,
         snapshot_at_ms: reckoned.snapshot_at_ms,
         records: reckoned.records,
         wrote_snapshot,
-    }))
+    };
+    Ok(Some((counted, reckoned.dues, barrier)))
+}
+
+/// A count kept current: [`count`] once, then every record appended after it, read as it
+/// comes (for the `amqp_delay_messages_pending` gauge).
+pub struct Following {
+    dues: Arc<std::sync::Mutex<Dues>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Following {
+    /// Messages not yet due at `now_ms` (what is due is dropped from the sum).
+    pub fn pending(&self, now_ms: u64) -> Pending {
+        let mut d = self.dues.lock().unwrap_or_else(|p| p.into_inner());
+        let mut kept = Dues::default();
+        kept.merge(&d.compact(now_ms));
+        *d = kept;
+        d.pending(now_ms)
+    }
+
+    /// Whether it still reads the stream (a lost connection or a deleted stream ends it).
+    pub fn is_following(&self) -> bool {
+        !self.task.is_finished()
+    }
+}
+
+impl Drop for Following {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Counts the ledger (as [`count`]) and keeps following it on a channel of `conn`. `None`
+/// when the topology has no ledger stream.
+pub async fn follow(conn: Arc<Connection>, layout: &Layout) -> Result<Option<Following>> {
+    let Some((_, dues, barrier)) = reckon(&conn, layout).await? else {
+        return Ok(None);
+    };
+    let stream = layout.ledger_stream();
+    let from = match barrier {
+        Some(b) => AMQPValue::LongLongInt(i64::try_from(b.saturating_add(1)).unwrap_or(i64::MAX)),
+        None => broker::long_string("next"),
+    };
+    let ch = broker::open(&conn).await?;
+    ch.basic_qos(control::READ_PREFETCH, BasicQosOptions::default())
+        .await
+        .context(|| "setting prefetch".into())?;
+    let mut args = FieldTable::default();
+    args.insert("x-stream-offset".into(), from);
+    let mut consumer = ch
+        .basic_consume(
+            stream.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            args,
+        )
+        .await
+        .context(|| format!("following '{stream}'"))?;
+    let dues = Arc::new(std::sync::Mutex::new(dues));
+    let sum = dues.clone();
+    let task = tokio::spawn(async move {
+        // a stream needs acks as credit: one `multiple` ack every few hundred records, and one
+        // as soon as nothing more is coming
+        let mut unacked: Option<(lapin::Acker, u64)> = None;
+        loop {
+            let next = match &unacked {
+                Some(_) => {
+                    match tokio::time::timeout(Duration::from_millis(50), consumer.next()).await {
+                        Ok(next) => next,
+                        Err(_) => {
+                            if let Some((acker, _)) = unacked.take() {
+                                let _ = acker.ack(BasicAckOptions { multiple: true }).await;
+                            }
+                            continue;
+                        }
+                    }
+                }
+                None => consumer.next().await,
+            };
+            let Some(Ok(d)) = next else { break };
+            // a record of a newer version, or garbage someone published, is skipped; a
+            // snapshot sums what was already counted
+            if let Some(Entry::Scheduled { dues: pairs }) = Entry::decode(&d.data) {
+                sum.lock().unwrap_or_else(|p| p.into_inner()).merge(&pairs);
+            }
+            let n = unacked.as_ref().map_or(0, |(_, n)| *n) + 1;
+            if n >= control::ACK_EVERY {
+                let _ = d.acker.ack(BasicAckOptions { multiple: true }).await;
+                unacked = None;
+            } else {
+                unacked = Some((d.acker, n));
+            }
+        }
+        broker::close(&ch, "followed").await;
+    });
+    Ok(Some(Following { dues, task }))
 }
 
 /// Reads `stream` from `offset` up to the barrier `nonce`.

@@ -42,6 +42,13 @@ pub struct TierLabel {
     pub kind: String,
 }
 
+/// How soon the messages a gauge counts fall due: `1m`, `1h`, `1d` or `all`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DueLabel {
+    /// The bound.
+    pub due_within: String,
+}
+
 /// Every metric of the process.
 pub struct Metrics {
     registry: Registry,
@@ -80,6 +87,8 @@ pub struct Metrics {
     /// Of those, dead-lettered by the tier and not yet moved on by the broker's dead-letter
     /// worker (management API only): a value that stays above 0 means the worker does not run.
     pub tier_dead_lettered: Family<TierLabel, Gauge>,
+    /// Messages (not broker messages) not yet due, from the ledger, by how soon they fall due.
+    pub messages_pending: Family<DueLabel, Gauge>,
     /// 1 while connected and consuming, 0 while (re)connecting.
     pub connected: Gauge,
 }
@@ -119,6 +128,7 @@ impl Metrics {
             in_flight: Gauge::default(),
             tier_messages: Family::default(),
             tier_dead_lettered: Family::default(),
+            messages_pending: Family::default(),
             connected: Gauge::default(),
             registry: Registry::default(),
         };
@@ -191,6 +201,11 @@ impl Metrics {
             "tier_dead_lettered_messages",
             "Of the tier's messages, those it dead-lettered that the broker's dead-letter worker has not moved on yet (management API only); staying above 0 means the worker does not run",
             m.tier_dead_lettered.clone(),
+        );
+        registry.register(
+            "messages_pending",
+            "Messages not yet due, counted from the ledger stream (a batch counts its members), by how soon they fall due (1m, 1h, 1d, all)",
+            m.messages_pending.clone(),
         );
         registry.register(
             "connected",

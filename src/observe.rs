@@ -1,9 +1,11 @@
 //! What operators watch: an HTTP endpoint (axum) on `metrics_addr` serving `/metrics`
 //! (Prometheus/OpenMetrics text of [`crate::metrics::global`]), `/healthz` (the process is alive)
 //! and `/readyz` (connected to the broker and consuming; unready while reconnecting), plus a
-//! sampler that reads every tier's depth periodically into `amqp_delay_tier_messages`.
+//! sampler that reads every tier's depth periodically into `amqp_delay_tier_messages` and the
+//! messages not yet due into `amqp_delay_messages_pending`.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -14,7 +16,8 @@ use axum::routing::get;
 use crate::admin;
 use crate::connection::Connector;
 use crate::error::{Error, Result};
-use crate::metrics::{self, TierLabel};
+use crate::ledger;
+use crate::metrics::{self, DueLabel, TierLabel};
 use crate::settings::Settings;
 use crate::topology::Topology;
 
@@ -73,8 +76,9 @@ pub async fn serve(addr: &str, settings: &Settings, sample: Duration) -> Result<
 }
 
 /// Reads every tier's depth every `every` into `amqp_delay_tier_messages` (ready + held when the
-/// management API answers, ready only otherwise). Errors are logged and the next round tries
-/// again.
+/// management API answers, ready only otherwise), and the messages not yet due into
+/// `amqp_delay_messages_pending` from a follower of the ledger stream (started again when it
+/// stops). Errors are logged and the next round tries again.
 async fn sample_tiers(settings: Settings, every: Duration) {
     let Ok(layout) = settings.layout() else {
         return;
@@ -82,16 +86,19 @@ async fn sample_tiers(settings: Settings, every: Duration) {
     let Ok(connector) = Connector::new(&settings) else {
         return;
     };
-    let topology = Topology::new(layout);
-    let mut conn = None;
+    let topology = Topology::new(layout.clone());
+    let mut conn: Option<Arc<lapin::Connection>> = None;
+    let mut following: Option<ledger::Following> = None;
     let mut tick = tokio::time::interval(every);
     loop {
         tick.tick().await;
-        if conn
-            .as_ref()
-            .is_none_or(|c: &lapin::Connection| !c.status().connected())
-        {
-            conn = connector.connect("amqp-delay metrics").await.ok();
+        if conn.as_ref().is_none_or(|c| !c.status().connected()) {
+            following = None;
+            conn = connector
+                .connect("amqp-delay metrics")
+                .await
+                .ok()
+                .map(Arc::new);
         }
         let Some(c) = conn.as_ref() else { continue };
         let management = admin::management(&settings).await;
@@ -114,6 +121,30 @@ async fn sample_tiers(settings: Settings, every: Duration) {
                 }
             }
             Err(e) => tracing::debug!("sampling tier depths: {e}"),
+        }
+        if following.as_ref().is_none_or(|f| !f.is_following()) {
+            following = match ledger::follow(c.clone(), &layout).await {
+                Ok(f) => f,
+                Err(e) => {
+                    tracing::debug!("following the ledger: {e}");
+                    None
+                }
+            };
+        }
+        if let Some(f) = following.as_ref() {
+            let p = f.pending(crate::time::now_ms());
+            let g = &metrics::global().messages_pending;
+            for (bound, n) in [
+                ("1m", p.within_1m),
+                ("1h", p.within_1h),
+                ("1d", p.within_1d),
+                ("all", p.total),
+            ] {
+                g.get_or_create(&DueLabel {
+                    due_within: bound.into(),
+                })
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+            }
         }
     }
 }

@@ -10,7 +10,7 @@ use crate::{read, s, strings, yaml_one};
 
 /// Every sample name of the registry (each family touched once) → its label names.
 fn registry_samples() -> BTreeMap<String, BTreeSet<String>> {
-    use amqp_delay::metrics::{Metrics, TierLabel, global};
+    use amqp_delay::metrics::{DueLabel, Metrics, TierLabel, global};
     let m = global();
     let q = Metrics::queue("q");
     let _ = m.delivered.get_or_create(&q);
@@ -28,6 +28,9 @@ fn registry_samples() -> BTreeMap<String, BTreeSet<String>> {
     let _ = m.tier_dead_lettered.get_or_create(&TierLabel {
         queue: "q".into(),
         kind: "cascade".into(),
+    });
+    let _ = m.messages_pending.get_or_create(&DueLabel {
+        due_within: "all".into(),
     });
     let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for line in m.encode().lines() {

@@ -36,33 +36,28 @@ fn sample(text: &str, name: &str, labels: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn metrics_add_up_and_readiness_follows_the_connection() {
-    let mut env = Env::new(small_topology()).await;
-    let q = env.queue("observed").await;
-    env.parked_queue(&q);
-    let cfg = env.write_config(
-        "[consumer.retry]\nbase = 50\nmax_attempts = 3\njitter = 0.0\n[cancel]\nhorizon = \"1h\"\n",
-    );
-    // ok → success, perm → parked, flaky → fails once (a retry), then succeeds
-    let out = temp_path(&env.settings.prefix, "observed.runs");
-    let script = format!(
-        "sh -c 'b=$(cat); echo \"$DELAY_MESSAGE_ID\" >> {}; case \"$b\" in perm) exit 65;; flaky) [ \"$DELAY_ATTEMPT\" = 0 ] && exit 1; exit 0;; *) exit 0;; esac'",
-        out.display()
-    );
+/// Starts `delay-consumer --queue q --exec script` with a metrics endpoint on a free port (and
+/// `envs`); returns it and the endpoint's base URL.
+fn consumer_with_metrics(
+    cfg: &std::path::Path,
+    q: &str,
+    script: &str,
+    envs: &[(&str, &str)],
+) -> (std::process::Child, String) {
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_delay-consumer"))
         .arg("--config")
-        .arg(&cfg)
+        .arg(cfg)
         .args([
             "--queue",
-            &q,
+            q,
             "--exec",
-            &script,
+            script,
             "--metrics-addr",
             "127.0.0.1:0",
         ])
         .env("AMQP_URL", broker_url())
         .env("RUST_LOG", "warn,amqp_delay=info")
+        .envs(envs.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -88,6 +83,24 @@ async fn metrics_add_up_and_readiness_follows_the_connection() {
         }
     }
     let base = base.expect("the consumer never said where it serves metrics");
+    (child, base)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_add_up_and_readiness_follows_the_connection() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("observed").await;
+    env.parked_queue(&q);
+    let cfg = env.write_config(
+        "[consumer.retry]\nbase = 50\nmax_attempts = 3\njitter = 0.0\n[cancel]\nhorizon = \"1h\"\n",
+    );
+    // ok → success, perm → parked, flaky → fails once (a retry), then succeeds
+    let out = temp_path(&env.settings.prefix, "observed.runs");
+    let script = format!(
+        "sh -c 'b=$(cat); echo \"$DELAY_MESSAGE_ID\" >> {}; case \"$b\" in perm) exit 65;; flaky) [ \"$DELAY_ATTEMPT\" = 0 ] && exit 1; exit 0;; *) exit 0;; esac'",
+        out.display()
+    );
+    let (mut child, base) = consumer_with_metrics(&cfg, &q, &script, &[]);
     assert_eq!(get(&format!("{base}/healthz")).0, 200);
     let ready = || get(&format!("{base}/readyz")).0;
     assert!(
@@ -197,4 +210,70 @@ fn close_worker_connection(prefix: &str) -> usize {
         n += 1;
     }
     n
+}
+
+/// `amqp_delay_messages_pending` counts messages, not broker messages (a batch counts its
+/// members), from the ledger, and follows what publishers write after it started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pending_gauge_counts_messages_and_follows_the_ledger() {
+    let mut t = small_topology();
+    t.max_delay = amqp_delay::time::DurationMs(60_000);
+    t.max_tier_ttl_ms = 20_000;
+    let mut env = Env::new(t).await;
+    env.settings.precision = amqp_delay::Precision {
+        lateness_ms: 20,
+        lateness_ratio: 0.0,
+    };
+    let q = env.queue("gauged").await;
+    env.parked_queue(&q);
+    let cfg = env.write_config("");
+    let (mut child, base) =
+        consumer_with_metrics(&cfg, &q, "true", &[("AMQP_DELAY_METRICS_SAMPLE", "300")]);
+    let ready = || get(&format!("{base}/readyz")).0;
+    assert!(
+        wait_until(Duration::from_secs(15), || ready() == 200).await,
+        "never ready"
+    );
+    let pending = |bound: &str| {
+        let text = get(&format!("{base}/metrics")).1;
+        sample(
+            &text,
+            "amqp_delay_messages_pending",
+            &format!("due_within=\"{bound}\""),
+        )
+    };
+    // the worker declared the batch marker: 200 messages due 40 s from now share broker messages
+    let p = env.publisher().await;
+    let msgs: Vec<amqp_delay::Message> = (0..200)
+        .map(|i| amqp_delay::Message::new(q.clone(), 40_000 + i % 3, format!("g{i}")))
+        .collect();
+    let mut batched = 0;
+    for r in p.schedule_batch(msgs).await {
+        batched += usize::from(r.expect("scheduled").batched_with > 1);
+    }
+    p.close().await;
+    assert!(batched > 100, "only {batched} of 200 travelled in a batch");
+    assert!(
+        wait_until(Duration::from_secs(15), || pending("all") == 200.0).await,
+        "the gauge says {} of 200",
+        pending("all")
+    );
+    // written after the gauge's count: followed, not counted again
+    let p = env.publisher().await;
+    for i in 0..5 {
+        p.schedule(amqp_delay::Message::new(q.clone(), 30_000, format!("h{i}")))
+            .await
+            .expect("scheduled");
+    }
+    p.close().await;
+    assert!(
+        wait_until(Duration::from_secs(15), || pending("all") == 205.0).await,
+        "the gauge says {} of 205",
+        pending("all")
+    );
+    assert_eq!(pending("1m"), 205.0);
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_file(&cfg);
+    env.cleanup().await;
 }
