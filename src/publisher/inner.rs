@@ -121,8 +121,10 @@ impl Inner {
     }
 
     /// Writes what it put into the tiers since the last time to the ledger stream; keeps it for
-    /// the next time when the write fails, and stops recording when the stream is missing.
-    pub(super) async fn write_ledger(&self) {
+    /// the next time when the write fails (unless it is the `last`), and stops recording when
+    /// the stream is missing. A write whose confirm was lost is written again: counted twice
+    /// rather than never.
+    pub(super) async fn write_ledger(&self, last: bool) {
         use std::sync::atomic::Ordering;
         if !self.ledger_on.load(Ordering::Relaxed) {
             return;
@@ -142,6 +144,9 @@ impl Inner {
             Err(Error::Returned { .. }) => {
                 self.ledger_on.store(false, Ordering::Relaxed);
                 tracing::warn!(%stream, "the ledger stream is gone: `stats` counts broker messages only until `delay-publisher declare` adds it back");
+            }
+            Err(e) if last => {
+                tracing::warn!(%stream, "could not write the ledger before closing: `stats` counts the messages of its last seconds only as broker messages: {}", crate::error::chain(&e));
             }
             Err(e) => {
                 tracing::warn!(%stream, "could not write the ledger (kept for the next try): {}", crate::error::chain(&e));

@@ -555,7 +555,7 @@ async fn run_ledger(inner: Arc<Inner>, mut stop: tokio::sync::oneshot::Receiver<
             _ = tick.tick() => {}
             _ = &mut stop => break,
         }
-        inner.write_ledger().await;
+        inner.write_ledger(false).await;
         if tokio::time::Instant::now() >= next_count {
             next_count = tokio::time::Instant::now() + snapshot_every;
             let count = async {
@@ -572,7 +572,7 @@ async fn run_ledger(inner: Arc<Inner>, mut stop: tokio::sync::oneshot::Receiver<
             }
         }
     }
-    inner.write_ledger().await;
+    inner.write_ledger(true).await;
 }
 
 /// Name of the connection a publisher opens itself.
