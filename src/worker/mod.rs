@@ -492,7 +492,7 @@ impl<H: Handler> Worker<H> {
                         }
                         tracing::warn!(
                             queue = %queue,
-                            "the broker cancelled the consumer (queue deleted?); waiting for the queue to come back"
+                            "the consumer was cancelled (queue deleted?); waiting for the queue to come back"
                         );
                         if let Some((ch, _)) = channels[i].take() {
                             broker::close(&ch, "consumer cancelled").await;
