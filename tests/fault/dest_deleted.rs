@@ -73,7 +73,8 @@ async fn destination_deleted_and_recreated_under_a_running_worker() {
 
 /// A queue that vanishes without the broker cancelling its consumer (RabbitMQ missed the cancel
 /// once in CI; here the queue's record is deleted behind the broker's back, which sends none):
-/// the worker notices on its own, ends the consumer and waits for the queue.
+/// the worker notices on its own, ends the consumer and waits for the queue (that it consumes a
+/// queue again once it is back is the test above).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_queue_gone_without_a_cancel_is_noticed_by_the_worker() {
     let mut f = Fault::begin("dest-gone-silently", MAX_MS).await;
@@ -91,10 +92,12 @@ async fn a_queue_gone_without_a_cancel_is_noticed_by_the_worker() {
     );
     // the queue's record only: its replicas keep running and no consumer hears of it
     let expr = format!(
-        "rabbit_amqqueue:internal_delete(rabbit_misc:r(<<\"/\">>, queue, <<\"{q}\">>), <<\"fault test\">>)."
+        "R = rabbit_misc:r(<<\"/\">>, queue, <<\"{q}\">>), {{ok, Q}} = rabbit_amqqueue:lookup(R), \
+         {{Ra, _}} = amqqueue:get_pid(Q), ok = rabbit_amqqueue:internal_delete(R, <<\"fault test\">>), Ra."
     );
-    let out = cluster(&["ctl", "1", "eval", &expr]).await;
-    assert!(out.trim() == "ok", "deleting the queue record: {out}");
+    let ra = cluster(&["ctl", "1", "eval", &expr]).await;
+    let ra = ra.trim();
+    assert!(ra.starts_with('\''), "deleting the queue record: {ra}");
     // idle 5 s, then the next 5 s check
     assert!(
         wait_until(Duration::from_secs(30), || worker.log().contains(
@@ -114,4 +117,19 @@ async fn a_queue_gone_without_a_cancel_is_noticed_by_the_worker() {
     );
     eprintln!("[dest-gone-silently] worker log:\n{}", worker.log());
     worker.stop().await;
+    // the orphaned replicas go too. The queue is not declared again: when it was, what the
+    // tiers then dead-lettered to it stayed in the tiers (88 of 100 in one run), probably
+    // because their dead-letter workers kept the old replicas' enqueue state, under the same
+    // Raft name; an artefact of deleting the record alone, which `delete_queue` (the test
+    // above) does not have
+    let out = cluster(&[
+        "ctl",
+        "1",
+        "eval",
+        &format!(
+            "[ra:force_delete_server(quorum_queues, {{{ra}, N}}) || N <- [node() | nodes()]]."
+        ),
+    ])
+    .await;
+    assert!(!out.contains("error"), "removing the replicas: {out}");
 }
