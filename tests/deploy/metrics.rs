@@ -189,6 +189,7 @@ fn the_dashboard_shows_metrics_that_exist() {
         ("amqp_delay_cancelled_total", "cancelled"),
         ("amqp_delay_in_flight", "in flight"),
         ("amqp_delay_tier_messages", "tier depths"),
+        ("amqp_delay_messages_pending", "messages not yet due"),
         ("amqp_delay_connected", "connected"),
     ] {
         assert!(
