@@ -232,23 +232,25 @@ impl StatsSummary {
         stats: &[crate::topology::QueueStat],
         counted: Result<Option<crate::ledger::Counted>>,
     ) -> StatsSummary {
+        // saturating: the depths are the broker's (or its management API's) numbers
         let mut b = BrokerTotals::default();
+        let add = |to: &mut u64, n: u64| *to = to.saturating_add(n);
         for s in stats.iter().filter(|s| !s.missing) {
             if s.kind == "parked" {
-                b.parked += s.messages;
+                add(&mut b.parked, s.messages);
                 continue;
             }
-            b.in_tiers += s.messages;
+            add(&mut b.in_tiers, s.messages);
             match s.due_within_ms {
-                Some(w) if w <= 60_000 => b.within_1m += s.messages,
-                Some(w) if w <= 3_600_000 => b.within_1h += s.messages,
-                Some(w) if w <= 86_400_000 => b.within_1d += s.messages,
-                _ => b.later += s.messages,
+                Some(w) if w <= 60_000 => add(&mut b.within_1m, s.messages),
+                Some(w) if w <= 3_600_000 => add(&mut b.within_1h, s.messages),
+                Some(w) if w <= 86_400_000 => add(&mut b.within_1d, s.messages),
+                _ => add(&mut b.later, s.messages),
             }
         }
         // cumulative, as the messages' counts are
-        b.within_1h += b.within_1m;
-        b.within_1d += b.within_1h;
+        add(&mut b.within_1h, b.within_1m);
+        add(&mut b.within_1d, b.within_1h);
         let dead_lettered_waiting = stats
             .iter()
             .filter(|s| s.dead_lettered.unwrap_or(0) > 0)
@@ -271,5 +273,63 @@ impl StatsSummary {
             missing_queues: stats.iter().filter(|s| s.missing).count(),
             dead_lettered_waiting,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topology::QueueStat;
+
+    fn stat(kind: &'static str, within: Option<u64>, messages: u64) -> QueueStat {
+        QueueStat {
+            queue: format!("p.{kind}"),
+            kind,
+            ttl_ms: within,
+            messages,
+            ready: messages,
+            unacked: None,
+            dead_lettered: None,
+            leader: None,
+            missing: false,
+            due_within_ms: within,
+        }
+    }
+
+    #[test]
+    fn the_totals_sort_broker_messages_by_their_tiers_longest_wait() {
+        let stats = [
+            stat("cascade", Some(30_000), 1),
+            stat("cascade", Some(600_000), 2),
+            stat("fixed", Some(7_200_000), 4),
+            stat("overflow", Some(90_000_000), 8),
+            stat("parked", None, 16),
+        ];
+        let t = StatsSummary::of(&stats, Ok(None));
+        let b = t.broker_messages;
+        assert_eq!(
+            (
+                b.in_tiers,
+                b.within_1m,
+                b.within_1h,
+                b.within_1d,
+                b.later,
+                b.parked
+            ),
+            (15, 1, 3, 7, 8, 16)
+        );
+        assert!(t.messages.is_none() && t.messages_error.is_none());
+        let e = StatsSummary::of(&stats, Err(Error::Invalid("no read right".into())));
+        assert!(e.messages_error.unwrap().contains("no read right"));
+    }
+
+    #[test]
+    fn absurd_depths_do_not_overflow_the_totals() {
+        let stats = [
+            stat("cascade", Some(30_000), u64::MAX),
+            stat("cascade", Some(30_000), u64::MAX),
+        ];
+        let b = StatsSummary::of(&stats, Ok(None)).broker_messages;
+        assert_eq!((b.in_tiers, b.within_1d), (u64::MAX, u64::MAX));
     }
 }
