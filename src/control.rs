@@ -208,6 +208,71 @@ pub async fn read_all(conn: &Connection, layout: &Layout) -> Result<Vec<Record>>
     Ok(out)
 }
 
+/// Acks a stream consumer's records as credit, for a reader that follows a stream: one
+/// `multiple` ack every [`ACK_EVERY`] records, and one as soon as nothing more is coming (never
+/// a nack: that closes the connection).
+#[derive(Default)]
+pub(crate) struct Credit {
+    unacked: Option<(lapin::Acker, u64)>,
+}
+
+impl Credit {
+    /// The consumer's next delivery; acks what it holds while none comes for 50 ms.
+    pub(crate) async fn next(
+        &mut self,
+        consumer: &mut lapin::Consumer,
+    ) -> Option<lapin::Result<lapin::message::Delivery>> {
+        loop {
+            if self.unacked.is_none() {
+                return consumer.next().await;
+            }
+            match tokio::time::timeout(Duration::from_millis(50), consumer.next()).await {
+                Ok(next) => return next,
+                Err(_) => {
+                    if let Some((acker, _)) = self.unacked.take() {
+                        let _ = acker.ack(BasicAckOptions { multiple: true }).await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Counts a delivery read (its `acker`), acking every [`ACK_EVERY`].
+    pub(crate) async fn read(&mut self, acker: lapin::Acker) {
+        let n = self.unacked.take().map_or(0, |(_, n)| n) + 1;
+        if n >= ACK_EVERY {
+            let _ = acker.ack(BasicAckOptions { multiple: true }).await;
+        } else {
+            self.unacked = Some((acker, n));
+        }
+    }
+}
+
+/// Opens a channel and consumes `stream` from `offset` (an `x-stream-offset` value) with the
+/// readers' prefetch.
+pub(crate) async fn open_reader(
+    conn: &Connection,
+    stream: &str,
+    offset: AMQPValue,
+) -> Result<(lapin::Channel, lapin::Consumer)> {
+    let ch = broker::open(conn).await?;
+    ch.basic_qos(READ_PREFETCH, BasicQosOptions::default())
+        .await
+        .context(|| "setting prefetch".into())?;
+    let mut args = FieldTable::default();
+    args.insert("x-stream-offset".into(), offset);
+    let consumer = ch
+        .basic_consume(
+            stream.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            args,
+        )
+        .await
+        .context(|| format!("reading '{stream}'"))?;
+    Ok((ch, consumer))
+}
+
 /// Reads `stream` from `offset` (an `x-stream-offset` value) until a record `is_barrier` says
 /// is the reader's own barrier, giving every record before it to `each` with its offset (when
 /// the broker said it). Returns the barrier's offset. Gives up only when no record arrives for
@@ -219,21 +284,7 @@ pub(crate) async fn read_to_barrier(
     is_barrier: impl Fn(&[u8]) -> bool,
     mut each: impl FnMut(Option<u64>, &[u8]),
 ) -> Result<Option<u64>> {
-    let ch = broker::open(conn).await?;
-    ch.basic_qos(READ_PREFETCH, BasicQosOptions::default())
-        .await
-        .context(|| "setting prefetch".into())?;
-    let mut args = FieldTable::default();
-    args.insert("x-stream-offset".into(), offset);
-    let mut consumer = ch
-        .basic_consume(
-            stream.into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            args,
-        )
-        .await
-        .context(|| format!("reading '{stream}'"))?;
+    let (ch, mut consumer) = open_reader(conn, stream, offset).await?;
     let mut unacked = 0u64;
     let read = async {
         loop {

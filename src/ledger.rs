@@ -3,16 +3,13 @@
 //! `tally`; publishers write it (`publisher`).
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use futures::StreamExt;
 use lapin::Connection;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::AMQPValue;
 
 use crate::broker;
 use crate::control::{self, BARRIER_MAX};
-use crate::error::{Result, ResultExt};
+use crate::error::Result;
 use crate::layout::Layout;
 use crate::tally::{Dues, Entry, Pending, READ_WINDOW_MS, Reckoning, SNAPSHOT_EVERY_MS};
 use crate::time::now_ms;
@@ -82,7 +79,7 @@ async fn reckon(
         None => {
             tracing::debug!(%stream, "no snapshot in the last hour: reading the whole ledger");
             let (all, barrier) = read(conn, &stream, broker::long_string("first"), &nonce).await?;
-            (all.finish(true).expect("a read from the start"), barrier)
+            (all.finish_whole(), barrier)
         }
     };
     tracing::debug!(%stream, records = reckoned.records, elapsed = ?started.elapsed(), "ledger read");
@@ -155,55 +152,18 @@ pub async fn follow(conn: Arc<Connection>, layout: &Layout) -> Result<Option<Fol
         Some(b) => AMQPValue::LongLongInt(i64::try_from(b.saturating_add(1)).unwrap_or(i64::MAX)),
         None => broker::long_string("next"),
     };
-    let ch = broker::open(&conn).await?;
-    ch.basic_qos(control::READ_PREFETCH, BasicQosOptions::default())
-        .await
-        .context(|| "setting prefetch".into())?;
-    let mut args = FieldTable::default();
-    args.insert("x-stream-offset".into(), from);
-    let mut consumer = ch
-        .basic_consume(
-            stream.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            args,
-        )
-        .await
-        .context(|| format!("following '{stream}'"))?;
+    let (ch, mut consumer) = control::open_reader(&conn, &stream, from).await?;
     let dues = Arc::new(std::sync::Mutex::new(dues));
     let sum = dues.clone();
     let task = tokio::spawn(async move {
-        // a stream needs acks as credit: one `multiple` ack every few hundred records, and one
-        // as soon as nothing more is coming
-        let mut unacked: Option<(lapin::Acker, u64)> = None;
-        loop {
-            let next = match &unacked {
-                Some(_) => {
-                    match tokio::time::timeout(Duration::from_millis(50), consumer.next()).await {
-                        Ok(next) => next,
-                        Err(_) => {
-                            if let Some((acker, _)) = unacked.take() {
-                                let _ = acker.ack(BasicAckOptions { multiple: true }).await;
-                            }
-                            continue;
-                        }
-                    }
-                }
-                None => consumer.next().await,
-            };
-            let Some(Ok(d)) = next else { break };
+        let mut credit = control::Credit::default();
+        while let Some(Ok(d)) = credit.next(&mut consumer).await {
             // a record of a newer version, or garbage someone published, is skipped; a
             // snapshot sums what was already counted
             if let Some(Entry::Scheduled { dues: pairs }) = Entry::decode(&d.data) {
                 sum.lock().unwrap_or_else(|p| p.into_inner()).merge(&pairs);
             }
-            let n = unacked.as_ref().map_or(0, |(_, n)| *n) + 1;
-            if n >= control::ACK_EVERY {
-                let _ = d.acker.ack(BasicAckOptions { multiple: true }).await;
-                unacked = None;
-            } else {
-                unacked = Some((d.acker, n));
-            }
+            credit.read(d.acker).await;
         }
         broker::close(&ch, "followed").await;
     });

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions};
+use lapin::options::{BasicConsumeOptions, BasicPublishOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::oneshot;
@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 use super::state::{Items, State, lock};
 use super::{CHECKPOINT_PART, CONFIRM_TIMEOUT, PROBE_TIMEOUT};
 use crate::broker::{self, ResultExt, SharedChannel};
-use crate::control::{ACK_EVERY, READ_STALL, Record};
+use crate::control::{Credit, READ_STALL, Record};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::time::now_ms;
@@ -135,24 +135,10 @@ pub(super) async fn pump(
     every: u64,
     progress: Option<Arc<AtomicU64>>,
 ) {
-    // a stream needs acks as credit (never a nack: it closes the connection): one `multiple`
-    // ack every few hundred records, and one as soon as nothing more is coming
-    let mut unacked: Option<(lapin::Acker, u64)> = None;
+    // a stream needs acks as credit
+    let mut credit = Credit::default();
     loop {
-        let next = match &unacked {
-            Some(_) => match tokio::time::timeout(Duration::from_millis(50), consumer.next()).await
-            {
-                Ok(next) => next,
-                Err(_) => {
-                    if let Some((acker, _)) = unacked.take() {
-                        let _ = acker.ack(BasicAckOptions { multiple: true }).await;
-                    }
-                    continue;
-                }
-            },
-            None => consumer.next().await,
-        };
-        let d = match next {
+        let d = match credit.next(&mut consumer).await {
             Some(Ok(d)) => d,
             Some(Err(e)) => {
                 let mut s = lock(&state);
@@ -191,12 +177,7 @@ pub(super) async fn pump(
                 rx,
             ));
         }
-        let n = unacked.take().map_or(0, |(_, n)| n) + 1;
-        if n >= ACK_EVERY {
-            let _ = d.acker.ack(BasicAckOptions { multiple: true }).await;
-        } else {
-            unacked = Some((d.acker, n));
-        }
+        credit.read(d.acker).await;
     }
     let mut s = lock(&state);
     s.broken = Some("the broker ended the control stream consumer".into());

@@ -20,22 +20,28 @@ async fn send(f: &mut Fault, q: &str, name: &str, ids: &[String]) {
     f.send_confirmed(name, text, ids.len()).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn destination_deleted_and_recreated_under_a_running_worker() {
-    let mut f = Fault::begin("dest-deleted", MAX_MS).await;
-    let q = f.destination("dest");
+/// Declares destination `name`, starts a worker on it and waits until `n` messages (ids
+/// `<tag>0`, `<tag>1`, …) sent to it have arrived.
+async fn consuming(f: &mut Fault, name: &str, tag: &str, n: usize) -> (String, Worker) {
+    let q = f.destination(name);
     f.declare(&[&q]).await;
     let worker = f.worker(&q).await;
-
-    let first: Vec<String> = (0..100).map(|i| format!("a{i}")).collect();
-    send(&mut f, &q, "first.jsonl", &first).await;
-    let first: HashSet<String> = first.into_iter().collect();
+    let ids: Vec<String> = (0..n).map(|i| format!("{tag}{i}")).collect();
+    send(f, &q, &format!("{name}.jsonl"), &ids).await;
+    let ids: HashSet<String> = ids.into_iter().collect();
     assert!(
         worker
-            .wait_for(&first, Duration::from_secs(30), Duration::ZERO)
+            .wait_for(&ids, Duration::from_secs(30), Duration::ZERO)
             .await,
         "the first messages did not arrive"
     );
+    (q, worker)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn destination_deleted_and_recreated_under_a_running_worker() {
+    let mut f = Fault::begin("dest-deleted", MAX_MS).await;
+    let (q, worker) = consuming(&mut f, "dest", "a", 100).await;
 
     cluster(&["ctl", "1", "delete_queue", &q]).await;
     // the broker's cancel usually comes at once; once it never came, and the worker's own check
@@ -78,18 +84,7 @@ async fn destination_deleted_and_recreated_under_a_running_worker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_queue_gone_without_a_cancel_is_noticed_by_the_worker() {
     let mut f = Fault::begin("dest-gone-silently", MAX_MS).await;
-    let q = f.destination("ghost");
-    f.declare(&[&q]).await;
-    let worker = f.worker(&q).await;
-    let first: Vec<String> = (0..20).map(|i| format!("g{i}")).collect();
-    send(&mut f, &q, "ghost.jsonl", &first).await;
-    let first: HashSet<String> = first.into_iter().collect();
-    assert!(
-        worker
-            .wait_for(&first, Duration::from_secs(30), Duration::ZERO)
-            .await,
-        "the first messages did not arrive"
-    );
+    let (q, worker) = consuming(&mut f, "ghost", "g", 20).await;
     // the queue's record only: its replicas keep running and no consumer hears of it
     let expr = format!(
         "R = rabbit_misc:r(<<\"/\">>, queue, <<\"{q}\">>), {{ok, Q}} = rabbit_amqqueue:lookup(R), \
