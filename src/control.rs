@@ -318,6 +318,8 @@ pub(crate) async fn read_to_barrier(
         )))
     };
     let r = read.await;
+    // the channel closes before the consumer is dropped (see `broker::end_consumer`)
     broker::close(&ch, "read").await;
+    drop(consumer);
     r
 }

@@ -117,6 +117,8 @@ async fn reckon(
 pub struct Following {
     dues: Arc<std::sync::Mutex<Dues>>,
     task: tokio::task::JoinHandle<()>,
+    /// Dropped with it: the task then ends its consumer and channel (`broker::end_consumer`).
+    _stop: tokio::sync::oneshot::Sender<()>,
 }
 
 impl Following {
@@ -135,12 +137,6 @@ impl Following {
     }
 }
 
-impl Drop for Following {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
 /// Counts the ledger (as [`count`]) and keeps following it on a channel of `conn`. `None`
 /// when the topology has no ledger stream.
 pub async fn follow(conn: Arc<Connection>, layout: &Layout) -> Result<Option<Following>> {
@@ -155,19 +151,30 @@ pub async fn follow(conn: Arc<Connection>, layout: &Layout) -> Result<Option<Fol
     let (ch, mut consumer) = control::open_reader(&conn, &stream, from).await?;
     let dues = Arc::new(std::sync::Mutex::new(dues));
     let sum = dues.clone();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {
-        let mut credit = control::Credit::default();
-        while let Some(Ok(d)) = credit.next(&mut consumer).await {
-            // a record of a newer version, or garbage someone published, is skipped; a
-            // snapshot sums what was already counted
-            if let Some(Entry::Scheduled { dues: pairs }) = Entry::decode(&d.data) {
-                sum.lock().unwrap_or_else(|p| p.into_inner()).merge(&pairs);
+        let follow = async {
+            let mut credit = control::Credit::default();
+            while let Some(Ok(d)) = credit.next(&mut consumer).await {
+                // a record of a newer version, or garbage someone published, is skipped; a
+                // snapshot sums what was already counted
+                if let Some(Entry::Scheduled { dues: pairs }) = Entry::decode(&d.data) {
+                    sum.lock().unwrap_or_else(|p| p.into_inner()).merge(&pairs);
+                }
+                credit.read(d.acker).await;
             }
-            credit.read(d.acker).await;
+        };
+        tokio::select! {
+            _ = follow => {}
+            _ = stopped => {}
         }
-        broker::close(&ch, "followed").await;
+        broker::end_consumer(&ch, &consumer, "followed").await;
     });
-    Ok(Some(Following { dues, task }))
+    Ok(Some(Following {
+        dues,
+        task,
+        _stop: stop,
+    }))
 }
 
 /// Reads `stream` from `offset` up to the barrier `nonce`.

@@ -177,12 +177,22 @@ pub struct Cancellations {
     synced: tokio::sync::Mutex<Option<u64>>,
     syncs: AtomicU64,
     start_records: u64,
-    task: tokio::task::JoinHandle<()>,
+    /// The reader; dropping it stops it (see [`Reading`]).
+    _reading: Reading,
 }
 
-impl Drop for Cancellations {
-    fn drop(&mut self) {
-        self.task.abort();
+/// A reader task of the control stream: pumping records until told to stop (or dropped), then
+/// ending its consumer before its channel, in the order lapin needs (`broker::end_consumer`).
+struct Reading {
+    task: tokio::task::JoinHandle<()>,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl Reading {
+    /// Stops the pump (no record is applied after this returns) and ends its consumer.
+    async fn stop(mut self) {
+        drop(self.stop.take());
+        let _ = (&mut self.task).await;
     }
 }
 
@@ -261,28 +271,32 @@ impl Cancellations {
             }
             let st = state.clone();
             let (ch, name, progress) = (channel.clone(), stream.clone(), opts.progress.clone());
-            let kept = reader.clone();
+            let (stop, stopped) = oneshot::channel::<()>();
             let task = tokio::spawn(async move {
-                let _reader = kept; // lives as long as the follower
-                pump(consumer, st, ch, name, every, progress).await;
+                let mut consumer = consumer;
+                tokio::select! {
+                    _ = pump(&mut consumer, st, ch, name, every, progress) => {}
+                    _ = stopped => {}
+                }
+                broker::end_consumer(&reader, &consumer, "stopped").await;
             });
+            let reading = Reading {
+                task,
+                stop: Some(stop),
+            };
             if let Err(e) = wait_progress(&state, rx, "reading the control stream").await {
-                task.abort();
-                let _ = task.await;
-                broker::close(&reader, "failed").await;
+                reading.stop().await;
                 return Err(e);
             }
             let found = lock(&state).complete_at.is_some();
             if found || whole {
-                break task;
+                break reading;
             }
             // no whole checkpoint in that read: step further back (the tombstones read so far
             // are real; reading them again changes nothing). The reader must have stopped
             // first: a record it applied after the next step began (the start barrier above
             // all) would count for that step.
-            task.abort();
-            let _ = task.await;
-            broker::close(&reader, "stepping back").await;
+            reading.stop().await;
             back = back.saturating_mul(4);
         };
         let (start_records, checkpoint) = {
@@ -310,7 +324,7 @@ impl Cancellations {
             synced: tokio::sync::Mutex::new(Some(started)),
             syncs: AtomicU64::new(0),
             start_records,
-            task,
+            _reading: task,
         })
     }
 

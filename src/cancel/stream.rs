@@ -111,24 +111,25 @@ pub(super) async fn end_offset(
     stream: &str,
 ) -> Result<Option<u64>> {
     let ch = broker::open(conn).await?;
-    let r = async {
-        let mut probe = consume(&ch, layout, stream, broker::long_string("last"), 1).await?;
-        Ok(
-            match tokio::time::timeout(PROBE_TIMEOUT, probe.next()).await {
-                Ok(Some(Ok(d))) => offset_of(&d),
-                _ => None,
-            },
-        )
-    }
-    .await;
-    broker::close(&ch, "probed").await;
-    r
+    let mut probe = match consume(&ch, layout, stream, broker::long_string("last"), 1).await {
+        Ok(p) => p,
+        Err(e) => {
+            broker::close(&ch, "probe failed").await;
+            return Err(e);
+        }
+    };
+    let end = match tokio::time::timeout(PROBE_TIMEOUT, probe.next()).await {
+        Ok(Some(Ok(d))) => offset_of(&d),
+        _ => None,
+    };
+    broker::end_consumer(&ch, &probe, "probed").await;
+    Ok(end)
 }
 
 /// Reads `consumer` into `state` until the broker ends it. Writes a checkpoint (on `channel`)
 /// when `state` says so.
 pub(super) async fn pump(
-    mut consumer: lapin::Consumer,
+    consumer: &mut lapin::Consumer,
     state: Arc<Mutex<State>>,
     channel: SharedChannel,
     stream: String,
@@ -138,7 +139,7 @@ pub(super) async fn pump(
     // a stream needs acks as credit
     let mut credit = Credit::default();
     loop {
-        let d = match credit.next(&mut consumer).await {
+        let d = match credit.next(consumer).await {
             Some(Ok(d)) => d,
             Some(Err(e)) => {
                 let mut s = lock(&state);
