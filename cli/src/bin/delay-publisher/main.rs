@@ -7,14 +7,14 @@ mod args;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use amqp_delay::admin;
-use amqp_delay::bulk;
-use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE};
 use amqp_delay::connection::{self, Connector};
 use amqp_delay::gateway::Gateway;
 use amqp_delay::headers;
 use amqp_delay::settings::{GatewaySettings, Settings};
 use amqp_delay::{Error, Message, Publisher, Topology};
+use amqp_delay_cli::admin;
+use amqp_delay_cli::bulk;
+use amqp_delay_cli::cli::{self, EXIT_FAILURES, EXIT_USAGE};
 use args::{CancelArgs, Cli, Cmd, SendArgs};
 use clap::Parser;
 use tokio::io::AsyncRead;
@@ -47,7 +47,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
     match cmd {
         Cmd::Plan { delay } => {
             let r = amqp_delay::plan(&layout, &settings.precision, delay.as_millis())?;
-            amqp_delay::outln!(
+            amqp_delay_cli::outln!(
                 "{}",
                 serde_json::json!({
                     "delay_ms": r.delay_ms,
@@ -83,7 +83,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             };
             topo.declare(&conn).await?;
             for q in &missing {
-                amqp_delay::outln!("re-created missing queue '{q}'");
+                amqp_delay_cli::outln!("re-created missing queue '{q}'");
             }
             for q in &queues {
                 let created = topo.declare_destination(&conn, q).await?;
@@ -91,7 +91,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                     topo.declare_parking(&conn, q).await?;
                     topo.declare_batch_marker(&conn, q).await?;
                 }
-                amqp_delay::outln!(
+                amqp_delay_cli::outln!(
                     "destination queue '{q}' {}{}",
                     if created { "created" } else { "exists" },
                     if worker {
@@ -102,7 +102,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                 );
             }
             amqp_delay::broker::close_connection(&conn, "bye").await;
-            amqp_delay::outln!(
+            amqp_delay_cli::outln!(
                 "declared '{}' on {}: {layout}",
                 layout.prefix(),
                 connection::redact_url(&settings.url)
@@ -131,7 +131,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             let totals = admin::StatsSummary::of(&stats, counted);
             if summary {
                 if json {
-                    amqp_delay::outln!(
+                    amqp_delay_cli::outln!(
                         "{}",
                         serde_json::to_string_pretty(&totals).expect("serialisable")
                     );
@@ -145,12 +145,12 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                 .filter(|s| !non_empty || s.messages > 0 || s.missing)
                 .collect();
             if json {
-                amqp_delay::outln!(
+                amqp_delay_cli::outln!(
                     "{}",
                     serde_json::to_string_pretty(&shown).expect("serialisable")
                 );
             } else {
-                amqp_delay::outln!(
+                amqp_delay_cli::outln!(
                     "{:<48} {:>9} {:>14} {:>14} {:>10} {:>10} {:>10}  leader",
                     "queue",
                     "kind",
@@ -164,7 +164,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                     let ttl = s.ttl_ms.map_or_else(|| "-".into(), |t| t.to_string());
                     let unacked = s.unacked.map_or_else(|| "?".into(), |n| n.to_string());
                     if s.missing {
-                        amqp_delay::outln!(
+                        amqp_delay_cli::outln!(
                             "{:<48} {:>9} {:>14} MISSING (`declare` re-creates it)",
                             s.queue,
                             s.kind,
@@ -172,7 +172,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                         );
                         continue;
                     }
-                    amqp_delay::outln!(
+                    amqp_delay_cli::outln!(
                         "{:<48} {:>9} {:>14} {:>14} {:>10} {:>10} {:>10}  {}",
                         s.queue,
                         s.kind,
@@ -211,9 +211,9 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                     removed.push("its batch marker".into());
                 }
                 if removed.is_empty() {
-                    amqp_delay::outln!("'{q}': nothing to remove");
+                    amqp_delay_cli::outln!("'{q}': nothing to remove");
                 } else {
-                    amqp_delay::outln!(
+                    amqp_delay_cli::outln!(
                         "removed {} (messages still in the tiers for '{q}' will be parked in '{}' when they fall due)",
                         removed.join(", "),
                         layout.unroutable_queue()
@@ -231,7 +231,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
             let done = admin::teardown(&conn, &layout, management.as_ref(), force).await;
             amqp_delay::broker::close_connection(&conn, "bye").await;
             let done = done?;
-            amqp_delay::outln!(
+            amqp_delay_cli::outln!(
                 "removed the topology under prefix '{}' and {} gateway pair(s){}",
                 layout.prefix(),
                 done.pairs.len(),
@@ -260,7 +260,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
                 amqp_delay::broker::close_connection(&conn, "bye").await;
                 r?;
                 for p in gateway.pairs() {
-                    amqp_delay::outln!(
+                    amqp_delay_cli::outln!(
                         "declared gateway pair '{}' -> '{}' under prefix '{}'",
                         p.ingress,
                         p.target,
@@ -306,7 +306,7 @@ async fn cancel(p: &Publisher, a: CancelArgs) -> amqp_delay::Result<i32> {
         due_at: Option<u64>,
     }
     let show = |c: &amqp_delay::cancel::Cancelled| {
-        amqp_delay::outln!(
+        amqp_delay_cli::outln!(
             "{}",
             serde_json::json!({"id": c.id, "until": c.until_ms, "verdict": c.verdict})
         )
@@ -484,7 +484,7 @@ async fn send_jsonl(
     if progress {
         eprint!("\r\x1b[K");
     }
-    amqp_delay::outln!(
+    amqp_delay_cli::outln!(
         "{} confirmed, {} failed ({} invalid, {} not sent, {} maybe sent)",
         summary.confirmed,
         summary.failed(),
@@ -505,7 +505,7 @@ async fn send_jsonl(
         ),
     ] {
         if let (true, Some(f)) = (n > 0, file) {
-            amqp_delay::outln!("{what}: {}", f.display());
+            amqp_delay_cli::outln!("{what}: {}", f.display());
         }
     }
     Ok(if summary.failed() > 0 {
@@ -518,20 +518,20 @@ async fn send_jsonl(
 /// The totals under `stats`' table (and all of `stats --summary`).
 fn print_summary(t: &admin::StatsSummary, with_management: bool) {
     match (&t.messages, &t.messages_error) {
-        (Some(m), _) => amqp_delay::outln!(
+        (Some(m), _) => amqp_delay_cli::outln!(
             "messages not yet due: {} (due within 1 minute: {}, within 1 hour: {}, within 1 day: {}), counted from the ledger",
             m.pending.total,
             m.pending.within_1m,
             m.pending.within_1h,
             m.pending.within_1d
         ),
-        (None, Some(e)) => amqp_delay::outln!("messages not yet due: unknown ({e})"),
-        (None, None) => amqp_delay::outln!(
+        (None, Some(e)) => amqp_delay_cli::outln!("messages not yet due: unknown ({e})"),
+        (None, None) => amqp_delay_cli::outln!(
             "messages not yet due: unknown (the topology has no ledger stream: `delay-publisher declare` adds it; until then only broker messages are counted)"
         ),
     }
     let b = &t.broker_messages;
-    amqp_delay::outln!(
+    amqp_delay_cli::outln!(
         "broker messages in the tiers: {} (a batch counts once; due within 1 minute: {}, within 1 hour: {}, within 1 day: {}, later: {}, by their tier's longest wait), parked: {}",
         b.in_tiers,
         b.within_1m,
@@ -541,19 +541,19 @@ fn print_summary(t: &admin::StatsSummary, with_management: bool) {
         b.parked
     );
     if t.missing_queues > 0 {
-        amqp_delay::outln!(
+        amqp_delay_cli::outln!(
             "{} queue(s) missing: run `delay-publisher declare` to re-create them",
             t.missing_queues
         );
     }
     if !t.dead_lettered_waiting.is_empty() {
-        amqp_delay::outln!(
+        amqp_delay_cli::outln!(
             "dead-lettered, waiting for the broker's dead-letter worker: {}. Normal for a moment after a restart or failover; if it does not shrink, restart the RabbitMQ application of the node leading the tier (OPERATIONS.md, \"Dead-lettered messages that do not move\")",
             t.dead_lettered_waiting.join(", ")
         );
     }
     if !with_management {
-        amqp_delay::outln!(
+        amqp_delay_cli::outln!(
             "(ready messages only: without the management API, messages held by the broker's dead-letter worker are not counted)"
         );
     }

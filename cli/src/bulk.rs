@@ -11,9 +11,9 @@ use std::path::PathBuf;
 use futures::StreamExt;
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 
-use crate::error::{Error, Result, chain};
 use crate::jsonl;
-use crate::publisher::Publisher;
+use amqp_delay::error::{Error, Result, chain};
+use amqp_delay::publisher::Publisher;
 
 /// Longest line accepted: a body of the broker's maximum message size (16 MiB on RabbitMQ 4.x)
 /// written as a JSON string fits with room to spare.
