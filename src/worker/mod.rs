@@ -13,29 +13,28 @@
 //! again, subscribed anew; the other queues keep flowing meanwhile.
 
 mod acks;
+mod counters;
 mod process;
+mod session;
+
+pub use counters::Counters;
+pub(crate) use counters::Event;
 
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
-use futures::stream::{BoxStream, SelectAll};
-use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
-use lapin::{Channel, Connection};
-use tokio::sync::{Semaphore, mpsc, oneshot};
-use tokio::task::JoinSet;
+use lapin::Connection;
+use tokio::sync::oneshot;
 
 use crate::broker;
-use crate::cancel::{Cancellations, FollowOptions};
+use crate::cancel::Cancellations;
 use crate::envelope::Delivery;
-use crate::error::{Error, Result, ResultExt};
+use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::publisher::Publisher;
 use crate::settings::Settings;
-use crate::topology::Topology;
 
 /// What a handler decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -99,29 +98,6 @@ impl Context {
         self.cancels.sync_for(Some(due_at_ms)).await?;
         Ok(self.cancels.is_cancelled(message_id))
     }
-}
-
-/// Counters of what a worker did, readable while it runs. Batches count once per member.
-#[derive(Debug, Default)]
-pub struct Counters {
-    /// Handlers that succeeded.
-    pub succeeded: AtomicU64,
-    /// Retries scheduled.
-    pub retried: AtomicU64,
-    /// Messages parked.
-    pub parked: AtomicU64,
-    /// Deliveries the broker marked as redelivered.
-    pub redelivered: AtomicU64,
-    /// Batches received (their members are counted in the other counters).
-    pub batches: AtomicU64,
-    /// Messages acked without running because they were cancelled.
-    pub cancelled: AtomicU64,
-    /// Barriers appended to the control stream before running a message (the last sync was
-    /// too old for its due time); the other checks used a recent sync.
-    pub cancel_syncs: AtomicU64,
-    /// Subscriptions renewed because nothing arrived while their queue had ready messages
-    /// ([`Error::ConsumerStalled`]).
-    pub stalled: AtomicU64,
 }
 
 /// Runs handlers over destination queues.
@@ -240,36 +216,13 @@ impl<H: Handler> Worker<H> {
             };
             let outcome = match conn {
                 Ok(conn) => {
-                    let conn = Arc::new(conn);
                     backoff.reset();
-                    let (ready_tx, ready_rx) = oneshot::channel::<()>();
-                    let progress = Arc::new(AtomicU64::new(0));
                     let mode = Mode {
                         first,
                         careful,
                         stall_after,
                     };
-                    let session = self.session(
-                        &conn,
-                        &layout,
-                        mode,
-                        &mut shutdown,
-                        (ready_tx, progress.clone()),
-                    );
-                    tokio::pin!(session);
-                    let end = tokio::select! {
-                        biased;
-                        end = &mut session => end,
-                        started = setup_watchdog(ready_rx, &progress) => if started {
-                            session.await
-                        } else {
-                            Ok(SessionEnd::Lost(Error::Timeout {
-                                context: "starting to consume (a broker call did not return)".into(),
-                                timeout_ms: SETUP_TIMEOUT.as_millis() as u64,
-                            }))
-                        },
-                    };
-                    broker::close_connection(&conn, "bye").await;
+                    let end = self.watched_session(conn, &layout, mode, &mut shutdown).await;
                     if let Ok(SessionEnd::Lost(_)) = end {
                         first = false;
                     }
@@ -285,13 +238,7 @@ impl<H: Handler> Worker<H> {
                 _ => STALL_AFTER,
             };
             if careful {
-                tracing::error!(
-                    "a message in one of the queues is larger than the connection's frame_max \
-                     (its headers grew on the way) and cannot be received; consuming one message \
-                     at a time for {CAREFUL_FOR:?} so that only it is redelivered. A quorum queue's \
-                     delivery limit then parks it (20 by default on RabbitMQ 4.x; on 3.x set a \
-                     `delivery-limit` policy on the queue), or remove it by hand"
-                );
+                warn_careful();
             }
             let pause = backoff.next_pause();
             match outcome {
@@ -321,6 +268,35 @@ impl<H: Handler> Worker<H> {
         }
     }
 
+    /// A session on `conn` under the start-up watchdog, then the connection closed.
+    async fn watched_session(
+        &self,
+        conn: Connection,
+        layout: &Layout,
+        mode: Mode,
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<SessionEnd> {
+        let conn = Arc::new(conn);
+        let (ready_tx, ready_rx) = oneshot::channel::<()>();
+        let progress = Arc::new(AtomicU64::new(0));
+        let session = self.session(&conn, layout, mode, shutdown, (ready_tx, progress.clone()));
+        tokio::pin!(session);
+        let end = tokio::select! {
+            biased;
+            end = &mut session => end,
+            started = setup_watchdog(ready_rx, &progress) => if started {
+                session.await
+            } else {
+                Ok(SessionEnd::Lost(Error::Timeout {
+                    context: "starting to consume (a broker call did not return)".into(),
+                    timeout_ms: SETUP_TIMEOUT.as_millis() as u64,
+                }))
+            },
+        };
+        broker::close_connection(&conn, "bye").await;
+        end
+    }
+
     /// One connection's worth of work. `Err` = fatal, `Lost` = reconnect.
     async fn session(
         &self,
@@ -328,348 +304,9 @@ impl<H: Handler> Worker<H> {
         layout: &Layout,
         mode: Mode,
         shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
-        (ready, progress): (oneshot::Sender<()>, Arc<AtomicU64>),
+        started: (oneshot::Sender<()>, Arc<AtomicU64>),
     ) -> Result<SessionEnd> {
-        let Mode {
-            first,
-            careful,
-            stall_after,
-        } = mode;
-        let s = &self.settings;
-        let cs = &s.consumer;
-        let publisher = match Publisher::with_connection(
-            conn.clone(),
-            layout.clone(),
-            s.precision,
-            s.publisher.clone(),
-        )
-        .await
-        {
-            Ok(p) => Arc::new(p.with_cancel_settings(s.cancel.clone())),
-            Err(e @ (Error::Amqp { .. } | Error::Connect { .. } | Error::Timeout { .. })) => {
-                return Ok(SessionEnd::Lost(e));
-            }
-            Err(e) => return Err(e),
-        };
-        for (q, _) in &self.subscriptions {
-            if broker::queue_state(conn, q).await?.is_none() {
-                if first {
-                    return Err(Error::Invalid(format!(
-                        "queue '{q}' does not exist; declare it (and schedule messages to it) first"
-                    )));
-                }
-                tracing::warn!(queue = %q, "the queue is gone; consuming the others and waiting for it");
-            }
-        }
-        // cancellations first: nothing runs before every tombstone so far has been read
-        let mut follow = FollowOptions::new(
-            Duration::from_millis(s.cancel.notice.as_millis()),
-            s.cancel.horizon.as_millis(),
-        );
-        follow.progress = Some(progress);
-        let cancels = match Cancellations::follow_with(conn, layout, follow).await {
-            Ok(c) => Arc::new(c),
-            Err(e @ (Error::Amqp { .. } | Error::Timeout { .. } | Error::Invalid(_))) => {
-                return Ok(SessionEnd::Lost(e));
-            }
-            Err(e) => return Err(e),
-        };
-        let ctx = Arc::new(process::TaskCtx {
-            cancels,
-            publisher: publisher.clone(),
-            settings: cs.clone(),
-            layout: layout.clone(),
-            counters: self.counters.clone(),
-            business: Arc::new(Semaphore::new(cs.concurrency)),
-            io: Arc::new(Semaphore::new(cs.io_concurrency)),
-            stopping: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-        });
-        let (resub_tx, mut resub_rx) = mpsc::unbounded_channel::<usize>();
-        let mut deliveries: SelectAll<BoxStream<'static, Tagged>> = SelectAll::new();
-        let mut channels: Vec<Option<(Channel, lapin::types::ShortString)>> =
-            vec![None; self.subscriptions.len()];
-        // every channel's acks, to flush before a stopping worker closes them
-        let mut all_acks: Vec<Arc<acks::Acks>> = Vec::new();
-        for (i, slot) in channels.iter_mut().enumerate() {
-            match self.subscribe_one(conn, layout, i, careful).await? {
-                Some((ch, tag, a, stream)) => {
-                    *slot = Some((ch, tag));
-                    all_acks.push(a);
-                    deliveries.push(stream);
-                }
-                None => spawn_wait_for_queue(conn, &self.subscriptions[i].0, i, &resub_tx),
-            }
-        }
-        tracing::info!(
-            queues = ?self.subscriptions.iter().map(|(q, _)| q.as_str()).collect::<Vec<_>>(),
-            prefetch = cs.prefetch,
-            concurrency = cs.concurrency,
-            "worker consuming"
-        );
-        crate::metrics::global().connected.set(1);
-        let _ = ready.send(());
-        let mut tasks = JoinSet::new();
-        let careful_over = tokio::time::sleep(if careful {
-            CAREFUL_FOR
-        } else {
-            Duration::MAX / 4
-        });
-        tokio::pin!(careful_over);
-        // when each subscription last brought a message (or was made)
-        let mut last_delivery = vec![Instant::now(); self.subscriptions.len()];
-        let mut stall_tick =
-            tokio::time::interval_at(tokio::time::Instant::now() + STALL_CHECK, STALL_CHECK);
-        // a follower whose control stream consumer ended cannot check cancellations: every
-        // message would go back to the queue; a new session follows the stream anew
-        let mut follower_tick =
-            tokio::time::interval_at(tokio::time::Instant::now() + FOLLOWER_CHECK, FOLLOWER_CHECK);
-        let end = loop {
-            while tasks.try_join_next().is_some() {}
-            tokio::select! {
-                _ = shutdown.as_mut() => break SessionEnd::Stopped,
-                _ = &mut careful_over, if careful => break SessionEnd::Careful,
-                _ = follower_tick.tick() => {
-                    if let Some(why) = ctx.cancels.broken() {
-                        break SessionEnd::Lost(Error::Invalid(format!(
-                            "the control stream follower stopped ({why})"
-                        )));
-                    }
-                }
-                _ = stall_tick.tick() => {
-                    let idle = tasks.is_empty();
-                    // the loop waits for this check: a broker that stops answering it ends
-                    // the session rather than freezing it
-                    let check = self.stalled(conn, &channels, &mut last_delivery, stall_after, idle);
-                    let checked = tokio::time::timeout(STALL_CHECK_TIMEOUT, check)
-                        .await
-                        .unwrap_or_else(|_| Err(Error::Timeout {
-                            context: "checking the consumed queues".into(),
-                            timeout_ms: STALL_CHECK_TIMEOUT.as_millis() as u64,
-                        }));
-                    match checked {
-                        Ok(None) => {}
-                        Ok(Some(e)) => {
-                            self.counters.stalled.fetch_add(1, Ordering::Relaxed);
-                            break SessionEnd::Lost(e);
-                        }
-                        Err(e) => break SessionEnd::Lost(e),
-                    }
-                }
-                Some(i) = resub_rx.recv() => {
-                    match self.subscribe_one(conn, layout, i, careful).await {
-                        Ok(Some((ch, tag, a, stream))) => {
-                            tracing::info!(queue = %self.subscriptions[i].0, "the queue is back; consuming it again");
-                            channels[i] = Some((ch, tag));
-                            all_acks.push(a);
-                            last_delivery[i] = Instant::now();
-                            deliveries.push(stream);
-                        }
-                        Ok(None) => spawn_wait_for_queue(conn, &self.subscriptions[i].0, i, &resub_tx),
-                        Err(e) => break SessionEnd::Lost(e),
-                    }
-                }
-                next = deliveries.next(), if !deliveries.is_empty() => match next {
-                    Some((i, Some((acks, Ok(d))))) => {
-                        last_delivery[i] = Instant::now();
-                        let (queue, handler) = self.subscriptions[i].clone();
-                        tracing::trace!(%queue, tag = d.delivery_tag, redelivered = d.redelivered, in_flight = tasks.len(), "delivery");
-                        let settle = acks.received(d.delivery_tag, d.acker.clone());
-                        let ctx = ctx.clone();
-                        tasks.spawn(async move {
-                            process::delivery(d, settle, &queue, &*handler, &ctx).await;
-                        });
-                    }
-                    Some((i, Some((_, Err(e))))) => {
-                        break SessionEnd::Lost(Error::Amqp {
-                            context: format!("consuming '{}'", self.subscriptions[i].0),
-                            source: e,
-                        });
-                    }
-                    Some((i, None)) => {
-                        let queue = &self.subscriptions[i].0;
-                        if !conn.status().connected() {
-                            break SessionEnd::Lost(Error::ConsumerCancelled { queue: queue.clone() });
-                        }
-                        tracing::warn!(
-                            queue = %queue,
-                            "the consumer was cancelled (queue deleted?); waiting for the queue to come back"
-                        );
-                        if let Some((ch, _)) = channels[i].take() {
-                            broker::close(&ch, "consumer cancelled").await;
-                        }
-                        spawn_wait_for_queue(conn, queue, i, &resub_tx);
-                    }
-                    None => {}
-                },
-            }
-        };
-        crate::metrics::global().connected.set(0);
-        if let SessionEnd::Stopped | SessionEnd::Careful = end {
-            ctx.stopping.store(true, Ordering::Relaxed);
-            for (ch, tag) in channels.iter().flatten() {
-                let _ = ch
-                    .basic_cancel(tag.clone(), BasicCancelOptions::default())
-                    .await;
-            }
-            let grace = Duration::from_millis(cs.shutdown_grace.as_millis());
-            while tasks.try_join_next().is_some() {}
-            if let SessionEnd::Stopped = end {
-                tracing::info!(
-                    in_flight = tasks.len(),
-                    ?grace,
-                    "stopping: waiting for in-flight handlers"
-                );
-            }
-            let drained =
-                tokio::time::timeout(grace, async { while tasks.join_next().await.is_some() {} })
-                    .await;
-            if drained.is_err() {
-                tracing::warn!(
-                    unfinished = tasks.len(),
-                    "shutdown grace over: unfinished messages go back to the queue"
-                );
-                tasks.abort_all();
-            }
-            for a in &all_acks {
-                a.flush(true).await;
-            }
-            let c = &self.counters;
-            if let SessionEnd::Stopped = end {
-                tracing::info!(
-                    succeeded = c.succeeded.load(Ordering::Relaxed),
-                    retried = c.retried.load(Ordering::Relaxed),
-                    parked = c.parked.load(Ordering::Relaxed),
-                    cancelled = c.cancelled.load(Ordering::Relaxed),
-                    "worker stopped"
-                );
-            }
-        } else {
-            tasks.abort_all();
-        }
-        for (ch, _) in channels.iter().flatten() {
-            broker::close(ch, "bye").await;
-        }
-        drop(ctx);
-        if let Ok(p) = Arc::try_unwrap(publisher) {
-            p.close().await;
-        }
-        Ok(end)
-    }
-
-    /// With no message in hand: the first subscription that brought nothing for `after`
-    /// ([`STALL_AFTER`] and up) while its queue has ready messages, as
-    /// [`Error::ConsumerStalled`]. A queue found without ready messages counts as active
-    /// again, so an idle worker asks about each queue once per `after`, not every check.
-    async fn stalled(
-        &self,
-        conn: &Connection,
-        channels: &[Option<(Channel, lapin::types::ShortString)>],
-        last_delivery: &mut [Instant],
-        after: Duration,
-        idle_worker: bool,
-    ) -> Result<Option<Error>> {
-        for (i, slot) in channels.iter().enumerate() {
-            let idle = last_delivery[i].elapsed();
-            let Some((ch, tag)) = slot else { continue };
-            if idle < STALL_CHECK {
-                continue;
-            }
-            let queue = &self.subscriptions[i].0;
-            match broker::queue_state(conn, queue).await? {
-                None => {
-                    // The broker's cancel for a deleted queue did not reach us (seen with a
-                    // quorum queue deleted from another cluster node): end the consumer
-                    // ourselves, which ends its stream and starts waiting for the queue.
-                    tracing::warn!(
-                        queue = %queue,
-                        "the queue no longer exists but its consumer was not cancelled; cancelling it"
-                    );
-                    let cancel = ch.basic_cancel(tag.clone(), BasicCancelOptions::default());
-                    if !matches!(
-                        tokio::time::timeout(CANCEL_TIMEOUT, cancel).await,
-                        Ok(Ok(()))
-                    ) {
-                        broker::close(ch, "queue deleted").await;
-                    }
-                }
-                Some(state) if idle_worker && idle >= after && state.ready > 0 => {
-                    return Ok(Some(Error::ConsumerStalled {
-                        queue: queue.clone(),
-                        ready: state.ready,
-                        idle_ms: idle.as_millis() as u64,
-                    }));
-                }
-                Some(_) if idle >= after => last_delivery[i] = Instant::now(),
-                Some(_) => {}
-            }
-        }
-        Ok(None)
-    }
-
-    /// Declares what consuming queue `i` needs (its parking queue, its batch marker) and starts
-    /// consuming it on a channel of its own. `None` when the queue does not exist.
-    async fn subscribe_one(
-        &self,
-        conn: &Connection,
-        layout: &Layout,
-        i: usize,
-        careful: bool,
-    ) -> Result<
-        Option<(
-            Channel,
-            lapin::types::ShortString,
-            Arc<acks::Acks>,
-            BoxStream<'static, Tagged>,
-        )>,
-    > {
-        let (q, handler) = &self.subscriptions[i];
-        if broker::queue_state(conn, q).await?.is_none() {
-            return Ok(None);
-        }
-        let ch = broker::open(conn).await?;
-        declare_parking(conn, layout, q).await?;
-        if let Err(e) = Topology::new(layout.clone())
-            .declare_batch_marker(conn, q)
-            .await
-        {
-            // publishers then send plain messages, which work too
-            tracing::info!(queue = %q, "publishers will send plain messages: {}", crate::error::chain(&e));
-        }
-        let cs = &self.settings.consumer;
-        let prefetch = if careful {
-            1
-        } else if handler.io_bound() {
-            u16::try_from(cs.io_concurrency).unwrap_or(u16::MAX)
-        } else {
-            cs.prefetch
-        };
-        ch.basic_qos(prefetch, BasicQosOptions::default())
-            .await
-            .context(|| "setting prefetch".into())?;
-        let consumer = match ch
-            .basic_consume(
-                q.as_str().into(),
-                "".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-        {
-            Ok(c) => c,
-            // deleted between the check and the consume
-            Err(e) if broker::is_reply(&e, broker::NOT_FOUND) => return Ok(None),
-            Err(e) => return Err(e).context(|| format!("consuming '{q}'")),
-        };
-        let tag = consumer.tag();
-        let acks = acks::Acks::new(q, prefetch);
-        // A consumer's stream ends when the broker cancels it: say which one ended.
-        let ended = futures::stream::once(async move { (i, None) });
-        let each = acks.clone();
-        let stream = consumer
-            .map(move |d| (i, Some((each.clone(), d))))
-            .chain(ended)
-            .boxed();
-        Ok(Some((ch, tag, acks, stream)))
+        session::run(self, conn, layout, mode, shutdown, started).await
     }
 }
 
@@ -695,33 +332,13 @@ async fn setup_watchdog(ready: oneshot::Receiver<()>, progress: &AtomicU64) -> b
     }
 }
 
-/// Polls until `queue` exists again, then asks the session to subscribe `i` anew.
-fn spawn_wait_for_queue(
-    conn: &Arc<Connection>,
-    queue: &str,
-    i: usize,
-    resub: &mpsc::UnboundedSender<usize>,
-) {
-    let conn = conn.clone();
-    let queue = queue.to_string();
-    let resub = resub.clone();
-    tokio::spawn(async move {
-        let mut pause = Duration::from_millis(250);
-        while conn.status().connected() && !resub.is_closed() {
-            tokio::time::sleep(pause).await;
-            match broker::queue_state(&conn, &queue).await {
-                Ok(Some(_)) => {
-                    let _ = resub.send(i);
-                    return;
-                }
-                Ok(None) => {}
-                Err(e) => tracing::debug!(%queue, "checking the queue: {e}"),
-            }
-            pause = (pause * 2).min(Duration::from_secs(5));
-        }
-    });
-}
-
-async fn declare_parking(conn: &Connection, layout: &Layout, q: &str) -> Result<()> {
-    Topology::new(layout.clone()).declare_parking(conn, q).await
+/// After a frame too large: says why the worker now consumes one message at a time.
+fn warn_careful() {
+    tracing::error!(
+        "a message in one of the queues is larger than the connection's frame_max (its headers \
+         grew on the way) and cannot be received; consuming one message at a time for \
+         {CAREFUL_FOR:?} so that only it is redelivered. A quorum queue's delivery limit then \
+         parks it (20 by default on RabbitMQ 4.x; on 3.x set a `delivery-limit` policy on the \
+         queue), or remove it by hand"
+    );
 }

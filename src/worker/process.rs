@@ -11,11 +11,11 @@ use rand::Rng;
 use tokio::sync::Semaphore;
 
 use super::acks::Settle;
-use super::{Context, Counters, Handler, Outcome};
+use super::{Context, Counters, Event, Handler, Outcome};
 use crate::batch;
 use crate::cancel::Cancellations;
 use crate::envelope::{self, Delivery};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::headers;
 use crate::layout::Layout;
 use crate::message::Message;
@@ -71,78 +71,19 @@ pub(super) async fn delivery<H: Handler>(
         stopping: &ctx.stopping,
     };
     if redelivered {
-        ctx.counters.redelivered.fetch_add(1, Ordering::Relaxed);
+        ctx.counters.count(Event::Redelivered, queue);
     }
     let mut raw = raw;
     if !handler.reads_our_headers() {
-        // an application's message: it cannot set our headers (nor pass for a batch)
-        let h = raw.properties.headers().clone().unwrap_or_default();
-        if h.inner().keys().any(|k| headers::is_ours(k.as_str())) {
-            let clean = headers::filter(&h, |k| !headers::is_ours(k));
-            raw.properties = raw.properties.clone().with_headers(clean);
-        }
+        strip_our_headers(&mut raw);
     }
     if ctx.stopping.load(Ordering::Relaxed) {
         let _ = acker.give_back().await;
         return;
     }
     if batch::is_batch(&raw.properties) {
-        ctx.counters.batches.fetch_add(1, Ordering::Relaxed);
-        let members = match batch::decode(&raw.data) {
-            Ok(m) => m,
-            Err(reason) => {
-                // unreadable as a batch: park it whole, as any invalid envelope
-                let (d, _) = envelope::decode(
-                    queue,
-                    raw.data,
-                    raw.properties,
-                    raw.routing_key.as_str(),
-                    raw.exchange.as_str(),
-                    redelivered,
-                );
-                let reason = format!("invalid batch: {reason}");
-                tracing::warn!(queue, id = %d.message_id, %reason, "parking an unreadable batch");
-                let r = park(&d, &reason, "invalid", ctx)
-                    .await
-                    .map(|()| Done::Parked);
-                settle(acker, queue, &d.message_id, r.map(|_| ()), requeue).await;
-                return;
-            }
-        };
-        let batch_id = raw
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|s| s.to_string())
-            .unwrap_or_default();
-        let key = raw.routing_key.as_str().to_string();
-        let exchange = raw.exchange.as_str().to_string();
-        tracing::debug!(queue, batch = %batch_id, redelivered, members = members.len(), "batch received");
-        let runs = members.into_iter().map(|m| {
-            let (key, exchange) = (&key, &exchange);
-            async move {
-                let decoded =
-                    envelope::decode(queue, m.body, m.properties, key, exchange, redelivered);
-                // a batch that started runs to the end (within the shutdown grace): its
-                // members are never skipped
-                let r = one(decoded, handler, ctx, false).await;
-                match r {
-                    // a member cannot go back to the queue alone: re-schedule it, attempt kept
-                    Ok((d, Done::PutBack(reason))) => {
-                        reschedule(&d, &reason, ctx, d.attempt, 1_000).await
-                    }
-                    Ok(_) => Ok(()),
-                    Err(e) => Err(e),
-                }
-            }
-        });
-        let results = futures::future::join_all(runs).await;
-        let failed: Vec<Error> = results.into_iter().filter_map(|r| r.err()).collect();
-        let r = match failed.into_iter().next() {
-            None => Ok(()),
-            Some(e) => Err(e),
-        };
-        settle(acker, queue, &batch_id, r, requeue).await;
+        ctx.counters.count(Event::Batch, queue);
+        batch_delivery(raw, acker, queue, handler, ctx, requeue).await;
         return;
     }
     let decoded = envelope::decode(
@@ -165,6 +106,69 @@ pub(super) async fn delivery<H: Handler>(
         Ok(_) => settle(acker, queue, &id, Ok(()), requeue).await,
         Err(e) => settle(acker, queue, &id, Err(e), requeue).await,
     }
+}
+
+/// An application's message (a queue whose handler does not read our headers): it cannot set
+/// our headers, nor pass for a batch.
+fn strip_our_headers(raw: &mut lapin::message::Delivery) {
+    let h = raw.properties.headers().clone().unwrap_or_default();
+    if h.inner().keys().any(|k| headers::is_ours(k.as_str())) {
+        let clean = headers::filter(&h, |k| !headers::is_ours(k));
+        raw.properties = raw.properties.clone().with_headers(clean);
+    }
+}
+
+/// A batch: every member runs (and is retried, parked or put back) on its own; the batch is
+/// acked once all are settled, else returned whole. An unreadable batch is parked whole.
+async fn batch_delivery<H: Handler>(
+    raw: lapin::message::Delivery,
+    acker: Settle,
+    queue: &str,
+    handler: &H,
+    ctx: &TaskCtx,
+    requeue: Requeue<'_>,
+) {
+    let redelivered = raw.redelivered;
+    let members = match batch::decode(&raw.data) {
+        Ok(m) => m,
+        Err(reason) => {
+            let (d, _) = envelope::decode(
+                queue,
+                raw.data,
+                raw.properties,
+                raw.routing_key.as_str(),
+                raw.exchange.as_str(),
+                redelivered,
+            );
+            let reason = format!("invalid batch: {reason}");
+            tracing::warn!(queue, id = %d.message_id, %reason, "parking an unreadable batch");
+            let r = park(&d, &reason, "invalid", ctx).await;
+            settle(acker, queue, &d.message_id, r, requeue).await;
+            return;
+        }
+    };
+    let batch_id = raw
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|s| s.to_string())
+        .unwrap_or_default();
+    let (key, exchange) = (raw.routing_key.as_str(), raw.exchange.as_str());
+    tracing::debug!(queue, batch = %batch_id, redelivered, members = members.len(), "batch received");
+    let runs = members.into_iter().map(|m| async move {
+        let decoded = envelope::decode(queue, m.body, m.properties, key, exchange, redelivered);
+        // a batch that started runs to the end (within the shutdown grace): its members are
+        // never skipped
+        match one(decoded, handler, ctx, false).await {
+            // a member cannot go back to the queue alone: re-schedule it, attempt kept
+            Ok((d, Done::PutBack(reason))) => reschedule(&d, &reason, ctx, d.attempt, 1_000).await,
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        }
+    });
+    let results = futures::future::join_all(runs).await;
+    let r = results.into_iter().find_map(|r| r.err()).map_or(Ok(()), Err);
+    settle(acker, queue, &batch_id, r, requeue).await;
 }
 
 /// What `settle` needs to return a message it could not settle.
@@ -223,10 +227,7 @@ async fn one<H: Handler>(
     let (d, invalid) = decoded;
     if let Some(reason) = invalid {
         tracing::warn!(queue = %d.queue, id = %d.message_id, %reason, "parking a message with an invalid envelope");
-        crate::metrics::global()
-            .delivered
-            .get_or_create(&Metrics::queue(&d.queue))
-            .inc();
+        ctx.counters.count(Event::Delivered, &d.queue);
         park(&d, &reason, "invalid", ctx).await?;
         return Ok((d, Done::Parked));
     }
@@ -241,16 +242,28 @@ async fn one<H: Handler>(
     }
     // every cancel confirmed `cancel.notice` before the due time has been read before anything
     // runs; if the stream cannot be read, the message waits (it goes back to the queue)
-    let metrics = crate::metrics::global();
-    let label = Metrics::queue(&d.queue);
-    metrics.delivered.get_or_create(&label).inc();
+    ctx.counters.count(Event::Delivered, &d.queue);
     if ctx.cancels.sync_for(d.due_at_ms).await? {
-        ctx.counters.cancel_syncs.fetch_add(1, Ordering::Relaxed);
+        ctx.counters.count(Event::CancelSync, &d.queue);
     }
     if ctx.cancels.is_cancelled(&d.message_id) {
         cancelled(&d, ctx, "acked without running");
         return Ok((d, Done::Cancelled));
     }
+    let Some(outcome) = run_handler(&d, handler, ctx).await else {
+        cancelled(&d, ctx, "acked while held by \"not now\", not run again");
+        return Ok((d, Done::Cancelled));
+    };
+    let done = carry_out(&d, outcome, ctx).await?;
+    Ok((d, done))
+}
+
+/// Runs the handler (within `consumer.handler_timeout`), again with a growing pause while it
+/// says "not now", for up to `consumer.requeue_hold`; `None` when the message was cancelled
+/// meanwhile. Observes lateness, time in the handler and the handlers in flight.
+async fn run_handler<H: Handler>(d: &Delivery, handler: &H, ctx: &TaskCtx) -> Option<Outcome> {
+    let metrics = crate::metrics::global();
+    let label = Metrics::queue(&d.queue);
     let timeout = Duration::from_millis(ctx.settings.handler_timeout.as_millis());
     let hold = Duration::from_millis(ctx.settings.requeue_hold.as_millis());
     let hctx = Context {
@@ -267,9 +280,8 @@ async fn one<H: Handler>(
             .observe(late as f64 / 1000.0);
     }
     metrics.in_flight.inc();
-    // `None`: cancelled while the handler kept saying "not now"
     let outcome = loop {
-        let outcome = match tokio::time::timeout(timeout, handler.handle(&d, &hctx)).await {
+        let outcome = match tokio::time::timeout(timeout, handler.handle(d, &hctx)).await {
             Ok(o) => o,
             Err(_) => Outcome::Retry(format!(
                 "handler timed out after {}",
@@ -293,15 +305,16 @@ async fn one<H: Handler>(
         .handler_duration
         .get_or_create(&label)
         .observe(held.elapsed().as_secs_f64());
-    let Some(outcome) = outcome else {
-        cancelled(&d, ctx, "acked while held by \"not now\", not run again");
-        return Ok((d, Done::Cancelled));
-    };
-    let done = match outcome {
+    outcome
+}
+
+/// Does what the handler decided: acks (by returning), re-schedules with backoff, parks, or
+/// puts back. `Err` when a re-schedule or park could not be published.
+async fn carry_out(d: &Delivery, outcome: Outcome, ctx: &TaskCtx) -> Result<Done> {
+    Ok(match outcome {
         Outcome::Success => {
             ctx.cancels.executed(&d.message_id, &d.queue);
-            ctx.counters.succeeded.fetch_add(1, Ordering::Relaxed);
-            metrics.executed.get_or_create(&label).inc();
+            ctx.counters.count(Event::Succeeded, &d.queue);
             Done::Succeeded
         }
         Outcome::Retry(reason) if ctx.settings.retry.may_retry(d.attempt) => {
@@ -313,7 +326,7 @@ async fn one<H: Handler>(
                 .retry
                 .backoff_ms(d.attempt, random)
                 .min(ctx.layout.max_delay_ms());
-            reschedule(&d, &reason, ctx, d.attempt + 1, delay).await?;
+            reschedule(d, &reason, ctx, d.attempt + 1, delay).await?;
             Done::Retried
         }
         Outcome::Retry(reason) => {
@@ -321,32 +334,27 @@ async fn one<H: Handler>(
                 "gave up after {} attempts; last error: {reason}",
                 d.attempt + 1
             );
-            park(&d, &why, "exhausted", ctx).await?;
+            park(d, &why, "exhausted", ctx).await?;
             ctx.cancels.executed(&d.message_id, &d.queue);
             Done::Parked
         }
         Outcome::Permanent(reason) => {
-            park(&d, &reason, "permanent", ctx).await?;
+            park(d, &reason, "permanent", ctx).await?;
             ctx.cancels.executed(&d.message_id, &d.queue);
             Done::Parked
         }
         Outcome::Requeue(reason) => Done::PutBack(reason),
         Outcome::Cancelled => {
-            cancelled(&d, ctx, "acked by its handler, which found it cancelled");
+            cancelled(d, ctx, "acked by its handler, which found it cancelled");
             Done::Cancelled
         }
-    };
-    Ok((d, done))
+    })
 }
 
 /// Counts and logs a cancelled message (acked without running, or without running again).
 fn cancelled(d: &Delivery, ctx: &TaskCtx, what: &str) {
     ctx.cancels.fell_due(&d.message_id, d.due_at_ms);
-    ctx.counters.cancelled.fetch_add(1, Ordering::Relaxed);
-    crate::metrics::global()
-        .cancelled
-        .get_or_create(&Metrics::queue(&d.queue))
-        .inc();
+    ctx.counters.count(Event::Cancelled, &d.queue);
     tracing::info!(queue = %d.queue, id = %d.message_id, attempt = d.attempt, "cancelled: {what}");
 }
 
@@ -367,11 +375,7 @@ async fn reschedule(
         .with_attempt(attempt)
         .internal();
     ctx.publisher.schedule(msg).await?;
-    ctx.counters.retried.fetch_add(1, Ordering::Relaxed);
-    crate::metrics::global()
-        .retried
-        .get_or_create(&Metrics::queue(&d.queue))
-        .inc();
+    ctx.counters.count(Event::Retried, &d.queue);
     tracing::info!(queue = %d.queue, id = %d.message_id, attempt = d.attempt, delay_ms = delay, %reason, "retry scheduled");
     Ok(())
 }
@@ -401,8 +405,7 @@ async fn park(d: &Delivery, reason: &str, kind: &str, ctx: &TaskCtx) -> Result<(
     ctx.publisher
         .publish_confirmed("", &target, &d.body, props)
         .await?;
-    ctx.counters.parked.fetch_add(1, Ordering::Relaxed);
-    crate::metrics::global().park(&d.queue, kind);
+    ctx.counters.count(Event::Parked(kind), &d.queue);
     tracing::warn!(queue = %d.queue, id = %d.message_id, parked_in = %target, %reason, "message parked");
     Ok(())
 }

@@ -1,5 +1,5 @@
-//! `delay-consumer`: a worker that runs an action (exec, http, forward, log) on every due
-//! message of one or more destination queues. Thin: the work is in `worker` and `actions`.
+//! `delay-consumer`: a worker that runs an action (exec, http, forward, relay, log) on every
+//! due message of one or more destination queues. Thin: the work is in `worker` and `actions`.
 
 use std::time::Duration;
 
@@ -14,7 +14,7 @@ use clap::Parser;
 #[command(
     name = "delay-consumer",
     version,
-    about = "Run an action on every due delayed message: exec a command, POST to a URL, forward to an exchange, or log JSON",
+    about = "Run an action on every due delayed message: exec a command, POST to a URL, forward to an exchange, relay it plainly into a queue, or log JSON",
     after_help = "Without --queue, the queues and actions come from [[consumer.routes]] in the config file.\nExit codes of --exec: 0 = success, --permanent-exit-code (default 65) = permanent failure (parked), anything else = retry."
 )]
 struct Cli {
@@ -57,6 +57,53 @@ struct Cli {
     shutdown_grace: Option<DurationMs>,
 }
 
+impl Cli {
+    /// The flags over the settings (flags win); `--queue` with its action replaces the routes.
+    fn apply(self, s: &mut amqp_delay::Settings) {
+        let c = &mut s.consumer;
+        if let Some(v) = self.prefetch {
+            c.prefetch = v;
+        }
+        if let Some(v) = self.concurrency {
+            c.concurrency = v;
+        }
+        if let Some(v) = self.handler_timeout {
+            c.handler_timeout = v;
+        }
+        if let Some(v) = self.max_attempts {
+            c.retry.max_attempts = v;
+        }
+        if let Some(v) = self.retry_base {
+            c.retry.base = v;
+        }
+        if let Some(v) = self.retry_factor {
+            c.retry.factor = v;
+        }
+        if let Some(v) = self.retry_cap {
+            c.retry.cap = v;
+        }
+        if let Some(v) = self.retry_jitter {
+            c.retry.jitter = v;
+        }
+        if let Some(v) = self.permanent_exit_code {
+            c.permanent_exit_code = v;
+        }
+        if let Some(v) = self.shutdown_grace {
+            c.shutdown_grace = v;
+        }
+        if let Some(queue) = self.queue {
+            c.routes = vec![RouteConfig {
+                queue,
+                exec: self.action.exec,
+                http: self.action.http,
+                forward: self.action.forward,
+                relay: self.action.relay,
+                log: self.action.log,
+            }];
+        }
+    }
+}
+
 #[derive(clap::Args)]
 #[group(id = "action", multiple = false)]
 struct ActionArgs {
@@ -86,47 +133,7 @@ async fn main() {
         Ok(s) => s,
         Err(e) => cli::fail(&e, EXIT_USAGE),
     };
-    let c = &mut s.consumer;
-    if let Some(v) = a.prefetch {
-        c.prefetch = v;
-    }
-    if let Some(v) = a.concurrency {
-        c.concurrency = v;
-    }
-    if let Some(v) = a.handler_timeout {
-        c.handler_timeout = v;
-    }
-    if let Some(v) = a.max_attempts {
-        c.retry.max_attempts = v;
-    }
-    if let Some(v) = a.retry_base {
-        c.retry.base = v;
-    }
-    if let Some(v) = a.retry_factor {
-        c.retry.factor = v;
-    }
-    if let Some(v) = a.retry_cap {
-        c.retry.cap = v;
-    }
-    if let Some(v) = a.retry_jitter {
-        c.retry.jitter = v;
-    }
-    if let Some(v) = a.permanent_exit_code {
-        c.permanent_exit_code = v;
-    }
-    if let Some(v) = a.shutdown_grace {
-        c.shutdown_grace = v;
-    }
-    if let Some(queue) = a.queue {
-        c.routes = vec![RouteConfig {
-            queue,
-            exec: a.action.exec,
-            http: a.action.http,
-            forward: a.action.forward,
-            relay: a.action.relay,
-            log: a.action.log,
-        }];
-    }
+    a.apply(&mut s);
     if let Err(e) = s.validate() {
         cli::fail(&e, EXIT_USAGE);
     }
@@ -140,18 +147,14 @@ async fn main() {
         Ok(l) => l.levels(),
         Err(e) => cli::fail(&e, EXIT_USAGE),
     };
-    let timeout = Duration::from_millis(s.consumer.handler_timeout.as_millis());
     let mut worker = Worker::new(s.clone());
-    let mut actions = Vec::new();
-    for r in &s.consumer.routes {
-        match Action::from_route(r, s.consumer.permanent_exit_code, timeout, levels) {
-            Ok(action) => actions.push((r.queue.clone(), action)),
-            Err(e) => {
-                cli::print_error(&e.to_string());
-                std::process::exit(EXIT_USAGE);
-            }
+    let actions = match actions(&s, levels) {
+        Ok(a) => a,
+        Err(e) => {
+            cli::print_error(&e);
+            std::process::exit(EXIT_USAGE);
         }
-    }
+    };
     // what the actions need on the broker (a forward's exchange) is checked before consuming
     tokio::select! {
         () = prepare(&actions, &s) => {},
@@ -166,6 +169,20 @@ async fn main() {
     if let Err(e) = worker.run(cli::shutdown_signal()).await {
         cli::fail(&e, EXIT_FAILURES);
     }
+}
+
+/// The action of every route, by queue.
+fn actions(s: &amqp_delay::Settings, levels: u32) -> Result<Vec<(String, Action)>, String> {
+    let timeout = Duration::from_millis(s.consumer.handler_timeout.as_millis());
+    s.consumer
+        .routes
+        .iter()
+        .map(|r| {
+            Action::from_route(r, s.consumer.permanent_exit_code, timeout, levels)
+                .map(|a| (r.queue.clone(), a))
+                .map_err(|e| e.to_string())
+        })
+        .collect()
 }
 
 /// [`Action::prepare`] of every action: a missing forward exchange ends the process with
