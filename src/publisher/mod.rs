@@ -563,17 +563,30 @@ async fn run_ledger(inner: Arc<Inner>, mut stop: tokio::sync::oneshot::Receiver<
                 crate::ledger::count(&conn, &inner.layout).await
             };
             tokio::select! {
-                r = count => {
-                    if let Err(e) = r {
-                        tracing::debug!("counting the ledger: {}", crate::error::chain(&e));
+                r = count => match r {
+                    Ok(_) => {}
+                    // the least-privilege publisher set has no read right: the snapshots are
+                    // then left by the workers, gateways and `stats`, which may read
+                    Err(Error::Amqp { ref source, .. })
+                        if crate::broker::is_reply(source, crate::broker::ACCESS_REFUSED) =>
+                    {
+                        tracing::info!(
+                            "this publisher may not read the ledger stream, so it leaves its \
+                             snapshots to the workers, gateways and `stats`"
+                        );
+                        next_count = tokio::time::Instant::now() + NEVER;
                     }
-                }
+                    Err(e) => tracing::warn!("counting the ledger: {}", crate::error::chain(&e)),
+                },
                 _ = &mut stop => break,
             }
         }
     }
     inner.write_ledger(true).await;
 }
+
+/// Far enough ahead to mean "not again in this process".
+const NEVER: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 86_400);
 
 /// Name of the connection a publisher opens itself.
 const CONNECTION_NAME: &str = "amqp-delay publisher";
