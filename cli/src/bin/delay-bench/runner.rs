@@ -4,7 +4,9 @@
 //! display and the problems found; one publish-and-consume pass is in `measure`.
 
 mod measure;
+mod publish;
 mod stage;
+mod tracker;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
