@@ -18,6 +18,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::time::{DurationMs, compact_duration};
 
+mod names;
+
 /// The broker's limit for `x-message-ttl` (milliseconds, unsigned 32-bit).
 pub const BROKER_MAX_TTL_MS: u64 = u32::MAX as u64;
 /// Topic routing keys are at most 255 bytes.
@@ -160,92 +162,29 @@ pub struct Layout {
 pub struct LayoutError(pub String);
 
 impl Layout {
-    /// Computes the layout, validating everything the broker would otherwise reject later.
+    /// Computes the layout, validating everything the broker would otherwise reject later:
+    /// the cascade gets the fewest levels that cover `max_delay` without a tier over the TTL
+    /// limit, the overflow chain what lies beyond, the fixed levels their own tiers.
     pub fn new(prefix: &str, t: &TopologySettings) -> Result<Layout, LayoutError> {
-        let err = |m: String| Err(LayoutError(m));
         validate_prefix(prefix).map_err(LayoutError)?;
-        let radix = t.radix;
-        if !(2..=36).contains(&radix) {
-            return err(format!("radix must be between 2 and 36, got {radix}"));
-        }
-        let unit = t.unit_ms;
-        let max_ttl = t.max_tier_ttl_ms;
-        if max_ttl == 0 || max_ttl > BROKER_MAX_TTL_MS {
-            return err(format!(
-                "max_tier_ttl_ms must be between 1 and {BROKER_MAX_TTL_MS} (the broker's limit), got {max_ttl}"
-            ));
-        }
-        if unit == 0 || unit > max_ttl {
-            return err(format!(
-                "unit_ms must be between 1 and max_tier_ttl_ms ({max_ttl}), got {unit}"
-            ));
-        }
-        let r = u64::from(radix);
-        // Cascade levels: add levels while the range is not covered and the new level's largest
-        // digit still fits the TTL limit.
-        let mut levels: u32 = 1;
-        let mut weight = unit; // r^(levels-1) * unit, the weight of the top level
-        let cap = |levels: u32| -> u64 {
-            // (r^levels - 1) * unit, saturating
-            r.checked_pow(levels)
-                .and_then(|p| (p - 1).checked_mul(unit))
-                .unwrap_or(u64::MAX)
-        };
-        if (r - 1).saturating_mul(unit) > max_ttl {
-            return err(format!(
-                "the largest level-0 tier ({} x {unit} ms) exceeds max_tier_ttl_ms ({max_ttl}); use a smaller radix or unit",
-                r - 1
-            ));
-        }
+        let (radix, unit, max_ttl) = (t.radix, t.unit_ms, t.max_tier_ttl_ms);
+        validate_units(radix, unit, max_ttl)?;
         let max_delay_ms = t.max_delay.as_millis();
-        while cap(levels) < max_delay_ms {
-            let next_weight = weight.saturating_mul(r);
-            if (r - 1).saturating_mul(next_weight) > max_ttl {
-                break;
-            }
-            weight = next_weight;
-            levels += 1;
-        }
-        let cascade_ms = cap(levels);
-        // Overflow chain: equal tiers of T ms, T a multiple of the unit, at most one unit more
-        // than the cascade can represent, so every remainder is reachable.
-        let overflow_ttl_ms = ((max_ttl / unit).min(cascade_ms / unit + 1)) * unit;
-        let overflow_count = if max_delay_ms > cascade_ms {
-            (max_delay_ms - cascade_ms).div_ceil(overflow_ttl_ms)
-        } else {
-            0
-        };
-        if overflow_count > MAX_OVERFLOW_QUEUES {
-            return err(format!(
-                "max_delay {} ms needs {overflow_count} overflow tiers of {overflow_ttl_ms} ms beyond the cascade's {cascade_ms} ms (limit {MAX_OVERFLOW_QUEUES}); raise unit_ms or max_tier_ttl_ms, or lower max_delay",
-                max_delay_ms
-            ));
-        }
-        let mut fixed_ms = Vec::new();
-        for f in &t.fixed_levels {
-            let ms = f.as_millis();
-            if ms == 0 || ms > max_ttl {
-                return err(format!(
-                    "fixed level {f} must be between 1 ms and max_tier_ttl_ms ({max_ttl} ms)"
-                ));
-            }
-            if ms > max_delay_ms {
-                return err(format!(
-                    "fixed level {f} is longer than max_delay ({max_delay_ms} ms)"
-                ));
-            }
-            fixed_ms.push(ms);
-        }
-        fixed_ms.sort_unstable();
-        fixed_ms.dedup();
+        let levels = cascade_levels(u64::from(radix), unit, max_ttl, max_delay_ms)?;
+        let cascade_ms = cascade_range(u64::from(radix), unit, levels);
+        let (overflow_ttl_ms, overflow_count) =
+            overflow_chain(unit, max_ttl, cascade_ms, max_delay_ms)?;
+        let fixed_ms = fixed_levels(&t.fixed_levels, max_ttl, max_delay_ms)?;
         if !(1..=16).contains(&t.fixed_shards) {
-            return err(format!(
+            return Err(LayoutError(format!(
                 "fixed_shards must be between 1 and 16, got {}",
                 t.fixed_shards
-            ));
+            )));
         }
         if let Some(0) = t.max_tier_length {
-            return err("max_tier_length must be at least 1 when set".into());
+            return Err(LayoutError(
+                "max_tier_length must be at least 1 when set".into(),
+            ));
         }
         Ok(Layout {
             prefix: prefix.to_string(),
@@ -253,7 +192,7 @@ impl Layout {
             unit_ms: unit,
             levels,
             overflow_ttl_ms,
-            overflow_count: overflow_count as u32,
+            overflow_count,
             fixed_ms,
             fixed_shards: t.fixed_shards,
             max_delay_ms,
@@ -313,6 +252,10 @@ impl Layout {
     /// Fixed-level TTLs, ascending.
     pub fn fixed_ms(&self) -> &[u64] {
         &self.fixed_ms
+    }
+    /// Number of queues each fixed level is spread over.
+    pub fn fixed_shards(&self) -> u32 {
+        self.fixed_shards
     }
     /// The longest a message waiting in tier `kind` can still take to fall due: what remains
     /// of its tier's TTL plus every tier it may visit after (for `stats`' "due within").
@@ -388,106 +331,6 @@ impl Layout {
         }
     }
 
-    // ---- names -------------------------------------------------------------------------------
-
-    /// Topic exchange of cascade level `k`.
-    pub fn level_exchange(&self, k: u32) -> String {
-        format!("{}.level{k}", self.prefix)
-    }
-    /// Queue of cascade level `k`, digit `d`.
-    pub fn cascade_queue(&self, k: u32, d: u32) -> String {
-        format!("{}.level{k}.d{d}", self.prefix)
-    }
-    /// Exchange at the top of the cascade (where fixed levels and the overflow chain end).
-    pub fn top_exchange(&self) -> String {
-        self.level_exchange(self.levels - 1)
-    }
-    /// Fanout exchange in front of overflow queue `i` (1-based).
-    pub fn overflow_exchange(&self, i: u32) -> String {
-        format!("{}.overflow{i}", self.prefix)
-    }
-    /// Queue `i` (1-based) of the overflow chain.
-    pub fn overflow_queue(&self, i: u32) -> String {
-        self.overflow_exchange(i)
-    }
-    /// Fanout exchange in front of shard 0 of the fixed level of `ms`.
-    pub fn fixed_exchange(&self, ms: u64) -> String {
-        self.fixed_shard_exchange(ms, 0)
-    }
-    /// Queue of shard 0 of the fixed level of `ms`.
-    pub fn fixed_queue(&self, ms: u64) -> String {
-        self.fixed_exchange(ms)
-    }
-    /// Number of queues each fixed level is spread over.
-    pub fn fixed_shards(&self) -> u32 {
-        self.fixed_shards
-    }
-    /// Fanout exchange (and queue) of shard `shard` of the fixed level of `ms`: shard 0 is
-    /// `p.fixed.30m`, shard 2 `p.fixed.30m.s2`.
-    pub fn fixed_shard_exchange(&self, ms: u64, shard: u32) -> String {
-        match shard {
-            0 => format!("{}.fixed.{}", self.prefix, compact_duration(ms)),
-            s => format!("{}.fixed.{}.s{s}", self.prefix, compact_duration(ms)),
-        }
-    }
-    /// Topic exchange routing due messages to their destination queue.
-    pub fn delivery_exchange(&self) -> String {
-        format!("{}.deliver", self.prefix)
-    }
-    /// Fanout exchange, alternate exchange of the delivery exchange.
-    pub fn parking_exchange(&self) -> String {
-        format!("{}.parking", self.prefix)
-    }
-    /// Queue holding messages whose destination did not exist at delivery time (the parking
-    /// exchange's queue).
-    pub fn unroutable_queue(&self) -> String {
-        format!("{}.parked", self.prefix)
-    }
-    /// Where a worker parks the messages of `queue` it gave up on (permanent failure, last
-    /// attempt failed, invalid envelope).
-    pub fn parked_queue(&self, queue: &str) -> String {
-        format!("{}{queue}", self.parked_prefix())
-    }
-    /// What the name of every destination's parking queue ([`Layout::parked_queue`]) starts with.
-    pub fn parked_prefix(&self) -> String {
-        format!("{}.parked.", self.prefix)
-    }
-    /// Queue of gateway ingress exchange `ingress`: bound to it, consumed by the gateway.
-    pub fn gateway_ingress_queue(&self, ingress: &str) -> String {
-        format!("{}.gw.in.{ingress}", self.prefix)
-    }
-    /// Destination queue of gateway ingress `ingress`'s messages while they wait.
-    pub fn gateway_due_queue(&self, ingress: &str) -> String {
-        format!("{}.gw.due.{ingress}", self.prefix)
-    }
-    /// The control stream: gateway pairs and other records the topology remembers.
-    pub fn control_stream(&self) -> String {
-        format!("{}.control", self.prefix)
-    }
-    /// The ledger stream: how many messages (not broker messages) publishers put into the
-    /// tiers, by due time (see `tally`). Kept as long as the control stream.
-    pub fn ledger_stream(&self) -> String {
-        format!("{}.ledger", self.prefix)
-    }
-    /// How long the control stream keeps a record: the longest delay plus a week (for
-    /// retries after it), in seconds.
-    pub fn control_max_age_secs(&self) -> u64 {
-        self.max_delay_ms.div_ceil(1000) + 7 * 24 * 3600
-    }
-    /// The exchange whose existence says that the consumers of `queue` read batches (declared
-    /// by the worker, checked by publishers). `None` when the name would not fit 255 bytes:
-    /// such a destination gets plain messages.
-    pub fn batch_marker(&self, queue: &str) -> Option<String> {
-        let name = format!("{}.batched.{queue}", self.prefix);
-        (name.len() <= 255).then_some(name)
-    }
-    /// Exchange that never routes anything; its `alternate-exchange` argument records the
-    /// layout signature (the broker compares it on every re-declare). An exchange has no home
-    /// node, so the marker stays readable while any minority of a cluster is down.
-    pub fn layout_marker(&self) -> String {
-        format!("{}.layout", self.prefix)
-    }
-
     /// Every tier queue, in declaration order (lowest level first, so each dead-letter target
     /// exists before the queue pointing at it).
     pub fn tiers(&self) -> Vec<Tier> {
@@ -532,77 +375,105 @@ impl Layout {
         }
         out
     }
+}
 
-    // ---- routing keys --------------------------------------------------------------------------
-
-    /// The digit word for `digit`.
-    pub fn digit_word(digit: u32) -> char {
-        DIGITS[digit as usize] as char
+/// The radix, the unit and the TTL limit each within its bounds (the unit within the limit).
+fn validate_units(radix: u32, unit: u64, max_ttl: u64) -> Result<(), LayoutError> {
+    let err = |m: String| Err(LayoutError(m));
+    if !(2..=36).contains(&radix) {
+        return err(format!("radix must be between 2 and 36, got {radix}"));
     }
-
-    /// Binding pattern on level `k`'s exchange for digit `d` (`*` in every other digit position,
-    /// `#` for the destination).
-    pub fn level_binding(&self, k: u32, d: u32) -> String {
-        let mut words: Vec<String> = (0..self.levels).map(|_| "*".to_string()).collect();
-        words[(self.levels - 1 - k) as usize] = Self::digit_word(d).to_string();
-        words.push("#".into());
-        words.join(".")
+    if max_ttl == 0 || max_ttl > BROKER_MAX_TTL_MS {
+        return err(format!(
+            "max_tier_ttl_ms must be between 1 and {BROKER_MAX_TTL_MS} (the broker's limit), got {max_ttl}"
+        ));
     }
-
-    /// Binding pattern of a destination queue on the delivery exchange: one `*` per digit word,
-    /// then the destination's own words, which contain no wildcard (see [`Layout::validate_destination`]).
-    pub fn destination_binding(&self, destination: &str) -> String {
-        let mut s = "*.".repeat(self.levels as usize);
-        s.push_str(destination);
-        s
+    if unit == 0 || unit > max_ttl {
+        return err(format!(
+            "unit_ms must be between 1 and max_tier_ttl_ms ({max_ttl}), got {unit}"
+        ));
     }
+    Ok(())
+}
 
-    /// Routing key for `digits` (indexed by level) and `destination`.
-    pub fn routing_key(&self, digits: &[u32], destination: &str) -> String {
-        let mut s = String::with_capacity(2 * self.levels as usize + destination.len());
-        for k in (0..self.levels).rev() {
-            s.push(Self::digit_word(
-                digits.get(k as usize).copied().unwrap_or(0),
-            ));
-            s.push('.');
+/// The largest delay `levels` cascade levels represent: `(r^levels − 1) · unit`, saturating.
+fn cascade_range(r: u64, unit: u64, levels: u32) -> u64 {
+    r.checked_pow(levels)
+        .and_then(|p| (p - 1).checked_mul(unit))
+        .unwrap_or(u64::MAX)
+}
+
+/// Cascade levels: add levels while the range does not cover `max_delay_ms` and the new
+/// level's largest digit still fits the TTL limit. Level 0 must fit it.
+fn cascade_levels(r: u64, unit: u64, max_ttl: u64, max_delay_ms: u64) -> Result<u32, LayoutError> {
+    if (r - 1).saturating_mul(unit) > max_ttl {
+        return Err(LayoutError(format!(
+            "the largest level-0 tier ({} x {unit} ms) exceeds max_tier_ttl_ms ({max_ttl}); use a smaller radix or unit",
+            r - 1
+        )));
+    }
+    let mut levels: u32 = 1;
+    let mut weight = unit; // r^(levels-1) * unit, the weight of the top level
+    while cascade_range(r, unit, levels) < max_delay_ms {
+        let next_weight = weight.saturating_mul(r);
+        if (r - 1).saturating_mul(next_weight) > max_ttl {
+            break;
         }
-        s.push_str(destination);
-        s
+        weight = next_weight;
+        levels += 1;
     }
+    Ok(levels)
+}
 
-    /// Longest destination name that still fits the 255-byte routing key.
-    pub fn max_destination_len(&self) -> usize {
-        MAX_ROUTING_KEY_LEN - 2 * self.levels as usize
+/// Overflow chain: equal tiers of T ms, T a multiple of the unit, at most one unit more than
+/// the cascade can represent, so every remainder is reachable; as many as the delays beyond
+/// the cascade's range need, at most [`MAX_OVERFLOW_QUEUES`]. Returns T and their number.
+fn overflow_chain(
+    unit: u64,
+    max_ttl: u64,
+    cascade_ms: u64,
+    max_delay_ms: u64,
+) -> Result<(u64, u32), LayoutError> {
+    let overflow_ttl_ms = ((max_ttl / unit).min(cascade_ms / unit + 1)) * unit;
+    let overflow_count = if max_delay_ms > cascade_ms {
+        (max_delay_ms - cascade_ms).div_ceil(overflow_ttl_ms)
+    } else {
+        0
+    };
+    if overflow_count > MAX_OVERFLOW_QUEUES {
+        return Err(LayoutError(format!(
+            "max_delay {} ms needs {overflow_count} overflow tiers of {overflow_ttl_ms} ms beyond the cascade's {cascade_ms} ms (limit {MAX_OVERFLOW_QUEUES}); raise unit_ms or max_tier_ttl_ms, or lower max_delay",
+            max_delay_ms
+        )));
     }
+    Ok((overflow_ttl_ms, overflow_count as u32))
+}
 
-    /// Rules for a destination queue name (DESIGN rule 9): non-empty, fits the routing key,
-    /// no empty word and no `*` / `#` word that would turn its binding into a wildcard.
-    pub fn validate_destination(&self, destination: &str) -> Result<(), String> {
-        if destination.is_empty() {
-            return Err("destination queue name is empty".into());
+/// The fixed levels in ms, ascending and distinct, each a tier within the TTL limit and no
+/// longer than `max_delay_ms`.
+fn fixed_levels(
+    levels: &[DurationMs],
+    max_ttl: u64,
+    max_delay_ms: u64,
+) -> Result<Vec<u64>, LayoutError> {
+    let mut fixed_ms = Vec::new();
+    for f in levels {
+        let ms = f.as_millis();
+        if ms == 0 || ms > max_ttl {
+            return Err(LayoutError(format!(
+                "fixed level {f} must be between 1 ms and max_tier_ttl_ms ({max_ttl} ms)"
+            )));
         }
-        let max = self.max_destination_len();
-        if destination.len() > max {
-            return Err(format!(
-                "destination queue name is {} bytes; at most {max} fit in the routing key with {} digit words",
-                destination.len(),
-                self.levels
-            ));
+        if ms > max_delay_ms {
+            return Err(LayoutError(format!(
+                "fixed level {f} is longer than max_delay ({max_delay_ms} ms)"
+            )));
         }
-        for word in destination.split('.') {
-            if word.is_empty() {
-                return Err(format!(
-                    "destination queue name '{destination}' has an empty dot-separated word (leading, trailing or double dot)"
-                ));
-            }
-            if word == "*" || word == "#" {
-                return Err(format!(
-                    "destination queue name '{destination}' contains the wildcard word '{word}', which would make its binding match other queues' messages"
-                ));
-            }
-        }
-        Ok(())
+        fixed_ms.push(ms);
     }
+    fixed_ms.sort_unstable();
+    fixed_ms.dedup();
+    Ok(fixed_ms)
 }
 
 /// Prefix rules: it names every exchange and queue we create.

@@ -103,15 +103,10 @@ const DURATION_BUCKETS: [f64; 14] = [
 ];
 
 impl Metrics {
+    /// Every metric at zero, registered in the prefixed registry.
     fn new() -> Metrics {
-        let mut registry = Registry::with_prefix("amqp_delay");
-        let lateness = Family::<QueueLabel, Histogram>::new_with_constructor(|| {
-            Histogram::new(LATENESS_BUCKETS)
-        });
-        let handler_duration = Family::<QueueLabel, Histogram>::new_with_constructor(|| {
-            Histogram::new(DURATION_BUCKETS)
-        });
-        let m = Metrics {
+        let mut m = Metrics {
+            registry: Registry::with_prefix("amqp_delay"),
             scheduled: Counter::default(),
             broker_messages: Counter::default(),
             nacks: Counter::default(),
@@ -123,96 +118,113 @@ impl Metrics {
             cancelled: Family::default(),
             cancel_too_late: Family::default(),
             cancel_syncs: Counter::default(),
-            lateness,
-            handler_duration,
+            lateness: Family::new_with_constructor(|| Histogram::new(LATENESS_BUCKETS)),
+            handler_duration: Family::new_with_constructor(|| Histogram::new(DURATION_BUCKETS)),
             in_flight: Gauge::default(),
             tier_messages: Family::default(),
             tier_dead_lettered: Family::default(),
             messages_pending: Family::default(),
             connected: Gauge::default(),
-            registry: Registry::default(),
         };
-        registry.register(
+        m.register_publishing();
+        m.register_worker();
+        m.register_state();
+        m
+    }
+
+    /// What publishers count: messages scheduled, broker messages, nacks and returns.
+    fn register_publishing(&mut self) {
+        self.registry.register(
             "scheduled",
             "Messages scheduled (confirmed by the broker)",
-            m.scheduled.clone(),
+            self.scheduled.clone(),
         );
-        registry.register(
+        self.registry.register(
             "broker_messages",
             "Broker messages published into the tiers (a batch counts once)",
-            m.broker_messages.clone(),
+            self.broker_messages.clone(),
         );
-        registry.register(
+        self.registry.register(
             "broker_nacks",
             "Publishes the broker refused",
-            m.nacks.clone(),
+            self.nacks.clone(),
         );
-        registry.register(
+        self.registry.register(
             "broker_returns",
             "Publishes the broker returned as unroutable",
-            m.returns.clone(),
+            self.returns.clone(),
         );
-        registry.register(
+    }
+
+    /// What workers count: deliveries and how each ended, cancels, lateness, handler time.
+    fn register_worker(&mut self) {
+        self.registry.register(
             "delivered",
             "Messages delivered to a worker",
-            m.delivered.clone(),
+            self.delivered.clone(),
         );
-        registry.register("executed", "Handlers that succeeded", m.executed.clone());
-        registry.register(
+        self.registry
+            .register("executed", "Handlers that succeeded", self.executed.clone());
+        self.registry.register(
             "retried",
             "Retries scheduled through the tiers",
-            m.retried.clone(),
+            self.retried.clone(),
         );
-        registry.register("parked", "Messages parked, by reason", m.parked.clone());
-        registry.register(
+        self.registry
+            .register("parked", "Messages parked, by reason", self.parked.clone());
+        self.registry.register(
             "cancelled",
             "Messages acked without running because they were cancelled",
-            m.cancelled.clone(),
+            self.cancelled.clone(),
         );
-        registry.register(
+        self.registry.register(
             "cancel_too_late",
             "Cancels a worker read after it had run the message",
-            m.cancel_too_late.clone(),
+            self.cancel_too_late.clone(),
         );
-        registry.register(
+        self.registry.register(
             "cancel_syncs",
             "Barriers appended to the control stream to sync before running a message",
-            m.cancel_syncs.clone(),
+            self.cancel_syncs.clone(),
         );
-        registry.register_with_unit(
+        self.registry.register_with_unit(
             "lateness",
             "Time from a message's due time to its handler's start",
             prometheus_client::registry::Unit::Seconds,
-            m.lateness.clone(),
+            self.lateness.clone(),
         );
-        registry.register_with_unit(
+        self.registry.register_with_unit(
             "handler_duration",
             "Time a handler ran",
             prometheus_client::registry::Unit::Seconds,
-            m.handler_duration.clone(),
+            self.handler_duration.clone(),
         );
-        registry.register("in_flight", "Handlers running now", m.in_flight.clone());
-        registry.register(
+        self.registry
+            .register("in_flight", "Handlers running now", self.in_flight.clone());
+    }
+
+    /// The sampled gauges: tier depths, messages pending, the connection.
+    fn register_state(&mut self) {
+        self.registry.register(
             "tier_messages",
             "Broker messages in each tier and parking queue (ready + held when the management API answers)",
-            m.tier_messages.clone(),
+            self.tier_messages.clone(),
         );
-        registry.register(
+        self.registry.register(
             "tier_dead_lettered_messages",
             "Of the tier's messages, those it dead-lettered that the broker's dead-letter worker has not moved on yet (management API only); staying above 0 means the worker does not run",
-            m.tier_dead_lettered.clone(),
+            self.tier_dead_lettered.clone(),
         );
-        registry.register(
+        self.registry.register(
             "messages_pending",
             "Messages not yet due, counted from the ledger stream (a batch counts its members), by how soon they fall due (1m, 1h, 1d, all)",
-            m.messages_pending.clone(),
+            self.messages_pending.clone(),
         );
-        registry.register(
+        self.registry.register(
             "connected",
             "1 while connected to the broker and consuming, 0 while (re)connecting",
-            m.connected.clone(),
+            self.connected.clone(),
         );
-        Metrics { registry, ..m }
     }
 
     /// The Prometheus text exposition of every metric.

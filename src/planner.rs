@@ -173,47 +173,101 @@ pub fn plan_window(layout: &Layout, delay_ms: u64, latest_ms: u64) -> Result<Rou
     }
     let unit = layout.unit_ms();
     let hi = latest_ms.max(delay_ms.saturating_add(unit - 1));
-    let cascade_units = layout.cascade_max_ms() / unit;
+    let pres = pre_tiers(layout);
+    let (pre, n) = fewest_hops(layout, &pres, delay_ms, hi);
+    let total_ms = pre.ms + n * unit;
+    let digits = cascade_digits(n, layout.radix(), layout.levels());
+    let tiers = tiers_visited(layout, pre.entry, &digits);
+    let entry = match pre.entry {
+        Some(e) => e,
+        None => cascade_entry(&digits),
+    };
+    Ok(Route {
+        delay_ms,
+        total_ms,
+        entry,
+        digits,
+        tiers,
+    })
+}
 
-    // (pre-tier hops, pre-tier ms, pre-tier entry)
-    let mut pres: Vec<(u32, u64, Option<Entry>)> = vec![(0, 0, None)];
+/// What a route may visit before the cascade: nothing, one fixed level, or the last `q`
+/// queues of the overflow chain.
+#[derive(Clone, Copy)]
+struct PreTier {
+    hops: u32,
+    ms: u64,
+    entry: Option<Entry>,
+}
+
+/// Every pre-tier of `layout`: none first, then the fixed levels, then the overflow walks.
+fn pre_tiers(layout: &Layout) -> Vec<PreTier> {
+    let mut pres = vec![PreTier {
+        hops: 0,
+        ms: 0,
+        entry: None,
+    }];
     for &f in layout.fixed_ms() {
-        pres.push((1, f, Some(Entry::Fixed(f))));
+        pres.push(PreTier {
+            hops: 1,
+            ms: f,
+            entry: Some(Entry::Fixed(f)),
+        });
     }
     for q in 1..=layout.overflow_count() {
-        let ms = u64::from(q) * layout.overflow_ttl_ms();
-        pres.push((q, ms, Some(Entry::Overflow { hops: q })));
+        pres.push(PreTier {
+            hops: q,
+            ms: u64::from(q) * layout.overflow_ttl_ms(),
+            entry: Some(Entry::Overflow { hops: q }),
+        });
     }
+    pres
+}
 
+/// Of the routes "pre-tier, then the cascade value with the fewest non-zero digits that puts
+/// the total in `[delay_ms, hi]`", the one with the fewest hops, then the least total (the
+/// earlier pre-tier on a tie): its pre-tier and its cascade value in units.
+fn fewest_hops(layout: &Layout, pres: &[PreTier], delay_ms: u64, hi: u64) -> (PreTier, u64) {
+    let unit = layout.unit_ms();
+    let cascade_units = layout.cascade_max_ms() / unit;
     // best: (hops, total_ms, pre index, cascade units)
     let mut best: Option<(u32, u64, usize, u64)> = None;
-    for (i, &(pre_hops, pre_ms, _)) in pres.iter().enumerate() {
-        if pre_ms > hi {
+    for (i, pre) in pres.iter().enumerate() {
+        if pre.ms > hi {
             continue;
         }
-        let lo_u = delay_ms.saturating_sub(pre_ms).div_ceil(unit);
-        let hi_u = ((hi - pre_ms) / unit).min(cascade_units);
+        let lo_u = delay_ms.saturating_sub(pre.ms).div_ceil(unit);
+        let hi_u = ((hi - pre.ms) / unit).min(cascade_units);
         if lo_u > hi_u {
             continue;
         }
         let n = fewest_digits_in(lo_u, hi_u, layout.radix());
-        let hops = pre_hops + nonzero_digits(n, layout.radix());
-        let total = pre_ms + n * unit;
+        let hops = pre.hops + nonzero_digits(n, layout.radix());
+        let total = pre.ms + n * unit;
         let cand = (hops, total, i, n);
         if best.is_none_or(|b| (cand.0, cand.1) < (b.0, b.1)) {
             best = Some(cand);
         }
     }
-    let (_, total_ms, pre_i, n) = best.expect("the layout covers every delay up to max_delay");
-    let (_, _, pre_entry) = pres[pre_i];
+    let (_, _, pre_i, n) = best.expect("the layout covers every delay up to max_delay");
+    (pres[pre_i], n)
+}
 
-    let r = u64::from(layout.radix());
-    let mut digits = Vec::with_capacity(layout.levels() as usize);
+/// `n` in base `radix`, one digit per cascade level (index = level).
+fn cascade_digits(n: u64, radix: u32, levels: u32) -> Vec<u32> {
+    let r = u64::from(radix);
+    let mut digits = Vec::with_capacity(levels as usize);
     let mut rest = n;
-    for _ in 0..layout.levels() {
+    for _ in 0..levels {
         digits.push((rest % r) as u32);
         rest /= r;
     }
+    digits
+}
+
+/// The tiers in visiting order: the pre-tier's, then one per non-zero digit, highest level
+/// first.
+fn tiers_visited(layout: &Layout, pre_entry: Option<Entry>, digits: &[u32]) -> Vec<TierKind> {
     let mut tiers = Vec::new();
     match pre_entry {
         Some(Entry::Fixed(ms)) => tiers.push(TierKind::Fixed { ttl_ms: ms }),
@@ -225,29 +279,25 @@ pub fn plan_window(layout: &Layout, delay_ms: u64, latest_ms: u64) -> Result<Rou
         }
         _ => {}
     }
-    for k in (0..layout.levels()).rev() {
-        let d = digits[k as usize];
+    for k in (0..digits.len()).rev() {
+        let d = digits[k];
         if d != 0 {
-            tiers.push(TierKind::Cascade { level: k, digit: d });
+            tiers.push(TierKind::Cascade {
+                level: k as u32,
+                digit: d,
+            });
         }
     }
-    let entry = match pre_entry {
-        Some(e) => e,
-        None => match (0..layout.levels())
-            .rev()
-            .find(|&k| digits[k as usize] != 0)
-        {
-            Some(k) => Entry::Level(k),
-            None => Entry::Deliver,
-        },
-    };
-    Ok(Route {
-        delay_ms,
-        total_ms,
-        entry,
-        digits,
-        tiers,
-    })
+    tiers
+}
+
+/// Where a route without a pre-tier enters: the level of its highest non-zero digit, or
+/// straight to delivery when it has none.
+fn cascade_entry(digits: &[u32]) -> Entry {
+    match (0..digits.len()).rev().find(|&k| digits[k] != 0) {
+        Some(k) => Entry::Level(k as u32),
+        None => Entry::Deliver,
+    }
 }
 
 /// Number of non-zero base-`radix` digits of `n` (= cascade hops).

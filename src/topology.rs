@@ -2,75 +2,25 @@
 //! with a clear message), reading queue depths for `stats`, and deleting it.
 
 use futures::{StreamExt, TryStreamExt};
-use lapin::options::{
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
+use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ExchangeKind};
 
 use crate::broker::{
-    self, NOT_FOUND, PRECONDITION_FAILED, bind_queue, declare_exchange, open, parse_inequivalent,
+    self, PRECONDITION_FAILED, bind_queue, declare_exchange, open, parse_inequivalent,
 };
 use crate::control;
 use crate::error::{Error, Result, ResultExt};
 use crate::layout::{Layout, QueueType, Tier, TierKind};
 use crate::time::compact_duration;
 
+mod stats;
+pub use stats::QueueStat;
+
 /// The delay topology on one broker.
 #[derive(Debug, Clone)]
 pub struct Topology {
     layout: Layout,
-}
-
-/// Depth of one queue, for `stats`.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-#[non_exhaustive]
-pub struct QueueStat {
-    /// Queue name.
-    pub queue: String,
-    /// `cascade`, `fixed`, `overflow` or `parked`.
-    pub kind: &'static str,
-    /// Queue TTL (none for the parking queue).
-    pub ttl_ms: Option<u64>,
-    /// Broker messages it holds: ready + unacknowledged + dead-lettered and not yet moved on
-    /// when the management API answered, ready only otherwise (a batch counts once).
-    pub messages: u64,
-    /// Ready messages.
-    pub ready: u64,
-    /// Delivered and not settled (held by the broker's dead-letter worker, or a consumer);
-    /// `None` when not visible (AMQP only).
-    pub unacked: Option<u64>,
-    /// Dead-lettered by this quorum queue (its TTL expired) and waiting in its dead-letter
-    /// buffer for the broker's dead-letter worker to move them on: part of `messages`, neither
-    /// ready nor unacknowledged. Normal for a moment after a restart or failover; a number that
-    /// does not shrink means the worker does not run (docs/OPERATIONS.md). `None` when not
-    /// visible (AMQP only).
-    pub dead_lettered: Option<u64>,
-    /// The node leading the queue (management API only).
-    pub leader: Option<String>,
-    /// The queue does not exist (`delay-publisher declare` re-creates it).
-    pub missing: bool,
-    /// Every message in this tier falls due within this many ms (none for parking queues).
-    pub due_within_ms: Option<u64>,
-}
-
-impl QueueStat {
-    /// A queue that holds `messages` ready broker messages and nothing else visible (tests).
-    #[doc(hidden)]
-    pub fn ready_only(queue: String, kind: &'static str, ttl_ms: Option<u64>, messages: u64) -> Self {
-        QueueStat {
-            queue,
-            kind,
-            ttl_ms,
-            messages,
-            ready: messages,
-            unacked: None,
-            dead_lettered: None,
-            leader: None,
-            missing: false,
-            due_within_ms: ttl_ms,
-        }
-    }
 }
 
 impl Topology {
@@ -269,108 +219,6 @@ impl Topology {
             }
         }
         Ok(())
-    }
-
-    /// Depth of every tier queue and of the unroutable queue. Over AMQP only ready messages
-    /// are visible (`unacked` is `None`); with `management`, ready and unacknowledged (held by
-    /// the broker's dead-letter worker, e.g. after a restart) and the leader node. A missing
-    /// queue is reported as such (`delay-publisher declare` re-creates it).
-    pub async fn stats_with(
-        &self,
-        conn: &Connection,
-        management: Option<&crate::management::Management>,
-    ) -> Result<Vec<QueueStat>> {
-        let l = &self.layout;
-        let mut queues: Vec<(String, &'static str, Option<u64>, Option<u64>)> = l
-            .tiers()
-            .into_iter()
-            .map(|t| {
-                let kind = match t.kind {
-                    TierKind::Cascade { .. } => "cascade",
-                    TierKind::Fixed { .. } => "fixed",
-                    TierKind::Overflow { .. } => "overflow",
-                };
-                let within = l.due_within_ms(t.kind);
-                (t.queue, kind, Some(t.ttl_ms), Some(within))
-            })
-            .collect();
-        queues.push((l.unroutable_queue(), "parked", None, None));
-        let infos = match management {
-            Some(m) => Some(m.queues(&l.namespace()).await?),
-            None => None,
-        };
-        let mut out = Vec::with_capacity(queues.len());
-        let mut ch: Option<Channel> = None;
-        // with the management API, every parking queue of a destination too
-        if let Some(infos) = infos.as_ref() {
-            let parked_prefix = l.parked_prefix();
-            let mut extra: Vec<&String> = infos
-                .keys()
-                .filter(|n| n.starts_with(&parked_prefix))
-                .collect();
-            extra.sort();
-            queues.extend(extra.into_iter().map(|n| (n.clone(), "parked", None, None)));
-        }
-        for (queue, kind, ttl_ms, due_within_ms) in queues {
-            let mut stat = QueueStat {
-                queue,
-                kind,
-                ttl_ms,
-                due_within_ms,
-                messages: 0,
-                ready: 0,
-                unacked: None,
-                dead_lettered: None,
-                leader: None,
-                missing: false,
-            };
-            match infos.as_ref() {
-                Some(infos) => match infos.get(&stat.queue) {
-                    Some(q) => {
-                        stat.messages = q.messages;
-                        stat.ready = q.messages_ready;
-                        stat.unacked = Some(q.messages_unacknowledged);
-                        stat.dead_lettered = Some(q.dead_lettered());
-                        stat.leader = q.leader_node().map(str::to_string);
-                    }
-                    None => stat.missing = true,
-                },
-                None => {
-                    if ch.as_ref().is_none_or(|c| !c.status().connected()) {
-                        ch = Some(open(conn).await?);
-                    }
-                    let c = ch.as_ref().expect("opened");
-                    let passive = QueueDeclareOptions {
-                        passive: true,
-                        ..QueueDeclareOptions::default()
-                    };
-                    match c
-                        .queue_declare(stat.queue.as_str().into(), passive, FieldTable::default())
-                        .await
-                    {
-                        Ok(q) => {
-                            stat.ready = u64::from(q.message_count());
-                            stat.messages = stat.ready;
-                        }
-                        // the broker closed the channel: the next queue opens another
-                        Err(e) if broker::is_reply(&e, NOT_FOUND) => stat.missing = true,
-                        Err(e) => {
-                            return Err(e).context(|| format!("reading depth of '{}'", stat.queue));
-                        }
-                    }
-                }
-            }
-            out.push(stat);
-        }
-        if let Some(c) = ch {
-            broker::close(&c, "stats").await;
-        }
-        Ok(out)
-    }
-
-    /// [`Topology::stats_with`] over AMQP only (ready messages).
-    pub async fn stats(&self, conn: &Connection) -> Result<Vec<QueueStat>> {
-        self.stats_with(conn, None).await
     }
 
     /// Deletes every exchange and queue of this layout (messages in them are lost). Missing

@@ -1,19 +1,18 @@
 //! The publisher's broker side: its connection and confirm channel (re-opened after a loss),
-//! destination bindings, and the batcher task that turns messages in hand into broker messages.
+//! destination bindings, and publishing a group of messages as one broker message (the
+//! batcher task that forms the groups is in `batcher`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions};
 use lapin::types::{FieldTable, ShortString};
-use lapin::{BasicProperties, Connection};
-use tokio::sync::mpsc;
+use lapin::{BasicProperties, Channel, Connection};
 
 use super::confirms::{self, Confirms, Outcome};
 use super::{Binding, CONNECTION_NAME, Inner, Prepared};
-use crate::batch::{self, Candidate, Limits};
+use crate::batch;
 use crate::broker::{self, ACCESS_REFUSED, NOT_FOUND, SharedChannel};
 use crate::error::{Error, Result, ResultExt};
 use crate::headers;
@@ -54,39 +53,19 @@ impl Inner {
         };
         let result = match planned {
             Err(e) => Err(Error::from(e)),
-            Ok(route) => {
-                let destination = members[0].destination.clone();
-                let turn = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let exchange = route.exchange_for(&self.layout, turn);
-                let key = route.routing_key(&self.layout, &destination);
-                let (body, props) = if members.len() == 1 {
-                    let m = &mut members[0];
-                    (std::mem::take(&mut m.body), m.properties.clone())
-                } else {
-                    self.batch_message(&members, &route, earliest)
-                };
-                let batch_id = (members.len() > 1)
-                    .then(|| props.message_id().as_ref().map(|s| s.to_string()))
-                    .flatten();
-                let _permit = self.in_flight.acquire().await.expect("never closed");
-                let r = self
-                    .publish_confirmed(&exchange, &key, &body, props)
-                    .await
-                    .map(|()| route);
-                match (&r, batch_id) {
-                    // which messages travel in which batch: the trail an operator follows
-                    // when one is missing (the worker logs the batch id when it arrives)
-                    (Ok(_), Some(batch)) => {
-                        tracing::debug!(%batch, %exchange, %key, members = ?members.iter().map(|m| m.message_id.as_str()).collect::<Vec<_>>(), "batch confirmed")
-                    }
-                    (Ok(_), None) => {
-                        tracing::trace!(id = %members[0].message_id, %exchange, %key, "confirmed")
-                    }
-                    _ => {}
-                }
-                r
-            }
+            Ok(route) => self.publish_members(&mut members, route, earliest).await,
         };
+        self.settle(now, members, result)
+    }
+
+    /// Counts what `result` put into the tiers (in the ledger, by due time, while it is
+    /// recorded, and in the metrics) and answers every member's caller; returns the answers.
+    fn settle(
+        &self,
+        now: u64,
+        members: Vec<Prepared>,
+        result: Result<Route>,
+    ) -> Vec<Result<Scheduled>> {
         let count = members.len();
         let mut out = Vec::with_capacity(count);
         if let Ok(route) = &result {
@@ -118,6 +97,47 @@ impl Inner {
             out.push(r);
         }
         out
+    }
+
+    /// Publishes `members` (one destination) as one broker message travelling `route`: alone
+    /// when there is one, else as a batch due from `earliest`; with a confirm, within the
+    /// in-flight limit.
+    async fn publish_members(
+        &self,
+        members: &mut [Prepared],
+        route: Route,
+        earliest: u64,
+    ) -> Result<Route> {
+        let destination = members[0].destination.clone();
+        let turn = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let exchange = route.exchange_for(&self.layout, turn);
+        let key = route.routing_key(&self.layout, &destination);
+        let (body, props) = if members.len() == 1 {
+            let m = &mut members[0];
+            (std::mem::take(&mut m.body), m.properties.clone())
+        } else {
+            self.batch_message(members, &route, earliest)
+        };
+        let batch_id = (members.len() > 1)
+            .then(|| props.message_id().as_ref().map(|s| s.to_string()))
+            .flatten();
+        let _permit = self.in_flight.acquire().await.expect("never closed");
+        let r = self
+            .publish_confirmed(&exchange, &key, &body, props)
+            .await
+            .map(|()| route);
+        match (&r, batch_id) {
+            // which messages travel in which batch: the trail an operator follows
+            // when one is missing (the worker logs the batch id when it arrives)
+            (Ok(_), Some(batch)) => {
+                tracing::debug!(%batch, %exchange, %key, members = ?members.iter().map(|m| m.message_id.as_str()).collect::<Vec<_>>(), "batch confirmed")
+            }
+            (Ok(_), None) => {
+                tracing::trace!(id = %members[0].message_id, %exchange, %key, "confirmed")
+            }
+            _ => {}
+        }
+        r
     }
 
     /// Writes what it put into the tiers since the last time to the ledger stream; keeps it for
@@ -406,6 +426,28 @@ impl Inner {
         if let Some(b) = fresh(&self.bound.lock().expect("binding cache")) {
             return Ok(b);
         }
+        self.bind_destination(&mut admin, destination).await?;
+        let batches = self.settings.batching()
+            && match self.layout.batch_marker(destination) {
+                Some(marker) => {
+                    broker::exchange_exists(&*self.connection().await?, &marker).await?
+                }
+                None => false,
+            };
+        self.bound.lock().expect("binding cache").insert(
+            destination.to_string(),
+            Binding {
+                at: Instant::now(),
+                batches,
+            },
+        );
+        Ok(batches)
+    }
+
+    /// Binds `destination` on the delivery exchange, on the binding channel `admin` (opened
+    /// when there is none; dropped when the broker closes it). A publisher not allowed to bind
+    /// relies on the admin's `declare --queue`: the destination must exist then.
+    async fn bind_destination(&self, admin: &mut Option<Channel>, destination: &str) -> Result<()> {
         let ch = match admin.as_ref() {
             Some(c) if c.status().connected() => c.clone(),
             _ => {
@@ -457,169 +499,8 @@ impl Inner {
                 };
             }
         }
-        let batches = self.settings.batching()
-            && match self.layout.batch_marker(destination) {
-                Some(marker) => {
-                    broker::exchange_exists(&*self.connection().await?, &marker).await?
-                }
-                None => false,
-            };
-        self.bound.lock().expect("binding cache").insert(
-            destination.to_string(),
-            Binding {
-                at: Instant::now(),
-                batches,
-            },
-        );
-        Ok(batches)
+        Ok(())
     }
-}
-
-/// The batcher: holds prepared messages — a whole chunk from `schedule_all` leaves at once,
-/// a single `schedule` call may wait up to `batch_linger` (never past its deadline) — and
-/// publishes them grouped per destination and firing window, one broker message per group,
-/// concurrently. Each group leaves when one of its members must: a group of messages that
-/// fall due later keeps collecting members while an earlier one leaves (flushing everything
-/// at the first deadline kept the gateway's batches at ~6 members).
-pub(super) async fn run_batcher(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Vec<Prepared>>) {
-    let mut tasks = tokio::task::JoinSet::new();
-    let linger = Duration::from_millis(inner.settings.batch_linger.as_millis());
-    let limit = inner.settings.max_pending.max(1);
-    // every message in hand, with the instant it must leave by
-    let mut held: Vec<Held> = Vec::new();
-    let mut open = true;
-    while open || !held.is_empty() {
-        let next = held.iter().map(|h| h.leave_by).min();
-        let more = match next {
-            None => rx.recv().await,
-            Some(at) => tokio::select! {
-                m = rx.recv() => m,
-                _ = tokio::time::sleep_until(at.into()) => Some(Vec::new()),
-            },
-        };
-        match more {
-            Some(first) => {
-                hold(&mut held, first, linger);
-                while held.len() < limit {
-                    match rx.try_recv() {
-                        Ok(more) => hold(&mut held, more, linger),
-                        Err(_) => break,
-                    }
-                }
-            }
-            None => open = false,
-        }
-        let now = Instant::now();
-        // everything leaves when the publisher closes or too much is in hand
-        let all = !open || held.len() >= limit;
-        if !all && !held.iter().any(|h| h.leave_by <= now) {
-            continue;
-        }
-        let mut leaving: Vec<Group> = Vec::new();
-        for (members, window) in plan_groups(&inner, std::mem::take(&mut held)) {
-            if all || members.iter().any(|h| h.leave_by <= now) {
-                leaving.push((members.into_iter().map(|h| h.prepared).collect(), window));
-            } else {
-                held.extend(members);
-            }
-        }
-        while tasks.try_join_next().is_some() {}
-        tasks.spawn(publish_groups(inner.clone(), leaving));
-    }
-    while tasks.join_next().await.is_some() {}
-}
-
-/// A message in the batcher's hands.
-struct Held {
-    leave_by: Instant,
-    /// Its size as a batch member (computed once: it is grouped again every round).
-    bytes: usize,
-    prepared: Prepared,
-}
-
-/// Takes `batch` into `held`: a chunk of several leaves at once, a single message after up to
-/// `linger`, never past its deadline.
-fn hold(held: &mut Vec<Held>, batch: Vec<Prepared>, linger: Duration) {
-    let now = Instant::now();
-    let bulk = batch.len() > 1;
-    let now_ms = now_ms();
-    held.extend(batch.into_iter().map(|p| {
-        let wait = if bulk {
-            Duration::ZERO
-        } else {
-            linger.min(Duration::from_millis(p.deadline_ms.saturating_sub(now_ms)))
-        };
-        Held {
-            leave_by: now + wait,
-            bytes: batch::member_len(batch::encode_properties(&p.properties).len(), p.body.len()),
-            prepared: p,
-        }
-    }));
-}
-
-/// Messages that travel as one broker message, with their firing window (`None`: alone, in
-/// its own budget).
-type Group<T = Prepared> = (Vec<T>, Option<(u64, u64)>);
-
-/// Groups `held` per destination: a destination that reads batches into groups whose members
-/// all fall due within a common window (`batch::group`), any other message alone.
-fn plan_groups(inner: &Inner, held: Vec<Held>) -> Vec<Group<Held>> {
-    let mut by_dest: HashMap<String, Vec<Held>> = HashMap::new();
-    for h in held {
-        by_dest
-            .entry(h.prepared.destination.clone())
-            .or_default()
-            .push(h);
-    }
-    let limits = Limits {
-        max_members: inner.settings.batch_max_messages,
-        max_bytes: inner.settings.batch_max_bytes,
-    };
-    let mut groups = Vec::new();
-    for (dest, members) in by_dest {
-        let batches = inner
-            .bound
-            .lock()
-            .expect("binding cache")
-            .get(&dest)
-            .is_some_and(|b| b.batches);
-        if !batches {
-            groups.extend(members.into_iter().map(|m| (vec![m], None)));
-            continue;
-        }
-        let cands: Vec<Candidate> = members
-            .iter()
-            .map(|h| Candidate {
-                due_at_ms: h.prepared.due_at_ms,
-                deadline_ms: h.prepared.deadline_ms,
-                bytes: h.bytes,
-            })
-            .collect();
-        let plan = batch::group(&cands, limits);
-        let mut slots: Vec<Option<Held>> = members.into_iter().map(Some).collect();
-        for g in plan {
-            let ms: Vec<Held> = g
-                .members
-                .iter()
-                .map(|&i| slots[i].take().expect("each member in one group"))
-                .collect();
-            groups.push((ms, Some((g.earliest_ms, g.latest_ms))));
-        }
-    }
-    groups
-}
-
-/// Publishes every group concurrently.
-async fn publish_groups(inner: Arc<Inner>, groups: Vec<Group>) {
-    let now = now_ms();
-    futures::stream::iter(groups)
-        .for_each_concurrent(None, |(members, window)| {
-            let inner = &inner;
-            async move {
-                let _ = inner.publish_group(now, members, window).await;
-            }
-        })
-        .await;
 }
 
 /// Opens a channel with publisher confirms, within [`OPEN_TIMEOUT`]: on a connection that broke

@@ -32,9 +32,11 @@ use crate::settings::{CancelSettings, PublisherSettings, Settings};
 use crate::time::now_ms;
 use crate::topology::Topology;
 
+mod batcher;
 mod confirms;
 mod inner;
-use inner::{PublishChannel, open_confirm_channel, run_batcher};
+use batcher::run_batcher;
+use inner::{PublishChannel, open_confirm_channel};
 
 /// Schedules messages. Cheap to share (`&Publisher` from many tasks); publishes are pipelined.
 pub struct Publisher {

@@ -201,11 +201,24 @@ pub(crate) fn round3(x: f64) -> f64 {
 }
 
 impl Report {
-    /// The human-readable table.
+    /// The human-readable table: the run's setup, one row per scenario (raw first), the notes
+    /// that explain the columns, capacity mode's line, and the verdict.
     pub(crate) fn table(&self) -> String {
+        let mut s = String::new();
+        self.write_setup(&mut s);
+        self.write_rows(&mut s);
+        self.write_notes(&mut s);
+        if let Some(cap) = &self.capacity {
+            write_capacity(&mut s, cap);
+        }
+        self.write_verdict(&mut s);
+        s
+    }
+
+    /// The broker, the machine and the settings of the run.
+    fn write_setup(&self, s: &mut String) {
         let e = &self.environment;
         let c = &self.config;
-        let mut s = String::new();
         let _ = writeln!(
             s,
             "delay-bench {} — {} (RabbitMQ {}), {} × {} cores",
@@ -232,6 +245,10 @@ impl Report {
             e.dead_letter_worker_prefetch
                 .map_or_else(|| "?".into(), |p| p.to_string()),
         );
+    }
+
+    /// The column heads, then raw and the scenarios in their fixed order.
+    fn write_rows(&self, s: &mut String) {
         let _ = writeln!(s);
         let _ = writeln!(
             s,
@@ -286,6 +303,11 @@ impl Report {
                 r.duplicates
             );
         }
+    }
+
+    /// What the columns mean, and what only some runs have: the batched scenarios' lateness
+    /// runs, delay-bound runs, the mix at real scale.
+    fn write_notes(&self, s: &mut String) {
         let _ = writeln!(
             s,
             "\nmsg/s: end to end, first publish to last consume. sat p50: median lateness of that \
@@ -333,34 +355,10 @@ impl Report {
                 "mix at real scale (configured fixed levels, 0–24 h): {m:.2} hops per message"
             );
         }
-        if let Some(cap) = &self.capacity {
-            let m = &cap.memory;
-            let _ = writeln!(
-                s,
-                "\ncapacity{}: {} messages held {} published at {:.0} msg/s, {} broker messages pending; broker \
-                 memory {} → {} (growth {}, {} B/message; after drain {}) [{}]; drained in {:.1} s \
-                 ({:.0} msg/s), lost {}, duplicates {}",
-                if cap.batched { " (batched)" } else { "" },
-                cap.messages,
-                compact_duration(cap.hold_ms),
-                cap.publish_msgs_per_s,
-                cap.pending_at_peak,
-                fmt_bytes(m.before_bytes),
-                fmt_bytes(m.peak_bytes),
-                m.growth_bytes.map_or_else(
-                    || "n/a".into(),
-                    |g| format!("{:.1} MB", g as f64 / 1_000_000.0)
-                ),
-                m.bytes_per_message
-                    .map_or_else(|| "n/a".into(), |b| format!("{b:.0}")),
-                fmt_bytes(m.after_drain_bytes),
-                m.source,
-                cap.drain_s,
-                cap.drain_msgs_per_s,
-                cap.lost,
-                cap.duplicates
-            );
-        }
+    }
+
+    /// No problem, or the list of them.
+    fn write_verdict(&self, s: &mut String) {
         if self.problems.is_empty() {
             let _ = writeln!(
                 s,
@@ -373,8 +371,37 @@ impl Report {
                 let _ = writeln!(s, "  - {p}");
             }
         }
-        s
     }
+}
+
+/// Capacity mode: how many messages the broker held, what they cost in memory, the drain.
+fn write_capacity(s: &mut String, cap: &CapacityResult) {
+    let m = &cap.memory;
+    let _ = writeln!(
+        s,
+        "\ncapacity{}: {} messages held {} published at {:.0} msg/s, {} broker messages pending; broker \
+         memory {} → {} (growth {}, {} B/message; after drain {}) [{}]; drained in {:.1} s \
+         ({:.0} msg/s), lost {}, duplicates {}",
+        if cap.batched { " (batched)" } else { "" },
+        cap.messages,
+        compact_duration(cap.hold_ms),
+        cap.publish_msgs_per_s,
+        cap.pending_at_peak,
+        fmt_bytes(m.before_bytes),
+        fmt_bytes(m.peak_bytes),
+        m.growth_bytes.map_or_else(
+            || "n/a".into(),
+            |g| format!("{:.1} MB", g as f64 / 1_000_000.0)
+        ),
+        m.bytes_per_message
+            .map_or_else(|| "n/a".into(), |b| format!("{b:.0}")),
+        fmt_bytes(m.after_drain_bytes),
+        m.source,
+        cap.drain_s,
+        cap.drain_msgs_per_s,
+        cap.lost,
+        cap.duplicates
+    );
 }
 
 fn truncate(s: &str, n: usize) -> String {

@@ -18,7 +18,7 @@ use amqp_delay::{Context, Delivery, Error, Handler, Outcome, Result, Topology, W
 use amqp_delay_cli::actions::Action;
 
 use super::Bench;
-use super::measure::{Lateness, Tracker};
+use super::tracker::{Lateness, Tracker};
 use crate::amqp::{bind, declare_direct_exchange, delete_exchange, delete_queue};
 
 /// How a scenario's messages travel and what counts them.

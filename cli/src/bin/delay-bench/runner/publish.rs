@@ -1,0 +1,187 @@
+//! The publish step of a pass: publisher `j` of `p` takes the message indexes `j, j + p, …`
+//! below N, paced at the pass's rate if it has one, and publishes each where the pass's target
+//! says (through `schedule_all`, or with a confirm straight into a queue or plugin-style to an
+//! exchange). A failed publish is recorded by index: that message is not expected to arrive.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use futures::{Stream, StreamExt};
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable};
+
+use amqp_delay::headers;
+use amqp_delay::time::now_ms;
+use amqp_delay::{Message, Publisher, Result};
+use amqp_delay_cli::cli::chain;
+
+use super::Bench;
+use super::measure::Running;
+use super::stage::Target;
+use super::tracker::BENCH_DUE_AT;
+
+/// What the publishers did in one pass: the indexes that failed and how long publishing took.
+pub(super) struct Published {
+    pub(super) failed: Vec<usize>,
+    pub(super) first_error: Option<String>,
+    pub(super) hops_sum: u64,
+    pub(super) publish_s: f64,
+}
+
+impl Published {
+    fn empty() -> Self {
+        Published {
+            failed: Vec::new(),
+            first_error: None,
+            hops_sum: 0,
+            publish_s: 0.0,
+        }
+    }
+
+    /// One publish's result: its planned hops, or its index as failed (the first error kept).
+    fn note(&mut self, i: usize, r: Result<usize>) {
+        match r {
+            Ok(h) => self.hops_sum += h as u64,
+            Err(e) => {
+                self.failed.push(i);
+                self.first_error.get_or_insert_with(|| chain(&e));
+            }
+        }
+    }
+
+    /// Adds one publisher's share (the first error of the earliest publisher kept).
+    fn add(&mut self, share: Published) {
+        self.failed.extend(share.failed);
+        if self.first_error.is_none() {
+            self.first_error = share.first_error;
+        }
+        self.hops_sum += share.hops_sum;
+    }
+}
+
+impl Bench<'_> {
+    /// Publishes message `i` (`0..n`) with `delays[i]` where the run's target says (raw: no
+    /// delays), paced at `rate`.
+    pub(super) async fn publish(
+        &self,
+        run: &Running,
+        pubs: &[Publisher],
+        delays: Option<&[u64]>,
+        rate: Option<f64>,
+    ) -> Published {
+        let (t0, _) = *run.tracker.t0.get().expect("started");
+        let body = vec![b'x'; self.cfg.body_bytes];
+        let pass = Pass {
+            run,
+            t0,
+            rate,
+            delays,
+            body: &body,
+            in_flight: self.cfg.settings.publisher.max_in_flight,
+            publishers: pubs.len(),
+        };
+        let shares = pubs.iter().enumerate().map(|(j, p)| pass.share(j, p));
+        let shares = futures::future::join_all(shares).await;
+        let mut out = Published::empty();
+        out.publish_s = t0.elapsed().as_secs_f64();
+        for share in shares {
+            out.add(share);
+        }
+        out
+    }
+}
+
+/// What every publisher of a pass shares.
+struct Pass<'a> {
+    run: &'a Running,
+    /// The first publish: a paced message `i` is released at `t0 + i / rate`.
+    t0: Instant,
+    rate: Option<f64>,
+    delays: Option<&'a [u64]>,
+    body: &'a [u8],
+    in_flight: usize,
+    publishers: usize,
+}
+
+impl Pass<'_> {
+    fn delay(&self, i: usize) -> u64 {
+        self.delays.map_or(0, |d| d[i])
+    }
+
+    /// Publisher `j`'s message indexes, each released at its time when the pass is paced.
+    fn paced(&self, j: usize) -> impl Stream<Item = usize> + '_ {
+        let indexes = (j..self.run.n).step_by(self.publishers);
+        futures::stream::iter(indexes).then(move |i| async move {
+            if let Some(r) = self.rate {
+                tokio::time::sleep_until((self.t0 + Duration::from_secs_f64(i as f64 / r)).into())
+                    .await;
+            }
+            i
+        })
+    }
+
+    /// Publisher `j`'s share of the pass, every result counted as published.
+    async fn share(&self, j: usize, publisher: &Publisher) -> Published {
+        let mut out = Published::empty();
+        let mut note = |i: usize, r: Result<usize>| {
+            out.note(i, r);
+            self.run.tracker.published.fetch_add(1, Ordering::Relaxed);
+        };
+        match &self.run.target {
+            Target::Schedule(queue) => {
+                let msgs = self.paced(j).map(|i| {
+                    let m = Message::new(queue.as_str(), self.delay(i), self.body.to_vec())
+                        .with_id(i.to_string());
+                    (i, m)
+                });
+                let mut results = std::pin::pin!(publisher.schedule_all(msgs));
+                while let Some((i, r)) = results.next().await {
+                    note(i, r.map(|s| s.route.hops()));
+                }
+            }
+            Target::Queue(_) | Target::Plugin { .. } => {
+                let mut results = std::pin::pin!(
+                    self.paced(j)
+                        .map(|i| self.publish_confirmed(publisher, i))
+                        .buffer_unordered(self.in_flight)
+                );
+                while let Some((i, r)) = results.next().await {
+                    note(i, r);
+                }
+            }
+        }
+        out
+    }
+
+    /// Message `i` published with a confirm (not scheduled): plugin-style with `x-delay` to the
+    /// gateway's ingress, or straight into the queue. Returns its planned hops.
+    async fn publish_confirmed(&self, publisher: &Publisher, i: usize) -> (usize, Result<usize>) {
+        let mut h = FieldTable::default();
+        let (exchange, key, hops) = match &self.run.target {
+            Target::Plugin { exchange, key } => {
+                let d = self.delay(i);
+                let x_delay = i64::try_from(d).unwrap_or(i64::MAX);
+                h.insert(headers::X_DELAY.into(), AMQPValue::LongLongInt(x_delay));
+                h.insert(
+                    BENCH_DUE_AT.into(),
+                    AMQPValue::LongLongInt(now_ms() as i64 + x_delay),
+                );
+                // the gateway plans it: alone, this route
+                let hops = publisher.plan(d).map_or(0, |r| r.hops());
+                (exchange.as_str(), key.as_str(), hops)
+            }
+            Target::Queue(q) | Target::Schedule(q) => {
+                headers::set_schedule_headers(&mut h, 0, now_ms(), 0);
+                ("", q.as_str(), 0)
+            }
+        };
+        let props = BasicProperties::default()
+            .with_message_id(i.to_string().as_str().into())
+            .with_delivery_mode(2)
+            .with_headers(h);
+        let r = publisher
+            .publish_confirmed(exchange, key, self.body, props)
+            .await;
+        (i, r.map(|()| hops))
+    }
+}

@@ -1,0 +1,187 @@
+//! What the consumers of a pass count: every delivery by message index (first ones and
+//! duplicates, messages the pass did not publish), the lateness of first deliveries (an HDR
+//! histogram), the dead-letter hops they took and the latest due time seen.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use hdrhistogram::Histogram;
+use lapin::types::{AMQPValue, FieldTable};
+
+use amqp_delay::headers;
+
+use crate::report::Percentiles;
+
+/// Lateness of first deliveries in ms: an HDR histogram (negative values recorded as 0) with
+/// the exact minimum, maximum and the number of early messages beside it.
+pub(super) struct Lateness {
+    hist: Histogram<u64>,
+    pub(super) min: i64,
+    max: i64,
+    pub(super) early: u64,
+}
+
+impl Lateness {
+    pub(super) fn new() -> Self {
+        Lateness {
+            hist: Histogram::new(3).expect("3 significant figures is valid"),
+            min: i64::MAX,
+            max: i64::MIN,
+            early: 0,
+        }
+    }
+    pub(super) fn record(&mut self, ms: i64) {
+        self.min = self.min.min(ms);
+        self.max = self.max.max(ms);
+        if ms < 0 {
+            self.early += 1;
+        }
+        // auto-resizing: recording cannot fail for a non-negative value
+        let _ = self.hist.record(ms.max(0) as u64);
+    }
+    pub(super) fn merge(&mut self, o: &Lateness) {
+        self.min = self.min.min(o.min);
+        self.max = self.max.max(o.max);
+        self.early += o.early;
+        let _ = self.hist.add(&o.hist);
+    }
+    pub(super) fn summary(&self) -> Percentiles {
+        if self.hist.is_empty() {
+            return Percentiles::default();
+        }
+        let q = |p: f64| self.hist.value_at_quantile(p) as i64;
+        Percentiles {
+            min: self.min,
+            p50: q(0.5).clamp(self.min, self.max),
+            p99: q(0.99).clamp(self.min, self.max),
+            p999: q(0.999).clamp(self.min, self.max),
+            max: self.max,
+            samples: self.hist.len(),
+        }
+    }
+}
+
+/// Header of the gateway scenario's publishes: when the message falls due (ms since the
+/// epoch), for lateness at the target, where the gateway has removed amqp-delay's headers.
+pub(super) const BENCH_DUE_AT: &str = "bench-due-at";
+
+/// Shared between the consumers, the publishers and the progress display.
+pub(super) struct Tracker {
+    pub(super) counts: Vec<AtomicU8>,
+    pub(super) unique: AtomicUsize,
+    pub(super) duplicates: AtomicUsize,
+    pub(super) foreign: AtomicUsize,
+    pub(super) published: AtomicUsize,
+    /// Nanoseconds from the first publish to the last distinct consume.
+    pub(super) last_unique_ns: AtomicU64,
+    pub(super) observed_hops: AtomicU64,
+    /// The first publish, as an instant and in ms since the epoch.
+    pub(super) t0: OnceLock<(Instant, u64)>,
+    /// Latest `x-delay-due-at` seen, in ms after the first publish.
+    pub(super) max_due_ms: AtomicU64,
+}
+
+impl Tracker {
+    pub(super) fn new(n: usize) -> Self {
+        Tracker {
+            counts: (0..n).map(|_| AtomicU8::new(0)).collect(),
+            unique: AtomicUsize::new(0),
+            duplicates: AtomicUsize::new(0),
+            foreign: AtomicUsize::new(0),
+            published: AtomicUsize::new(0),
+            last_unique_ns: AtomicU64::new(0),
+            observed_hops: AtomicU64::new(0),
+            t0: OnceLock::new(),
+            max_due_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts one delivery of message `id` that arrived at `arrived` (ms since the epoch):
+    /// the first one records its lateness and hops, later ones are duplicates.
+    pub(super) fn record(
+        &self,
+        id: Option<&str>,
+        h: Option<&FieldTable>,
+        arrived: i64,
+        lateness: &mut Lateness,
+    ) {
+        let idx = id
+            .and_then(|s| s.parse::<usize>().ok())
+            .filter(|&i| i < self.counts.len());
+        let (Some(i), Some(&(t0, epoch0))) = (idx, self.t0.get()) else {
+            self.foreign.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let prev = self.counts[i]
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                Some(c.saturating_add(1))
+            })
+            .unwrap_or(u8::MAX);
+        if prev != 0 {
+            self.duplicates.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.unique.fetch_add(1, Ordering::Relaxed);
+        let ns = t0.elapsed().as_nanos() as u64;
+        self.last_unique_ns.fetch_max(ns, Ordering::Relaxed);
+        if let Some(h) = h {
+            let due =
+                headers::get_int(h, headers::DUE_AT).or_else(|| headers::get_int(h, BENCH_DUE_AT));
+            if let Some(due) = due {
+                lateness.record(arrived - due);
+                let rel = (due - epoch0 as i64).max(0) as u64;
+                self.max_due_ms.fetch_max(rel, Ordering::Relaxed);
+            }
+            self.observed_hops
+                .fetch_add(death_count(h), Ordering::Relaxed);
+        }
+    }
+}
+
+/// Sum of the `count` fields of `x-death`: the dead-letter hops a message took.
+fn death_count(h: &FieldTable) -> u64 {
+    let Some(AMQPValue::FieldArray(a)) = h.inner().get("x-death") else {
+        return 0;
+    };
+    a.as_slice()
+        .iter()
+        .filter_map(|v| match v {
+            AMQPValue::FieldTable(t) => headers::get_int(t, "count"),
+            _ => None,
+        })
+        .map(|c| c.max(0) as u64)
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lateness_summary_keeps_negative_minimum() {
+        let mut l = Lateness::new();
+        for v in [-2, 0, 5, 7, 100] {
+            l.record(v);
+        }
+        let s = l.summary();
+        assert_eq!((s.min, s.max, s.samples, l.early), (-2, 100, 5, 1));
+        assert!(s.p50 >= 0 && s.p50 <= s.p99 && s.p99 <= s.max);
+    }
+
+    #[test]
+    fn death_counts_add_up() {
+        let mut t = FieldTable::default();
+        let entry = |n: i64| {
+            let mut e = FieldTable::default();
+            e.insert("count".into(), AMQPValue::LongLongInt(n));
+            AMQPValue::FieldTable(e)
+        };
+        t.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(vec![entry(1), entry(2)].into()),
+        );
+        assert_eq!(death_count(&t), 3);
+        assert_eq!(death_count(&FieldTable::default()), 0);
+    }
+}
