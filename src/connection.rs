@@ -14,7 +14,9 @@ use crate::settings::{Settings, TlsSettings};
 /// How long one connection attempt (TCP, TLS and the AMQP handshake) may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-pub use crate::endpoints::{redact_url, split_urls, validate_urls};
+#[cfg(feature = "tools")]
+pub use crate::endpoints::validate_urls;
+pub use crate::endpoints::{redact_url, split_urls};
 
 /// How to reach the broker: its URLs and the TLS material for `amqps://` ones, read once.
 #[derive(Clone)]

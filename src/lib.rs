@@ -30,36 +30,106 @@
 
 #![cfg_attr(not(feature = "tools"), allow(unreachable_pub, dead_code))]
 
-/// Modules private to the library that the `tools` feature opens (hidden) to amqp-delay-cli.
-macro_rules! tool_modules {
-    ($($m:ident),* $(,)?) => {$(
-        #[cfg(feature = "tools")]
-        #[doc(hidden)]
-        pub mod $m;
-        #[cfg(not(feature = "tools"))]
-        mod $m;
-    )*};
-}
-
 // ---- pure core: no I/O ---------------------------------------------------------------------
 pub mod headers;
 pub mod layout;
 pub mod metrics;
 pub mod settings;
 pub mod time;
-tool_modules!(
-    batch, endpoints, envelope, error, message, planner, retry, tally
-);
+// (each private unless the `tools` feature opens it; spelled out so that rustfmt sees it)
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod batch;
+#[cfg(not(feature = "tools"))]
+mod batch;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod endpoints;
+#[cfg(not(feature = "tools"))]
+mod endpoints;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod envelope;
+#[cfg(not(feature = "tools"))]
+mod envelope;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod error;
+#[cfg(not(feature = "tools"))]
+mod error;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod message;
+#[cfg(not(feature = "tools"))]
+mod message;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod planner;
+#[cfg(not(feature = "tools"))]
+mod planner;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod retry;
+#[cfg(not(feature = "tools"))]
+mod retry;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod tally;
+#[cfg(not(feature = "tools"))]
+mod tally;
 
 // ---- broker edge ---------------------------------------------------------------------------
 #[cfg(feature = "management")]
 pub mod management;
-tool_modules!(
-    broker, cancel, connection, control, ledger, publisher, topology, worker
-);
+// (each private unless the `tools` feature opens it; spelled out so that rustfmt sees it)
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod broker;
+#[cfg(not(feature = "tools"))]
+mod broker;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod cancel;
+#[cfg(not(feature = "tools"))]
+mod cancel;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod connection;
+#[cfg(not(feature = "tools"))]
+mod connection;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod control;
+#[cfg(not(feature = "tools"))]
+mod control;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod ledger;
+#[cfg(not(feature = "tools"))]
+mod ledger;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod publisher;
+#[cfg(not(feature = "tools"))]
+mod publisher;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod topology;
+#[cfg(not(feature = "tools"))]
+mod topology;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod worker;
+#[cfg(not(feature = "tools"))]
+mod worker;
 
 // ---- applications --------------------------------------------------------------------------
-tool_modules!(gateway);
+// (each private unless the `tools` feature opens it; spelled out so that rustfmt sees it)
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod gateway;
+#[cfg(not(feature = "tools"))]
+mod gateway;
 
 pub use connection::{Connector, connect};
 pub use envelope::Delivery;

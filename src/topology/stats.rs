@@ -2,6 +2,7 @@
 //! when there is one (ready, unacknowledged, dead-lettered, leader; every destination's parking
 //! queue too), else from a passive declare of each queue (ready messages only).
 
+#[cfg(feature = "management")]
 use std::collections::HashMap;
 
 use lapin::Connection;
@@ -12,6 +13,7 @@ use super::Topology;
 use crate::broker::{self, NOT_FOUND, open};
 use crate::error::{Result, ResultExt};
 use crate::layout::{Layout, TierKind};
+#[cfg(feature = "management")]
 use crate::management::{Management, QueueInfo};
 
 /// Depth of one queue, for `stats`.
@@ -96,6 +98,7 @@ impl Topology {
     /// are visible (`unacked` is `None`); with `management`, ready and unacknowledged (held by
     /// the broker's dead-letter worker, e.g. after a restart) and the leader node. A missing
     /// queue is reported as such (`delay-publisher declare` re-creates it).
+    #[cfg(feature = "management")]
     pub async fn stats_with(
         &self,
         conn: &Connection,
@@ -116,9 +119,12 @@ impl Topology {
         Ok(stats)
     }
 
-    /// [`Topology::stats_with`] over AMQP only (ready messages).
+    /// Depth of every tier queue and of the unroutable queue over AMQP: ready messages only
+    /// (`unacked` is `None`); `stats_with` (feature `management`) sees held messages too.
     pub async fn stats(&self, conn: &Connection) -> Result<Vec<QueueStat>> {
-        self.stats_with(conn, None).await
+        let mut stats = tier_stats(&self.layout);
+        read_depths(conn, &mut stats).await?;
+        Ok(stats)
     }
 }
 
@@ -147,6 +153,7 @@ fn tier_stats(l: &Layout) -> Vec<QueueStat> {
 }
 
 /// The parking queue of every destination the management API lists, by name.
+#[cfg(feature = "management")]
 fn parking_stats(l: &Layout, infos: &HashMap<String, QueueInfo>) -> Vec<QueueStat> {
     let parked_prefix = l.parked_prefix();
     let mut extra: Vec<&String> = infos
@@ -161,6 +168,7 @@ fn parking_stats(l: &Layout, infos: &HashMap<String, QueueInfo>) -> Vec<QueueSta
 }
 
 /// `stat` as the management API lists its queue (missing when it does not).
+#[cfg(feature = "management")]
 fn read_info(stat: &mut QueueStat, infos: &HashMap<String, QueueInfo>) {
     match infos.get(&stat.queue) {
         Some(q) => {

@@ -222,7 +222,9 @@ impl<H: Handler> Worker<H> {
                         careful,
                         stall_after,
                     };
-                    let end = self.watched_session(conn, &layout, mode, &mut shutdown).await;
+                    let end = self
+                        .watched_session(conn, &layout, mode, &mut shutdown)
+                        .await;
                     if let Ok(SessionEnd::Lost(_)) = end {
                         first = false;
                     }

@@ -167,7 +167,10 @@ async fn batch_delivery<H: Handler>(
         }
     });
     let results = futures::future::join_all(runs).await;
-    let r = results.into_iter().find_map(|r| r.err()).map_or(Ok(()), Err);
+    let r = results
+        .into_iter()
+        .find_map(|r| r.err())
+        .map_or(Ok(()), Err);
     settle(acker, queue, &batch_id, r, requeue).await;
 }
 

@@ -490,7 +490,6 @@ impl<H: Handler> Worker<H> {
     }
 }
 
-
 /// Polls until `queue` exists again, then asks the session to subscribe `i` anew.
 fn spawn_wait_for_queue(
     conn: &Arc<Connection>,
