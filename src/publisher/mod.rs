@@ -247,7 +247,7 @@ impl Publisher {
                 tag,
                 match &r {
                     Ok(()) => Ok(c),
-                    Err(e) => Err(e.duplicate()),
+                    Err(e) => Err(e.clone()),
                 },
             ));
         }
@@ -282,7 +282,7 @@ impl Publisher {
         precision: Precision,
         settings: PublisherSettings,
     ) -> Result<Publisher> {
-        settings.validate().map_err(Error::Invalid)?;
+        settings.validate().map_err(Error::config)?;
         Topology::new(layout.clone()).verify(&conn).await?;
         let ledger_on = crate::broker::queue_state(&conn, &layout.ledger_stream())
             .await?
@@ -579,5 +579,5 @@ async fn run_ledger(inner: Arc<Inner>, mut stop: tokio::sync::oneshot::Receiver<
 const CONNECTION_NAME: &str = "amqp-delay publisher";
 
 fn batcher_gone() -> Error {
-    Error::Invalid("the publisher is closing; the message was not scheduled".into())
+    Error::Stopped("the publisher is closing; the message was not scheduled".into())
 }
