@@ -44,14 +44,14 @@ impl Connector {
 
     /// `urls` with the TLS material of `tls`.
     pub fn with_tls(urls: &str, tls: &TlsSettings) -> Result<Connector> {
-        tls.validate().map_err(Error::Invalid)?;
+        tls.validate().map_err(Error::config)?;
         let read = |what: &str, p: &std::path::Path| {
             std::fs::read(p)
-                .map_err(|e| Error::Invalid(format!("cannot read {what} {}: {e}", p.display())))
+                .map_err(|e| Error::config(format!("cannot read {what} {}: {e}", p.display())))
         };
         let cert_chain = match &tls.ca_file {
             Some(p) => Some(String::from_utf8(read("tls.ca_file", p)?).map_err(|_| {
-                Error::Invalid(format!("tls.ca_file {} is not PEM text", p.display()))
+                Error::config(format!("tls.ca_file {} is not PEM text", p.display()))
             })?),
             None => None,
         };
@@ -90,7 +90,7 @@ impl Connector {
     pub async fn connect(&self, name: &str) -> Result<Connection> {
         let list = split_urls(&self.urls);
         if list.is_empty() {
-            return Err(Error::Invalid("the broker URL is empty".into()));
+            return Err(Error::config("the broker URL is empty"));
         }
         let start = if list.len() > 1 {
             rand::rng().random_range(0..list.len())
@@ -115,7 +115,7 @@ impl Connector {
 
     async fn connect_one(&self, url: &str, name: &str) -> Result<Connection> {
         // before lapin sizes its buffers from it
-        let target = crate::endpoints::connect_url(url).map_err(Error::Invalid)?;
+        let target = crate::endpoints::connect_url(url).map_err(Error::config)?;
         let props = ConnectionProperties::default().with_connection_name(name.into());
         let runtime = lapin::runtime::default_runtime().map_err(|source| Error::Connect {
             url: redact_url(url),
@@ -128,7 +128,7 @@ impl Connector {
                 let frame_max = conn.configuration().frame_max();
                 if frame_max < crate::endpoints::MIN_FRAME_MAX {
                     crate::broker::close_connection(&conn, "frame_max too small").await;
-                    return Err(Error::Invalid(format!(
+                    return Err(Error::config(format!(
                         "{} allows frames of {frame_max} bytes only; amqp-delay needs at least {} \
                          (a message's headers, up to {} bytes plus what the tier hops add, must \
                          fit one frame): raise the broker's frame_max",

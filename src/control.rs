@@ -313,9 +313,10 @@ pub(crate) async fn read_to_barrier(
             }
             each(offset, &d.data);
         }
-        Err(Error::Invalid(format!(
-            "the broker ended the read of '{stream}' before the barrier"
-        )))
+        Err(Error::stream(
+            stream,
+            "the broker ended the read before the barrier",
+        ))
     };
     let r = read.await;
     // the channel closes before the consumer is dropped (see `broker::end_consumer`)

@@ -133,7 +133,7 @@ mod gateway;
 
 pub use connection::{Connector, connect};
 pub use envelope::Delivery;
-pub use error::{Error, Result, chain as error_chain};
+pub use error::{Error, ErrorKind, Result, chain as error_chain};
 pub use gateway::Gateway;
 pub use layout::{Layout, QueueType, TopologySettings};
 pub use message::{Message, Scheduled};

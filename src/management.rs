@@ -152,7 +152,7 @@ impl Management {
                     _ => None,
                 })
                 .ok_or_else(|| {
-                    Error::Invalid(format!(
+                    Error::config(format!(
                         "tls.client_key {} holds no private key",
                         key.display()
                     ))
@@ -197,11 +197,10 @@ impl Management {
                 .map_err(|e| e.to_string())
         })
         .await
-        .map_err(|e| Error::Invalid(format!("management API request failed: {e}")))?
-        .map_err(|e| Error::Invalid(format!("management API at {shown}: {e}")))?;
-        let all: Vec<QueueInfo> = serde_json::from_str(&body).map_err(|e| {
-            Error::Invalid(format!("management API at {shown}: unexpected answer: {e}"))
-        })?;
+        .map_err(|e| management(&shown, format!("the request failed: {e}")))?
+        .map_err(|e| management(&shown, e))?;
+        let all: Vec<QueueInfo> = serde_json::from_str(&body)
+            .map_err(|e| management(&shown, format!("unexpected answer: {e}")))?;
         Ok(all
             .into_iter()
             .filter(|q| q.name.starts_with(prefix))
@@ -249,7 +248,7 @@ fn pem_certificates(
         })
         .collect();
     if certs.is_empty() {
-        return Err(Error::Invalid(format!(
+        return Err(Error::config(format!(
             "{what} {} holds no PEM certificate",
             path.display()
         )));
@@ -260,10 +259,18 @@ fn pem_certificates(
 /// The PEM items of the file `path` (setting `what`).
 fn pem_items(what: &str, path: &std::path::Path) -> Result<Vec<ureq::tls::PemItem<'static>>> {
     let bytes = std::fs::read(path)
-        .map_err(|e| Error::Invalid(format!("reading {what} {}: {e}", path.display())))?;
+        .map_err(|e| Error::config(format!("reading {what} {}: {e}", path.display())))?;
     ureq::tls::parse_pem(&bytes)
         .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| Error::Invalid(format!("{what} {} is not valid PEM: {e}", path.display())))
+        .map_err(|e| Error::config(format!("{what} {} is not valid PEM: {e}", path.display())))
+}
+
+/// A failed request to the management API at `url`.
+fn management(url: &str, reason: impl Into<String>) -> Error {
+    Error::Management {
+        url: url.to_string(),
+        reason: reason.into(),
+    }
 }
 
 #[cfg(test)]

@@ -131,7 +131,7 @@ impl Action {
     }
 
     /// Checks what the action needs on the broker before the worker starts, and connects what
-    /// it publishes with. For `forward`: the exchange must exist ([`Error::Invalid`] naming it
+    /// it publishes with. For `forward`: the exchange must exist ([`Error::Missing`] naming it
     /// otherwise; a passive declare, which needs no permission), and forwards get a connection
     /// of their own, so that a publish the broker refuses (an exchange deleted later, no write
     /// right on it) closes a channel there, never the channel the worker retries and parks on
@@ -146,10 +146,12 @@ impl Action {
         let exists = exchange_exists(&check, exchange).await;
         amqp_delay::broker::close_connection(&check, "checked").await;
         if !exists? {
-            return Err(Error::Invalid(format!(
-                "forward exchange '{exchange}' does not exist: declare it (with the bindings its \
-                 consumers need) before starting the consumer"
-            )));
+            return Err(Error::Missing {
+                object: format!("forward exchange '{exchange}'"),
+                hint: "declare it (with the bindings its consumers need) before starting the \
+                       consumer"
+                    .into(),
+            });
         }
         if out.get().is_none() {
             let publisher = Publisher::connect(settings).await?;

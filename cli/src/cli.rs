@@ -4,11 +4,29 @@
 use std::path::PathBuf;
 
 use amqp_delay::settings::{Settings, SettingsError};
+use amqp_delay::{Error, ErrorKind};
 
-/// Exit code for a command that ran but had failures (e.g. some bulk lines failed).
+/// Exit code for a command that ran but had failures (some bulk lines failed, the broker
+/// refused or could not be reached, a stream read failed, a confirm was lost).
 pub const EXIT_FAILURES: i32 = 1;
-/// Exit code for bad usage or configuration.
+/// Exit code for bad usage or configuration, or a topology that must be declared (or fixed)
+/// first: running the same command again fails the same way.
 pub const EXIT_USAGE: i32 = 2;
+
+/// The exit code of a command that ended with `e`, from its kind: [`EXIT_USAGE`] for the
+/// request, the configuration or the topology ([`ErrorKind::Usage`], [`ErrorKind::Topology`]),
+/// [`EXIT_FAILURES`] for everything else (refused, unavailable, a stream, a lost confirm).
+pub fn exit_code(e: &Error) -> i32 {
+    match e.kind() {
+        ErrorKind::Usage | ErrorKind::Topology => EXIT_USAGE,
+        _ => EXIT_FAILURES,
+    }
+}
+
+/// Prints `e` with its cause chain (see [`fail`]) and exits with its [`exit_code`].
+pub fn fail_with(e: &Error) -> ! {
+    fail(e, exit_code(e))
+}
 
 /// Flags every binary takes.
 #[derive(Debug, Clone, clap::Args)]
@@ -243,6 +261,68 @@ pub async fn shutdown_signal() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Exit 2 when the command, its settings or the topology must change before it can work;
+    /// 1 when it failed on the way (the broker, a stream, a lost confirm): a stream that stops
+    /// mid-read used to be an "invalid request", exit 2.
+    #[test]
+    fn the_exit_code_follows_the_kind_of_error() {
+        let lost = || lapin::Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        let usage = [
+            Error::Invalid("--queue and --delay are required without --jsonl".into()),
+            SettingsError::Invalid("tls.ca_file x is not PEM text".into()).into(),
+            Error::Missing {
+                object: "forward exchange 'x'".into(),
+                hint: "declare it".into(),
+            },
+            Error::NotDeclared {
+                prefix: "p".into(),
+                detail: String::new(),
+            },
+            Error::UnknownDestination("q".into()),
+            Error::Conflict("radix: 4 → 8".into()),
+        ];
+        for e in usage {
+            assert_eq!(exit_code(&e), EXIT_USAGE, "{e}");
+        }
+        let failures = [
+            Error::Stream {
+                stream: "p.control".into(),
+                what: "the broker ended the read before the barrier".into(),
+            },
+            Error::Stream {
+                stream: "p.control".into(),
+                what: "the follower stopped (it stopped)".into(),
+            },
+            Error::MaybeSent {
+                context: "publishing".into(),
+                source: lost(),
+            },
+            Error::Connect {
+                url: "amqp://h".into(),
+                source: lost(),
+            },
+            Error::Amqp {
+                context: "declaring".into(),
+                source: lost(),
+            },
+            Error::Timeout {
+                context: "declaring".into(),
+                timeout_ms: 5,
+            },
+            Error::Nacked {
+                exchange: "x".into(),
+            },
+            Error::Stopped("the publisher is closing".into()),
+            Error::Management {
+                url: "http://h/api".into(),
+                reason: "answered HTTP 500".into(),
+            },
+        ];
+        for e in failures {
+            assert_eq!(exit_code(&e), EXIT_FAILURES, "{e}");
+        }
+    }
 
     /// What reaches the log output with `RUST_LOG=rust_log`, of: lapin's and amq-protocol's
     /// trace events (the login's SASL response), a lapin debug event, our own trace event.

@@ -46,19 +46,24 @@ async fn readyz() -> (StatusCode, &'static str) {
     }
 }
 
+/// A metrics endpoint that cannot be served as configured (`metrics_addr`).
+fn config(why: String) -> Error {
+    amqp_delay::settings::SettingsError::Invalid(why).into()
+}
+
 /// Starts serving the endpoints on `addr` and, every `sample` (if not zero), sampling the tier
 /// depths of `settings`' topology on a connection of its own. Returns the bound address (port 0
 /// picks a free one); both run until the process ends.
 pub async fn serve(addr: &str, settings: &Settings, sample: Duration) -> Result<SocketAddr> {
     let addr: SocketAddr = addr
         .parse()
-        .map_err(|e| Error::Invalid(format!("metrics address '{addr}': {e} (use HOST:PORT)")))?;
+        .map_err(|e| config(format!("metrics address '{addr}': {e} (use HOST:PORT)")))?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
-        .map_err(|e| Error::Invalid(format!("cannot listen on {addr} for metrics: {e}")))?;
+        .map_err(|e| config(format!("cannot listen on {addr} for metrics: {e}")))?;
     let bound = listener
         .local_addr()
-        .map_err(|e| Error::Invalid(format!("metrics listener: {e}")))?;
+        .map_err(|e| config(format!("metrics listener: {e}")))?;
     let app = Router::new()
         .route("/metrics", get(metrics_text))
         .route("/healthz", get(healthz))

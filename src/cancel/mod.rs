@@ -284,7 +284,7 @@ impl Cancellations {
                 task,
                 stop: Some(stop),
             };
-            if let Err(e) = wait_progress(&state, rx, "reading the control stream").await {
+            if let Err(e) = wait_progress(&state, rx, &stream, "reading the control stream").await {
                 reading.stop().await;
                 return Err(e);
             }
@@ -446,9 +446,10 @@ impl Cancellations {
         {
             let mut s = lock(&self.state);
             if let Some(why) = &s.broken {
-                return Err(Error::Invalid(format!(
-                    "cannot check cancellations: the control stream follower stopped ({why})"
-                )));
+                return Err(Error::stream(
+                    &self.stream,
+                    format!("cannot check cancellations: the follower stopped ({why})"),
+                ));
             }
             s.waiting.insert(nonce.clone(), tx);
         }
@@ -463,7 +464,7 @@ impl Cancellations {
                 },
             )
             .await?;
-            wait_progress(&self.state, rx, "syncing with the control stream").await
+            wait_progress(&self.state, rx, &self.stream, "syncing with the control stream").await
         }
         .await;
         match r {

@@ -204,7 +204,7 @@ pub(super) async fn write_checkpoint(
             },
         )
         .await?;
-        let items = wait_progress(&state, rx, "reading a checkpoint's begin record back").await?;
+        let items = wait_progress(&state, rx, &stream, "reading a checkpoint's begin record back").await?;
         let chunks: Vec<&[(String, u64)]> = if items.is_empty() {
             vec![&[]]
         } else {
@@ -249,6 +249,7 @@ pub(super) async fn write_checkpoint(
 pub(super) async fn wait_progress<T>(
     state: &Mutex<State>,
     rx: oneshot::Receiver<T>,
+    stream: &str,
     what: &str,
 ) -> Result<T> {
     let mut rx = std::pin::pin!(rx);
@@ -260,15 +261,16 @@ pub(super) async fn wait_progress<T>(
             r = &mut rx => {
                 return r.map_err(|_| {
                     let why = lock(state).broken.clone().unwrap_or_else(|| "it stopped".into());
-                    Error::Invalid(format!("the control stream follower stopped while {what} ({why})"))
+                    Error::stream(stream, format!("the follower stopped while {what} ({why})"))
                 });
             }
             _ = tick.tick() => {
                 let s = lock(state);
                 if let Some(why) = &s.broken {
-                    return Err(Error::Invalid(format!(
-                        "the control stream follower stopped while {what} ({why})"
-                    )));
+                    return Err(Error::stream(
+                        stream,
+                        format!("the follower stopped while {what} ({why})"),
+                    ));
                 }
                 if s.records != seen {
                     seen = s.records;

@@ -358,26 +358,26 @@ pub struct Gateway {
 impl Gateway {
     /// Validates the pairs of `settings.gateway` against the layout (no I/O).
     pub fn new(settings: Settings) -> Result<Gateway> {
-        settings.gateway.validate().map_err(Error::Invalid)?;
+        settings.gateway.validate().map_err(Error::config)?;
         let (g, c) = (&settings.gateway, &settings.consumer);
         // a held message waits for its delay inside the handler, then for a confirm of up to
         // half the handler timeout
         if g.hold.as_millis() * 2 >= c.handler_timeout.as_millis() {
-            return Err(Error::Invalid(format!(
+            return Err(Error::config(format!(
                 "gateway.hold ({}) must be shorter than half of consumer.handler_timeout ({})",
                 g.hold, c.handler_timeout
             )));
         }
         // the gateway's prefetch: its handlers in flight plus the messages it holds
         if g.hold.as_millis() > 0 && c.io_concurrency + g.max_held > usize::from(u16::MAX) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::config(format!(
                 "consumer.io_concurrency ({}) + gateway.max_held ({}) must be at most 65535: together they are the gateway's prefetch",
                 c.io_concurrency, g.max_held
             )));
         }
         if settings.gateway.pairs.is_empty() {
-            return Err(Error::Invalid(
-                "the gateway has no pair: give --ingress EXCHANGE --target EXCHANGE, or [[gateway.pairs]] in --config".into(),
+            return Err(Error::config(
+                "the gateway has no pair: give --ingress EXCHANGE --target EXCHANGE, or [[gateway.pairs]] in --config",
             ));
         }
         let layout = settings
@@ -389,7 +389,7 @@ impl Gateway {
             .iter()
             .map(|p| Pair::new(&layout, p))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(Error::Invalid)?;
+            .map_err(Error::config)?;
         Ok(Gateway {
             settings,
             layout,
@@ -417,10 +417,10 @@ impl Gateway {
         let qargs = topology.consumed_queue_args();
         for p in &self.pairs {
             if !broker::exchange_exists(conn, &p.target).await? {
-                return Err(Error::Invalid(format!(
-                    "target exchange '{}' does not exist: declare it, with the bindings your queues had on the delayed exchange, before starting the gateway",
-                    p.target
-                )));
+                return Err(Error::Missing {
+                    object: format!("target exchange '{}'", p.target),
+                    hint: "declare it, with the bindings your queues had on the delayed exchange, before starting the gateway".into(),
+                });
             }
             // What exists is used as it is (it may predate today's arguments, or have been
             // declared by an admin with `gateway --declare-only`, so that the gateway itself

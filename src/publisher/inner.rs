@@ -88,12 +88,9 @@ impl Inner {
                     route: route.clone(),
                     batched_with: count,
                 }),
-                Err(e) => Err(e.duplicate()),
+                Err(e) => Err(e.clone()),
             };
-            let _ = m.reply.send(match &r {
-                Ok(s) => Ok(s.clone()),
-                Err(e) => Err(e.duplicate()),
-            });
+            let _ = m.reply.send(r.clone());
             out.push(r);
         }
         out
@@ -377,7 +374,7 @@ impl Inner {
             }
         }
         let Some(url) = &self.url else {
-            return Err(Error::Invalid(
+            return Err(Error::Stopped(
                 "the connection this publisher was given is closed (its owner reconnects)".into(),
             ));
         };

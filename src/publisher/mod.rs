@@ -249,7 +249,7 @@ impl Publisher {
                 tag,
                 match &r {
                     Ok(()) => Ok(c),
-                    Err(e) => Err(e.duplicate()),
+                    Err(e) => Err(e.clone()),
                 },
             ));
         }
@@ -284,7 +284,7 @@ impl Publisher {
         precision: Precision,
         settings: PublisherSettings,
     ) -> Result<Publisher> {
-        settings.validate().map_err(Error::Invalid)?;
+        settings.validate().map_err(Error::config)?;
         Topology::new(layout.clone()).verify(&conn).await?;
         let ledger_on = crate::broker::queue_state(&conn, &layout.ledger_stream())
             .await?
@@ -594,5 +594,5 @@ const NEVER: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 86
 const CONNECTION_NAME: &str = "amqp-delay publisher";
 
 fn batcher_gone() -> Error {
-    Error::Invalid("the publisher is closing; the message was not scheduled".into())
+    Error::Stopped("the publisher is closing; the message was not scheduled".into())
 }

@@ -195,7 +195,7 @@ impl<H: Handler> Worker<H> {
         if self.subscriptions.is_empty() {
             return Err(Error::Invalid("the worker has no queue to consume".into()));
         }
-        self.settings.consumer.validate().map_err(Error::Invalid)?;
+        self.settings.consumer.validate().map_err(Error::config)?;
         let layout = self.settings.layout()?;
         for (q, _) in &self.subscriptions {
             layout.validate_destination(q).map_err(Error::Invalid)?;

@@ -105,7 +105,7 @@ impl<'w, H: Handler> Session<'w, H> {
         follow.progress = Some(progress);
         let cancels = match Cancellations::follow_with(conn, layout, follow).await {
             Ok(c) => Arc::new(c),
-            Err(e @ (Error::Amqp { .. } | Error::Timeout { .. } | Error::Invalid(_))) => {
+            Err(e @ (Error::Amqp { .. } | Error::Timeout { .. } | Error::Stream { .. })) => {
                 return Ok(Err(SessionEnd::Lost(e)));
             }
             Err(e) => return Err(e),
@@ -194,9 +194,10 @@ impl<'w, H: Handler> Session<'w, H> {
                 _ = shutdown.as_mut() => Some(SessionEnd::Stopped),
                 _ = &mut careful_over, if careful => Some(SessionEnd::Careful),
                 _ = follower_tick.tick() => self.ctx.cancels.broken().map(|why| {
-                    SessionEnd::Lost(Error::Invalid(format!(
-                        "the control stream follower stopped ({why})"
-                    )))
+                    SessionEnd::Lost(Error::stream(
+                        self.layout.control_stream(),
+                        format!("the follower stopped ({why})"),
+                    ))
                 }),
                 _ = stall_tick.tick() => self.check_stalls().await,
                 Some(i) = self.resub_rx.recv() => self.resubscribe(i).await,
@@ -363,9 +364,10 @@ impl<H: Handler> Worker<H> {
         for (q, _) in &self.subscriptions {
             if broker::queue_state(conn, q).await?.is_none() {
                 if first {
-                    return Err(Error::Invalid(format!(
-                        "queue '{q}' does not exist; declare it (and schedule messages to it) first"
-                    )));
+                    return Err(Error::Missing {
+                        object: format!("queue '{q}'"),
+                        hint: "declare it (and schedule messages to it) first".into(),
+                    });
                 }
                 tracing::warn!(queue = %q, "the queue is gone; consuming the others and waiting for it");
             }

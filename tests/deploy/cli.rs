@@ -234,6 +234,52 @@ pub(crate) fn port_of(addr: &str) -> u16 {
         .unwrap_or_else(|| panic!("'{addr}' is not HOST:PORT"))
 }
 
+// --- exit codes ----------------------------------------------------------------------------------
+
+/// A binary's exit code follows the kind of its error (`cli::exit_code`), seen without a
+/// broker: 2 when the command or its settings must change, 1 when the broker cannot be
+/// reached.
+#[test]
+fn the_exit_code_follows_the_kind_of_error() {
+    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let nobody = "amqp://guest:guest@127.0.0.1:1/%2f";
+    // the request: a header that is none (checked before anything connects)
+    let (code, text) = run_bin(
+        "delay-publisher",
+        &args(&[
+            "--url", nobody, "send", "--queue", "q", "--delay", "1s", "--body", "x", "--header",
+            "nameless",
+        ]),
+    );
+    assert_eq!(code, 2, "{text}");
+    assert!(
+        text.contains("invalid request: --header 'nameless' is not NAME=VALUE"),
+        "{text}"
+    );
+    // the configuration: a metrics address that is none (found after the settings loaded)
+    let (code, text) = run_bin(
+        "delay-consumer",
+        &args(&[
+            "--url",
+            nobody,
+            "--metrics-addr",
+            "not-an-address",
+            "--queue",
+            "q",
+            "--log",
+        ]),
+    );
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("not-an-address"), "{text}");
+    // the broker: nothing listens there (refused at once, or our connect timeout)
+    let (code, text) = run_bin("delay-publisher", &args(&["--url", nobody, "declare"]));
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("cannot connect") || text.contains("no answer from the broker"),
+        "{text}"
+    );
+}
+
 // --- settings ------------------------------------------------------------------------------------
 
 /// Loads settings the way the binaries do, from the optional TOML file and exactly the

@@ -7,7 +7,7 @@ use amqp_delay::Worker;
 use amqp_delay::settings::RouteConfig;
 use amqp_delay::time::DurationMs;
 use amqp_delay_cli::actions::Action;
-use amqp_delay_cli::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
+use amqp_delay_cli::cli::{self, EXIT_USAGE, GlobalArgs};
 use clap::Parser;
 
 #[derive(Parser)]
@@ -164,10 +164,10 @@ async fn main() {
         worker = worker.subscribe(queue, action);
     }
     if let Err(e) = cli::start_metrics(&s).await {
-        cli::fail(&e, EXIT_USAGE);
+        cli::fail_with(&e);
     }
     if let Err(e) = worker.run(cli::shutdown_signal()).await {
-        cli::fail(&e, EXIT_FAILURES);
+        cli::fail_with(&e);
     }
 }
 
@@ -185,17 +185,16 @@ fn actions(s: &amqp_delay::Settings, levels: u32) -> Result<Vec<(String, Action)
         .collect()
 }
 
-/// [`Action::prepare`] of every action: a missing forward exchange ends the process with
-/// [`EXIT_USAGE`]; while the broker cannot be reached it is tried again, as the worker would.
+/// [`Action::prepare`] of every action: what retrying cannot fix (a missing forward exchange,
+/// bad settings: [`EXIT_USAGE`] by [`cli::exit_code`]) ends the process; anything else (the
+/// broker cannot be reached, or refused) is tried again, as the worker would.
 async fn prepare(actions: &[(String, Action)], s: &amqp_delay::Settings) {
     let mut backoff = amqp_delay::connection::Backoff::default();
     for (_, action) in actions {
         loop {
             match action.prepare(s).await {
                 Ok(()) => break,
-                Err(e @ (amqp_delay::Error::Invalid(_) | amqp_delay::Error::Settings(_))) => {
-                    cli::fail(&e, EXIT_USAGE)
-                }
+                Err(e) if cli::exit_code(&e) == EXIT_USAGE => cli::fail_with(&e),
                 Err(e) => {
                     let pause = backoff.next_pause();
                     tracing::warn!(

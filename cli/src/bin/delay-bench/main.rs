@@ -340,7 +340,7 @@ async fn main() {
     }
     match outcome {
         None => std::process::exit(130),
-        Some(Err(e)) => cli::fail(&e, EXIT_FAILURES),
+        Some(Err(e)) => cli::fail_with(&e),
         Some(Ok(report)) => {
             if args.json {
                 amqp_delay_cli::outln!(

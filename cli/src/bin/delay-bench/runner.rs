@@ -18,7 +18,7 @@ use lapin::Connection;
 
 use amqp_delay::QueueType;
 use amqp_delay::connection::redact_url;
-use amqp_delay::{Error, Layout, Precision, Publisher, Result, Topology};
+use amqp_delay::{Layout, Precision, Publisher, Result, Topology};
 
 use crate::amqp::{connect, delete_topology};
 use crate::cleanup::Cleanup;
@@ -256,13 +256,15 @@ impl<'a> Bench<'a> {
         };
         let need = queues as u64 * HANDLES_PER_QUORUM_QUEUE;
         if used + need > limit {
-            return Err(Error::Invalid(format!(
+            // the broker's configuration cannot hold this run
+            return Err(amqp_delay::settings::SettingsError::Invalid(format!(
                 "the broker has {} of its {limit} file handles left and this run needs about \
                  {need} ({queues} quorum queues × {HANDLES_PER_QUORUM_QUEUE}); when they run out \
                  it stops accepting connections. Delete leftover queues or raise the broker's \
                  open-file limit (ulimit -n / LimitNOFILE)",
                 limit.saturating_sub(used)
-            )));
+            ))
+            .into());
         }
         Ok(())
     }

@@ -10,7 +10,7 @@ use amqp_delay::Error;
 use amqp_delay::connection::Connector;
 use amqp_delay::gateway::Gateway;
 use amqp_delay::settings::{GatewaySettings, Settings};
-use amqp_delay_cli::cli::{self, EXIT_FAILURES, EXIT_USAGE};
+use amqp_delay_cli::cli::{self, EXIT_USAGE};
 use args::{Cli, Cmd, GatewayArgs};
 use clap::Parser;
 
@@ -24,13 +24,7 @@ async fn main() {
     };
     let code = match run(args.cmd, settings).await {
         Ok(code) => code,
-        Err(e) => {
-            let code = match e {
-                Error::Settings(_) | Error::Invalid(_) | Error::Plan(_) => EXIT_USAGE,
-                _ => EXIT_FAILURES,
-            };
-            cli::fail(&e, code)
-        }
+        Err(e) => cli::fail_with(&e),
     };
     std::process::exit(code);
 }

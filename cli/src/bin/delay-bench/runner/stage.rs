@@ -223,10 +223,10 @@ impl Bench<'_> {
             if stage.task.is_finished() {
                 return match (&mut stage.task).await {
                     Ok(Err(e)) => Err(e),
-                    Ok(Ok(())) => Err(Error::Invalid(format!(
+                    Ok(Ok(())) => Err(Error::Stopped(format!(
                         "the worker on '{queue}' stopped before consuming"
                     ))),
-                    Err(e) => Err(Error::Invalid(format!("the worker on '{queue}': {e}"))),
+                    Err(e) => Err(Error::Stopped(format!("the worker on '{queue}': {e}"))),
                 };
             }
             if let Some(s) = broker::queue_state(&self.admin, queue).await?
@@ -235,7 +235,7 @@ impl Bench<'_> {
                 return Ok(());
             }
             if Instant::now() > give_up {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Stopped(format!(
                     "the worker did not consume '{queue}' within 30 s"
                 )));
             }
