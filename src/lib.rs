@@ -57,6 +57,9 @@ pub mod management;
 tool_modules!(
     broker, cancel, connection, control, ledger, publisher, topology, worker
 );
+/// One implementation of the control and ledger streams' log (private: the streams' own
+/// modules are its API).
+mod stream_log;
 
 // ---- applications --------------------------------------------------------------------------
 tool_modules!(gateway);
