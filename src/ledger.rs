@@ -1,32 +1,64 @@
 //! The ledger stream's broker side: declaring it, and reading it into a count of the messages
 //! (not broker messages) waiting in the tiers. What it holds and how it is summed is in
-//! `tally`; publishers write it (`publisher`).
+//! `tally`; publishers write it (`publisher`); it is written and read through
+//! [`crate::stream_log`], a snapshot being its compaction.
 
 use std::sync::Arc;
 
 use lapin::Connection;
 use lapin::types::AMQPValue;
 
-use crate::broker;
-use crate::control::{self, BARRIER_MAX};
 use crate::error::Result;
 use crate::layout::Layout;
-use crate::tally::{Dues, Entry, Pending, READ_WINDOW_MS, Reckoning, SNAPSHOT_EVERY_MS};
+use crate::stream_log::{Compaction, LogRecord, Reader, StreamLog};
+use crate::tally::{Dues, Entry, Pending, READ_WINDOW_MS, Reckoned, Reckoning, SNAPSHOT_EVERY_MS};
 use crate::time::now_ms;
+
+impl LogRecord for Entry {
+    fn barrier(nonce: String) -> Self {
+        Entry::Barrier { nonce }
+    }
+
+    fn barrier_nonce(&self) -> Option<&str> {
+        match self {
+            Entry::Barrier { nonce } => Some(nonce),
+            _ => None,
+        }
+    }
+}
+
+/// A read of the ledger is whole from the newest snapshot whose later records it read all, or
+/// from the stream's first record.
+impl Compaction for Reckoning {
+    type Record = Entry;
+
+    fn record(&mut self, offset: Option<u64>, record: Option<Entry>) {
+        // a record of a newer version, or garbage someone published, is skipped
+        if let (Some(offset), Some(entry)) = (offset, record) {
+            self.read(offset, entry);
+        }
+    }
+
+    fn whole(&self) -> bool {
+        self.complete()
+    }
+
+    fn restart(&mut self) {
+        *self = Reckoning::default();
+    }
+}
+
+/// `layout`'s ledger stream.
+pub(crate) fn log(layout: &Layout) -> StreamLog<Entry> {
+    StreamLog::new("ledger stream", layout.ledger_stream(), layout.prefix())
+}
 
 /// Declares the ledger stream (idempotent), kept as long as the control stream: the longest
 /// delay plus a week, so summing it from its start is always right.
 pub async fn declare(conn: &Connection, layout: &Layout) -> Result<()> {
-    let ch = broker::open(conn).await?;
-    let args = control::stream_args(layout.control_max_age_secs());
-    broker::declare_queue(&ch, &layout.ledger_stream(), args).await?;
-    broker::close(&ch, "declared").await;
-    Ok(())
-}
-
-/// Appends `entry` with a confirm.
-pub async fn append(conn: &Connection, layout: &Layout, entry: &Entry) -> Result<()> {
-    control::append_to(conn, layout, &layout.ledger_stream(), &entry.encode()).await
+    log(layout)
+        .declare(conn, layout.control_max_age_secs())
+        .await
 }
 
 /// What [`count`] found.
@@ -49,42 +81,46 @@ pub struct Counted {
 /// Reads the last [`READ_WINDOW_MS`] from the newest snapshot in it, or the whole stream when
 /// there is none; leaves a snapshot when the newest is older than [`SNAPSHOT_EVERY_MS`].
 pub async fn count(conn: &Connection, layout: &Layout) -> Result<Option<Counted>> {
-    Ok(reckon(conn, layout).await?.map(|(c, ..)| c))
+    let log = log(layout);
+    let Some((reckoned, barrier, reader)) = reckon(conn, &log).await? else {
+        return Ok(None);
+    };
+    reader.end("counted").await;
+    Ok(Some(conclude(conn, &log, &reckoned, barrier).await))
 }
 
-/// [`count`], with the sum itself and the offset of the barrier it read up to.
+/// Reads the ledger up to a barrier of its own, from the newest snapshot in the last
+/// [`READ_WINDOW_MS`] (or from its start): the sum, the barrier's offset, and the reader
+/// (positioned after the barrier). `None` without a ledger stream.
 async fn reckon(
     conn: &Connection,
-    layout: &Layout,
-) -> Result<Option<(Counted, Dues, Option<u64>)>> {
-    let stream = layout.ledger_stream();
-    if broker::queue_state(conn, &stream).await?.is_none() {
+    log: &StreamLog<Entry>,
+) -> Result<Option<(Reckoned, Option<u64>, Reader<Entry>)>> {
+    if !log.exists(conn).await? {
         return Ok(None);
     }
-    let nonce = uuid::Uuid::now_v7().to_string();
-    append(
-        conn,
-        layout,
-        &Entry::Barrier {
-            nonce: nonce.clone(),
-        },
-    )
-    .await?;
+    let nonce = log.barrier(conn).await?;
     let started = std::time::Instant::now();
     let since_s = now_ms().saturating_sub(READ_WINDOW_MS) / 1000;
-    let (reckoning, barrier) = read(conn, &stream, AMQPValue::Timestamp(since_s), &nonce).await?;
-    let whole = reckoning.began_at_zero();
-    let (reckoned, barrier) = match reckoning.finish(whole) {
-        Some(r) => (r, barrier),
-        None => {
-            tracing::debug!(%stream, "no snapshot in the last hour: reading the whole ledger");
-            let (all, barrier) = read(conn, &stream, broker::long_string("first"), &nonce).await?;
-            (all.finish_whole(), barrier)
-        }
-    };
-    tracing::debug!(%stream, records = reckoned.records, elapsed = ?started.elapsed(), "ledger read");
+    let mut reckoning = Reckoning::default();
+    let window = [AMQPValue::Timestamp(since_s)];
+    let (reader, barrier) = log
+        .start_from_compaction(conn, &nonce, window, &mut reckoning)
+        .await?;
+    let reckoned = reckoning.finish_whole();
+    tracing::debug!(stream = %log.name(), records = reckoned.records, elapsed = ?started.elapsed(), "ledger read");
+    Ok(Some((reckoned, barrier, reader)))
+}
+
+/// What a read found, leaving a snapshot (covering up to its `barrier`) when the newest is
+/// older than [`SNAPSHOT_EVERY_MS`].
+async fn conclude(
+    conn: &Connection,
+    log: &StreamLog<Entry>,
+    reckoned: &Reckoned,
+    barrier: Option<u64>,
+) -> Counted {
     let now = now_ms();
-    let pending = reckoned.dues.pending(now);
     let stale = reckoned
         .snapshot_at_ms
         .is_none_or(|at| now.saturating_sub(at) >= SNAPSHOT_EVERY_MS);
@@ -95,21 +131,20 @@ async fn reckon(
             at_ms: now,
             dues: reckoned.dues.compact(now),
         };
-        match append(conn, layout, &snapshot).await {
+        match log.append(conn, &snapshot).await {
             Ok(()) => wrote_snapshot = true,
             // the count stands; the next reader reads further back
             Err(e) => {
-                tracing::warn!(%stream, "could not leave a snapshot: {}", crate::error::chain(&e))
+                tracing::warn!(stream = %log.name(), "could not leave a snapshot: {}", crate::error::chain(&e))
             }
         }
     }
-    let counted = Counted {
-        pending,
+    Counted {
+        pending: reckoned.dues.pending(now),
         snapshot_at_ms: reckoned.snapshot_at_ms,
         records: reckoned.records,
         wrote_snapshot,
-    };
-    Ok(Some((counted, reckoned.dues, barrier)))
+    }
 }
 
 /// A count kept current: [`count`] once, then every record appended after it, read as it
@@ -140,64 +175,36 @@ impl Following {
 /// Counts the ledger (as [`count`]) and keeps following it on a channel of `conn`. `None`
 /// when the topology has no ledger stream.
 pub async fn follow(conn: Arc<Connection>, layout: &Layout) -> Result<Option<Following>> {
-    let Some((_, dues, barrier)) = reckon(&conn, layout).await? else {
+    let log = log(layout);
+    let Some((reckoned, barrier, mut reader)) = reckon(&conn, &log).await? else {
         return Ok(None);
     };
-    let stream = layout.ledger_stream();
-    let from = match barrier {
-        Some(b) => AMQPValue::LongLongInt(i64::try_from(b.saturating_add(1)).unwrap_or(i64::MAX)),
-        None => broker::long_string("next"),
-    };
-    let (ch, mut consumer) = control::open_reader(&conn, &stream, from).await?;
-    let dues = Arc::new(std::sync::Mutex::new(dues));
+    // the reader goes on after the barrier, its snapshot included (which it skips)
+    conclude(&conn, &log, &reckoned, barrier).await;
+    let dues = Arc::new(std::sync::Mutex::new(reckoned.dues));
     let sum = dues.clone();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {
         let follow = async {
-            let mut credit = control::Credit::default();
-            while let Some(Ok(d)) = credit.next(&mut consumer).await {
+            while let Some(Ok((_, record))) = reader.next().await {
                 // a record of a newer version, or garbage someone published, is skipped; a
                 // snapshot sums what was already counted
-                if let Some(Entry::Scheduled { dues: pairs }) = Entry::decode(&d.data) {
+                if let Some(Entry::Scheduled { dues: pairs }) = record {
                     sum.lock().unwrap_or_else(|p| p.into_inner()).merge(&pairs);
                 }
-                credit.read(d.acker).await;
             }
         };
         tokio::select! {
             _ = follow => {}
             _ = stopped => {}
         }
-        broker::end_consumer(&ch, &consumer, "followed").await;
+        reader.end("followed").await;
     });
     Ok(Some(Following {
         dues,
         task,
         _stop: stop,
     }))
-}
-
-/// Reads `stream` from `offset` up to the barrier `nonce`.
-async fn read(
-    conn: &Connection,
-    stream: &str,
-    offset: AMQPValue,
-    nonce: &str,
-) -> Result<(Reckoning, Option<u64>)> {
-    let mut reckoning = Reckoning::default();
-    // a barrier is a few dozen bytes: larger records are not parsed twice
-    let is_barrier = |body: &[u8]| {
-        body.len() < BARRIER_MAX
-            && matches!(Entry::decode(body), Some(Entry::Barrier { nonce: n }) if n == nonce)
-    };
-    let barrier = control::read_to_barrier(conn, stream, offset, is_barrier, |offset, body| {
-        // a record of a newer version, or garbage someone published, is skipped
-        if let (Some(offset), Some(entry)) = (offset, Entry::decode(body)) {
-            reckoning.read(offset, entry);
-        }
-    })
-    .await?;
-    Ok((reckoning, barrier))
 }
 
 /// What a publisher has put into the tiers since it last wrote to the ledger.

@@ -123,6 +123,9 @@ pub mod worker;
 #[cfg(not(feature = "tools"))]
 mod worker;
 
+// the one log both streams use (private to the library)
+mod stream_log;
+
 // ---- applications --------------------------------------------------------------------------
 // (each private unless the `tools` feature opens it; spelled out so that rustfmt sees it)
 #[cfg(feature = "tools")]

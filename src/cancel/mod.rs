@@ -40,21 +40,17 @@ use std::time::Duration;
 
 use lapin::Connection;
 use lapin::options::ConfirmSelectOptions;
-use lapin::types::AMQPValue;
 use tokio::sync::oneshot;
 
 use crate::broker::{self, ResultExt, SharedChannel};
-use crate::control::{READ_PREFETCH, Record};
+use crate::control::{self, Record};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
+use crate::stream_log::{Reader, StreamLog};
 use crate::time::now_ms;
 use state::{State, lock};
-use stream::{append, consume, end_offset, pump, wait_progress, write_checkpoint};
+use stream::{Starting, pump, steps_back, wait_progress, write_checkpoint};
 
-/// How long appending a record (a barrier, a checkpoint part) may wait for its confirm.
-const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long the probe for the stream's end waits for the last record.
-const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Executed ids remembered, to report a cancel that arrived too late.
 const RECENTLY_EXECUTED: usize = 10_000;
 /// Tombstones kept after their `until`, at most (the most recently expired).
@@ -169,7 +165,7 @@ pub struct FollowerStats {
 pub struct Cancellations {
     state: Arc<Mutex<State>>,
     channel: SharedChannel,
-    stream: String,
+    log: StreamLog<Record>,
     notice_ms: u64,
     horizon_ms: u64,
     /// When the last sync started (ms since the epoch): every record confirmed before then has
@@ -181,18 +177,30 @@ pub struct Cancellations {
     _reading: Reading,
 }
 
-/// A reader task of the control stream: pumping records until told to stop (or dropped), then
+/// The reader task of the control stream: pumping records until told to stop (dropped), then
 /// ending its consumer before its channel, in the order lapin needs (`broker::end_consumer`).
 struct Reading {
-    task: tokio::task::JoinHandle<()>,
-    stop: Option<oneshot::Sender<()>>,
+    _stop: oneshot::Sender<()>,
 }
 
 impl Reading {
-    /// Stops the pump (no record is applied after this returns) and ends its consumer.
-    async fn stop(mut self) {
-        drop(self.stop.take());
-        let _ = (&mut self.task).await;
+    /// Follows the stream on `reader` (positioned after the start barrier) into `state`.
+    fn spawn(
+        mut reader: Reader<Record>,
+        state: Arc<Mutex<State>>,
+        channel: SharedChannel,
+        log: StreamLog<Record>,
+        every: u64,
+    ) -> Reading {
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = pump(&mut reader, state, channel, log, every) => {}
+                _ = stopped => {}
+            }
+            reader.end("stopped").await;
+        });
+        Reading { _stop: stop }
     }
 }
 
@@ -219,7 +227,7 @@ impl Cancellations {
         layout: &Layout,
         opts: FollowOptions,
     ) -> Result<Cancellations> {
-        let stream = layout.control_stream();
+        let log = control::log(layout);
         let channel = broker::open(conn).await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
@@ -231,74 +239,19 @@ impl Cancellations {
         let every = opts.checkpoint_every.max(1);
         // the end: a marker first, so that an empty stream has one, then the probe; the start
         // barrier comes after the probed end, so every step back reads up to it
-        let marker = Record::Barrier {
-            nonce: uuid::Uuid::now_v7().to_string(),
-        };
-        append(&channel, &stream, &marker)
-            .await
-            .map_err(|e| missing_stream(e, layout, &stream))?;
-        let end = end_offset(conn, layout, &stream).await?;
-        let nonce = uuid::Uuid::now_v7().to_string();
+        log.barrier_on(&channel).await?;
+        let end = log.end_offset(conn).await?;
         let started = now_ms();
-        append(
-            &channel,
-            &stream,
-            &Record::Barrier {
-                nonce: nonce.clone(),
-            },
-        )
-        .await?;
-        let mut back = every.saturating_mul(2);
-        let task = loop {
-            let (offset, whole) = match end {
-                Some(end) if back < end => (AMQPValue::LongLongInt((end - back) as i64), false),
-                _ => (broker::long_string("first"), true),
-            };
-            let reader = broker::open(conn).await?;
-            let consumer = match consume(&reader, layout, &stream, offset, READ_PREFETCH).await {
-                Ok(c) => c,
-                Err(e) => {
-                    broker::close(&reader, "failed").await;
-                    return Err(e);
-                }
-            };
-            let (tx, rx) = oneshot::channel();
-            {
-                let mut s = lock(&state);
-                s.restart_positions();
-                s.broken = None;
-                s.waiting.insert(nonce.clone(), tx);
-            }
-            let st = state.clone();
-            let (ch, name, progress) = (channel.clone(), stream.clone(), opts.progress.clone());
-            let (stop, stopped) = oneshot::channel::<()>();
-            let task = tokio::spawn(async move {
-                let mut consumer = consumer;
-                tokio::select! {
-                    _ = pump(&mut consumer, st, ch, name, every, progress) => {}
-                    _ = stopped => {}
-                }
-                broker::end_consumer(&reader, &consumer, "stopped").await;
-            });
-            let reading = Reading {
-                task,
-                stop: Some(stop),
-            };
-            if let Err(e) = wait_progress(&state, rx, &stream, "reading the control stream").await {
-                reading.stop().await;
-                return Err(e);
-            }
-            let found = lock(&state).complete_at.is_some();
-            if found || whole {
-                break reading;
-            }
-            // no whole checkpoint in that read: step further back (the tombstones read so far
-            // are real; reading them again changes nothing). The reader must have stopped
-            // first: a record it applied after the next step began (the start barrier above
-            // all) would count for that step.
-            reading.stop().await;
-            back = back.saturating_mul(4);
+        let nonce = log.barrier_on(&channel).await?;
+        let mut starting = Starting {
+            state: &state,
+            progress: opts.progress.as_deref(),
         };
+        let (reader, _) = log
+            .start_from_compaction(conn, &nonce, steps_back(end, every), &mut starting)
+            .await?;
+        let (ch, l) = (channel.clone(), log.clone());
+        let reading = Reading::spawn(reader, state.clone(), ch, l, every);
         let (start_records, checkpoint) = {
             let mut s = lock(&state);
             s.ready = true;
@@ -306,25 +259,20 @@ impl Cancellations {
             (s.records, s.begin_checkpoint(every))
         };
         if let Some((nonce, rx)) = checkpoint {
-            tokio::spawn(write_checkpoint(
-                channel.clone(),
-                stream.clone(),
-                state.clone(),
-                nonce,
-                rx,
-            ));
+            let (ch, l, st) = (channel.clone(), log.clone(), state.clone());
+            tokio::spawn(write_checkpoint(ch, l, st, nonce, rx));
         }
-        tracing::debug!(%stream, records = start_records, "following the control stream");
+        tracing::debug!(stream = %log.name(), records = start_records, "following the control stream");
         Ok(Cancellations {
             state,
             channel,
-            stream,
+            log,
             notice_ms: opts.notice.as_millis() as u64,
             horizon_ms: opts.horizon_ms,
             synced: tokio::sync::Mutex::new(Some(started)),
             syncs: AtomicU64::new(0),
             start_records,
-            _reading: task,
+            _reading: reading,
         })
     }
 
@@ -441,13 +389,13 @@ impl Cancellations {
             return Ok(false);
         }
         let started = now_ms();
-        let nonce = uuid::Uuid::now_v7().to_string();
+        let nonce = crate::stream_log::nonce();
         let (tx, rx) = oneshot::channel();
         {
             let mut s = lock(&self.state);
             if let Some(why) = &s.broken {
                 return Err(Error::stream(
-                    &self.stream,
+                    stream::CONTROL,
                     format!("cannot check cancellations: the follower stopped ({why})"),
                 ));
             }
@@ -456,15 +404,11 @@ impl Cancellations {
         self.syncs.fetch_add(1, Ordering::Relaxed);
         crate::metrics::global().cancel_syncs.inc();
         let r = async {
-            append(
-                &self.channel,
-                &self.stream,
-                &Record::Barrier {
-                    nonce: nonce.clone(),
-                },
-            )
-            .await?;
-            wait_progress(&self.state, rx, &self.stream, "syncing with the control stream").await
+            let barrier = Record::Barrier {
+                nonce: nonce.clone(),
+            };
+            self.log.append_on(&self.channel, &barrier).await?;
+            wait_progress(&self.state, rx, "syncing with the control stream").await
         }
         .await;
         match r {
@@ -477,17 +421,6 @@ impl Cancellations {
                 Err(e)
             }
         }
-    }
-}
-
-/// A publish to a stream that does not exist comes back returned: say which.
-fn missing_stream(e: Error, layout: &Layout, stream: &str) -> Error {
-    match e {
-        Error::Returned { .. } => Error::NotDeclared {
-            prefix: layout.prefix().to_string(),
-            detail: format!(": the control stream '{stream}' is missing"),
-        },
-        e => e,
     }
 }
 

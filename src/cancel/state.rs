@@ -185,6 +185,18 @@ impl State {
         self.begun_at = None;
     }
 
+    /// A record read: applied, or, when it did not decode (garbage or a newer version's kind),
+    /// a position all the same.
+    pub(super) fn read_one(&mut self, r: Option<Record>, now: u64) {
+        match r {
+            Some(r) => self.apply(r, now),
+            None => {
+                self.read += 1;
+                self.records += 1;
+            }
+        }
+    }
+
     pub(super) fn apply(&mut self, r: Record, now: u64) {
         self.read += 1;
         self.records += 1;

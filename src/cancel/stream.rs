@@ -1,146 +1,77 @@
-//! The follower's broker side: appending records with a confirm, probing the stream's end,
-//! reading records into the state (and writing a checkpoint when the state says so), and
+//! The follower's broker side, on [`crate::stream_log`]: the start-up read into the state,
+//! the reader that keeps it current (and writes a checkpoint when the state says so), and
 //! waiting while the reader makes progress.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
-use lapin::options::{BasicConsumeOptions, BasicPublishOptions, BasicQosOptions};
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::types::AMQPValue;
 use tokio::sync::oneshot;
 
+use super::CHECKPOINT_PART;
 use super::state::{Items, State, lock};
-use super::{CHECKPOINT_PART, CONFIRM_TIMEOUT, PROBE_TIMEOUT};
-use crate::broker::{self, ResultExt, SharedChannel};
-use crate::control::{Credit, READ_STALL, Record};
+use crate::broker::SharedChannel;
+use crate::control::Record;
 use crate::error::{Error, Result};
-use crate::layout::Layout;
+use crate::stream_log::{Compaction, READ_STALL, Reader, StreamLog};
 use crate::time::now_ms;
 
-/// The stream offset a delivery carries.
-pub(super) fn offset_of(d: &lapin::message::Delivery) -> Option<u64> {
-    broker::stream_offset(d)
+/// Where a start-up read may begin before the stream's first record, nearest first: from
+/// `2 × every` records before the stream's `end`, then 4 times as far back each step.
+pub(super) fn steps_back(end: Option<u64>, every: u64) -> Vec<AMQPValue> {
+    let mut steps = Vec::new();
+    let Some(end) = end else { return steps };
+    let mut back = every.saturating_mul(2);
+    while back < end {
+        steps.push(AMQPValue::LongLongInt(
+            i64::try_from(end - back).unwrap_or(i64::MAX),
+        ));
+        back = back.saturating_mul(4);
+    }
+    steps
 }
 
-/// Consumes `stream` from `offset`; a missing stream is [`Error::NotDeclared`].
-pub(super) async fn consume(
-    ch: &Channel,
-    layout: &Layout,
-    stream: &str,
-    offset: AMQPValue,
-    prefetch: u16,
-) -> Result<lapin::Consumer> {
-    ch.basic_qos(prefetch, BasicQosOptions::default())
-        .await
-        .context(|| "setting the control stream's prefetch".into())?;
-    let mut args = FieldTable::default();
-    args.insert("x-stream-offset".into(), offset);
-    ch.basic_consume(
-        stream.into(),
-        "".into(),
-        BasicConsumeOptions::default(),
-        args,
-    )
-    .await
-    .map_err(|e| {
-        if broker::is_reply(&e, broker::NOT_FOUND) {
-            Error::NotDeclared {
-                prefix: layout.prefix().to_string(),
-                detail: format!(": the control stream '{stream}' is missing"),
-            }
-        } else {
-            Error::Amqp {
-                context: format!("following '{stream}'"),
-                source: e,
-            }
-        }
-    })
+/// The start-up read: records into the state, each one progress for whoever waits for the
+/// follower to start; whole once it read a whole checkpoint.
+pub(super) struct Starting<'a> {
+    pub(super) state: &'a Mutex<State>,
+    pub(super) progress: Option<&'a AtomicU64>,
 }
 
-/// Appends `record` on `channel` (confirms on) and waits for the broker's confirm.
-pub(super) async fn append(channel: &SharedChannel, stream: &str, record: &Record) -> Result<()> {
-    let body = record.encode();
-    let appended = async {
-        let confirm = channel
-            .basic_publish(
-                "".into(),
-                stream.into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                &body,
-                BasicProperties::default().with_delivery_mode(2),
-            )
-            .await
-            .context(|| format!("appending to '{stream}'"))?
-            .await
-            .context(|| format!("awaiting the confirm from '{stream}'"))?;
-        if confirm.is_nack() {
-            return Err(Error::Nacked {
-                exchange: stream.to_string(),
-            });
+impl Compaction for Starting<'_> {
+    type Record = Record;
+
+    fn record(&mut self, _offset: Option<u64>, record: Option<Record>) {
+        lock(self.state).read_one(record, now_ms());
+        if let Some(p) = self.progress {
+            p.fetch_add(1, Ordering::Relaxed);
         }
-        if let Some(m) = confirm.take_message() {
-            return Err(Error::Returned {
-                exchange: String::new(),
-                routing_key: stream.to_string(),
-                code: m.reply_code,
-                text: m.reply_text.to_string(),
-            });
-        }
-        Ok(())
-    };
-    match tokio::time::timeout(CONFIRM_TIMEOUT, appended).await {
-        Ok(r) => r,
-        Err(_) => Err(Error::Timeout {
-            context: format!("appending to the control stream '{stream}'"),
-            timeout_ms: CONFIRM_TIMEOUT.as_millis() as u64,
-        }),
+    }
+
+    fn whole(&self) -> bool {
+        lock(self.state).complete_at.is_some()
+    }
+
+    fn restart(&mut self) {
+        // the tombstones read so far are real (reading them again changes nothing); only the
+        // positions start again
+        lock(self.state).restart_positions();
     }
 }
 
-/// Where `stream` ends now: the offset of the first record of its last chunk, read by a probe
-/// consumer. `None` when it holds nothing (or nothing came in time).
-pub(super) async fn end_offset(
-    conn: &Connection,
-    layout: &Layout,
-    stream: &str,
-) -> Result<Option<u64>> {
-    let ch = broker::open(conn).await?;
-    let mut probe = match consume(&ch, layout, stream, broker::long_string("last"), 1).await {
-        Ok(p) => p,
-        Err(e) => {
-            broker::close(&ch, "probe failed").await;
-            return Err(e);
-        }
-    };
-    let end = match tokio::time::timeout(PROBE_TIMEOUT, probe.next()).await {
-        Ok(Some(Ok(d))) => offset_of(&d),
-        _ => None,
-    };
-    broker::end_consumer(&ch, &probe, "probed").await;
-    Ok(end)
-}
-
-/// Reads `consumer` into `state` until the broker ends it. Writes a checkpoint (on `channel`)
+/// Reads `reader` into `state` until the broker ends it. Writes a checkpoint (on `channel`)
 /// when `state` says so.
 pub(super) async fn pump(
-    consumer: &mut lapin::Consumer,
+    reader: &mut Reader<Record>,
     state: Arc<Mutex<State>>,
     channel: SharedChannel,
-    stream: String,
+    log: StreamLog<Record>,
     every: u64,
-    progress: Option<Arc<AtomicU64>>,
 ) {
-    // a stream needs acks as credit
-    let mut credit = Credit::default();
     loop {
-        let d = match credit.next(consumer).await {
-            Some(Ok(d)) => d,
+        let record = match reader.next().await {
+            Some(Ok((_, record))) => record,
             Some(Err(e)) => {
                 let mut s = lock(&state);
                 s.broken = Some(e.to_string());
@@ -149,36 +80,15 @@ pub(super) async fn pump(
             }
             None => break,
         };
-        let record = Record::decode(&d.data);
-        let (checkpoint, starting) = {
+        let checkpoint = {
             let mut s = lock(&state);
-            match record {
-                Some(r) => s.apply(r, now_ms()),
-                // garbage or a newer version's kind: a position all the same
-                None => {
-                    s.read += 1;
-                    s.records += 1;
-                }
-            }
-            (s.begin_checkpoint(every), !s.ready)
+            s.read_one(record, now_ms());
+            s.begin_checkpoint(every)
         };
-        // progress feeds the worker's start-up watchdog: only the start-up read counts, or a
-        // busy stream would keep a session that hangs later from ever timing out
-        if let Some(p) = &progress
-            && starting
-        {
-            p.fetch_add(1, Ordering::Relaxed);
-        }
         if let Some((nonce, rx)) = checkpoint {
-            tokio::spawn(write_checkpoint(
-                channel.clone(),
-                stream.clone(),
-                state.clone(),
-                nonce,
-                rx,
-            ));
+            let (channel, log, state) = (channel.clone(), log.clone(), state.clone());
+            tokio::spawn(write_checkpoint(channel, log, state, nonce, rx));
         }
-        credit.read(d.acker).await;
     }
     let mut s = lock(&state);
     s.broken = Some("the broker ended the control stream consumer".into());
@@ -190,21 +100,17 @@ pub(super) async fn pump(
 /// error, the follower stopped) is ignored by its readers.
 pub(super) async fn write_checkpoint(
     channel: SharedChannel,
-    stream: String,
+    log: StreamLog<Record>,
     state: Arc<Mutex<State>>,
     nonce: String,
     rx: oneshot::Receiver<Items>,
 ) {
     let r = async {
-        append(
-            &channel,
-            &stream,
-            &Record::CheckpointBegin {
-                nonce: nonce.clone(),
-            },
-        )
-        .await?;
-        let items = wait_progress(&state, rx, &stream, "reading a checkpoint's begin record back").await?;
+        let begin = Record::CheckpointBegin {
+            nonce: nonce.clone(),
+        };
+        log.append_on(&channel, &begin).await?;
+        let items = wait_progress(&state, rx, "reading a checkpoint's begin record back").await?;
         let chunks: Vec<&[(String, u64)]> = if items.is_empty() {
             vec![&[]]
         } else {
@@ -212,17 +118,13 @@ pub(super) async fn write_checkpoint(
         };
         let parts = u32::try_from(chunks.len()).unwrap_or(u32::MAX);
         for (part, chunk) in chunks.into_iter().enumerate() {
-            append(
-                &channel,
-                &stream,
-                &Record::Checkpoint {
-                    nonce: nonce.clone(),
-                    part: u32::try_from(part).unwrap_or(u32::MAX),
-                    parts,
-                    items: chunk.to_vec(),
-                },
-            )
-            .await?;
+            let part = Record::Checkpoint {
+                nonce: nonce.clone(),
+                part: u32::try_from(part).unwrap_or(u32::MAX),
+                parts,
+                items: chunk.to_vec(),
+            };
+            log.append_on(&channel, &part).await?;
         }
         Ok::<usize, Error>(items.len())
     }
@@ -234,22 +136,25 @@ pub(super) async fn write_checkpoint(
     match r {
         Ok(n) => {
             s.checkpoints_written += 1;
-            tracing::debug!(%stream, tombstones = n, "checkpoint written");
+            tracing::debug!(stream = %log.name(), tombstones = n, "checkpoint written");
         }
         Err(e) => {
             // try again only after as many records again
             s.begun_at = Some(s.read);
-            tracing::info!(%stream, "could not write a checkpoint: {}", crate::error::chain(&e));
+            tracing::info!(stream = %log.name(), "could not write a checkpoint: {}", crate::error::chain(&e));
         }
     }
 }
+
+/// How the control stream is named in a follower's errors (its full name depends on the prefix,
+/// which the follower's log lines carry).
+pub(super) const CONTROL: &str = "control";
 
 /// Waits for `rx` while the follower keeps reading: gives up when no record arrived for
 /// [`READ_STALL`] or the follower stopped. A long stream takes as long as it takes.
 pub(super) async fn wait_progress<T>(
     state: &Mutex<State>,
     rx: oneshot::Receiver<T>,
-    stream: &str,
     what: &str,
 ) -> Result<T> {
     let mut rx = std::pin::pin!(rx);
@@ -261,14 +166,14 @@ pub(super) async fn wait_progress<T>(
             r = &mut rx => {
                 return r.map_err(|_| {
                     let why = lock(state).broken.clone().unwrap_or_else(|| "it stopped".into());
-                    Error::stream(stream, format!("the follower stopped while {what} ({why})"))
+                    Error::stream(CONTROL, format!("the follower stopped while {what} ({why})"))
                 });
             }
             _ = tick.tick() => {
                 let s = lock(state);
                 if let Some(why) = &s.broken {
                     return Err(Error::stream(
-                        stream,
+                        CONTROL,
                         format!("the follower stopped while {what} ({why})"),
                     ));
                 }
@@ -283,5 +188,26 @@ pub(super) async fn wait_progress<T>(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_start_up_steps_back_four_times_as_far_each_time_within_the_stream() {
+        let offsets = |end, every| -> Vec<i64> {
+            steps_back(end, every)
+                .into_iter()
+                .map(|v| match v {
+                    AMQPValue::LongLongInt(o) => o,
+                    v => panic!("{v:?}"),
+                })
+                .collect()
+        };
+        assert_eq!(offsets(None, 10), Vec::<i64>::new(), "an empty stream");
+        assert_eq!(offsets(Some(20), 10), Vec::<i64>::new(), "a short one");
+        assert_eq!(offsets(Some(1_000), 10), vec![980, 920, 680]);
     }
 }

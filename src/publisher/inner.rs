@@ -149,16 +149,17 @@ impl Inner {
         let Some(entry) = self.ledger.take() else {
             return;
         };
-        let stream = self.layout.ledger_stream();
+        let log = crate::ledger::log(&self.layout);
+        let stream = log.name();
         let props = BasicProperties::default()
             .with_delivery_mode(2)
             .with_content_type("application/json".into());
-        match self
-            .publish_confirmed("", &stream, &entry.encode(), props)
-            .await
-        {
+        let written = self
+            .publish_confirmed("", stream, &log.encode(&entry), props)
+            .await;
+        match written.map_err(|e| log.or_missing(e)) {
             Ok(()) => {}
-            Err(Error::Returned { .. }) => {
+            Err(Error::NotDeclared { .. }) => {
                 self.ledger_on.store(false, Ordering::Relaxed);
                 tracing::warn!(%stream, "the ledger stream is gone: `stats` counts broker messages only until `delay-publisher declare` adds it back");
             }

@@ -148,22 +148,7 @@ impl Publisher {
             Record::Cancel { until_ms, .. } => *until_ms,
             _ => 0,
         };
-        let stream = self.inner.layout.control_stream();
-        self.inner
-            .publish_confirmed(
-                "",
-                &stream,
-                &record.encode(),
-                BasicProperties::default().with_delivery_mode(2),
-            )
-            .await
-            .map_err(|e| match e {
-                Error::Returned { .. } => Error::NotDeclared {
-                    prefix: self.inner.layout.prefix().to_string(),
-                    detail: format!(": the control stream '{stream}' is missing"),
-                },
-                e => e,
-            })?;
+        self.append_control(&record).await?;
         Ok(Cancelled {
             id: id.to_string(),
             until_ms,
@@ -234,16 +219,7 @@ impl Publisher {
                 .map(|(_, c)| (c.id.clone(), c.until_ms))
                 .collect(),
         };
-        let stream = self.inner.layout.control_stream();
-        let r = self
-            .inner
-            .publish_confirmed(
-                "",
-                &stream,
-                &record.encode(),
-                BasicProperties::default().with_delivery_mode(2),
-            )
-            .await;
+        let r = self.append_control(&record).await;
         for (tag, c) in good {
             out.push((
                 tag,
@@ -254,6 +230,17 @@ impl Publisher {
             ));
         }
         out
+    }
+
+    /// Appends `record` to the control stream on this publisher's confirm channel (re-opened
+    /// after a loss, unlike a stream log's own); a missing stream is the stream log's error.
+    async fn append_control(&self, record: &Record) -> Result<()> {
+        let log = crate::control::log(&self.inner.layout);
+        let props = BasicProperties::default().with_delivery_mode(2);
+        self.inner
+            .publish_confirmed("", log.name(), &log.encode(record), props)
+            .await
+            .map_err(|e| log.or_missing(e))
     }
 
     /// Uses an existing connection (not closed by [`Publisher::close`]).

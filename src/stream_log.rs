@@ -1,0 +1,498 @@
+//! One log implementation for both streams: the control stream `<prefix>.control` (`control`,
+//! `cancel`) and the ledger stream `<prefix>.ledger` (`ledger`) are RabbitMQ streams of JSON
+//! records, written and read the same way through a [`StreamLog`]: declaring, appending with a
+//! confirm and a timeout (a missing stream is one error, [`StreamLog::missing`], naming it),
+//! reading up to a barrier, and starting from the newest compaction — a checkpoint of the
+//! tombstones (`cancel`) or a snapshot of the counts (`ledger`), see [`Compaction`] — instead
+//! of from the stream's first record. Records are encoded and decoded here and nowhere else.
+//!
+//! Reading "everything so far" uses a barrier: the reader appends a record of its own (with a
+//! confirm) and reads until it sees it. Every record before the barrier was confirmed before
+//! it, so nothing earlier is missed. A read gives up only when records stop arriving
+//! ([`READ_STALL`]), never because the stream is long.
+//!
+//! A [`Reader`] holds a lapin consumer on a channel of its own and ends the consumer before
+//! closing the channel (`broker::end_consumer`), also when it is dropped.
+
+use std::marker::PhantomData;
+use std::time::Duration;
+
+use futures::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::broker::{self, SharedChannel};
+use crate::error::{Error, Result, ResultExt};
+
+/// How long a read up to a barrier may go without a record arriving: a long stream takes as
+/// long as it takes, a reader that gets nothing gives up.
+pub(crate) const READ_STALL: Duration = Duration::from_secs(10);
+/// How long an append may wait for its confirm.
+pub(crate) const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the probe for the stream's end waits for its last record.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Prefetch of a reader, and how often it acks (`multiple`): acking each record made reading
+/// several times slower (RabbitMQ 3.10, a scratch reader).
+const READ_PREFETCH: u16 = 2_000;
+const ACK_EVERY: u64 = 500;
+
+/// The records of one stream (a serde enum, JSON on the wire), with a barrier among them.
+pub(crate) trait LogRecord: Serialize + DeserializeOwned {
+    /// A reader's barrier with this `nonce`.
+    fn barrier(nonce: String) -> Self;
+    /// The nonce, when this record is a barrier.
+    fn barrier_nonce(&self) -> Option<&str>;
+}
+
+/// What a start-up read builds from the records of a stream, and whether it holds a whole
+/// compaction: a record (or set of records) that stands for everything before it, so that a
+/// reader needs the stream only from there ([`StreamLog::start_from_compaction`]).
+pub(crate) trait Compaction {
+    /// The stream's records.
+    type Record: LogRecord;
+    /// Takes the next record before the barrier, at `offset` (when the broker said); `None` is
+    /// a record that does not decode (garbage, or a newer version's kind).
+    fn record(&mut self, offset: Option<u64>, record: Option<Self::Record>);
+    /// Whether what was read since the read began holds a whole compaction.
+    fn whole(&self) -> bool;
+    /// The read begins again further back: forget what depends on where it began.
+    fn restart(&mut self);
+}
+
+/// A new barrier's nonce.
+pub(crate) fn nonce() -> String {
+    uuid::Uuid::now_v7().to_string()
+}
+
+/// One stream of records `R`: its name, what it is called in errors, and its prefix.
+pub(crate) struct StreamLog<R> {
+    /// "control stream", "ledger stream".
+    kind: &'static str,
+    name: String,
+    prefix: String,
+    records: PhantomData<fn() -> R>,
+}
+
+impl<R> Clone for StreamLog<R> {
+    fn clone(&self) -> Self {
+        StreamLog {
+            kind: self.kind,
+            name: self.name.clone(),
+            prefix: self.prefix.clone(),
+            records: PhantomData,
+        }
+    }
+}
+
+impl<R: LogRecord> StreamLog<R> {
+    /// The stream `name` of the topology under `prefix`, called `kind` in errors.
+    pub(crate) fn new(kind: &'static str, name: String, prefix: &str) -> Self {
+        StreamLog {
+            kind,
+            name,
+            prefix: prefix.to_string(),
+            records: PhantomData,
+        }
+    }
+
+    /// The stream's queue name.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The error for the stream's missing: the topology is not (fully) declared.
+    pub(crate) fn missing(&self) -> Error {
+        Error::NotDeclared {
+            prefix: self.prefix.clone(),
+            detail: format!(": the {} '{}' is missing", self.kind, self.name),
+        }
+    }
+
+    /// `e`, or [`StreamLog::missing`] when it is a returned append (a publish to the default
+    /// exchange comes back only when no queue has the stream's name).
+    pub(crate) fn or_missing(&self, e: Error) -> Error {
+        match e {
+            Error::Returned { .. } => self.missing(),
+            e => e,
+        }
+    }
+
+    /// A record as it travels, for whoever appends it on a channel of its own (the publisher).
+    pub(crate) fn encode(&self, record: &R) -> Vec<u8> {
+        serde_json::to_vec(record).expect("records serialise")
+    }
+
+    /// Declares the stream (idempotent): records kept for `max_age_secs`.
+    pub(crate) async fn declare(&self, conn: &Connection, max_age_secs: u64) -> Result<()> {
+        let mut args = FieldTable::default();
+        args.insert("x-queue-type".into(), broker::long_string("stream"));
+        let max_age = format!("{max_age_secs}s");
+        args.insert("x-max-age".into(), broker::long_string(&max_age));
+        let ch = broker::open(conn).await?;
+        let r = broker::declare_queue(&ch, &self.name, args).await;
+        broker::close(&ch, "declared").await;
+        r
+    }
+
+    /// Whether the stream exists (a passive declare).
+    pub(crate) async fn exists(&self, conn: &Connection) -> Result<bool> {
+        Ok(broker::queue_state(conn, &self.name).await?.is_some())
+    }
+
+    /// Appends `record` on a confirm channel of its own (see [`StreamLog::append_on`]).
+    pub(crate) async fn append(&self, conn: &Connection, record: &R) -> Result<()> {
+        let ch = SharedChannel::new(broker::open(conn).await?);
+        let r = match ch
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .context(|| "enabling publisher confirms".into())
+        {
+            Ok(()) => self.append_on(&ch, record).await,
+            Err(e) => Err(e),
+        };
+        broker::close(&ch, "appended").await;
+        r
+    }
+
+    /// Appends `record` on `ch` (confirms on) and waits for the broker's confirm, at most
+    /// [`CONFIRM_TIMEOUT`]. A missing stream is [`StreamLog::missing`].
+    pub(crate) async fn append_on(&self, ch: &SharedChannel, record: &R) -> Result<()> {
+        let body = self.encode(record);
+        let stream = self.name.as_str();
+        let appended = async {
+            let confirm = ch
+                .basic_publish(
+                    "".into(),
+                    stream.into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..BasicPublishOptions::default()
+                    },
+                    &body,
+                    BasicProperties::default()
+                        .with_delivery_mode(2)
+                        .with_content_type("application/json".into()),
+                )
+                .await
+                .context(|| format!("appending to '{stream}'"))?
+                .await
+                .context(|| format!("awaiting the confirm from '{stream}'"))?;
+            if confirm.is_nack() {
+                return Err(Error::Nacked {
+                    exchange: stream.to_string(),
+                });
+            }
+            if confirm.take_message().is_some() {
+                return Err(self.missing());
+            }
+            Ok(())
+        };
+        tokio::time::timeout(CONFIRM_TIMEOUT, appended)
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::Timeout {
+                    context: format!("appending to the {} '{stream}'", self.kind),
+                    timeout_ms: CONFIRM_TIMEOUT.as_millis() as u64,
+                })
+            })
+    }
+
+    /// Appends a barrier on a channel of its own; returns its nonce.
+    pub(crate) async fn barrier(&self, conn: &Connection) -> Result<String> {
+        let nonce = nonce();
+        self.append(conn, &R::barrier(nonce.clone())).await?;
+        Ok(nonce)
+    }
+
+    /// Appends a barrier on `ch`; returns its nonce.
+    pub(crate) async fn barrier_on(&self, ch: &SharedChannel) -> Result<String> {
+        let nonce = nonce();
+        self.append_on(ch, &R::barrier(nonce.clone())).await?;
+        Ok(nonce)
+    }
+
+    /// Where the stream ends now: the offset of the first record of its last chunk, read by a
+    /// probe consumer. `None` when it holds nothing (or nothing came in time).
+    pub(crate) async fn end_offset(&self, conn: &Connection) -> Result<Option<u64>> {
+        let mut probe = self.open(conn, broker::long_string("last"), 1).await?;
+        let end = match tokio::time::timeout(PROBE_TIMEOUT, probe.next()).await {
+            Ok(Some(Ok((offset, _)))) => offset,
+            _ => None,
+        };
+        probe.end("probed").await;
+        Ok(end)
+    }
+
+    /// A reader of the stream from `from` (an `x-stream-offset` value: `"first"`, an offset, a
+    /// timestamp).
+    pub(crate) async fn open_reader(
+        &self,
+        conn: &Connection,
+        from: AMQPValue,
+    ) -> Result<Reader<R>> {
+        self.open(conn, from, READ_PREFETCH).await
+    }
+
+    async fn open(&self, conn: &Connection, from: AMQPValue, prefetch: u16) -> Result<Reader<R>> {
+        let stream = self.name.as_str();
+        let ch = broker::open(conn).await?;
+        let consumer = async {
+            ch.basic_qos(prefetch, BasicQosOptions::default())
+                .await
+                .context(|| format!("setting the prefetch of a reader of '{stream}'"))?;
+            let mut args = FieldTable::default();
+            args.insert("x-stream-offset".into(), from);
+            let options = BasicConsumeOptions::default();
+            ch.basic_consume(stream.into(), "".into(), options, args)
+                .await
+                .map_err(|e| {
+                    if broker::is_reply(&e, broker::NOT_FOUND) {
+                        self.missing()
+                    } else {
+                        Error::Amqp {
+                            context: format!("reading '{stream}'"),
+                            source: e,
+                        }
+                    }
+                })
+        }
+        .await;
+        match consumer {
+            Ok(consumer) => Ok(Reader {
+                open: Some((ch, consumer)),
+                stream: self.name.clone(),
+                credit: Credit::default(),
+                records: PhantomData,
+            }),
+            Err(e) => {
+                broker::close(&ch, "failed").await;
+                Err(e)
+            }
+        }
+    }
+
+    /// The start-up read: the stream up to the barrier `nonce` (appended by the caller) into
+    /// `into`, from the nearest of `steps` (`x-stream-offset` values, each further back than the
+    /// one before) whose read holds a whole compaction, else from the stream's first record.
+    /// Returns the reader, positioned just after the barrier (to follow the stream from there,
+    /// or to end), and the barrier's offset.
+    pub(crate) async fn start_from_compaction<C: Compaction<Record = R>>(
+        &self,
+        conn: &Connection,
+        nonce: &str,
+        steps: impl IntoIterator<Item = AMQPValue>,
+        into: &mut C,
+    ) -> Result<(Reader<R>, Option<u64>)> {
+        let mut steps = steps.into_iter();
+        loop {
+            let step = steps.next();
+            let from_first = step.is_none();
+            let from = step.unwrap_or_else(|| broker::long_string("first"));
+            let mut reader = self.open_reader(conn, from).await?;
+            let read = reader
+                .read_to_barrier(nonce, |o, r| into.record(o, r))
+                .await;
+            let barrier = match read {
+                Ok(b) => b,
+                Err(e) => {
+                    reader.end("failed").await;
+                    return Err(e);
+                }
+            };
+            if from_first || into.whole() {
+                return Ok((reader, barrier));
+            }
+            tracing::debug!(stream = %self.name, "no whole compaction in that read: reading further back");
+            // the reader ends first: nothing it reads after this counts for the next step
+            reader.end("stepping back").await;
+            into.restart();
+        }
+    }
+}
+
+/// A consumer of a stream on a channel of its own, acking its records as credit.
+pub(crate) struct Reader<R> {
+    /// `None` once ended.
+    open: Option<(Channel, lapin::Consumer)>,
+    stream: String,
+    credit: Credit,
+    records: PhantomData<fn() -> R>,
+}
+
+impl<R: LogRecord> Reader<R> {
+    /// The next record: its offset (when the broker said) and the record (`None` when it does
+    /// not decode: garbage, or a newer version's kind). `None` when the broker ended the
+    /// consumer.
+    pub(crate) async fn next(&mut self) -> Option<Result<(Option<u64>, Option<R>)>> {
+        let (_, consumer) = self.open.as_mut()?;
+        let d = match self.credit.next(consumer).await? {
+            Ok(d) => d,
+            Err(source) => {
+                return Some(Err(Error::Amqp {
+                    context: format!("reading '{}'", self.stream),
+                    source,
+                }));
+            }
+        };
+        let offset = broker::stream_offset(&d);
+        let record = serde_json::from_slice(&d.data).ok();
+        self.credit.read(d.acker).await;
+        Some(Ok((offset, record)))
+    }
+
+    /// Reads until the barrier `nonce`, giving every record before it to `each`. Returns the
+    /// barrier's offset. Gives up only when no record arrives for [`READ_STALL`].
+    pub(crate) async fn read_to_barrier(
+        &mut self,
+        nonce: &str,
+        mut each: impl FnMut(Option<u64>, Option<R>),
+    ) -> Result<Option<u64>> {
+        loop {
+            let Ok(next) = tokio::time::timeout(READ_STALL, self.next()).await else {
+                return Err(Error::Timeout {
+                    context: format!(
+                        "reading '{}' up to a barrier (no record for {READ_STALL:?})",
+                        self.stream
+                    ),
+                    timeout_ms: READ_STALL.as_millis() as u64,
+                });
+            };
+            let Some(next) = next else {
+                return Err(Error::stream(
+                    &self.stream,
+                    "the broker ended the read before the barrier",
+                ));
+            };
+            let (offset, record) = next?;
+            if record.as_ref().and_then(R::barrier_nonce) == Some(nonce) {
+                return Ok(offset);
+            }
+            each(offset, record);
+        }
+    }
+}
+
+impl<R> Reader<R> {
+    /// Ends the consumer, then closes its channel (`broker::end_consumer`).
+    pub(crate) async fn end(mut self, why: &str) {
+        if let Some((ch, consumer)) = self.open.take() {
+            broker::end_consumer(&ch, &consumer, why).await;
+        }
+    }
+}
+
+impl<R> Drop for Reader<R> {
+    fn drop(&mut self) {
+        // a reader dropped before it ended (its task stopped, a timeout): end it all the same,
+        // never leaving lapin an active consumer to cancel on a channel that may be closing
+        if let Some((ch, consumer)) = self.open.take()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(async move { broker::end_consumer(&ch, &consumer, "dropped").await });
+        }
+    }
+}
+
+/// Acks a stream consumer's records as credit: one `multiple` ack every [`ACK_EVERY`] records,
+/// and one as soon as nothing more is coming (never a nack: that closes the connection).
+#[derive(Default)]
+struct Credit {
+    unacked: Option<(lapin::Acker, u64)>,
+}
+
+impl Credit {
+    /// The consumer's next delivery; acks what it holds while none comes for 50 ms.
+    async fn next(
+        &mut self,
+        consumer: &mut lapin::Consumer,
+    ) -> Option<lapin::Result<lapin::message::Delivery>> {
+        loop {
+            if self.unacked.is_none() {
+                return consumer.next().await;
+            }
+            match tokio::time::timeout(Duration::from_millis(50), consumer.next()).await {
+                Ok(next) => return next,
+                Err(_) => {
+                    if let Some((acker, _)) = self.unacked.take() {
+                        let _ = acker.ack(BasicAckOptions { multiple: true }).await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Counts a delivery read (its `acker`), acking every [`ACK_EVERY`].
+    async fn read(&mut self, acker: lapin::Acker) {
+        let n = self.unacked.take().map_or(0, |(_, n)| n) + 1;
+        if n >= ACK_EVERY {
+            let _ = acker.ack(BasicAckOptions { multiple: true }).await;
+        } else {
+            self.unacked = Some((acker, n));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    #[serde(tag = "type", rename_all = "snake_case")]
+    enum Test {
+        Barrier { nonce: String },
+        Note { text: String },
+    }
+
+    impl LogRecord for Test {
+        fn barrier(nonce: String) -> Self {
+            Test::Barrier { nonce }
+        }
+        fn barrier_nonce(&self) -> Option<&str> {
+            match self {
+                Test::Barrier { nonce } => Some(nonce),
+                _ => None,
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_stream_is_named_and_so_is_a_returned_append() {
+        let log = StreamLog::<Test>::new("ledger stream", "p.ledger".into(), "p");
+        let text = log.missing().to_string();
+        assert!(
+            text.contains("the ledger stream 'p.ledger' is missing"),
+            "{text}"
+        );
+        let returned = Error::Returned {
+            exchange: String::new(),
+            routing_key: "p.ledger".into(),
+            code: 312,
+            text: "NO_ROUTE".into(),
+        };
+        assert!(matches!(
+            log.or_missing(returned),
+            Error::NotDeclared { .. }
+        ));
+        let other = log.or_missing(Error::Nacked {
+            exchange: "p.ledger".into(),
+        });
+        assert!(matches!(other, Error::Nacked { .. }));
+    }
+
+    #[test]
+    fn records_travel_as_tagged_json_and_unknown_kinds_do_not_decode() {
+        let log = StreamLog::<Test>::new("control stream", "p.control".into(), "p");
+        let body = log.encode(&Test::barrier("n".into()));
+        assert_eq!(body, br#"{"type":"barrier","nonce":"n"}"#);
+        let back: Test = serde_json::from_slice(&body).unwrap();
+        assert_eq!(back.barrier_nonce(), Some("n"));
+        assert!(serde_json::from_slice::<Test>(br#"{"type":"something_new"}"#).is_err());
+        assert!(serde_json::from_slice::<Test>(b"garbage").is_err());
+    }
+}
