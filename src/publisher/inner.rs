@@ -209,7 +209,7 @@ impl Inner {
                 Err(Error::Nacked { .. }) if self.layout.max_tier_length().is_none() => {
                     let end = *give_up.get_or_insert_with(|| {
                         Instant::now()
-                            + Duration::from_millis(self.settings.reconnect_timeout.as_millis())
+                            + self.settings.reconnect_timeout.as_duration()
                     });
                     if Instant::now() + pause > end {
                         return Err(Error::Nacked {
@@ -366,7 +366,7 @@ impl Inner {
             return Ok(c.clone());
         }
         let give_up =
-            Instant::now() + Duration::from_millis(self.settings.reconnect_timeout.as_millis());
+            Instant::now() + self.settings.reconnect_timeout.as_duration();
         let mut backoff = crate::connection::Backoff::default();
         loop {
             match url.connect(CONNECTION_NAME).await {
@@ -483,7 +483,7 @@ impl Inner {
 /// at the first deadline kept the gateway's batches at ~6 members).
 pub(super) async fn run_batcher(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Vec<Prepared>>) {
     let mut tasks = tokio::task::JoinSet::new();
-    let linger = Duration::from_millis(inner.settings.batch_linger.as_millis());
+    let linger = inner.settings.batch_linger.as_duration();
     let limit = inner.settings.max_pending.max(1);
     // every message in hand, with the instant it must leave by
     let mut held: Vec<Held> = Vec::new();

@@ -99,7 +99,7 @@ impl<'w, H: Handler> Session<'w, H> {
         worker.check_queues_exist(conn, mode.first).await?;
         // cancellations first: nothing runs before every tombstone so far has been read
         let mut follow = FollowOptions::new(
-            Duration::from_millis(s.cancel.notice.as_millis()),
+            s.cancel.notice.as_duration(),
             s.cancel.horizon.as_millis(),
         );
         follow.progress = Some(progress);
@@ -327,7 +327,7 @@ impl<'w, H: Handler> Session<'w, H> {
                 .basic_cancel(tag.clone(), BasicCancelOptions::default())
                 .await;
         }
-        let grace = Duration::from_millis(self.worker.settings.consumer.shutdown_grace.as_millis());
+        let grace = self.worker.settings.consumer.shutdown_grace.as_duration();
         let tasks = &mut self.tasks;
         while tasks.try_join_next().is_some() {}
         if stopping {
