@@ -393,7 +393,7 @@ impl Inner {
     /// Binds `destination` on the delivery exchange unless it was bound recently by us, and
     /// learns whether its consumers read batches. Returns that.
     pub(super) async fn ensure_bound(&self, destination: &str) -> Result<bool> {
-        let ttl = Duration::from_secs(self.settings.binding_cache_secs);
+        let ttl = self.settings.binding_cache.as_duration();
         let fresh = |map: &HashMap<String, Binding>| {
             map.get(destination)
                 .filter(|b| b.at.elapsed() < ttl)

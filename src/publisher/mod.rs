@@ -73,7 +73,7 @@ struct Inner {
     ledger_on: std::sync::atomic::AtomicBool,
 }
 
-/// What the publisher knows of a destination, refreshed every `binding_cache_secs`.
+/// What the publisher knows of a destination, refreshed every `publisher.binding_cache`.
 #[derive(Debug, Clone, Copy)]
 struct Binding {
     at: Instant,

@@ -237,7 +237,7 @@ pub(crate) async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> 
             batched_messages: cfg.batched_messages,
             quick: cfg.quick,
             radix: cfg.settings.topology.radix,
-            unit_ms: cfg.settings.topology.unit_ms,
+            unit_ms: cfg.settings.topology.unit.as_millis(),
             queue_type: qt.to_string(),
             lateness_budget: describe_precision(&precision),
             max_in_flight: cfg.settings.publisher.max_in_flight,
