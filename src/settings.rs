@@ -690,6 +690,9 @@ impl Settings {
         self.precision.validate().map_err(SettingsError::Invalid)?;
         self.consumer.validate().map_err(SettingsError::Invalid)?;
         self.gateway.validate().map_err(SettingsError::Invalid)?;
+        if !self.gateway.pairs.is_empty() {
+            self.validate_gateway().map_err(SettingsError::Invalid)?;
+        }
         self.publisher.validate().map_err(SettingsError::Invalid)?;
         crate::endpoints::validate_urls(&self.url).map_err(SettingsError::Invalid)?;
         self.tls.validate().map_err(SettingsError::Invalid)?;
@@ -710,6 +713,35 @@ impl Settings {
             )));
         }
         Layout::new(&self.prefix, &self.topology)?;
+        Ok(())
+    }
+
+    /// Checks what a gateway needs of these settings: `gateway` itself, at least one pair, and
+    /// how holding fits the consumer settings. [`Settings::validate`] runs it when the settings
+    /// name pairs; `Gateway::new` always (its pairs may come from flags).
+    pub fn validate_gateway(&self) -> Result<(), String> {
+        let (g, c) = (&self.gateway, &self.consumer);
+        g.validate()?;
+        // a held message waits for its delay inside the handler, then for a confirm of up to
+        // half the handler timeout
+        if g.hold.as_millis() * 2 >= c.handler_timeout.as_millis() {
+            return Err(format!(
+                "gateway.hold ({}) must be shorter than half of consumer.handler_timeout ({})",
+                g.hold, c.handler_timeout
+            ));
+        }
+        // the gateway's prefetch: its handlers in flight plus the messages it holds
+        if g.hold.as_millis() > 0 && c.io_concurrency + g.max_held > usize::from(u16::MAX) {
+            return Err(format!(
+                "consumer.io_concurrency ({}) + gateway.max_held ({}) must be at most 65535: together they are the gateway's prefetch",
+                c.io_concurrency, g.max_held
+            ));
+        }
+        if g.pairs.is_empty() {
+            return Err(
+                "the gateway has no pair: give --ingress EXCHANGE --target EXCHANGE, or [[gateway.pairs]] in --config".into(),
+            );
+        }
         Ok(())
     }
 
@@ -993,6 +1025,62 @@ mod tests {
             Settings::load_with_env(None, env(&[("AMQP_DELAY_TOPOLOGY__RADIX", "8")])).unwrap();
         });
         assert!(!text.contains("WARN"), "{text}");
+    }
+
+    #[test]
+    fn holding_is_checked_against_the_handler_timeout_and_the_prefetch() {
+        let mut s = Settings::default();
+        assert!(
+            s.validate().is_ok(),
+            "no pairs: the gateway's checks do not apply"
+        );
+        let e = s.validate_gateway().unwrap_err();
+        assert!(e.contains("the gateway has no pair"), "{e}");
+        s.gateway.pairs = vec![PairConfig {
+            ingress: "i".into(),
+            target: "t".into(),
+        }];
+        assert!(s.validate().is_ok());
+        let mut short = s.clone();
+        short.gateway.hold = DurationMs(1_000);
+        short.consumer.handler_timeout = DurationMs(2_000);
+        let e = short.validate().unwrap_err().to_string();
+        assert!(
+            e.contains(
+                "gateway.hold (1s) must be shorter than half of consumer.handler_timeout (2s)"
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            short.validate_gateway().unwrap_err(),
+            e.trim_start_matches("configuration: ")
+        );
+        short.gateway.hold = DurationMs(0);
+        assert!(short.validate().is_ok(), "holding nothing needs no time");
+        let mut many = s;
+        many.gateway.max_held = 65_100;
+        let e = many.validate().unwrap_err().to_string();
+        assert!(
+            e.contains(
+                "consumer.io_concurrency (512) + gateway.max_held (65100) must be at most 65535"
+            ),
+            "{e}"
+        );
+        many.gateway.hold = DurationMs(0);
+        assert!(many.validate().is_ok(), "holding nothing needs no slots");
+        // from a file: refused when loading
+        let file = TempToml::new(
+            "gateway",
+            "[gateway]\nhold = \"100ms\"\n[consumer]\nhandler_timeout = \"150ms\"\n\
+             [[gateway.pairs]]\ningress = \"i\"\ntarget = \"t\"\n",
+        );
+        let e = Settings::load_with_env(Some(&file.0), env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("gateway.hold (100ms) must be shorter than half"),
+            "{e}"
+        );
     }
 
     #[test]
