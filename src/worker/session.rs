@@ -82,15 +82,8 @@ impl<'w, H: Handler> Session<'w, H> {
     ) -> Result<std::result::Result<Self, SessionEnd>> {
         let s = &worker.settings;
         let cs = &s.consumer;
-        let publisher = match Publisher::with_connection(
-            conn.clone(),
-            layout.clone(),
-            s.precision,
-            s.publisher.clone(),
-        )
-        .await
-        {
-            Ok(p) => Arc::new(p.with_cancel_settings(s.cancel.clone())),
+        let publisher = match Publisher::with_connection(conn.clone(), layout.clone(), s).await {
+            Ok(p) => Arc::new(p),
             Err(e @ (Error::Amqp { .. } | Error::Connect { .. } | Error::Timeout { .. })) => {
                 return Ok(Err(SessionEnd::Lost(e)));
             }

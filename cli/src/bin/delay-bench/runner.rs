@@ -15,7 +15,7 @@ use lapin::Connection;
 use amqp_delay::QueueType;
 use amqp_delay::connection::redact_url;
 use amqp_delay::time::compact_duration;
-use amqp_delay::{Error, Layout, Precision, Publisher, Result, Topology};
+use amqp_delay::{Error, Layout, Precision, Publisher, Result, Settings, Topology};
 
 use crate::amqp::{connect, delete_topology};
 use crate::cleanup::Cleanup;
@@ -294,6 +294,10 @@ struct Bench<'a> {
 
 impl Bench<'_> {
     async fn publishers(&self, layout: &Layout, precision: Precision) -> Result<Publishers> {
+        let settings = Settings {
+            precision,
+            ..self.cfg.settings.clone()
+        };
         let mut out = Publishers {
             pubs: Vec::new(),
             conns: Vec::new(),
@@ -301,13 +305,7 @@ impl Bench<'_> {
         for _ in 0..self.cfg.publishers {
             let conn = Arc::new(connect(&self.cfg.settings.url, "delay-bench publisher").await?);
             out.conns.push(conn.clone());
-            let p = Publisher::with_connection(
-                conn,
-                layout.clone(),
-                precision,
-                self.cfg.settings.publisher.clone(),
-            )
-            .await;
+            let p = Publisher::with_connection(conn, layout.clone(), &settings).await;
             match p {
                 Ok(p) => out.pubs.push(p),
                 Err(e) => {
