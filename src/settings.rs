@@ -136,7 +136,8 @@ pub struct PublisherSettings {
     /// Largest batch body in bytes (RabbitMQ 4.x refuses messages over 16 MiB by default).
     pub batch_max_bytes: usize,
     /// How long a single `schedule` call may wait for concurrent calls to share its batch
-    /// (never past its lateness budget); 0 = do not wait.
+    /// (never past its lateness budget); 0 = do not wait. Every publisher but the gateway's,
+    /// which lingers `gateway.batch_linger` instead.
     pub batch_linger: DurationMs,
     /// Largest body accepted (RabbitMQ 4.x's default `max_message_size` is 16 MiB; 3.x's
     /// 128 MiB); larger is refused before anything is published.
@@ -215,12 +216,16 @@ pub struct ConsumerSettings {
     pub io_concurrency: usize,
     /// How long a message whose handler said "not now" (`Outcome::Requeue`) is held and
     /// retried in the worker before it goes back to its queue (each return to a RabbitMQ 4.x
-    /// quorum queue can count towards its delivery limit); below `consumer_timeout`.
+    /// quorum queue can count towards its delivery limit); below the broker's
+    /// `consumer_timeout`.
     pub requeue_hold: DurationMs,
     /// A handler running longer counts as a retryable failure.
     pub handler_timeout: DurationMs,
-    /// The broker's `consumer_timeout` (30 min by default): handler_timeout must stay below it,
-    /// or the broker closes the channel under a slow handler.
+    /// The broker's `consumer_timeout` as the worker assumes it: RabbitMQ's default, 30 min.
+    /// `handler_timeout` and `requeue_hold` are checked to stay below it, or the broker closes
+    /// the channel under a slow handler. It describes the broker, it tunes nothing: set it only
+    /// where the broker's `consumer_timeout` was changed (a worker cannot read the broker's
+    /// value), so it is in no example configuration.
     pub consumer_timeout: DurationMs,
     /// On SIGTERM/SIGINT, how long in-flight handlers may finish before the worker exits
     /// (what did not finish is returned to the queue by the broker).
@@ -343,9 +348,10 @@ impl ConsumerSettings {
 pub struct GatewaySettings {
     /// `[[gateway.pairs]]`: ingress exchange → target exchange.
     pub pairs: Vec<PairConfig>,
-    /// How long an ingress message may wait in the gateway to share a batch (its
-    /// `publisher.batch_linger`; never past a member's deadline). Longer than a library
-    /// caller's: the ingress message waits, not an application.
+    /// How long an ingress message may wait in the gateway to share a batch (never past a
+    /// member's deadline): the gateway's publisher uses it in place of
+    /// `publisher.batch_linger`. One mechanism, two keys, because the defaults differ: here the
+    /// ingress message waits, not an application's call, so it may wait longer.
     pub batch_linger: DurationMs,
     /// A message whose `x-delay` is at most this is held by the gateway (unacked in the ingress
     /// queue, so nothing is lost if the gateway dies) and published to its target when due,
@@ -1081,6 +1087,75 @@ mod tests {
             e.contains("gateway.hold (100ms) must be shorter than half"),
             "{e}"
         );
+    }
+
+    /// Keys that are settings but in no table or example: they describe the broker (or are
+    /// lowered only by the tests), nobody tunes them.
+    const HIDDEN_KEYS: &[&str] = &["topology.max_tier_ttl", "consumer.consumer_timeout"];
+
+    fn flat_keys(prefix: &str, v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, v) in m {
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    flat_keys(&key, v, out);
+                }
+            }
+            _ => out.push(prefix.to_string()),
+        }
+    }
+
+    #[test]
+    fn the_settings_table_of_operations_md_lists_every_key_and_no_other() {
+        let mut keys = Vec::new();
+        flat_keys(
+            "",
+            &serde_json::to_value(Settings::default()).unwrap(),
+            &mut keys,
+        );
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/OPERATIONS.md");
+        let text = std::fs::read_to_string(path).unwrap();
+        let section = text
+            .split("\n## Settings\n")
+            .nth(1)
+            .and_then(|t| t.split("\n## ").next())
+            .expect("a Settings section");
+        let mut documented = Vec::new();
+        for row in section.lines().filter(|l| l.starts_with("| `")) {
+            let cell = row.split('|').nth(1).unwrap();
+            for token in cell.split('`').skip(1).step_by(2) {
+                if let Some(list) = token.strip_prefix("[[").and_then(|t| t.strip_suffix("]]")) {
+                    documented.push(list.to_string());
+                    break; // the rest are the entries' own keys
+                }
+                match token.split_once(".{") {
+                    Some((head, rest)) => {
+                        for k in rest.trim_end_matches('}').split(',') {
+                            documented.push(format!("{head}.{k}"));
+                        }
+                    }
+                    None => documented.push(token.to_string()),
+                }
+            }
+        }
+        for k in &keys {
+            let hidden = HIDDEN_KEYS.contains(&k.as_str());
+            assert_eq!(
+                documented.contains(k),
+                !hidden,
+                "docs/OPERATIONS.md's settings table and the key {k} (hidden: {hidden})"
+            );
+        }
+        for d in &documented {
+            assert!(
+                keys.contains(d),
+                "docs/OPERATIONS.md documents {d}, which is no setting"
+            );
+        }
     }
 
     #[test]
