@@ -99,7 +99,7 @@ cat >"${CONFIG}" <<EOF
 prefix = "${PREFIX}"
 [topology]
 radix = 16
-unit_ms = 1
+unit = "1ms"
 max_delay = "1m"
 fixed_levels = ["1s"]
 queue_type = "quorum"

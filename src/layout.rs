@@ -36,8 +36,8 @@ const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
 pub struct TopologySettings {
     /// Digits per cascade level (2..=36). Larger means fewer hops and more queues.
     pub radix: u32,
-    /// Time unit of the lowest level, in milliseconds: the finest precision.
-    pub unit_ms: u64,
+    /// Time unit of the lowest level: the finest precision (whole milliseconds).
+    pub unit: DurationMs,
     /// Longest accepted delay.
     pub max_delay: DurationMs,
     /// Delays that get their own one-hop tier.
@@ -49,16 +49,18 @@ pub struct TopologySettings {
     pub queue_type: QueueType,
     /// Optional `x-max-length` of every tier; a full tier makes publishes fail (nack).
     pub max_tier_length: Option<u64>,
-    /// Largest TTL of a single tier queue; the broker's limit unless lowered (tests lower it to
-    /// exercise the overflow chain quickly).
-    pub max_tier_ttl_ms: u64,
+    /// Largest TTL of a single tier queue: the broker's limit ([`BROKER_MAX_TTL_MS`]). Not a
+    /// setting for users (it is in no example and no table): the tests lower it to exercise the
+    /// overflow chain in a second instead of 49 days.
+    #[doc(hidden)]
+    pub max_tier_ttl: DurationMs,
 }
 
 impl Default for TopologySettings {
     fn default() -> Self {
         TopologySettings {
             radix: 16,
-            unit_ms: 1,
+            unit: DurationMs(1),
             max_delay: DurationMs(365 * 24 * 3_600_000),
             fixed_levels: ["30s", "5m", "30m", "24h"]
                 .iter()
@@ -67,7 +69,7 @@ impl Default for TopologySettings {
             fixed_shards: 1,
             queue_type: QueueType::Quorum,
             max_tier_length: None,
-            max_tier_ttl_ms: BROKER_MAX_TTL_MS,
+            max_tier_ttl: DurationMs(BROKER_MAX_TTL_MS),
         }
     }
 }
@@ -167,7 +169,7 @@ impl Layout {
     /// limit, the overflow chain what lies beyond, the fixed levels their own tiers.
     pub fn new(prefix: &str, t: &TopologySettings) -> Result<Layout, LayoutError> {
         validate_prefix(prefix).map_err(LayoutError)?;
-        let (radix, unit, max_ttl) = (t.radix, t.unit_ms, t.max_tier_ttl_ms);
+        let (radix, unit, max_ttl) = (t.radix, t.unit.as_millis(), t.max_tier_ttl.as_millis());
         validate_units(radix, unit, max_ttl)?;
         let max_delay_ms = t.max_delay.as_millis();
         let levels = cascade_levels(u64::from(radix), unit, max_ttl, max_delay_ms)?;
@@ -322,7 +324,7 @@ impl Layout {
     pub fn signature_key_name(key: &str) -> &str {
         match key {
             "r" => "radix",
-            "u" => "unit_ms",
+            "u" => "unit",
             "L" => "levels",
             "o" => "overflow tiers",
             "t" => "queue_type",
@@ -385,12 +387,12 @@ fn validate_units(radix: u32, unit: u64, max_ttl: u64) -> Result<(), LayoutError
     }
     if max_ttl == 0 || max_ttl > BROKER_MAX_TTL_MS {
         return err(format!(
-            "max_tier_ttl_ms must be between 1 and {BROKER_MAX_TTL_MS} (the broker's limit), got {max_ttl}"
+            "max_tier_ttl must be between 1 and {BROKER_MAX_TTL_MS} ms (the broker's limit), got {max_ttl} ms"
         ));
     }
     if unit == 0 || unit > max_ttl {
         return err(format!(
-            "unit_ms must be between 1 and max_tier_ttl_ms ({max_ttl}), got {unit}"
+            "unit must be between 1 ms and the longest tier TTL ({max_ttl} ms), got {unit} ms"
         ));
     }
     Ok(())
@@ -408,7 +410,7 @@ fn cascade_range(r: u64, unit: u64, levels: u32) -> u64 {
 fn cascade_levels(r: u64, unit: u64, max_ttl: u64, max_delay_ms: u64) -> Result<u32, LayoutError> {
     if (r - 1).saturating_mul(unit) > max_ttl {
         return Err(LayoutError(format!(
-            "the largest level-0 tier ({} x {unit} ms) exceeds max_tier_ttl_ms ({max_ttl}); use a smaller radix or unit",
+            "the largest level-0 tier ({} x {unit} ms) exceeds the longest tier TTL ({max_ttl} ms); use a smaller radix or unit",
             r - 1
         )));
     }
@@ -442,7 +444,7 @@ fn overflow_chain(
     };
     if overflow_count > MAX_OVERFLOW_QUEUES {
         return Err(LayoutError(format!(
-            "max_delay {} ms needs {overflow_count} overflow tiers of {overflow_ttl_ms} ms beyond the cascade's {cascade_ms} ms (limit {MAX_OVERFLOW_QUEUES}); raise unit_ms or max_tier_ttl_ms, or lower max_delay",
+            "max_delay {} ms needs {overflow_count} overflow tiers of {overflow_ttl_ms} ms beyond the cascade's {cascade_ms} ms (limit {MAX_OVERFLOW_QUEUES}); raise unit, or lower max_delay",
             max_delay_ms
         )));
     }
@@ -461,7 +463,7 @@ fn fixed_levels(
         let ms = f.as_millis();
         if ms == 0 || ms > max_ttl {
             return Err(LayoutError(format!(
-                "fixed level {f} must be between 1 ms and max_tier_ttl_ms ({max_ttl} ms)"
+                "fixed level {f} must be between 1 ms and the longest tier TTL ({max_ttl} ms)"
             )));
         }
         if ms > max_delay_ms {
@@ -526,13 +528,13 @@ mod tests {
     fn every_tier_bounds_when_its_messages_fall_due() {
         let t = TopologySettings {
             radix: 4,
-            unit_ms: 1,
+            unit: DurationMs(1),
             max_delay: DurationMs(1_500),
             fixed_levels: vec![DurationMs(150)],
             fixed_shards: 1,
             queue_type: QueueType::Quorum,
             max_tier_length: None,
-            max_tier_ttl_ms: 200,
+            max_tier_ttl: DurationMs(200),
         };
         let l = Layout::new("p", &t).unwrap();
         // level 1, digit 2: 8..=11 ms of delay left when it enters

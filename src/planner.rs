@@ -12,16 +12,17 @@
 use serde::{Deserialize, Serialize};
 
 use crate::layout::{Layout, TierKind};
+use crate::time::DurationMs;
 
 /// How late a message may be delivered so that its route needs fewer hops and it can share a
-/// batch with others. The budget for a delay `D` is `max(lateness_ms, floor(lateness_ratio · D))`,
+/// batch with others. The budget for a delay `D` is `max(lateness, floor(lateness_ratio · D))`,
 /// never less than one unit − 1 ms (a delay is rounded up to whole units). The default, 5 ms or
 /// 0.1%, is below what one dead-letter hop adds anyway (p50 4–5 ms, docs/PERFORMANCE.md).
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Precision {
-    /// Absolute lateness budget in milliseconds.
-    pub lateness_ms: u64,
+    /// Absolute lateness budget.
+    pub lateness: DurationMs,
     /// Relative lateness budget, a fraction of the delay (0.001 = 0.1%).
     pub lateness_ratio: f64,
 }
@@ -29,7 +30,7 @@ pub struct Precision {
 impl Default for Precision {
     fn default() -> Self {
         Precision {
-            lateness_ms: 5,
+            lateness: DurationMs(5),
             lateness_ratio: 0.001,
         }
     }
@@ -38,7 +39,7 @@ impl Default for Precision {
 impl Precision {
     /// Exact: no lateness beyond unit rounding.
     pub const EXACT: Precision = Precision {
-        lateness_ms: 0,
+        lateness: DurationMs(0),
         lateness_ratio: 0.0,
     };
 
@@ -56,7 +57,7 @@ impl Precision {
     /// The lateness budget for `delay_ms` (before unit rounding).
     pub fn budget_ms(&self, delay_ms: u64) -> u64 {
         let rel = (self.lateness_ratio * delay_ms as f64).floor();
-        self.lateness_ms.max(rel as u64)
+        self.lateness.as_millis().max(rel as u64)
     }
 }
 
@@ -346,16 +347,15 @@ pub fn fewest_digits_in(lo: u64, hi: u64, radix: u32) -> u64 {
 mod tests {
     use super::*;
     use crate::layout::TopologySettings;
-    use crate::time::DurationMs;
     use proptest::prelude::*;
 
     fn layout(radix: u32, unit: u64, max: u64, max_ttl: u64, fixed: &[u64]) -> Layout {
         let t = TopologySettings {
             radix,
-            unit_ms: unit,
+            unit: DurationMs(unit),
             max_delay: DurationMs(max),
             fixed_levels: fixed.iter().map(|&f| DurationMs(f)).collect(),
-            max_tier_ttl_ms: max_ttl,
+            max_tier_ttl: DurationMs(max_ttl),
             ..TopologySettings::default()
         };
         Layout::new("t", &t).unwrap()
@@ -441,7 +441,7 @@ mod tests {
         let exact = plan(&l, &Precision::EXACT, 4095).unwrap();
         assert_eq!(exact.hops(), 3);
         let p = Precision {
-            lateness_ms: 1,
+            lateness: DurationMs(1),
             lateness_ratio: 0.0,
         };
         let r = plan(&l, &p, 4095).unwrap();
@@ -480,13 +480,13 @@ mod tests {
             let max_ttl = max_ttl.max(unit * u64::from(radix - 1));
             let fixed: Vec<u64> = fixed.into_iter().filter(|&f| f <= max_ttl && f <= max).collect();
             let t = TopologySettings {
-                radix, unit_ms: unit, max_delay: DurationMs(max),
+                radix, unit: DurationMs(unit), max_delay: DurationMs(max),
                 fixed_levels: fixed.iter().map(|&f| DurationMs(f)).collect(),
-                max_tier_ttl_ms: max_ttl, ..TopologySettings::default()
+                max_tier_ttl: DurationMs(max_ttl), ..TopologySettings::default()
             };
             let Ok(l) = Layout::new("t", &t) else { return Ok(()); };
             let delay = (max as f64 * delay_frac) as u64;
-            let p = Precision { lateness_ms, lateness_ratio: ratio };
+            let p = Precision { lateness: DurationMs(lateness_ms), lateness_ratio: ratio };
             let r = plan(&l, &p, delay).unwrap();
             // never early, and the tiers really add up to the total
             prop_assert!(r.total_ms >= delay);

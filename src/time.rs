@@ -4,7 +4,7 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Deserializer, Serialize};
 
@@ -26,6 +26,17 @@ impl DurationMs {
     /// The duration in milliseconds.
     pub fn as_millis(self) -> u64 {
         self.0
+    }
+
+    /// The duration as a [`Duration`], for timers and timeouts.
+    pub fn as_duration(self) -> Duration {
+        Duration::from_millis(self.0)
+    }
+}
+
+impl From<DurationMs> for Duration {
+    fn from(d: DurationMs) -> Duration {
+        d.as_duration()
     }
 }
 
@@ -129,5 +140,14 @@ mod tests {
         assert_eq!(compact_duration(86_400_000), "24h");
         assert_eq!(compact_duration(1500), "1500ms");
         assert_eq!(DurationMs(30_000).to_string(), "30s");
+    }
+
+    #[test]
+    fn a_duration_ms_is_a_duration() {
+        assert_eq!(
+            DurationMs(1_500).as_duration(),
+            Duration::from_millis(1_500)
+        );
+        assert_eq!(Duration::from(DurationMs(0)), Duration::ZERO);
     }
 }

@@ -387,7 +387,7 @@ fn signature_of(name: &str) -> String {
         .join(" ")
 }
 
-/// `radix=16 unit_ms=1` vs `radix=8 unit_ms=1` → `radix: 16 → 8`.
+/// `r=16 u=1` vs `r=8 u=1` → `radix: 16 → 8`.
 fn describe_differences(existing: &str, wanted: &str) -> String {
     let parse = |s: &str| -> Vec<(String, String)> {
         s.split_whitespace()

@@ -231,12 +231,7 @@ pub use amqp_delay::error::chain;
 /// usage error).
 pub async fn start_metrics(settings: &Settings) -> amqp_delay::error::Result<()> {
     if let Some(addr) = settings.metrics_addr.as_deref().filter(|a| !a.is_empty()) {
-        crate::observe::serve(
-            addr,
-            settings,
-            std::time::Duration::from_millis(settings.metrics_sample.as_millis()),
-        )
-        .await?;
+        crate::observe::serve(addr, settings, settings.metrics_sample.as_duration()).await?;
     }
     Ok(())
 }

@@ -356,30 +356,10 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    /// Validates the pairs of `settings.gateway` against the layout (no I/O).
+    /// Checks what a gateway needs of `settings` ([`Settings::validate_gateway`]) and names the
+    /// pairs' queues from the layout (no I/O).
     pub fn new(settings: Settings) -> Result<Gateway> {
-        settings.gateway.validate().map_err(Error::config)?;
-        let (g, c) = (&settings.gateway, &settings.consumer);
-        // a held message waits for its delay inside the handler, then for a confirm of up to
-        // half the handler timeout
-        if g.hold.as_millis() * 2 >= c.handler_timeout.as_millis() {
-            return Err(Error::config(format!(
-                "gateway.hold ({}) must be shorter than half of consumer.handler_timeout ({})",
-                g.hold, c.handler_timeout
-            )));
-        }
-        // the gateway's prefetch: its handlers in flight plus the messages it holds
-        if g.hold.as_millis() > 0 && c.io_concurrency + g.max_held > usize::from(u16::MAX) {
-            return Err(Error::config(format!(
-                "consumer.io_concurrency ({}) + gateway.max_held ({}) must be at most 65535: together they are the gateway's prefetch",
-                c.io_concurrency, g.max_held
-            )));
-        }
-        if settings.gateway.pairs.is_empty() {
-            return Err(Error::config(
-                "the gateway has no pair: give --ingress EXCHANGE --target EXCHANGE, or [[gateway.pairs]] in --config",
-            ));
-        }
+        settings.validate_gateway().map_err(Error::config)?;
         let layout = settings
             .layout()
             .map_err(crate::settings::SettingsError::from)?;
@@ -589,28 +569,22 @@ mod tests {
     }
 
     #[test]
-    fn holding_is_checked_against_the_handler_timeout_and_the_prefetch() {
+    fn a_gateway_is_built_only_from_settings_a_gateway_can_run_with() {
+        // the checks themselves: settings::tests
         let mut s = Settings::default();
+        let e = Gateway::new(s.clone()).err().unwrap().to_string();
+        assert!(e.contains("the gateway has no pair"), "{e}");
         s.gateway.pairs = vec![PairConfig {
             ingress: "i".into(),
             target: "t".into(),
         }];
         assert!(Gateway::new(s.clone()).is_ok());
-        let mut short = s.clone();
-        short.gateway.hold = crate::time::DurationMs(1_000);
-        short.consumer.handler_timeout = crate::time::DurationMs(2_000);
-        let e = Gateway::new(short.clone()).err().unwrap().to_string();
+        s.gateway.hold = crate::time::DurationMs(1_000);
+        s.consumer.handler_timeout = crate::time::DurationMs(2_000);
+        let e = Gateway::new(s).err().unwrap().to_string();
         assert!(
             e.contains("gateway.hold (1s) must be shorter than half of consumer.handler_timeout"),
             "{e}"
         );
-        short.gateway.hold = crate::time::DurationMs(0);
-        assert!(Gateway::new(short).is_ok(), "holding nothing needs no time");
-        let mut many = s;
-        many.gateway.max_held = 65_100;
-        let e = Gateway::new(many.clone()).err().unwrap().to_string();
-        assert!(e.contains("must be at most 65535"), "{e}");
-        many.gateway.hold = crate::time::DurationMs(0);
-        assert!(Gateway::new(many).is_ok(), "holding nothing needs no slots");
     }
 }

@@ -20,7 +20,7 @@ use crate::time::now_ms;
 /// at the first deadline kept the gateway's batches at ~6 members).
 pub(super) async fn run_batcher(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Vec<Prepared>>) {
     let mut tasks = tokio::task::JoinSet::new();
-    let linger = Duration::from_millis(inner.settings.batch_linger.as_millis());
+    let linger = inner.settings.batch_linger.as_duration();
     let limit = inner.settings.max_pending.max(1);
     // every message in hand, with the instant it must leave by
     let mut held: Vec<Held> = Vec::new();

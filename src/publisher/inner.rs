@@ -226,8 +226,7 @@ impl Inner {
             {
                 Err(Error::Nacked { .. }) if self.layout.max_tier_length().is_none() => {
                     let end = *give_up.get_or_insert_with(|| {
-                        Instant::now()
-                            + Duration::from_millis(self.settings.reconnect_timeout.as_millis())
+                        Instant::now() + self.settings.reconnect_timeout.as_duration()
                     });
                     if Instant::now() + pause > end {
                         return Err(Error::Nacked {
@@ -383,8 +382,7 @@ impl Inner {
         if c.status().connected() {
             return Ok(c.clone());
         }
-        let give_up =
-            Instant::now() + Duration::from_millis(self.settings.reconnect_timeout.as_millis());
+        let give_up = Instant::now() + self.settings.reconnect_timeout.as_duration();
         let mut backoff = crate::connection::Backoff::default();
         loop {
             match url.connect(CONNECTION_NAME).await {
@@ -411,7 +409,7 @@ impl Inner {
     /// Binds `destination` on the delivery exchange unless it was bound recently by us, and
     /// learns whether its consumers read batches. Returns that.
     pub(super) async fn ensure_bound(&self, destination: &str) -> Result<bool> {
-        let ttl = Duration::from_secs(self.settings.binding_cache_secs);
+        let ttl = self.settings.binding_cache.as_duration();
         let fresh = |map: &HashMap<String, Binding>| {
             map.get(destination)
                 .filter(|b| b.at.elapsed() < ttl)

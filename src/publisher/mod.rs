@@ -75,7 +75,7 @@ struct Inner {
     ledger_on: std::sync::atomic::AtomicBool,
 }
 
-/// What the publisher knows of a destination, refreshed every `binding_cache_secs`.
+/// What the publisher knows of a destination, refreshed every `publisher.binding_cache`.
 #[derive(Debug, Clone, Copy)]
 struct Binding {
     at: Instant,
@@ -105,27 +105,14 @@ impl Publisher {
         let layout = settings.layout()?;
         let connector = crate::connection::Connector::new(settings)?;
         let conn = Arc::new(connector.connect(CONNECTION_NAME).await?);
-        let built = Publisher::build(
-            conn.clone(),
-            Some(connector),
-            layout,
-            settings.precision,
-            settings.publisher.clone(),
-        )
-        .await;
+        let built = Publisher::build(conn.clone(), Some(connector), layout, settings).await;
         match built {
-            Ok(p) => Ok(p.with_cancel_settings(settings.cancel.clone())),
+            Ok(p) => Ok(p),
             Err(e) => {
                 crate::broker::close_connection(&conn, "bye").await;
                 Err(e)
             }
         }
-    }
-
-    /// Uses these cancel settings (the default: `cancel` of [`Settings::default`]).
-    pub fn with_cancel_settings(mut self, cancel: CancelSettings) -> Self {
-        self.cancel = cancel;
-        self
     }
 
     /// Cancels message `id`: records a tombstone in the control stream and returns once the
@@ -247,8 +234,7 @@ impl Publisher {
     pub async fn with_connection(
         conn: Arc<Connection>,
         layout: Layout,
-        precision: Precision,
-        settings: PublisherSettings,
+        settings: &Settings,
     ) -> Result<Publisher> {
         // our own connections check this when they connect; the caller's is checked here
         let frame_max = conn.configuration().frame_max();
@@ -261,16 +247,16 @@ impl Publisher {
                 crate::message::MAX_HEADER_BYTES
             )));
         }
-        Publisher::build(conn, None, layout, precision, settings).await
+        Publisher::build(conn, None, layout, settings).await
     }
 
     async fn build(
         conn: Arc<Connection>,
         url: Option<crate::connection::Connector>,
         layout: Layout,
-        precision: Precision,
-        settings: PublisherSettings,
+        all: &Settings,
     ) -> Result<Publisher> {
+        let (precision, settings) = (all.precision, all.publisher.clone());
         settings.validate().map_err(Error::config)?;
         Topology::new(layout.clone()).verify(&conn).await?;
         let ledger_on = crate::broker::queue_state(&conn, &layout.ledger_stream())
@@ -308,7 +294,7 @@ impl Publisher {
         };
         Ok(Publisher {
             inner,
-            cancel: CancelSettings::default(),
+            cancel: all.cancel.clone(),
             batcher,
             batcher_task,
             ledger_task,

@@ -267,8 +267,8 @@ async fn one<H: Handler>(
 async fn run_handler<H: Handler>(d: &Delivery, handler: &H, ctx: &TaskCtx) -> Option<Outcome> {
     let metrics = crate::metrics::global();
     let label = Metrics::queue(&d.queue);
-    let timeout = Duration::from_millis(ctx.settings.handler_timeout.as_millis());
-    let hold = Duration::from_millis(ctx.settings.requeue_hold.as_millis());
+    let timeout = ctx.settings.handler_timeout.as_duration();
+    let hold = ctx.settings.requeue_hold.as_duration();
     let hctx = Context {
         publisher: ctx.publisher.clone(),
         cancels: ctx.cancels.clone(),

@@ -82,15 +82,8 @@ impl<'w, H: Handler> Session<'w, H> {
     ) -> Result<std::result::Result<Self, SessionEnd>> {
         let s = &worker.settings;
         let cs = &s.consumer;
-        let publisher = match Publisher::with_connection(
-            conn.clone(),
-            layout.clone(),
-            s.precision,
-            s.publisher.clone(),
-        )
-        .await
-        {
-            Ok(p) => Arc::new(p.with_cancel_settings(s.cancel.clone())),
+        let publisher = match Publisher::with_connection(conn.clone(), layout.clone(), s).await {
+            Ok(p) => Arc::new(p),
             Err(e @ (Error::Amqp { .. } | Error::Connect { .. } | Error::Timeout { .. })) => {
                 return Ok(Err(SessionEnd::Lost(e)));
             }
@@ -98,10 +91,8 @@ impl<'w, H: Handler> Session<'w, H> {
         };
         worker.check_queues_exist(conn, mode.first).await?;
         // cancellations first: nothing runs before every tombstone so far has been read
-        let mut follow = FollowOptions::new(
-            Duration::from_millis(s.cancel.notice.as_millis()),
-            s.cancel.horizon.as_millis(),
-        );
+        let mut follow =
+            FollowOptions::new(s.cancel.notice.as_duration(), s.cancel.horizon.as_millis());
         follow.progress = Some(progress);
         let cancels = match Cancellations::follow_with(conn, layout, follow).await {
             Ok(c) => Arc::new(c),
@@ -328,7 +319,7 @@ impl<'w, H: Handler> Session<'w, H> {
                 .basic_cancel(tag.clone(), BasicCancelOptions::default())
                 .await;
         }
-        let grace = Duration::from_millis(self.worker.settings.consumer.shutdown_grace.as_millis());
+        let grace = self.worker.settings.consumer.shutdown_grace.as_duration();
         let tasks = &mut self.tasks;
         while tasks.try_join_next().is_some() {}
         if stopping {

@@ -95,7 +95,8 @@ fn the_broker_settings_are_where_the_broker_reads_them() {
         conf.get("queue_leader_locator").map(String::as_str),
         Some("balanced")
     );
-    // the broker's consumer_timeout is the one the workers are configured with
+    // the broker's consumer_timeout is the one the workers assume (the ConfigMap leaves
+    // consumer.consumer_timeout at its default)
     let ms: u64 = conf["consumer_timeout"].parse().unwrap();
     let cm = configmap_settings();
     assert_eq!(ms, cm.consumer.consumer_timeout.as_millis());

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use amqp_delay::settings::PublisherSettings;
-use amqp_delay::time::now_ms;
+use amqp_delay::time::{DurationMs, now_ms};
 use amqp_delay::{Message, Outcome, Precision, Publisher, Topology};
 use rand::Rng;
 
@@ -16,7 +16,7 @@ use crate::worker::{Scripted, retry, spawn_worker};
 /// 20 ms of lateness budget: enough for messages scheduled together to share batches.
 fn batching_env_precision(env: &mut Env) {
     env.settings.precision = Precision {
-        lateness_ms: 20,
+        lateness: DurationMs(20),
         lateness_ratio: 0.0,
     };
 }
@@ -94,7 +94,7 @@ async fn batched_members_arrive_once_never_early_within_budget() {
 async fn a_group_due_later_keeps_collecting_after_an_earlier_one_left() {
     let mut env = Env::new(small_topology()).await;
     batching_env_precision(&mut env);
-    env.settings.publisher.batch_linger = amqp_delay::time::DurationMs(300);
+    env.settings.publisher.batch_linger = DurationMs(300);
     let q = env.queue("linger").await;
     env.parked_queue(&q);
     mark_batched(&env, &q).await;
@@ -307,8 +307,8 @@ async fn a_relay_unpacks_batches_into_a_plain_queue() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stats_count_messages_not_broker_messages() {
     let mut t = small_topology();
-    t.max_delay = amqp_delay::time::DurationMs(60_000);
-    t.max_tier_ttl_ms = 20_000;
+    t.max_delay = DurationMs(60_000);
+    t.max_tier_ttl = DurationMs(20_000);
     let mut env = Env::new(t).await;
     batching_env_precision(&mut env);
     let q = env.queue("counted").await;

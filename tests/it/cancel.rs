@@ -21,7 +21,7 @@ async fn env() -> Env {
     t.max_delay = DurationMs(4_000);
     let mut env = Env::new(t).await;
     env.settings.precision = Precision {
-        lateness_ms: 20,
+        lateness: DurationMs(20),
         lateness_ratio: 0.0,
     };
     env
@@ -716,7 +716,7 @@ async fn a_busy_worker_honours_every_cancel_confirmed_exactly_the_notice_before_
     t.max_delay = DurationMs(10_000);
     let mut env = Env::new(t).await;
     env.settings.precision = Precision {
-        lateness_ms: 20,
+        lateness: DurationMs(20),
         lateness_ratio: 0.0,
     };
     let q = env.queue("busy").await;

@@ -78,7 +78,7 @@ async fn bulk_jsonl_confirms_good_lines_and_reports_bad_ones_by_line_number() {
 async fn cli_send_stats_and_clear_errors() {
     let mut t = small_topology();
     t.max_delay = DurationMs(60_000);
-    t.max_tier_ttl_ms = 20_000;
+    t.max_tier_ttl = DurationMs(20_000);
     let mut env = Env::new(t).await;
     let q = env.queue("cli").await;
     let cfg = env.write_config("");

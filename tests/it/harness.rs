@@ -38,13 +38,13 @@ pub fn random_prefix() -> String {
 pub fn small_topology() -> TopologySettings {
     TopologySettings {
         radix: 4,
-        unit_ms: 1,
+        unit: DurationMs(1),
         max_delay: DurationMs(1500),
         fixed_levels: vec![DurationMs(150)],
         fixed_shards: 1,
         queue_type: QueueType::Quorum,
         max_tier_length: None,
-        max_tier_ttl_ms: 200,
+        max_tier_ttl: DurationMs(200),
     }
 }
 
@@ -396,19 +396,19 @@ impl Env {
             .map(|f| f.as_millis().to_string())
             .collect();
         let text = format!(
-            "prefix = \"{}\"\n[topology]\nradix = {}\nunit_ms = {}\nmax_delay = {}\nfixed_levels = [{}]\nfixed_shards = {}\nmax_tier_ttl_ms = {}\nqueue_type = \"{}\"\n{}\n[precision]\nlateness_ms = {}\nlateness_ratio = {}\n\n{extra}\n",
+            "prefix = \"{}\"\n[topology]\nradix = {}\nunit = {}\nmax_delay = {}\nfixed_levels = [{}]\nfixed_shards = {}\nmax_tier_ttl = {}\nqueue_type = \"{}\"\n{}\n[precision]\nlateness = {}\nlateness_ratio = {}\n\n{extra}\n",
             self.settings.prefix,
             t.radix,
-            t.unit_ms,
+            t.unit.as_millis(),
             t.max_delay.as_millis(),
             fixed.join(", "),
             t.fixed_shards,
-            t.max_tier_ttl_ms,
+            t.max_tier_ttl.as_millis(),
             t.queue_type,
             t.max_tier_length
                 .map(|n| format!("max_tier_length = {n}"))
                 .unwrap_or_default(),
-            self.settings.precision.lateness_ms,
+            self.settings.precision.lateness.as_millis(),
             self.settings.precision.lateness_ratio,
         );
         let path = std::env::temp_dir().join(format!("{}.toml", self.settings.prefix));

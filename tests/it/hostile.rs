@@ -503,13 +503,7 @@ async fn a_callers_connection_with_a_small_frame_max_is_refused_by_the_publisher
     .unwrap();
     assert_eq!(conn.configuration().frame_max(), 8192);
     let conn = std::sync::Arc::new(conn);
-    let r = amqp_delay::Publisher::with_connection(
-        conn.clone(),
-        env.layout(),
-        env.settings.precision,
-        env.settings.publisher.clone(),
-    )
-    .await;
+    let r = amqp_delay::Publisher::with_connection(conn.clone(), env.layout(), &env.settings).await;
     match r {
         Err(amqp_delay::Error::Invalid(e)) => assert!(
             e.contains("allows frames of 8192 bytes only") && e.contains("larger frame_max"),

@@ -5,6 +5,8 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use amqp_delay::time::DurationMs;
+
 use crate::harness::*;
 
 fn get(url: &str) -> (u16, String) {
@@ -217,11 +219,11 @@ fn close_worker_connection(prefix: &str) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pending_gauge_counts_messages_and_follows_the_ledger() {
     let mut t = small_topology();
-    t.max_delay = amqp_delay::time::DurationMs(60_000);
-    t.max_tier_ttl_ms = 20_000;
+    t.max_delay = DurationMs(60_000);
+    t.max_tier_ttl = DurationMs(20_000);
     let mut env = Env::new(t).await;
     env.settings.precision = amqp_delay::Precision {
-        lateness_ms: 20,
+        lateness: DurationMs(20),
         lateness_ratio: 0.0,
     };
     let q = env.queue("gauged").await;

@@ -178,11 +178,11 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     std::fs::write(
         &cfg,
         format!(
-            "prefix = \"{p}\"\n[topology]\nradix = {}\nunit_ms = {}\nmax_delay = {}\nfixed_levels = [150]\nmax_tier_ttl_ms = {}\n",
+            "prefix = \"{p}\"\n[topology]\nradix = {}\nunit = {}\nmax_delay = {}\nfixed_levels = [150]\nmax_tier_ttl = {}\n",
             t.radix,
-            t.unit_ms,
+            t.unit.as_millis(),
             t.max_delay.as_millis(),
-            t.max_tier_ttl_ms
+            t.max_tier_ttl.as_millis()
         ),
     )
     .unwrap();

@@ -356,7 +356,7 @@ pub fn ids(lines: &[String]) -> HashMap<String, usize> {
 async fn kill_9_mid_batch_then_restart_executes_everything_at_least_once() {
     let mut env = Env::new(small_topology()).await;
     // messages due within 20 ms of each other share a batch: the kill lands inside batches
-    env.settings.precision.lateness_ms = 20;
+    env.settings.precision.lateness = DurationMs(20);
     let q = env.queue("crash").await;
     env.parked_queue(&q);
     amqp_delay::Topology::new(env.layout())

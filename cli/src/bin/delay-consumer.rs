@@ -1,8 +1,6 @@
 //! `delay-consumer`: a worker that runs an action (exec, http, forward, relay, log) on every
 //! due message of one or more destination queues. Thin: the work is in `worker` and `actions`.
 
-use std::time::Duration;
-
 use amqp_delay::Worker;
 use amqp_delay::settings::RouteConfig;
 use amqp_delay::time::DurationMs;
@@ -173,7 +171,7 @@ async fn main() {
 
 /// The action of every route, by queue.
 fn actions(s: &amqp_delay::Settings, levels: u32) -> Result<Vec<(String, Action)>, String> {
-    let timeout = Duration::from_millis(s.consumer.handler_timeout.as_millis());
+    let timeout = s.consumer.handler_timeout.as_duration();
     s.consumer
         .routes
         .iter()

@@ -52,7 +52,7 @@ pub struct Fault {
 /// The topology the scenarios use: 1 ms units, radix 4, no fixed levels, delays up to `max_ms`.
 pub fn topology_toml(prefix: &str, max_ms: u64) -> String {
     format!(
-        "prefix = \"{prefix}\"\n[topology]\nradix = 4\nunit_ms = 1\nmax_delay = {max_ms}\nfixed_levels = []\n[precision]\nlateness_ms = 0\nlateness_ratio = 0.0\n"
+        "prefix = \"{prefix}\"\n[topology]\nradix = 4\nunit = 1\nmax_delay = {max_ms}\nfixed_levels = []\n[precision]\nlateness = 0\nlateness_ratio = 0.0\n"
     )
 }
 

@@ -215,13 +215,13 @@ impl BenchConfig {
         let t = &self.settings.topology;
         TopologySettings {
             radix,
-            unit_ms: t.unit_ms,
+            unit: t.unit,
             max_delay: DurationMs(max_delay_ms),
             fixed_levels: fixed.into_iter().map(DurationMs).collect(),
             fixed_shards: t.fixed_shards,
             queue_type: t.queue_type,
             max_tier_length: t.max_tier_length,
-            max_tier_ttl_ms: t.max_tier_ttl_ms,
+            max_tier_ttl: t.max_tier_ttl,
         }
     }
 

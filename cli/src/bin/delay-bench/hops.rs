@@ -98,35 +98,35 @@ pub(crate) fn hop_table(settings: &Settings, max_delay_ms: u64) -> Vec<HopRow> {
         (
             "1ms",
             Precision {
-                lateness_ms: 1,
+                lateness: DurationMs(1),
                 lateness_ratio: 0.0,
             },
         ),
         (
             "0.1%",
             Precision {
-                lateness_ms: 0,
+                lateness: DurationMs(0),
                 lateness_ratio: 0.001,
             },
         ),
         (
             "max(2ms,0.1%)",
             Precision {
-                lateness_ms: 2,
+                lateness: DurationMs(2),
                 lateness_ratio: 0.001,
             },
         ),
         (
             "max(5ms,0.1%)",
             Precision {
-                lateness_ms: 5,
+                lateness: DurationMs(5),
                 lateness_ratio: 0.001,
             },
         ),
         (
             "1%",
             Precision {
-                lateness_ms: 0,
+                lateness: DurationMs(0),
                 lateness_ratio: 0.01,
             },
         ),

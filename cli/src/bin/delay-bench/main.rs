@@ -154,14 +154,14 @@ struct Args {
     /// Cascade radix (default: topology.radix of the configuration)
     #[arg(long)]
     radix: Option<u32>,
-    /// Cascade unit in ms (default: topology.unit_ms)
+    /// Cascade unit in ms (default: topology.unit)
     #[arg(long)]
     unit_ms: Option<u64>,
     /// Queue type of the tiers and of the raw and destination queues: quorum or classic
     /// (default: topology.queue_type)
     #[arg(long)]
     queue_type: Option<QueueType>,
-    /// Absolute lateness budget in ms (default: precision.lateness_ms)
+    /// Absolute lateness budget in ms (default: precision.lateness)
     #[arg(long)]
     lateness_ms: Option<u64>,
     /// Relative lateness budget, e.g. 0.001 (default: precision.lateness_ratio)
@@ -221,13 +221,13 @@ fn config(args: &Args) -> Result<BenchConfig, String> {
         s.topology.radix = r;
     }
     if let Some(u) = args.unit_ms {
-        s.topology.unit_ms = u;
+        s.topology.unit = DurationMs(u);
     }
     if let Some(q) = args.queue_type {
         s.topology.queue_type = q;
     }
     if let Some(l) = args.lateness_ms {
-        s.precision.lateness_ms = l;
+        s.precision.lateness = DurationMs(l);
     }
     if let Some(r) = args.lateness_ratio {
         s.precision.lateness_ratio = r;

@@ -177,7 +177,7 @@ pub(crate) struct Report {
 /// The lateness budget in words: `exact`, `2 ms`, `0.1%`, `max(2 ms, 0.1%)`.
 pub(crate) fn describe_precision(p: &Precision) -> String {
     let pct = format!("{}%", round3(p.lateness_ratio * 100.0));
-    match (p.lateness_ms, p.lateness_ratio == 0.0) {
+    match (p.lateness.as_millis(), p.lateness_ratio == 0.0) {
         (0, true) => "exact".into(),
         (ms, true) => format!("{ms} ms"),
         (0, false) => pct,

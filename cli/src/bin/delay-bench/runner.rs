@@ -18,7 +18,7 @@ use lapin::Connection;
 
 use amqp_delay::QueueType;
 use amqp_delay::connection::redact_url;
-use amqp_delay::{Layout, Precision, Publisher, Result, Topology};
+use amqp_delay::{Layout, Precision, Publisher, Result, Settings, Topology};
 
 use crate::amqp::{connect, delete_topology};
 use crate::cleanup::Cleanup;
@@ -126,7 +126,7 @@ fn run_config(cfg: &BenchConfig) -> RunConfig {
         batched_messages: cfg.batched_messages,
         quick: cfg.quick,
         radix: cfg.settings.topology.radix,
-        unit_ms: cfg.settings.topology.unit_ms,
+        unit_ms: cfg.settings.topology.unit.as_millis(),
         queue_type: cfg.settings.topology.queue_type.to_string(),
         lateness_budget: describe_precision(&cfg.settings.precision),
         max_in_flight: cfg.settings.publisher.max_in_flight,
@@ -199,6 +199,10 @@ impl<'a> Bench<'a> {
     }
 
     async fn publishers(&self, layout: &Layout, precision: Precision) -> Result<Publishers> {
+        let settings = Settings {
+            precision,
+            ..self.cfg.settings.clone()
+        };
         let mut out = Publishers {
             pubs: Vec::new(),
             conns: Vec::new(),
@@ -206,13 +210,7 @@ impl<'a> Bench<'a> {
         for _ in 0..self.cfg.publishers {
             let conn = Arc::new(connect(&self.cfg.settings.url, "delay-bench publisher").await?);
             out.conns.push(conn.clone());
-            let p = Publisher::with_connection(
-                conn,
-                layout.clone(),
-                precision,
-                self.cfg.settings.publisher.clone(),
-            )
-            .await;
+            let p = Publisher::with_connection(conn, layout.clone(), &settings).await;
             match p {
                 Ok(p) => out.pubs.push(p),
                 Err(e) => {
