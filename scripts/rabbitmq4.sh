@@ -440,7 +440,9 @@ with_env() {
 }
 
 cmd_all_down() {
-    [[ -d "${ROOT}" ]] || { log "no root at ${ROOT}; nothing runs from it"; return 0; }
+    root_ready || { log "no root at ${ROOT}; nothing runs from it"; return 0; }
+    # cluster.sh and tls-node.sh run rabbitmqctl in the root, which needs /proc
+    mount_proc
     (eval "$(cluster_env)" && bash "${SCRIPT_DIR}/cluster.sh" down) || log "warning: cluster down failed"
     (eval "$(tls_env)" && bash "${SCRIPT_DIR}/tls-node.sh" down) || log "warning: TLS node down failed"
     cmd_down
