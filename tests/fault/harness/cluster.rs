@@ -362,3 +362,14 @@ pub async fn leaders(prefix: &str, via: usize) -> HashMap<usize, usize> {
     }
     m
 }
+
+/// The cluster's RabbitMQ version (`rabbit_misc:version()` on node 1, e.g. "4.0.5").
+pub async fn broker_version() -> String {
+    static VERSION: OnceLock<String> = OnceLock::new();
+    if let Some(v) = VERSION.get() {
+        return v.clone();
+    }
+    let out = cluster(&["ctl", "1", "eval", "rabbit_misc:version()."]).await;
+    let v = out.trim().trim_matches('"').to_string();
+    VERSION.get_or_init(|| v).clone()
+}
