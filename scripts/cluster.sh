@@ -286,6 +286,12 @@ EOF
 
 # BASE: a directory on the host, or with CLUSTER_ROOT a directory in the root and the same
 # path on the host a symlink to it (one name for the files inside and outside the root).
+# With a root, BASE and its twin in the root are deleted on down: never / or a top-level
+# directory.
+if [[ -n "${CROOT}" && ! "${BASE}" =~ ^/[^/]+/[^/]+ ]]; then
+    die "CLUSTER_BASE_DIR must be an absolute path at least two levels deep with a root, got '${BASE}'"
+fi
+
 make_base() {
     if [[ -z "${CROOT}" ]]; then
         mkdir -p "${BASE}"

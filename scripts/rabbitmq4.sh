@@ -76,6 +76,8 @@ die() {
 
 [[ "$(id -u)" -eq 0 ]] || die "run as root (chroot, mount)"
 [[ "${ROOT}" == /* && "${ROOT}" != / ]] || die "RABBITMQ4_ROOT must be an absolute path other than /"
+# node directories are deleted on down: never / or a top-level directory
+[[ "${DIR}" =~ ^/[^/]+/[^/]+ ]] || die "RABBITMQ4_DIR must be an absolute path at least two levels deep, got '${DIR}'"
 
 # --- the root ----------------------------------------------------------------
 

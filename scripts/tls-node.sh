@@ -162,6 +162,12 @@ extendedKeyUsage=clientAuth"
 
 # DIR: a directory on the host, or with TLS_NODE_ROOT a directory in the root and the same path
 # on the host a symlink to it (one name for the files inside and outside the root).
+# With a root, DIR and its twin in the root are deleted on down: never / or a top-level
+# directory.
+if [[ -n "${TROOT}" && ! "${DIR}" =~ ^/[^/]+/[^/]+ ]]; then
+    die "TLS_NODE_DIR must be an absolute path at least two levels deep with a root, got '${DIR}'"
+fi
+
 make_dir() {
     if [[ -z "${TROOT}" ]]; then
         mkdir -p "${DIR}"
