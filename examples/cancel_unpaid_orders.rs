@@ -16,17 +16,19 @@
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use amqp_delay::cli::{self, GlobalArgs};
 use amqp_delay::time::DurationMs;
-use amqp_delay::{Context, Delivery, Handler, Message, Outcome, Publisher, Topology, Worker};
+use amqp_delay::{
+    Context, Delivery, Handler, Message, Outcome, Publisher, Settings, Topology, Worker,
+};
 use clap::{Parser, Subcommand};
 
 const QUEUE: &str = "orders.timeout";
 
 #[derive(Parser)]
 struct Args {
-    #[command(flatten)]
-    global: GlobalArgs,
+    /// TOML configuration file; AMQP_DELAY_* variables (e.g. AMQP_DELAY_URL) override it
+    #[arg(long, short = 'c')]
+    config: Option<PathBuf>,
     /// SQLite database file
     #[arg(long, default_value = "orders.db")]
     db: PathBuf,
@@ -90,12 +92,15 @@ impl Handler for CancelIfUnpaid {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    cli::init_logging();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .init();
     let args = Args::parse();
-    let settings = args.global.settings()?;
+    let settings = Settings::load(args.config.as_deref())?;
+    settings.validate()?;
     match args.cmd {
         Cmd::Create { amount, after } => {
-            let conn = amqp_delay::connection::connect(&settings.url, "orders example").await?;
+            let conn = amqp_delay::connect(&settings.url, "orders example").await?;
             let topo = Topology::new(settings.layout()?);
             topo.declare(&conn).await?;
             topo.declare_destination(&conn, QUEUE).await?;
@@ -143,14 +148,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
         Cmd::Worker => {
-            let conn = amqp_delay::connection::connect(&settings.url, "orders example").await?;
+            let conn = amqp_delay::connect(&settings.url, "orders example").await?;
             let topo = Topology::new(settings.layout()?);
             topo.declare(&conn).await?;
             topo.declare_destination(&conn, QUEUE).await?;
             let handler = CancelIfUnpaid(Mutex::new(open(&args.db)));
             Worker::new(settings)
                 .subscribe(QUEUE, handler)
-                .run(cli::shutdown_signal())
+                .run(async {
+                    let _ = tokio::signal::ctrl_c().await;
+                })
                 .await?;
         }
     }

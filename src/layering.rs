@@ -1,8 +1,10 @@
-//! The layer rules of ARCHITECTURE.md, checked on the source: every `crate::<module>` reference
-//! points to the same or a lower layer, the module graph has no cycle, the pure core does no
-//! broker I/O (no `async`, no tokio, no lapin connection or channel) and the planner, layout,
-//! time and retry rules know nothing about lapin at all. Files that are pure inside a layer that
-//! is not (`PURE_FILES`) are held to the same no-I/O rule.
+//! The layer rules of ARCHITECTURE.md, checked on the source of both crates: in each, every
+//! `crate::<module>` reference points to the same or a lower layer and the module graph has no
+//! cycle; the library's pure core does no broker I/O (no `async`, no tokio, no lapin connection
+//! or channel) and the planner, layout, time and retry rules know nothing about lapin at all.
+//! Files that are pure inside a layer that is not (`PURE_FILES`) are held to the same no-I/O
+//! rule. The library never names the tools' crate, and its normal dependencies leave out what
+//! only the tools use (`TOOLS_ONLY_DEPS`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -33,12 +35,30 @@ const LAYERS: &[(&str, u8)] = &[
     ("publisher", 1),
     ("worker", 1),
     ("gateway", 2),
+    ("layering", 3),
+];
+
+/// Layer of every module of the tools' crate (`cli/src`): 0 pure, 2 applications, 3 the
+/// binaries' shared pieces. The binaries (`cli/src/bin`) sit above all of them.
+const TOOL_LAYERS: &[(&str, u8)] = &[
+    ("jsonl", 0),
     ("actions", 2),
     ("admin", 2),
     ("bulk", 2),
     ("observe", 2),
     ("cli", 3),
-    ("layering", 3),
+];
+
+/// Crates only the tools use: never a normal, non-optional dependency of the library.
+const TOOLS_ONLY_DEPS: &[&str] = &[
+    "clap",
+    "axum",
+    "ureq",
+    "indicatif",
+    "hdrhistogram",
+    "tracing-subscriber",
+    "shell-words",
+    "nix",
 ];
 
 /// Core modules that must not even name lapin.
@@ -46,7 +66,11 @@ const LAPIN_FREE: &[&str] = &["time", "layout", "planner", "retry"];
 
 /// Files outside the pure core that are pure all the same, relative to `src/`: the no-I/O rule
 /// holds for each of them.
-const PURE_FILES: &[&str] = &["gateway/x_delay.rs", "bin/delay-bench/hops.rs"];
+const PURE_FILES: &[&str] = &[
+    "src/gateway/x_delay.rs",
+    "cli/src/jsonl.rs",
+    "cli/src/bin/delay-bench/hops.rs",
+];
 
 /// What broker I/O looks like in the source.
 const IO_WORDS: &[&str] = &["async ", "tokio", "Connection", "Channel", "std::net"];
@@ -87,9 +111,19 @@ fn code_of(path: &Path) -> String {
         .join("\n")
 }
 
-/// Source of every module, comments removed, keyed by top-level module name.
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Source of every library module, comments removed, keyed by top-level module name.
 fn sources() -> BTreeMap<String, String> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    sources_in(&root().join("src"))
+}
+
+/// Source of every module under `src` (not its `bin/`), comments removed, keyed by top-level
+/// module name.
+fn sources_in(src: &Path) -> BTreeMap<String, String> {
+    let src = src.to_path_buf();
     let mut out: BTreeMap<String, String> = BTreeMap::new();
     let mut stack = vec![src.clone()];
     while let Some(dir) = stack.pop() {
@@ -118,7 +152,11 @@ fn sources() -> BTreeMap<String, String> {
 }
 
 fn layer(module: &str) -> u8 {
-    LAYERS
+    layer_in(LAYERS, module)
+}
+
+fn layer_in(layers: &[(&str, u8)], module: &str) -> u8 {
+    layers
         .iter()
         .find(|(m, _)| *m == module)
         .unwrap_or_else(|| {
@@ -156,27 +194,64 @@ fn edges(sources: &BTreeMap<String, String>) -> BTreeMap<String, BTreeSet<String
     out
 }
 
-#[test]
-fn every_reference_points_down_or_sideways() {
-    let src = sources();
+/// References of `src` that point up, by `layers`.
+fn upward(src: &BTreeMap<String, String>, layers: &[(&str, u8)]) -> Vec<String> {
     let mut upward = Vec::new();
-    for (from, tos) in edges(&src) {
+    for (from, tos) in edges(src) {
+        let (lf, l) = (layer_in(layers, &from), |m: &str| layer_in(layers, m));
         for to in tos {
-            if layer(&to) > layer(&from) {
-                upward.push(format!(
-                    "{from} (layer {}) → {to} (layer {})",
-                    layer(&from),
-                    layer(&to)
-                ));
+            if l(&to) > lf {
+                upward.push(format!("{from} (layer {lf}) → {to} (layer {})", l(&to)));
             }
         }
     }
-    assert!(upward.is_empty(), "upward references: {upward:#?}");
+    upward
+}
+
+#[test]
+fn every_reference_points_down_or_sideways() {
+    let up = upward(&sources(), LAYERS);
+    assert!(up.is_empty(), "upward references in the library: {up:#?}");
+    let up = upward(&sources_in(&root().join("cli/src")), TOOL_LAYERS);
+    assert!(up.is_empty(), "upward references in the tools: {up:#?}");
+}
+
+#[test]
+fn the_library_never_names_the_tools() {
+    for (module, code) in sources() {
+        assert!(
+            !code.contains("amqp_delay_cli"),
+            "library module '{module}' names the tools' crate: the library is below the tools"
+        );
+    }
+}
+
+#[test]
+fn the_library_does_not_depend_on_what_only_the_tools_use() {
+    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
+    let deps = manifest
+        .split("\n[dependencies]\n")
+        .nth(1)
+        .expect("the library's Cargo.toml has a [dependencies] table");
+    let deps = deps.split("\n[").next().unwrap_or(deps);
+    for line in deps.lines().filter(|l| !l.trim_start().starts_with('#')) {
+        let name = line.split(['=', '.']).next().unwrap_or("").trim();
+        if TOOLS_ONLY_DEPS.contains(&name) {
+            assert!(
+                line.contains("optional = true"),
+                "the library depends on `{name}`, which only the tools use: {line}"
+            );
+        }
+    }
 }
 
 #[test]
 fn the_module_graph_has_no_cycle() {
-    let g = edges(&sources());
+    no_cycle(&edges(&sources()));
+    no_cycle(&edges(&sources_in(&root().join("cli/src"))));
+}
+
+fn no_cycle(g: &BTreeMap<String, BTreeSet<String>>) {
     // Kahn's algorithm: repeatedly remove modules nothing left depends on.
     let mut left: BTreeMap<String, BTreeSet<String>> = g.clone();
     loop {
@@ -218,9 +293,8 @@ fn the_core_does_no_broker_io() {
 
 #[test]
 fn pure_files_do_no_broker_io() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     for file in PURE_FILES {
-        let code = code_of(&src.join(file));
+        let code = code_of(&root().join(file));
         for banned in IO_WORDS {
             assert!(
                 !code.contains(banned),

@@ -71,7 +71,7 @@ impl Default for TopologySettings {
 }
 
 /// Queue type of tier and parking queues.
-#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum QueueType {
     /// Quorum queues, `x-dead-letter-strategy=at-least-once`, `x-overflow=reject-publish`:
@@ -81,6 +81,17 @@ pub enum QueueType {
     /// Classic queues: dead-lettering is at-most-once (a message can be lost if the broker
     /// fails while moving it between tiers).
     Classic,
+}
+
+impl std::str::FromStr for QueueType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "quorum" => Ok(QueueType::Quorum),
+            "classic" => Ok(QueueType::Classic),
+            other => Err(format!("unknown queue type '{other}': quorum or classic")),
+        }
+    }
 }
 
 impl fmt::Display for QueueType {

@@ -1,16 +1,17 @@
 //! amqp-delay: delayed delivery for RabbitMQ built only from stock features — tier queues with
 //! one fixed TTL each, dead-letter exchanges and topic routing. `ARCHITECTURE.md` is the map;
-//! `docs/DESIGN.md` has the broker rules and the cost model.
+//! `docs/DESIGN.md` has the broker rules, the guarantees and the cost model.
 //!
 //! What an application needs is at the root: [`Topology`] declares the tiers, [`Publisher`]
 //! schedules [`Message`]s, a [`Worker`] runs a [`Handler`] on every due [`Delivery`] and acts on
-//! its [`Outcome`]. [`Settings`] holds every setting (defaults < TOML file < environment).
+//! its [`Outcome`]; a [`Gateway`] serves plugin-style `x-delay` publishers. [`Settings`] holds
+//! every setting (defaults < TOML file < environment). Errors are [`Error`]s, by kind.
 //!
 //! ```no_run
 //! # async fn demo() -> amqp_delay::Result<()> {
 //! use amqp_delay::{Message, Publisher, Settings, Topology};
 //! let settings = Settings::default();
-//! let conn = amqp_delay::connection::connect(&settings.url, "example").await?;
+//! let conn = amqp_delay::connect(&settings.url, "example").await?;
 //! Topology::new(settings.layout()?).declare(&conn).await?;
 //! let publisher = Publisher::connect(&settings).await?;
 //! let s = publisher.schedule(Message::new("orders.timeout", 30 * 60_000, r#"{"order":42}"#)).await?;
@@ -18,54 +19,52 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The modules are layered and only point down (checked by a test, see `ARCHITECTURE.md`):
-//! pure core ([`time`], `endpoints`, [`layout`], [`planner`], [`headers`], `envelope`,
-//! [`batch`], `message`, `retry`, [`jsonl`], [`metrics`], [`settings`], `error`) → broker edge
-//! ([`broker`], [`connection`], `control`, [`cancel`], [`management`], `topology`, `publisher`,
-//! `worker`) → applications ([`gateway`], [`actions`], [`admin`], [`bulk`], [`observe`]) → the
-//! binaries' shared [`cli`] pieces.
+//! Public modules: [`settings`] (every setting), [`layout`] (tier names and sizes), [`headers`]
+//! (the header names on the wire), [`time`] (durations as written in settings), [`metrics`]
+//! (the Prometheus registry the library fills) and, with the `management` feature,
+//! `management` (RabbitMQ's HTTP API, to count messages its dead-letter worker holds).
+//!
+//! Features: `management` (an HTTP client, for [`Topology::stats_with`]); `tools` (the
+//! broker-edge modules the amqp-delay-cli tools and the test suites drive directly: hidden, no
+//! stability promise).
 
-#![warn(missing_docs)]
+#![cfg_attr(not(feature = "tools"), allow(unreachable_pub, dead_code))]
+
+/// Modules private to the library that the `tools` feature opens (hidden) to amqp-delay-cli.
+macro_rules! tool_modules {
+    ($($m:ident),* $(,)?) => {$(
+        #[cfg(feature = "tools")]
+        #[doc(hidden)]
+        pub mod $m;
+        #[cfg(not(feature = "tools"))]
+        mod $m;
+    )*};
+}
 
 // ---- pure core: no I/O ---------------------------------------------------------------------
-pub mod batch;
-mod endpoints;
-mod envelope;
-mod error;
 pub mod headers;
-pub mod jsonl;
 pub mod layout;
-mod message;
 pub mod metrics;
-pub mod planner;
-mod retry;
 pub mod settings;
-pub mod tally;
 pub mod time;
+tool_modules!(
+    batch, endpoints, envelope, error, message, planner, retry, tally
+);
 
 // ---- broker edge ---------------------------------------------------------------------------
-pub mod broker;
-pub mod cancel;
-pub mod connection;
-mod control;
-pub mod ledger;
+#[cfg(feature = "management")]
 pub mod management;
-mod publisher;
-mod topology;
-mod worker;
+tool_modules!(
+    broker, cancel, connection, control, ledger, publisher, topology, worker
+);
 
 // ---- applications --------------------------------------------------------------------------
-pub mod actions;
-pub mod admin;
-pub mod bulk;
-pub mod gateway;
-pub mod observe;
+tool_modules!(gateway);
 
-// ---- shared by the binaries ----------------------------------------------------------------
-pub mod cli;
-
+pub use connection::{Connector, connect};
 pub use envelope::Delivery;
 pub use error::{Error, Result, chain as error_chain};
+pub use gateway::Gateway;
 pub use layout::{Layout, QueueType, TopologySettings};
 pub use message::{Message, Scheduled};
 pub use planner::{Precision, Route, plan};

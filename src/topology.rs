@@ -54,6 +54,25 @@ pub struct QueueStat {
     pub due_within_ms: Option<u64>,
 }
 
+impl QueueStat {
+    /// A queue that holds `messages` ready broker messages and nothing else visible (tests).
+    #[doc(hidden)]
+    pub fn ready_only(queue: String, kind: &'static str, ttl_ms: Option<u64>, messages: u64) -> Self {
+        QueueStat {
+            queue,
+            kind,
+            ttl_ms,
+            messages,
+            ready: messages,
+            unacked: None,
+            dead_lettered: None,
+            leader: None,
+            missing: false,
+            due_within_ms: ttl_ms,
+        }
+    }
+}
+
 impl Topology {
     /// The topology of `layout` (no I/O until a method is called).
     pub fn new(layout: Layout) -> Topology {

@@ -25,7 +25,7 @@ use yaml_rust2::{Yaml, YamlLoader};
 // --- files -----------------------------------------------------------------------------------
 
 pub(crate) fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
 }
 
 pub(crate) fn read(rel: &str) -> String {

@@ -19,7 +19,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Connection, ExchangeKind};
 
-const APP: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/plugin_app.py");
+const APP: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/py/plugin_app.py");
 
 /// The tests need Python 3 with pika (installed by ./scripts/test.sh): fail, never skip.
 fn require_pika() {

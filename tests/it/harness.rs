@@ -88,7 +88,7 @@ impl Drop for Env {
             for l in declared {
                 delete_batch_markers(&conn, &l, &queues).await;
                 // as cleanup does; the bare topology when the control stream cannot be read
-                if amqp_delay::admin::teardown(&conn, &l, None, true)
+                if amqp_delay_cli::admin::teardown(&conn, &l, None, true)
                     .await
                     .is_err()
                 {
@@ -243,7 +243,7 @@ impl Env {
             delete_batch_markers(&self.conn, l, &self.queues).await;
             // as `delay-publisher teardown --force`: the topology and what the control stream
             // names (batch markers workers declared, gateway pairs)
-            amqp_delay::admin::teardown(&self.conn, l, None, true)
+            amqp_delay_cli::admin::teardown(&self.conn, l, None, true)
                 .await
                 .expect("teardown");
         }

@@ -16,7 +16,7 @@ use tokio::io::AsyncReadExt;
 pub fn tls_node() -> &'static HashMap<String, String> {
     static NODE: OnceLock<HashMap<String, String>> = OnceLock::new();
     NODE.get_or_init(|| {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/tls-node.sh");
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/tls-node.sh");
         let out = std::process::Command::new("bash")
             .args([script, "up"])
             .output()

@@ -13,7 +13,7 @@ use super::{DLX_CONFIRM_TIMEOUT_MS, NODES};
 static UP_FAILED: OnceLock<String> = OnceLock::new();
 
 pub fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
 }
 
 /// Runs `scripts/cluster.sh ARGS` (blocking); Ok(stdout) or Err(the whole output).

@@ -66,9 +66,9 @@ mod runner;
 use std::io::IsTerminal;
 
 use amqp_delay::QueueType;
-use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
 use amqp_delay::connection::redact_url;
 use amqp_delay::time::DurationMs;
+use amqp_delay_cli::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
 use clap::Parser;
 
 use cleanup::Cleanup;
@@ -157,8 +157,9 @@ struct Args {
     /// Cascade unit in ms (default: topology.unit_ms)
     #[arg(long)]
     unit_ms: Option<u64>,
-    /// Queue type of the tiers and of the raw and destination queues (default: topology.queue_type)
-    #[arg(long, value_enum)]
+    /// Queue type of the tiers and of the raw and destination queues: quorum or classic
+    /// (default: topology.queue_type)
+    #[arg(long)]
     queue_type: Option<QueueType>,
     /// Absolute lateness budget in ms (default: precision.lateness_ms)
     #[arg(long)]
@@ -299,7 +300,7 @@ async fn main() {
     if args.hop_table {
         let rows = hops::hop_table(&cfg.settings, cfg.max_delay_ms);
         if args.json {
-            amqp_delay::outln!(
+            amqp_delay_cli::outln!(
                 "{}",
                 serde_json::to_string_pretty(&rows).expect("serializable")
             );
@@ -342,7 +343,7 @@ async fn main() {
         Some(Err(e)) => cli::fail(&e, EXIT_FAILURES),
         Some(Ok(report)) => {
             if args.json {
-                amqp_delay::outln!(
+                amqp_delay_cli::outln!(
                     "{}",
                     serde_json::to_string_pretty(&report).expect("serializable")
                 );

@@ -65,7 +65,7 @@ pub(crate) async fn delete_exchange(conn: &Connection, name: &str) -> Result<()>
 /// Removes everything under `layout`'s prefix as `teardown --force` does: the tiers, and the
 /// gateway pairs and batch markers recorded in its control stream.
 pub(crate) async fn delete_topology(conn: &Connection, layout: &Layout) -> Result<()> {
-    amqp_delay::admin::teardown(conn, layout, None, true)
+    amqp_delay_cli::admin::teardown(conn, layout, None, true)
         .await
         .map(|_| ())
 }

@@ -9,14 +9,14 @@ use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 
-use crate::connection::Connector;
-use crate::envelope::{self, Delivery};
-use crate::error::Error;
-use crate::headers;
-use crate::publisher::Publisher;
-use crate::settings::{RouteConfig, Settings};
-use crate::time::now_ms;
-use crate::worker::{Context, Handler, Outcome};
+use amqp_delay::connection::Connector;
+use amqp_delay::envelope::{self, Delivery};
+use amqp_delay::error::Error;
+use amqp_delay::headers;
+use amqp_delay::publisher::Publisher;
+use amqp_delay::settings::{RouteConfig, Settings};
+use amqp_delay::time::now_ms;
+use amqp_delay::worker::{Context, Handler, Outcome};
 
 /// A configured action.
 #[derive(Debug, Clone)]
@@ -144,7 +144,7 @@ impl Action {
         let connector = Connector::new(settings)?;
         let check = connector.connect("amqp-delay forward check").await?;
         let exists = exchange_exists(&check, exchange).await;
-        crate::broker::close_connection(&check, "checked").await;
+        amqp_delay::broker::close_connection(&check, "checked").await;
         if !exists? {
             return Err(Error::Invalid(format!(
                 "forward exchange '{exchange}' does not exist: declare it (with the bindings its \
@@ -206,7 +206,7 @@ impl ForwardOut {
                 let found = match self.connector.connect("amqp-delay forward check").await {
                     Ok(conn) => {
                         let r = exchange_exists(&conn, exchange).await;
-                        crate::broker::close_connection(&conn, "checked").await;
+                        amqp_delay::broker::close_connection(&conn, "checked").await;
                         r
                     }
                     Err(e) => Err(e),
@@ -224,7 +224,7 @@ impl ForwardOut {
                         return Some(format!(
                             "forward to '{exchange}': checking the exchange after a failed \
                              publish: {}",
-                            crate::error::chain(&e)
+                            amqp_delay::error::chain(&e)
                         ));
                     }
                 }
@@ -251,7 +251,7 @@ async fn exchange_exists(conn: &lapin::Connection, name: &str) -> Result<bool, E
     if name.is_empty() {
         return Ok(true);
     }
-    crate::broker::exchange_exists(conn, name).await
+    amqp_delay::broker::exchange_exists(conn, name).await
 }
 
 impl Handler for Action {
@@ -456,7 +456,7 @@ async fn forward(
             }
             Outcome::Retry(format!(
                 "forward to '{exchange}': {}",
-                crate::error::chain(&e)
+                amqp_delay::error::chain(&e)
             ))
         }
     }
@@ -477,7 +477,10 @@ async fn relay(ctx: &Context, queue: &str, d: &Delivery) -> Outcome {
         Err(Error::Returned { .. }) => {
             Outcome::Permanent(format!("relay target queue '{queue}' does not exist"))
         }
-        Err(e) => Outcome::Retry(format!("relay to '{queue}': {}", crate::error::chain(&e))),
+        Err(e) => Outcome::Retry(format!(
+            "relay to '{queue}': {}",
+            amqp_delay::error::chain(&e)
+        )),
     }
 }
 

@@ -4,10 +4,10 @@
 use std::time::Duration;
 
 use amqp_delay::Worker;
-use amqp_delay::actions::Action;
-use amqp_delay::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
 use amqp_delay::settings::RouteConfig;
 use amqp_delay::time::DurationMs;
+use amqp_delay_cli::actions::Action;
+use amqp_delay_cli::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
 use clap::Parser;
 
 #[derive(Parser)]

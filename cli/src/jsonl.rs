@@ -9,9 +9,9 @@
 
 use serde::Deserialize;
 
-use crate::headers;
-use crate::message::Message;
-use crate::time::parse_duration_ms;
+use amqp_delay::headers;
+use amqp_delay::message::Message;
+use amqp_delay::time::parse_duration_ms;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

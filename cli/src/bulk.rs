@@ -11,9 +11,9 @@ use std::path::PathBuf;
 use futures::StreamExt;
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 
-use crate::error::{Error, Result, chain};
 use crate::jsonl;
-use crate::publisher::Publisher;
+use amqp_delay::error::{Error, Result, chain};
+use amqp_delay::publisher::Publisher;
 
 /// Longest line accepted: a body of the broker's maximum message size (16 MiB on RabbitMQ 4.x)
 /// written as a JSON string fits with room to spare.
@@ -116,6 +116,102 @@ async fn read_line<R: AsyncRead + Unpin>(
     ))
 }
 
+/// The numbered lines of `input` (from 1), each of at most [`MAX_LINE_BYTES`] and UTF-8 or a
+/// reason why not; a read error ends the stream after one last item that says it.
+pub fn lines<R: AsyncRead + Unpin + Send>(
+    input: R,
+) -> impl futures::Stream<Item = (usize, std::result::Result<String, String>)> + Send {
+    let reader = BufReader::with_capacity(1 << 16, input);
+    futures::stream::unfold((reader, 0usize, false), |(mut r, n, done)| async move {
+        if done {
+            return None;
+        }
+        match read_line(&mut r).await {
+            Ok(None) => None,
+            Ok(Some(line)) => Some(((n + 1, line), (r, n + 1, false))),
+            Err(e) => Some(((n + 1, Err(format!("reading: {e}"))), (r, n + 1, true))),
+        }
+    })
+}
+
+/// The input named on the command line: a file, or standard input for `-`.
+pub async fn open_input(path: &std::path::Path) -> Result<Box<dyn AsyncRead + Unpin + Send>> {
+    if path.as_os_str() == "-" {
+        return Ok(Box::new(tokio::io::stdin()));
+    }
+    let f = tokio::fs::File::open(path)
+        .await
+        .map_err(|e| Error::Invalid(format!("cannot open {}: {e}", path.display())))?;
+    Ok(Box::new(f))
+}
+
+/// Where a line whose scheduling failed with `e` ended.
+fn end_of(e: &Error) -> LineEnd {
+    match e {
+        e if e.maybe_sent() => LineEnd::MaybeSent,
+        // the request itself is wrong: sending it again would not help
+        Error::Invalid(_) | Error::Plan(_) | Error::UnknownDestination(_) => LineEnd::Invalid,
+        _ => LineEnd::NotSent,
+    }
+}
+
+/// One line of `cancel --jsonl`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CancelLine {
+    id: String,
+    #[serde(default)]
+    due_at: Option<u64>,
+}
+
+/// Cancels the message of every line of `input` (`{"id": …, "due_at": …}`), read as a bounded
+/// stream like `send --jsonl`; `done` is called with each verdict and `failed` with each line
+/// that failed and why. Returns (cancelled, failed).
+pub async fn cancel_jsonl<R: AsyncRead + Unpin + Send>(
+    publisher: &Publisher,
+    input: R,
+    mut done: impl FnMut(&amqp_delay::cancel::Cancelled),
+    failed: impl FnMut(usize, &str),
+) -> (u64, u64) {
+    let failed = std::cell::RefCell::new((0u64, failed));
+    let fail = |n: usize, why: &str| {
+        let mut f = failed.borrow_mut();
+        f.0 += 1;
+        (f.1)(n, why);
+    };
+    let items = lines(input).filter_map(|(n, line)| {
+        let parsed = line.and_then(|l| {
+            if l.trim().is_empty() {
+                return Ok(None);
+            }
+            serde_json::from_str::<CancelLine>(&l)
+                .map(Some)
+                .map_err(|e| format!("not a cancel request: {e}"))
+        });
+        futures::future::ready(match parsed {
+            Ok(Some(l)) => Some((n, l.id, l.due_at)),
+            Ok(None) => None,
+            Err(why) => {
+                fail(n, &why);
+                None
+            }
+        })
+    });
+    let mut cancelled = 0u64;
+    let mut results = std::pin::pin!(publisher.cancel_all(items));
+    while let Some((n, r)) = results.next().await {
+        match r {
+            Ok(c) => {
+                cancelled += 1;
+                done(&c);
+            }
+            Err(e) => fail(n, &chain(&e)),
+        }
+    }
+    let failures = failed.borrow().0;
+    (cancelled, failures)
+}
+
 /// What `send_jsonl` calls with a line's end (or `None` for progress) and the counts so far.
 type Reporter<'a> = dyn FnMut(Option<(usize, LineEnd, &str)>, &Summary) + 'a;
 
@@ -129,19 +225,8 @@ pub async fn send_jsonl<R: AsyncRead + Unpin + Send>(
     progress: bool,
 ) -> Result<Summary> {
     let summary = std::cell::RefCell::new(Summary::default());
-    let reader = BufReader::with_capacity(1 << 16, input);
-    let lines = futures::stream::unfold((reader, 0usize, false), |(mut r, n, done)| async move {
-        if done {
-            return None;
-        }
-        match read_line(&mut r).await {
-            Ok(None) => None,
-            Ok(Some(line)) => Some(((n + 1, line), (r, n + 1, false))),
-            Err(e) => Some(((n + 1, Err(format!("reading: {e}"))), (r, n + 1, true))),
-        }
-    });
     let invalid = std::cell::RefCell::new(Vec::<(usize, String)>::new());
-    let requests = lines.filter_map(|(n, line)| {
+    let requests = lines(input).filter_map(|(n, line)| {
         let out = match line.and_then(|l| jsonl::parse_line(&l).map(|m| (l, m))) {
             Ok((_, None)) => None,
             Ok((text, Some(mut m))) => {
@@ -179,14 +264,7 @@ pub async fn send_jsonl<R: AsyncRead + Unpin + Send>(
                 match r {
                     Some((_, Ok(_))) => summary.borrow_mut().confirmed += 1,
                     Some(((n, text), Err(e))) => {
-                        let end = match &e {
-                            e if e.maybe_sent() => LineEnd::MaybeSent,
-                            // the request itself is wrong: sending it again would not help
-                            Error::Invalid(_) | Error::Plan(_) | Error::UnknownDestination(_) => {
-                                LineEnd::Invalid
-                            }
-                            _ => LineEnd::NotSent,
-                        };
+                        let end = end_of(&e);
                         {
                             let mut s = summary.borrow_mut();
                             match end {

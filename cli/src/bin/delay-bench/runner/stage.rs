@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use amqp_delay::actions::Action;
 use amqp_delay::broker;
 use amqp_delay::gateway::Gateway;
 use amqp_delay::settings::{PairConfig, Settings};
 use amqp_delay::{Context, Delivery, Error, Handler, Outcome, Result, Topology, Worker};
+use amqp_delay_cli::actions::Action;
 
 use super::Bench;
 use super::measure::{Lateness, Tracker};

@@ -15,10 +15,10 @@ use lapin::{BasicProperties, Channel};
 use tokio::sync::watch;
 
 use amqp_delay::broker::ResultExt;
-use amqp_delay::cli::chain;
 use amqp_delay::headers;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Message, Publisher, Result};
+use amqp_delay_cli::cli::chain;
 
 use super::Bench;
 use super::stage::{Path, Stage, Target};

@@ -1,5 +1,5 @@
 //! What operators watch: an HTTP endpoint (axum) on `metrics_addr` serving `/metrics`
-//! (Prometheus/OpenMetrics text of [`crate::metrics::global`]), `/healthz` (the process is alive)
+//! (Prometheus/OpenMetrics text of [`amqp_delay::metrics::global`]), `/healthz` (the process is alive)
 //! and `/readyz` (connected to the broker and consuming; unready while reconnecting), plus a
 //! sampler that reads every tier's depth periodically into `amqp_delay_tier_messages` and the
 //! messages not yet due into `amqp_delay_messages_pending`.
@@ -14,12 +14,12 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 
 use crate::admin;
-use crate::connection::Connector;
-use crate::error::{Error, Result};
-use crate::ledger;
-use crate::metrics::{self, DueLabel, TierLabel};
-use crate::settings::Settings;
-use crate::topology::Topology;
+use amqp_delay::connection::Connector;
+use amqp_delay::error::{Error, Result};
+use amqp_delay::ledger;
+use amqp_delay::metrics::{self, DueLabel, TierLabel};
+use amqp_delay::settings::Settings;
+use amqp_delay::topology::Topology;
 
 async fn metrics_text() -> impl IntoResponse {
     (
@@ -132,7 +132,7 @@ async fn sample_tiers(settings: Settings, every: Duration) {
             };
         }
         if let Some(f) = following.as_ref() {
-            let p = f.pending(crate::time::now_ms());
+            let p = f.pending(amqp_delay::time::now_ms());
             let g = &metrics::global().messages_pending;
             for (bound, n) in [
                 ("1m", p.within_1m),

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::settings::{Settings, SettingsError};
+use amqp_delay::settings::{Settings, SettingsError};
 
 /// Exit code for a command that ran but had failures (e.g. some bulk lines failed).
 pub const EXIT_FAILURES: i32 = 1;
@@ -189,7 +189,7 @@ pub fn error_line(format: LogFormat, message: &str) -> String {
             "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
             "level": "ERROR",
             "fields": { "message": message },
-            "target": "amqp_delay::cli",
+            "target": "amqp_delay_cli::cli",
         })
         .to_string(),
     }
@@ -207,11 +207,11 @@ pub fn fail(e: &dyn std::error::Error, code: i32) -> ! {
     std::process::exit(code)
 }
 
-pub use crate::error::chain;
+pub use amqp_delay::error::chain;
 
 /// Starts the metrics endpoint when `settings.metrics_addr` asks for one (failing to bind is a
 /// usage error).
-pub async fn start_metrics(settings: &Settings) -> crate::error::Result<()> {
+pub async fn start_metrics(settings: &Settings) -> amqp_delay::error::Result<()> {
     if let Some(addr) = settings.metrics_addr.as_deref().filter(|a| !a.is_empty()) {
         crate::observe::serve(
             addr,

@@ -4,14 +4,14 @@
 use lapin::Connection;
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 
-use crate::broker::{self, ResultExt};
-use crate::control::{self, Record};
-use crate::error::{Error, Result};
-use crate::gateway;
-use crate::layout::Layout;
-use crate::management::Management;
-use crate::settings::Settings;
-use crate::topology::Topology;
+use amqp_delay::broker::{self, ResultExt};
+use amqp_delay::control::{self, Record};
+use amqp_delay::error::{Error, Result};
+use amqp_delay::gateway;
+use amqp_delay::layout::Layout;
+use amqp_delay::management::Management;
+use amqp_delay::settings::Settings;
+use amqp_delay::topology::Topology;
 
 /// The management API of `settings`, if it answers (one request, a few seconds at most).
 pub async fn management(settings: &Settings) -> Option<Management> {
@@ -196,7 +196,7 @@ pub async fn teardown_destination(
 pub struct StatsSummary {
     /// Messages not yet due, counted from the ledger; `None` when the topology has none or it
     /// could not be read (`messages_error` says why).
-    pub messages: Option<crate::ledger::Counted>,
+    pub messages: Option<amqp_delay::ledger::Counted>,
     /// Why the messages could not be counted.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub messages_error: Option<String>,
@@ -229,8 +229,8 @@ pub struct BrokerTotals {
 impl StatsSummary {
     /// The totals of `stats` and what counting the ledger gave.
     pub fn of(
-        stats: &[crate::topology::QueueStat],
-        counted: Result<Option<crate::ledger::Counted>>,
+        stats: &[amqp_delay::topology::QueueStat],
+        counted: Result<Option<amqp_delay::ledger::Counted>>,
     ) -> StatsSummary {
         // saturating: the depths are the broker's (or its management API's) numbers
         let mut b = BrokerTotals::default();
@@ -264,7 +264,7 @@ impl StatsSummary {
             .collect();
         let (messages, messages_error) = match counted {
             Ok(c) => (c, None),
-            Err(e) => (None, Some(crate::error::chain(&e))),
+            Err(e) => (None, Some(amqp_delay::error::chain(&e))),
         };
         StatsSummary {
             messages,
@@ -279,21 +279,10 @@ impl StatsSummary {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::topology::QueueStat;
+    use amqp_delay::topology::QueueStat;
 
     fn stat(kind: &'static str, within: Option<u64>, messages: u64) -> QueueStat {
-        QueueStat {
-            queue: format!("p.{kind}"),
-            kind,
-            ttl_ms: within,
-            messages,
-            ready: messages,
-            unacked: None,
-            dead_lettered: None,
-            leader: None,
-            missing: false,
-            due_within_ms: within,
-        }
+        QueueStat::ready_only(format!("p.{kind}"), kind, within, messages)
     }
 
     #[test]

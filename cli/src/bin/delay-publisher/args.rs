@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
-use amqp_delay::cli::GlobalArgs;
 use amqp_delay::time::DurationMs;
+use amqp_delay_cli::cli::GlobalArgs;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
