@@ -29,7 +29,9 @@
 #      the fault suite on its 3-node cluster (5751..5753). Without arguments that is
 #      `cargo test --test it --test fault` (unit, doc and deploy tests need no broker and
 #      ran in step 3); with arguments, `cargo test "$@"` again.
-#   Exits non-zero when either run failed (both run even if the first fails).
+#   Exits non-zero when either run failed. Both runs happen even if the first fails, and each
+#   runs every test binary (--no-fail-fast: a failing fault suite does not hide the
+#   integration suite's results).
 #   On exit, whatever happened, stops the throwaway nodes the tests may have started
 #   (`scripts/cluster.sh down`, `scripts/tls-node.sh down`, `scripts/rabbitmq4.sh all-down`);
 #   the main broker is left running.
@@ -392,7 +394,7 @@ if ((RUN_310)); then
     log "== RabbitMQ ${v310} (the machine's broker): cargo test $*  (broker ${BROKER_HOST}:${BROKER_PORT})"
     t0=${SECONDS}
     set +e
-    cargo test "$@"
+    cargo test --no-fail-fast "$@"
     rc310=$?
     set -e
     log "cargo test on RabbitMQ ${v310} exited with ${rc310} ($((SECONDS - t0))s)"
@@ -413,7 +415,7 @@ if ((RUN_4)); then
         set +e
         (
             eval "$(bash "${SCRIPT_DIR}/rabbitmq4.sh" env)"
-            cargo test "${args4[@]}"
+            cargo test --no-fail-fast "${args4[@]}"
         )
         rc4=$?
         set -e
