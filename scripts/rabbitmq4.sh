@@ -46,7 +46,8 @@
 # Environment: RABBITMQ4_ROOT, RABBITMQ4_SUITE (default trixie), RABBITMQ4_NODE,
 # RABBITMQ4_AMQP_PORT, RABBITMQ4_MGMT_PORT, RABBITMQ4_DIST_PORT, RABBITMQ4_DIR (inside the root),
 # RABBITMQ4_WAIT_SECS (default 120), RABBITMQ4_CONF_EXTRA (extra rabbitmq.conf lines for the
-# single node), RABBITMQ4_ADVANCED_CONFIG (its advanced.config terms).
+# single node), RABBITMQ4_ADVANCED_CONFIG (its advanced.config terms; default: the settings we
+# ship, deploy/rabbitmq/advanced.config).
 #
 # Logs go to stderr; stdout carries only the KEY=VALUE lines, the path (root) or ctl's output.
 
@@ -273,7 +274,17 @@ EOF
     if [[ -n "${RABBITMQ4_CONF_EXTRA:-}" ]]; then
         printf '# from RABBITMQ4_CONF_EXTRA\n%s\n' "${RABBITMQ4_CONF_EXTRA}" >>"${NDIR}/rabbitmq.conf"
     fi
-    printf '%s\n' "${RABBITMQ4_ADVANCED_CONFIG:-[].}" >"${NDIR}/advanced.config"
+    # The broker settings we ship (deploy/rabbitmq/advanced.config: dead-letter confirm timeout
+    # 5 s, prefetch 256). With 4.0.5's default 180 s a message dead-lettered into a full tier
+    # (reject-publish) waits that long before it is sent again, where 3.10.8 sends it again at
+    # once: tests/it's gateway full-tier test fails on 4.0.5 with the default.
+    if [[ -n "${RABBITMQ4_ADVANCED_CONFIG:-}" ]]; then
+        printf '%s\n' "${RABBITMQ4_ADVANCED_CONFIG}" >"${NDIR}/advanced.config"
+    elif [[ -r "${SCRIPT_DIR}/../deploy/rabbitmq/advanced.config" ]]; then
+        cat "${SCRIPT_DIR}/../deploy/rabbitmq/advanced.config" >"${NDIR}/advanced.config"
+    else
+        echo "[]." >"${NDIR}/advanced.config"
+    fi
     echo "[rabbitmq_management]." >"${NDIR}/enabled_plugins"
     env_lines | sed -E "s/^([A-Z_]+)=(.*)$/\\1='\\2'/" >"${NDIR}/rabbitmq-env.conf"
     # the root's rabbitmq user (its uid differs from the host's)
