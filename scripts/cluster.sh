@@ -49,6 +49,15 @@
 #   CLUSTER_WAIT_SECS           how long to wait for a node (default 90).
 #   CLUSTER_BASE_DIR, CLUSTER_NODE_PREFIX, CLUSTER_AMQP_PORT_BASE, CLUSTER_DIST_PORT_BASE
 #                               layout overrides (defaults above).
+#   CLUSTER_MGMT_PORT_BASE      when set, every node runs the management plugin on
+#                               127.0.0.1:(CLUSTER_MGMT_PORT_BASE + i). Default: no plugins.
+#   CLUSTER_ROOT                run the nodes from the RabbitMQ installed in this root directory
+#                               (chroot; scripts/rabbitmq4.sh builds a Debian 13 one with 4.0.5
+#                               and sets this with its own names and ports: use
+#                               `scripts/rabbitmq4.sh cluster ...`). The root's rabbitmq user and
+#                               rabbitmqctl are used, /proc must be mounted in it; the node files
+#                               live in CLUSTER_ROOT/CLUSTER_BASE_DIR, with CLUSTER_BASE_DIR on
+#                               the host a symlink to them. Default: the host's package.
 #   The config only takes effect when nodes are (re)built by `up`; `start`/`restart-all`
 #   reuse the files written then.
 #
@@ -61,6 +70,9 @@ PREFIX="${CLUSTER_NODE_PREFIX:-adfault}"
 AMQP_BASE="${CLUSTER_AMQP_PORT_BASE:-5700}"
 DIST_BASE="${CLUSTER_DIST_PORT_BASE:-25700}"
 WAIT_SECS="${CLUSTER_WAIT_SECS:-90}"
+MGMT_BASE="${CLUSTER_MGMT_PORT_BASE:-}"
+CROOT="${CLUSTER_ROOT:-}"
+CROOT="${CROOT%/}"
 RMQ_BIN=/usr/lib/rabbitmq/bin
 RMQ_USER=rabbitmq
 RMQ_HOME=/var/lib/rabbitmq
@@ -77,6 +89,7 @@ die() {
 short() { echo "${PREFIX}$1"; }
 node() { echo "${PREFIX}$1@${HOST}"; }
 amqp_port() { echo $((AMQP_BASE + $1)); }
+mgmt_port() { echo $((MGMT_BASE + $1)); }
 dist_port() { echo $((DIST_BASE + $1)); }
 ndir() { echo "${BASE}/$(short "$1")"; }
 
@@ -97,7 +110,15 @@ check_index() {
 
 # Prefix that runs a command as the rabbitmq user (so rabbitmqctl finds the shared cookie
 # in /var/lib/rabbitmq/.erlang.cookie).
-if [[ "$(id -u)" -eq 0 ]]; then
+# IN: prefix that runs a command in the root the nodes come from (empty: the host).
+IN=()
+if [[ -n "${CROOT}" ]]; then
+    [[ "$(id -u)" -eq 0 ]] || die "CLUSTER_ROOT needs root (chroot)"
+    [[ -x "${CROOT}${RMQ_BIN}/rabbitmq-server" ]] || die "no RabbitMQ in CLUSTER_ROOT=${CROOT}"
+    mountpoint -q "${CROOT}/proc" || die "/proc is not mounted in ${CROOT} (scripts/rabbitmq4.sh mounts it)"
+    IN=(chroot "${CROOT}")
+    RUNUSER=("${IN[@]}" runuser -u "${RMQ_USER}" --)
+elif [[ "$(id -u)" -eq 0 ]]; then
     RUNUSER=(runuser -u "${RMQ_USER}" --)
 elif [[ "$(id -un)" == "${RMQ_USER}" ]]; then
     RUNUSER=()
@@ -207,7 +228,7 @@ desired_advanced() {
 # Signature of what `up` would build: N + config. A different one means rebuild.
 desired_signature() {
     {
-        echo "N=$1 prefix=${PREFIX} amqp=${AMQP_BASE} dist=${DIST_BASE}"
+        echo "N=$1 prefix=${PREFIX} amqp=${AMQP_BASE} dist=${DIST_BASE} mgmt=${MGMT_BASE} root=${CROOT}"
         desired_conf
         echo "---"
         desired_advanced
@@ -227,11 +248,19 @@ write_node_files() {
         echo "listeners.tcp.default = 127.0.0.1:$(amqp_port "$i")"
     } >"${d}/rabbitmq.conf"
     desired_advanced >"${d}/advanced.config"
-    echo "[]." >"${d}/enabled_plugins"
+    if [[ -n "${MGMT_BASE}" ]]; then
+        {
+            echo "management.tcp.ip = 127.0.0.1"
+            echo "management.tcp.port = $(mgmt_port "$i")"
+        } >>"${d}/rabbitmq.conf"
+        echo "[rabbitmq_management]." >"${d}/enabled_plugins"
+    else
+        echo "[]." >"${d}/enabled_plugins"
+    fi
     # Our own env file: otherwise /etc/rabbitmq/rabbitmq-env.conf (NODENAME=rabbit@localhost)
     # would be sourced. Variables given in the environment win over this file; we set both.
     env_lines "$i" | sed -E "s/^([A-Z_]+)=(.*)$/\\1='\\2'/" >"${d}/rabbitmq-env.conf"
-    chown -R "${RMQ_USER}:" "${d}" 2>/dev/null || true
+    "${IN[@]}" chown -R "${RMQ_USER}:" "${d}" 2>/dev/null || true
     chmod 755 "${BASE}"
 }
 
@@ -253,6 +282,39 @@ RABBITMQ_CONF_ENV_FILE=${d}/rabbitmq-env.conf
 ERL_EPMD_ADDRESS=127.0.0.1
 ERL_FLAGS=-kernel inet_dist_use_interface {127,0,0,1}
 EOF
+}
+
+# BASE: a directory on the host, or with CLUSTER_ROOT a directory in the root and the same
+# path on the host a symlink to it (one name for the files inside and outside the root).
+# With a root, BASE and its twin in the root are deleted on down: never / or a top-level
+# directory.
+if [[ -n "${CROOT}" && ! "${BASE}" =~ ^/[^/]+/[^/]+ ]]; then
+    die "CLUSTER_BASE_DIR must be an absolute path at least two levels deep with a root, got '${BASE}'"
+fi
+
+make_base() {
+    if [[ -z "${CROOT}" ]]; then
+        mkdir -p "${BASE}"
+        return 0
+    fi
+    mkdir -p "${CROOT}${BASE}"
+    if [[ -L "${BASE}" ]]; then
+        [[ "$(readlink "${BASE}")" == "${CROOT}${BASE}" ]] && return 0
+        rm -f "${BASE}"
+    elif [[ -e "${BASE}" ]]; then
+        die "${BASE} exists on the host and is not a symlink into ${CROOT}; remove it"
+    fi
+    mkdir -p "$(dirname "${BASE}")"
+    ln -s "${CROOT}${BASE}" "${BASE}"
+}
+
+remove_base() {
+    if [[ -n "${CROOT}" ]]; then
+        [[ -L "${BASE}" ]] && rm -f "${BASE}"
+        rm -rf --one-file-system "${CROOT:?}${BASE}"
+    else
+        rm -rf "${BASE}"
+    fi
 }
 
 # --- node lifecycle ----------------------------------------------------------
@@ -289,7 +351,7 @@ launch_node() {
     log "starting $(node "$i") (AMQP $(amqp_port "$i"), dist $(dist_port "$i"))"
     rm -f "${d}/pid"
     printf '\n==== %s start\n' "$(date '+%F %T')" >>"${d}/startup.log"
-    chown "${RMQ_USER}:" "${d}/startup.log"
+    "${IN[@]}" chown "${RMQ_USER}:" "${d}/startup.log"
     # The main broker's file-descriptor limit is 1024; raise ours (hard limit of the user).
     # Not `rabbitmq-server -detached`: a detached VM's stdout goes nowhere, so a node that dies
     # early in boot (e.g. an unknown rabbitmq.conf key) leaves nothing but erl_crash.dump.
@@ -297,9 +359,9 @@ launch_node() {
     # startup.log; its VM writes RABBITMQ_PID_FILE as with -detached.
     (cd "${d}" && "${RUNUSER[@]}" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
         HOME="${RMQ_HOME}" LANG=C.UTF-8 "${envs[@]}" \
-        sh -c 'ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+        sh -c 'cd "$2" 2>/dev/null; ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
                setsid "$0" >>"$1" 2>&1 </dev/null &' \
-        "${RMQ_BIN}/rabbitmq-server" "${d}/startup.log") ||
+        "${RMQ_BIN}/rabbitmq-server" "${d}/startup.log" "${d}") ||
         { dump_logs "$i"; die "could not launch rabbitmq-server for $(node "$i")"; }
 }
 
@@ -334,13 +396,14 @@ node_up() {
     epmd_has "$(short "$i")" && amqp_probe "$(amqp_port "$i")"
 }
 
-# Erlang list of running cluster members as seen by node I, one per line.
+# Erlang list of running cluster members as seen by node I, one per line. (4.x: rabbit_nodes,
+# which is right with Khepri too; 3.10 has only rabbit_mnesia's.)
 running_members() {
-    ctl 30 "$(node "$1")" eval 'rabbit_mnesia:cluster_nodes(running).' 2>/dev/null |
+    ctl 30 "$(node "$1")" eval 'case erlang:function_exported(rabbit_nodes, list_running, 0) of true -> rabbit_nodes:list_running(); false -> rabbit_mnesia:cluster_nodes(running) end.' 2>/dev/null |
         tr -d "[]' \n" | tr ',' '\n' | grep -v '^$' || true
 }
 all_members() {
-    ctl 30 "$(node "$1")" eval 'rabbit_mnesia:cluster_nodes(all).' 2>/dev/null |
+    ctl 30 "$(node "$1")" eval 'case erlang:function_exported(rabbit_nodes, list_members, 0) of true -> rabbit_nodes:list_members(); false -> rabbit_mnesia:cluster_nodes(all) end.' 2>/dev/null |
         tr -d "[]' \n" | tr ',' '\n' | grep -v '^$' || true
 }
 
@@ -465,7 +528,7 @@ cmd_up() {
     fi
 
     if [[ ! -d "${BASE}" ]]; then
-        mkdir -p "${BASE}"
+        make_base
         echo "${n}" >"${BASE}/count"
         for ((i = 1; i <= n; i++)); do write_node_files "$i"; done
         echo "${sig}" >"${BASE}/signature"
@@ -512,7 +575,7 @@ cmd_down() {
         pids+=($!)
     done
     for p in "${pids[@]}"; do wait "$p" || true; done
-    rm -rf "${BASE}"
+    remove_base
     if [[ "${seen}" == " " ]]; then log "down: no nodes were running; removed ${BASE}"; else log "down: stopped${seen% } and removed ${BASE}"; fi
 }
 

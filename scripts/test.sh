@@ -22,14 +22,26 @@
 #      Python AMQP client as an independent peer).
 #   3. Runs `cargo test "$@"` (unit, integration and doc tests, and the fault suite,
 #      tests/fault, which starts its own 3-node cluster with scripts/cluster.sh) with
-#      AMQP_URL exported, and exits with cargo's exit code.
+#      AMQP_URL exported: the suites on the machine's RabbitMQ (Debian 12's 3.10.8).
+#   4. Runs the broker suites again on RabbitMQ 4.x (Debian 13's 4.0.5, from the root that
+#      scripts/rabbitmq4.sh builds once and caches outside the clone): the integration suite
+#      against its single node (AMQP 5741; the TLS and permission tests on its 4.x TLS node),
+#      the fault suite on its 3-node cluster (5751..5753). Without arguments that is
+#      `cargo test --test it --test fault` (unit, doc and deploy tests need no broker and
+#      ran in step 3); with arguments, `cargo test "$@"` again.
+#   Exits non-zero when either run failed. Both runs happen even if the first fails, and each
+#   runs every test binary (--no-fail-fast: a failing fault suite does not hide the
+#   integration suite's results).
 #   On exit, whatever happened, stops the throwaway nodes the tests may have started
-#   (`scripts/cluster.sh down`, `scripts/tls-node.sh down`); the main broker is left running.
+#   (`scripts/cluster.sh down`, `scripts/tls-node.sh down`, `scripts/rabbitmq4.sh all-down`);
+#   the main broker is left running.
 #
 # Options / environment:
 #   --broker-only        (first argument) stop after step 1: only make sure the
 #                        broker is up. Same as BROKER_ONLY=1.
-#   AMQP_URL             broker the tests use; exported to cargo test.
+#   AMQP_URL             broker the tests use in step 3; exported to cargo test.
+#   TEST_BROKERS         which runs: "3.10 4" (default), "3.10" (steps 1-3 only) or "4"
+#                        (step 4 only; the main broker is not needed then).
 #   BROKER_WAIT_SECS     how long to wait for the broker to come up (default 120).
 #   Anything else (RUST_BACKTRACE, RUST_LOG, ...) passes through to cargo test.
 #
@@ -335,11 +347,29 @@ ensure_pika() {
 
 # --- main --------------------------------------------------------------------
 
-ensure_broker
+TEST_BROKERS="${TEST_BROKERS:-3.10 4}"
+RUN_310=0
+RUN_4=0
+for b in ${TEST_BROKERS}; do
+    case "${b}" in
+        3 | 3.10 | 3.10.*) RUN_310=1 ;;
+        4 | 4.*) RUN_4=1 ;;
+        *) die "TEST_BROKERS: unknown broker '${b}' (use 3.10 and/or 4)" ;;
+    esac
+done
+((RUN_310 + RUN_4 > 0)) || die "TEST_BROKERS names no broker"
+
+if ((RUN_310)) || [[ "${BROKER_ONLY}" == "1" ]]; then
+    ensure_broker
+fi
 
 if [[ "${BROKER_ONLY}" == "1" ]]; then
     log "--broker-only: broker is up, not running the tests"
     exit 0
+fi
+
+if ((RUN_4)) && ! is_root; then
+    die "the RabbitMQ 4.x run needs root (scripts/rabbitmq4.sh uses chroot and mount); run as root, or TEST_BROKERS=3.10 for the 3.10 run alone"
 fi
 
 ensure_pika
@@ -350,14 +380,54 @@ stop_test_nodes() {
     bash "${SCRIPT_DIR}/cluster.sh" down >/dev/null 2>&1 || log "warning: scripts/cluster.sh down failed"
     bash "${SCRIPT_DIR}/tls-node.sh" down >/dev/null 2>&1 || log "warning: scripts/tls-node.sh down failed"
 }
+stop_rabbitmq4_nodes() {
+    bash "${SCRIPT_DIR}/rabbitmq4.sh" all-down >/dev/null 2>&1 || log "warning: scripts/rabbitmq4.sh all-down failed"
+}
 if is_root; then
-    trap stop_test_nodes EXIT
+    trap 'stop_test_nodes; ((RUN_4)) && stop_rabbitmq4_nodes' EXIT
 fi
 
-log "running: cargo test $*  (broker ${BROKER_HOST}:${BROKER_PORT})"
-set +e
-cargo test "$@"
-rc=$?
-set -e
-log "cargo test exited with ${rc}"
+rc=0
+summary=()
+if ((RUN_310)); then
+    v310="$(dpkg-query -W -f '${Version}' rabbitmq-server 2>/dev/null || echo '?')"
+    log "== RabbitMQ ${v310} (the machine's broker): cargo test $*  (broker ${BROKER_HOST}:${BROKER_PORT})"
+    t0=${SECONDS}
+    set +e
+    cargo test --no-fail-fast "$@"
+    rc310=$?
+    set -e
+    log "cargo test on RabbitMQ ${v310} exited with ${rc310} ($((SECONDS - t0))s)"
+    summary+=("RabbitMQ ${v310}: $([[ ${rc310} -eq 0 ]] && echo ok || echo "FAILED (${rc310})") in $((SECONDS - t0))s")
+    ((rc310 == 0)) || rc=${rc310}
+    # its throwaway nodes are done: free the machine for the 4.x nodes
+    is_root && stop_test_nodes
+fi
+
+if ((RUN_4)); then
+    t0=${SECONDS}
+    # builds the cached root when it is missing (a few minutes, once per machine)
+    if info4="$(bash "${SCRIPT_DIR}/rabbitmq4.sh" up)"; then
+        v4="$(sed -n 's/^VERSION=//p' <<<"${info4}")"
+        args4=("$@")
+        ((${#args4[@]})) || args4=(--test it --test fault)
+        log "== RabbitMQ ${v4} (scripts/rabbitmq4.sh): cargo test ${args4[*]}"
+        set +e
+        (
+            eval "$(bash "${SCRIPT_DIR}/rabbitmq4.sh" env)"
+            cargo test --no-fail-fast "${args4[@]}"
+        )
+        rc4=$?
+        set -e
+        log "cargo test on RabbitMQ ${v4} exited with ${rc4} ($((SECONDS - t0))s)"
+    else
+        rc4=1
+        v4="4.x"
+        log "ERROR: scripts/rabbitmq4.sh up failed; the 4.x run did not happen"
+    fi
+    summary+=("RabbitMQ ${v4}: $([[ ${rc4} -eq 0 ]] && echo ok || echo "FAILED (${rc4})") in $((SECONDS - t0))s")
+    ((rc4 == 0)) || rc=${rc4}
+fi
+
+for line in "${summary[@]}"; do log "${line}"; done
 exit "${rc}"

@@ -34,7 +34,10 @@
 #   tls-node.sh status  exit 0 if the node answers a verified TLS handshake, else 1.
 #
 # Environment: TLS_NODE_CONF_EXTRA (extra rabbitmq.conf lines), TLS_NODE_WAIT_SECS (default 90),
-# and the layout overrides named above.
+# and the layout overrides named above. TLS_NODE_ROOT: run the node from the RabbitMQ installed
+# in this root directory (chroot, its rabbitmq user and rabbitmqctl; /proc mounted in it), with
+# TLS_NODE_DIR inside the root and the same path on the host a symlink to it;
+# `scripts/rabbitmq4.sh tls ...` sets it (4.0.5) with names and ports of its own.
 
 set -euo pipefail
 
@@ -49,6 +52,8 @@ SHORT="${NODE%@*}"
 RMQ_BIN=/usr/lib/rabbitmq/bin
 RMQ_USER=rabbitmq
 RMQ_HOME=/var/lib/rabbitmq
+TROOT="${TLS_NODE_ROOT:-}"
+TROOT="${TROOT%/}"
 
 log() { printf '[tls-node.sh] %s\n' "$*" >&2; }
 die() {
@@ -56,7 +61,15 @@ die() {
     exit 1
 }
 
-if [[ "$(id -u)" -eq 0 ]]; then
+# IN: prefix that runs a command in the root the node comes from (empty: the host).
+IN=()
+if [[ -n "${TROOT}" ]]; then
+    [[ "$(id -u)" -eq 0 ]] || die "TLS_NODE_ROOT needs root (chroot)"
+    [[ -x "${TROOT}${RMQ_BIN}/rabbitmq-server" ]] || die "no RabbitMQ in TLS_NODE_ROOT=${TROOT}"
+    mountpoint -q "${TROOT}/proc" || die "/proc is not mounted in ${TROOT} (scripts/rabbitmq4.sh mounts it)"
+    IN=(chroot "${TROOT}")
+    RUNUSER=("${IN[@]}" runuser -u "${RMQ_USER}" --)
+elif [[ "$(id -u)" -eq 0 ]]; then
     RUNUSER=(runuser -u "${RMQ_USER}" --)
 elif [[ "$(id -un)" == "${RMQ_USER}" ]]; then
     RUNUSER=()
@@ -147,6 +160,39 @@ extendedKeyUsage=clientAuth"
 
 # --- node ------------------------------------------------------------------------
 
+# DIR: a directory on the host, or with TLS_NODE_ROOT a directory in the root and the same path
+# on the host a symlink to it (one name for the files inside and outside the root).
+# With a root, DIR and its twin in the root are deleted on down: never / or a top-level
+# directory.
+if [[ -n "${TROOT}" && ! "${DIR}" =~ ^/[^/]+/[^/]+ ]]; then
+    die "TLS_NODE_DIR must be an absolute path at least two levels deep with a root, got '${DIR}'"
+fi
+
+make_dir() {
+    if [[ -z "${TROOT}" ]]; then
+        mkdir -p "${DIR}"
+        return 0
+    fi
+    mkdir -p "${TROOT}${DIR}"
+    if [[ -L "${DIR}" ]]; then
+        [[ "$(readlink "${DIR}")" == "${TROOT}${DIR}" ]] && return 0
+        rm -f "${DIR}"
+    elif [[ -e "${DIR}" ]]; then
+        die "${DIR} exists on the host and is not a symlink into ${TROOT}; remove it"
+    fi
+    mkdir -p "$(dirname "${DIR}")"
+    ln -s "${TROOT}${DIR}" "${DIR}"
+}
+
+remove_dir() {
+    if [[ -n "${TROOT}" ]]; then
+        [[ -L "${DIR}" ]] && rm -f "${DIR}"
+        rm -rf --one-file-system "${TROOT:?}${DIR}"
+    else
+        rm -rf "${DIR}"
+    fi
+}
+
 env_lines() {
     cat <<EOF
 RABBITMQ_NODENAME=${NODE}
@@ -216,13 +262,13 @@ launch_node() {
     log "starting ${NODE} (AMQP ${AMQP_PORT}, AMQPS ${AMQPS_PORT}, dist ${DIST_PORT})"
     rm -f "${NDIR}/pid"
     printf '\n==== %s start\n' "$(date '+%F %T')" >>"${NDIR}/startup.log"
-    chown "${RMQ_USER}:" "${NDIR}/startup.log" 2>/dev/null || true
+    "${IN[@]}" chown "${RMQ_USER}:" "${NDIR}/startup.log" 2>/dev/null || true
     # Backgrounded in its own session rather than -detached, so boot errors land in startup.log.
     (cd "${NDIR}" && "${RUNUSER[@]}" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
         HOME="${RMQ_HOME}" LANG=C.UTF-8 "${envs[@]}" \
-        sh -c 'ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+        sh -c 'cd "$2" 2>/dev/null; ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
                setsid "$0" >>"$1" 2>&1 </dev/null &' \
-        "${RMQ_BIN}/rabbitmq-server" "${NDIR}/startup.log") ||
+        "${RMQ_BIN}/rabbitmq-server" "${NDIR}/startup.log" "${NDIR}") ||
         die "could not launch rabbitmq-server for ${NODE}"
 }
 
@@ -280,13 +326,13 @@ cmd_up() {
         log "${NODE} runs but is not healthy (or its files are gone); restarting it"
         cmd_down
     fi
-    mkdir -p "${DIR}"
-    chmod 755 "${DIR}"
+    make_dir
+    chmod 755 "${DIR}/"
     make_certs
     write_node_files
     # The node runs as rabbitmq and must read the server key; the client keys stay root's.
-    chown -R "${RMQ_USER}:" "${NDIR}"
-    chown "${RMQ_USER}:" "${DIR}/server.key"
+    "${IN[@]}" chown -R "${RMQ_USER}:" "${NDIR}"
+    "${IN[@]}" chown "${RMQ_USER}:" "${DIR}/server.key"
     chmod 600 "${DIR}"/*.key
     chmod 644 "${DIR}"/*.pem
     launch_node
@@ -310,7 +356,7 @@ cmd_down() {
             sleep 1
         fi
     fi
-    rm -rf "${DIR}"
+    remove_dir
     log "down: removed ${DIR}"
 }
 

@@ -86,9 +86,12 @@ async fn a_queue_gone_without_a_cancel_is_noticed_by_the_worker() {
     let mut f = Fault::begin("dest-gone-silently", MAX_MS).await;
     let (q, worker) = consuming(&mut f, "ghost", "g", 20).await;
     // the queue's record only: its replicas keep running and no consumer hears of it
+    // (`internal_delete` takes the queue's name on 3.10, its record on 4.x)
     let expr = format!(
         "R = rabbit_misc:r(<<\"/\">>, queue, <<\"{q}\">>), {{ok, Q}} = rabbit_amqqueue:lookup(R), \
-         {{Ra, _}} = amqqueue:get_pid(Q), ok = rabbit_amqqueue:internal_delete(R, <<\"fault test\">>), Ra."
+         {{Ra, _}} = amqqueue:get_pid(Q), \
+         Arg = case rabbit_misc:version() of \"3.\" ++ _ -> R; _ -> Q end, \
+         ok = rabbit_amqqueue:internal_delete(Arg, <<\"fault test\">>), Ra."
     );
     let ra = cluster(&["ctl", "1", "eval", &expr]).await;
     let ra = ra.trim();

@@ -72,7 +72,7 @@ async fn dead_lettered_messages_wait_while_a_node_has_no_dead_letter_supervisor(
     );
     // they wait in the dead-letter buffers of tiers led by the victim: in `messages`, neither
     // ready nor unacknowledged (name, type, leader, online, ready, unacked, consumers, messages)
-    let victim_node = format!("adfault{victim}@");
+    let victim_node = node_name(victim);
     let waiting: u64 = dump
         .lines()
         .map(|l| l.split('\t').collect::<Vec<_>>())

@@ -12,5 +12,6 @@ mod dest_deleted;
 mod dlx_stuck;
 mod harness;
 mod kill_node;
+mod node_lost;
 mod restart_all;
 mod tier_deleted;

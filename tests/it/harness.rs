@@ -18,6 +18,17 @@ pub fn broker_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| amqp_delay::settings::DEFAULT_URL.into())
 }
 
+/// `rabbitmqctl` for the broker under test: `TEST_RABBITMQCTL` (a command line split
+/// on spaces, e.g. `bash scripts/rabbitmq4.sh rabbitmqctl` for the 4.x nodes, whose tools and
+/// cookie are their own), else the host's `rabbitmqctl`.
+pub fn rabbitmqctl() -> std::process::Command {
+    let cmd = std::env::var("TEST_RABBITMQCTL").unwrap_or_else(|_| "rabbitmqctl".into());
+    let mut words = cmd.split_whitespace();
+    let mut c = std::process::Command::new(words.next().unwrap_or("rabbitmqctl"));
+    c.args(words);
+    c
+}
+
 /// Connects or panics with a message saying how to get a broker.
 pub async fn connect() -> Connection {
     match amqp_delay::connection::connect(&broker_url(), "amqp-delay tests").await {

@@ -2,7 +2,7 @@
 //! counters add up and the lateness histogram fills; readiness follows the broker connection.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use amqp_delay::time::DurationMs;
@@ -195,7 +195,7 @@ async fn metrics_add_up_and_readiness_follows_the_connection() {
 
 /// Closes, from the broker's side, the worker connection of `prefix`.
 fn close_worker_connection(prefix: &str) -> usize {
-    let out = Command::new("rabbitmqctl")
+    let out = rabbitmqctl()
         .args(["-q", "list_connections", "pid", "client_properties"])
         .output()
         .expect("rabbitmqctl (the broker must be local for this test)");
@@ -204,7 +204,7 @@ fn close_worker_connection(prefix: &str) -> usize {
     let mut n = 0;
     for line in text.lines().filter(|l| l.contains(&needle)) {
         let pid = line.split_whitespace().next().unwrap();
-        let st = Command::new("rabbitmqctl")
+        let st = rabbitmqctl()
             .args(["-q", "close_connection", pid, "test: readiness"])
             .status()
             .unwrap();

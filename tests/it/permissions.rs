@@ -15,9 +15,14 @@ use lapin::types::FieldTable;
 use crate::harness::*;
 use crate::worker::Scripted;
 
+/// The TLS test node's name (`scripts/tls-node.sh`: adtls@localhost, or its 4.x twin).
+fn tls_node_name() -> String {
+    crate::security::tls_node()["TLS_NODE"].clone()
+}
+
 fn ctl(args: &[&str]) {
-    let out = std::process::Command::new("rabbitmqctl")
-        .args(["-n", "adtls@localhost"])
+    let out = rabbitmqctl()
+        .args(["-n", &tls_node_name()])
         .args(args)
         .output()
         .expect("rabbitmqctl");
@@ -30,8 +35,8 @@ fn ctl(args: &[&str]) {
 
 /// Creates `user` with `configure`, `write`, `read` regexes on vhost `/`.
 fn user(user: &str, configure: &str, write: &str, read: &str) {
-    let _ = std::process::Command::new("rabbitmqctl")
-        .args(["-n", "adtls@localhost", "delete_user", user])
+    let _ = rabbitmqctl()
+        .args(["-n", &tls_node_name(), "delete_user", user])
         .output();
     ctl(&["add_user", user, &format!("{user}-pw")]);
     ctl(&["set_permissions", "-p", "/", user, configure, write, read]);
@@ -117,8 +122,8 @@ impl Drop for Cleanup {
         })
         .join();
         for u in &self.users {
-            let _ = std::process::Command::new("rabbitmqctl")
-                .args(["-n", "adtls@localhost", "delete_user", u])
+            let _ = rabbitmqctl()
+                .args(["-n", &tls_node_name(), "delete_user", u])
                 .output();
         }
         let _ = std::fs::remove_file(&self.cfg);

@@ -495,7 +495,7 @@ async fn sigterm_lets_in_flight_handlers_finish_and_loses_nothing() {
 
 /// Closes, from the broker's side, every connection whose name contains `needle`.
 fn close_connections_named(needle: &str) -> usize {
-    let out = std::process::Command::new("rabbitmqctl")
+    let out = rabbitmqctl()
         .args(["-q", "list_connections", "pid", "client_properties"])
         .output()
         .expect("rabbitmqctl (the broker must be local for this test)");
@@ -503,7 +503,7 @@ fn close_connections_named(needle: &str) -> usize {
     let mut n = 0;
     for line in text.lines().filter(|l| l.contains(needle)) {
         let pid = line.split_whitespace().next().unwrap();
-        let st = std::process::Command::new("rabbitmqctl")
+        let st = rabbitmqctl()
             .args([
                 "-q",
                 "close_connection",

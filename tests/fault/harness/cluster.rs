@@ -160,7 +160,7 @@ pub async fn leaders_of_waiting_dead_letters(prefix: &str) -> Vec<usize> {
                         return None;
                     }
                     let n = |i: usize| c[i].trim().parse::<u64>().unwrap_or(0);
-                    let node = (1..=NODES).find(|i| c[1].starts_with(&format!("adfault{i}@")))?;
+                    let node = (1..=NODES).find(|i| c[1].starts_with(&node_name(*i)))?;
                     (n(4) > n(2) + n(3)).then_some(node)
                 })
                 .collect();
@@ -266,8 +266,24 @@ pub(super) fn cluster_up() -> Result<(), String> {
         })
 }
 
+/// The node names' prefix: `CLUSTER_NODE_PREFIX`, as for `scripts/cluster.sh` (adfault; the
+/// 4.x cluster of `scripts/rabbitmq4.sh cluster` is ad4c).
+pub fn node_prefix() -> String {
+    std::env::var("CLUSTER_NODE_PREFIX").unwrap_or_else(|_| "adfault".into())
+}
+
+/// Node `i`'s name up to the host: `adfault{i}@`.
+pub fn node_name(i: usize) -> String {
+    format!("{}{i}@", node_prefix())
+}
+
+/// Node `i`'s AMQP port: `CLUSTER_AMQP_PORT_BASE` (5700, as for `scripts/cluster.sh`) + i.
 pub fn port(i: usize) -> u16 {
-    5700 + i as u16
+    let base = std::env::var("CLUSTER_AMQP_PORT_BASE")
+        .ok()
+        .and_then(|b| b.parse::<u16>().ok())
+        .unwrap_or(5700);
+    base + i as u16
 }
 
 /// Every node's URL, comma-separated.
@@ -340,9 +356,20 @@ pub async fn leaders(prefix: &str, via: usize) -> HashMap<usize, usize> {
         if !name.starts_with(&format!("{prefix}.")) {
             continue;
         }
-        if let Some(i) = (1..=NODES).find(|i| leader == format!("adfault{i}@localhost")) {
+        if let Some(i) = (1..=NODES).find(|i| leader == format!("{}localhost", node_name(*i))) {
             *m.entry(i).or_insert(0) += 1;
         }
     }
     m
+}
+
+/// The cluster's RabbitMQ version (`rabbit_misc:version()` on node 1, e.g. "4.0.5").
+pub async fn broker_version() -> String {
+    static VERSION: OnceLock<String> = OnceLock::new();
+    if let Some(v) = VERSION.get() {
+        return v.clone();
+    }
+    let out = cluster(&["ctl", "1", "eval", "rabbit_misc:version()."]).await;
+    let v = out.trim().trim_matches('"').to_string();
+    VERSION.get_or_init(|| v).clone()
 }

@@ -1,0 +1,150 @@
+//! A node lost for good (issue 24): the other scenarios restart the node they kill; production
+//! nodes also die and stay dead. 2,000 messages of 2–15 s scheduled (and one more sent while
+//! the node is down), a worker on node 2, node 1 killed with `kill -9` and left down.
+//!
+//! RabbitMQ 4.x: every message arrives through nodes 2 and 3 alone, none early, within
+//! [`GRACE_MS`] of its due time. RabbitMQ 3.10: some stay in tiers (dead-lettered, waiting:
+//! in `messages` but neither ready nor unacknowledged) until an operator acts; the scenario
+//! records how many, then applies the remedy docs/OPERATIONS.md gives (restart the app of the
+//! surviving nodes that lost their dead-letter supervisor or lead a waiting tier) and, failing
+//! that, starts node 1 again; it asserts that nothing was lost or early once that was done, and
+//! prints which step it took.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use rand::Rng;
+
+use crate::harness::*;
+
+const N: usize = 2000;
+const MIN_MS: u64 = 2_000;
+const MAX_MS: u64 = 15_000;
+/// On 4.x every message arrives within this of its due time with a node gone for good: the
+/// elections (a few seconds), up to two dead-letter confirm timeouts, and a loaded machine.
+const GRACE_MS: u64 = 30_000;
+/// On 3.10, how long after the last due time the scenario waits before it calls the operator.
+const WAIT_BEFORE_REMEDY_MS: u64 = 30_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_lost_for_good_with_messages_pending() {
+    let mut f = Fault::begin("node-lost", MAX_MS).await;
+    let version = broker_version().await;
+    let v4 = !version.starts_with("3.");
+    let q = f.destination("dest");
+    f.declare(&[&q]).await;
+    // the worker on node 2 (node 1 is the one that dies)
+    let mut worker = None;
+    for _ in 0..20 {
+        let w = f.worker(&q).await;
+        if nodes_of(w.pid) == [2] {
+            worker = Some(w);
+            break;
+        }
+        w.stop().await;
+    }
+    let mut worker = worker.expect("no worker connected to node 2 in 20 starts");
+
+    let mut rng = rand::rng();
+    let ids: Vec<String> = (0..N).map(|i| format!("n{i}")).collect();
+    let text: String = ids
+        .iter()
+        .map(|id| line(&q, id, rng.random_range(MIN_MS..=MAX_MS)) + "\n")
+        .collect();
+    f.send_confirmed("bulk.jsonl", text, N).await;
+    // every message is due by then
+    let last_due = Instant::now() + Duration::from_millis(MAX_MS);
+    let leaders = leaders(&f.prefix, 2).await;
+    eprintln!("[node-lost] RabbitMQ {version}; leaders per node {leaders:?}; killing node 1");
+    cluster(&["kill", "1"]).await;
+    let down_at = Instant::now();
+    let one = f
+        .publisher_ok(&[
+            "send",
+            "--queue",
+            &q,
+            "--delay",
+            "2000",
+            "--id",
+            "one-while-down",
+            "--body",
+            "x",
+        ])
+        .await;
+    eprintln!(
+        "[node-lost] a send while node 1 is down took {:?}",
+        one.took
+    );
+    let mut scheduled: HashSet<String> = ids.into_iter().collect();
+    scheduled.insert("one-while-down".into());
+
+    let wait = if v4 { GRACE_MS } else { WAIT_BEFORE_REMEDY_MS };
+    let until =
+        last_due.max(Instant::now() + Duration::from_millis(2000)) + Duration::from_millis(wait);
+    let all_came = worker
+        .wait_for(
+            &scheduled,
+            until.saturating_duration_since(Instant::now()),
+            Duration::from_secs(1),
+        )
+        .await;
+    let before = Tally::of(&scheduled, &worker.delivered());
+    before.print(&format!(
+        "node lost for good, RabbitMQ {version}, node 1 left down"
+    ));
+    let mut step = "none";
+    if !all_came {
+        eprintln!(
+            "[node-lost] {} of {} not delivered {} s after the last due time, node 1 down for {:?}; nodes without a dead-letter supervisor: {:?}; queues holding them:\n{}",
+            before.lost.len(),
+            scheduled.len(),
+            wait / 1000,
+            down_at.elapsed(),
+            nodes_without_dlx_supervisor().await,
+            queue_dump(&f.prefix, 2).await
+        );
+    }
+    if v4 {
+        before.assert_sound(&format!("node lost for good (RabbitMQ {version})"));
+        assert!(
+            before.worst_lateness_ms <= GRACE_MS as i64,
+            "worst lateness {} ms with a node lost (bound {GRACE_MS} ms)",
+            before.worst_lateness_ms
+        );
+    } else if !all_came {
+        // 3.10: the operator's remedy, without node 1
+        let restarted = unstick_dead_letters("node-lost", Some(&f.prefix)).await;
+        step = "app restart of the surviving nodes";
+        let mut came = !restarted.is_empty()
+            && worker
+                .wait_for(&scheduled, Duration::from_secs(30), Duration::from_secs(1))
+                .await;
+        eprintln!("[node-lost] restarted the app of nodes {restarted:?}: all delivered: {came}");
+        if !came {
+            step = "node 1 started again";
+            cluster(&["start", "1"]).await;
+            came = worker
+                .wait_for(&scheduled, Duration::from_secs(60), Duration::from_secs(1))
+                .await;
+            eprintln!("[node-lost] node 1 back: all delivered: {came}");
+        }
+        let after = Tally::of(&scheduled, &worker.delivered());
+        after.print(&format!(
+            "node lost for good, RabbitMQ {version}, after: {step}"
+        ));
+        after.assert_sound(&format!(
+            "node lost for good (RabbitMQ {version}), after: {step}"
+        ));
+    } else {
+        before.assert_sound(&format!("node lost for good (RabbitMQ {version})"));
+    }
+    eprintln!(
+        "[node-lost] RabbitMQ {version}: all {} delivered without an operator: {all_came}; remedy: {step}",
+        scheduled.len()
+    );
+    assert!(worker.running(), "the worker exited:\n{}", worker.log());
+    worker.stop().await;
+    // the clean-up deletes quorum queues, which waits a timeout per queue while a member is
+    // down: node 1 comes back first
+    cluster(&["start", "1"]).await;
+}
