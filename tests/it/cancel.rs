@@ -805,10 +805,14 @@ async fn a_busy_worker_honours_every_cancel_confirmed_exactly_the_notice_before_
     // (under the whole suite's load a confirm now and then takes 16–30 ms: one CI run had 17
     // of 20 before the notice; at load average 13 on 4.0.5 only 8 of 20 were, the others up
     // to 76 ms after it, all honoured)
+    // The product's rule (no cancel confirmed the notice before due ran) is asserted above for
+    // every one. How many confirms land right at the notice depends on the machine's load,
+    // which this test does not control: it needs the boundary tested at least once.
     assert!(
-        on_time >= 15,
-        "only {on_time} of 20 confirms landed at the notice: {edge:?}; sent too late: {overshot:?}"
+        on_time >= 1,
+        "no confirm landed at the notice: {edge:?}; sent too late: {overshot:?}"
     );
+    eprintln!("busy worker: {on_time} of 20 confirms landed at the notice (within 100 ms)");
     let syncs = counters.cancel_syncs.load(Ordering::Relaxed) - syncs_before;
     let checked = log.lock().unwrap().len() as u64 + cancelled_count(&counters);
     eprintln!(
