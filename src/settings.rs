@@ -15,6 +15,12 @@ use crate::planner::Precision;
 use crate::retry::RetryPolicy;
 use crate::time::DurationMs;
 
+mod gateway;
+mod renamed;
+
+pub use gateway::{GatewaySettings, PairConfig};
+use renamed::{RenamedKey, Renaming};
+
 /// Default broker URL.
 pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// Default name prefix of every exchange and queue we create.
@@ -342,130 +348,6 @@ impl ConsumerSettings {
     }
 }
 
-/// `[gateway]` section of the configuration.
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct GatewaySettings {
-    /// `[[gateway.pairs]]`: ingress exchange → target exchange.
-    pub pairs: Vec<PairConfig>,
-    /// How long an ingress message may wait in the gateway to share a batch (never past a
-    /// member's deadline): the gateway's publisher uses it in place of
-    /// `publisher.batch_linger`. One mechanism, two keys, because the defaults differ: here the
-    /// ingress message waits, not an application's call, so it may wait longer.
-    pub batch_linger: DurationMs,
-    /// A message whose `x-delay` is at most this is held by the gateway (unacked in the ingress
-    /// queue, so nothing is lost if the gateway dies) and published to its target when due,
-    /// without the tiers. 0 sends every message through the tiers.
-    pub hold: DurationMs,
-    /// How many messages the gateway holds at once, each in a prefetch slot of its own (on top
-    /// of `consumer.io_concurrency`); past that, short delays go through the tiers too.
-    pub max_held: usize,
-}
-
-impl Default for GatewaySettings {
-    fn default() -> Self {
-        GatewaySettings {
-            pairs: Vec::new(),
-            batch_linger: DurationMs(100),
-            hold: DurationMs(100),
-            max_held: 1536,
-        }
-    }
-}
-
-/// One `[[gateway.pairs]]` entry.
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct PairConfig {
-    /// Exchange applications publish to with `x-delay` (declared by the gateway, fanout).
-    pub ingress: String,
-    /// Existing exchange the due message is published to, with its original routing key.
-    pub target: String,
-}
-
-impl GatewaySettings {
-    /// Pairs from repeated `--ingress I --target T` flags, matched in order.
-    pub fn from_flags(ingress: &[String], target: &[String]) -> Result<GatewaySettings, String> {
-        if ingress.len() != target.len() {
-            return Err(format!(
-                "give one --target per --ingress (got {} --ingress and {} --target)",
-                ingress.len(),
-                target.len()
-            ));
-        }
-        let pairs = ingress
-            .iter()
-            .zip(target)
-            .map(|(i, t)| PairConfig {
-                ingress: i.clone(),
-                target: t.clone(),
-            })
-            .collect();
-        let s = GatewaySettings {
-            pairs,
-            ..GatewaySettings::default()
-        };
-        s.validate()?;
-        Ok(s)
-    }
-
-    /// Checks what can be checked without the layout or a broker.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.batch_linger.as_millis() > 1_000 {
-            return Err(format!(
-                "gateway.batch_linger must be at most 1s, got {}",
-                self.batch_linger
-            ));
-        }
-        if self.hold.as_millis() > 1_000 {
-            return Err(format!(
-                "gateway.hold must be at most 1s, got {}",
-                self.hold
-            ));
-        }
-        if self.max_held == 0 {
-            return Err(
-                "gateway.max_held must be at least 1 (gateway.hold = 0 holds nothing)".into(),
-            );
-        }
-        let mut seen = std::collections::HashSet::new();
-        for p in &self.pairs {
-            for (what, name) in [("ingress", &p.ingress), ("target", &p.target)] {
-                if name.is_empty() {
-                    return Err(format!(
-                        "gateway.pairs: every pair needs a non-empty '{what}'"
-                    ));
-                }
-                if name.len() > 255 {
-                    return Err(format!(
-                        "gateway.pairs: {what} exchange name is {} bytes, more than 255",
-                        name.len()
-                    ));
-                }
-            }
-            if p.ingress.starts_with("amq.") {
-                return Err(format!(
-                    "gateway.pairs: ingress '{}' starts with 'amq.', which the broker reserves",
-                    p.ingress
-                ));
-            }
-            if p.ingress == p.target {
-                return Err(format!(
-                    "gateway.pairs: ingress and target are both '{}'; the message would come back to the gateway",
-                    p.ingress
-                ));
-            }
-            if !seen.insert(p.ingress.as_str()) {
-                return Err(format!(
-                    "gateway.pairs: ingress '{}' appears twice; one ingress has one target",
-                    p.ingress
-                ));
-            }
-        }
-        Ok(())
-    }
-}
-
 /// A settings problem, with the key and value named.
 #[derive(Debug, thiserror::Error)]
 pub enum SettingsError {
@@ -482,120 +364,6 @@ pub enum SettingsError {
 
 /// `AMQP_DELAY_*` variables that configure the command line, not [`Settings`].
 pub const CLI_ONLY_VARIABLES: &[&str] = &["AMQP_DELAY_LOG_FORMAT"];
-
-/// A key that was renamed when every duration became a [`DurationMs`]: the old name is still
-/// read (with a warning naming both), its value converted to milliseconds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct RenamedKey {
-    /// The old key, `section.name` (`publisher.binding_cache_secs`).
-    old: &'static str,
-    /// The key it is read as (`publisher.binding_cache`).
-    new: &'static str,
-    /// Milliseconds per unit of the old key's number (1000 for a `*_secs` key).
-    ms_per_unit: u64,
-}
-
-/// The old key names still accepted, each read as its new key.
-const RENAMED_KEYS: &[RenamedKey] = &[
-    RenamedKey {
-        old: "topology.unit_ms",
-        new: "topology.unit",
-        ms_per_unit: 1,
-    },
-    RenamedKey {
-        old: "topology.max_tier_ttl_ms",
-        new: "topology.max_tier_ttl",
-        ms_per_unit: 1,
-    },
-    RenamedKey {
-        old: "precision.lateness_ms",
-        new: "precision.lateness",
-        ms_per_unit: 1,
-    },
-    RenamedKey {
-        old: "publisher.binding_cache_secs",
-        new: "publisher.binding_cache",
-        ms_per_unit: 1000,
-    },
-];
-
-/// A configuration source (the file, the environment) whose old key names are read as their new
-/// ones; the renamings found are recorded for the loader to warn about.
-#[derive(Debug)]
-struct Renaming {
-    inner: Box<dyn config::Source + Send + Sync>,
-    found: std::sync::Arc<std::sync::Mutex<Vec<RenamedKey>>>,
-}
-
-impl config::Source for Renaming {
-    fn clone_into_box(&self) -> Box<dyn config::Source + Send + Sync> {
-        Box::new(Renaming {
-            inner: self.inner.clone_into_box(),
-            found: self.found.clone(),
-        })
-    }
-
-    fn collect(&self) -> Result<config::Map<String, config::Value>, config::ConfigError> {
-        // the source's keys as one tree (the environment's come as dotted paths)
-        let mut root = config::Value::new(None, config::ValueKind::Table(config::Map::new()));
-        self.inner.collect_to(&mut root)?;
-        let mut tree = root.into_table()?;
-        for key in RENAMED_KEYS {
-            if rename(&mut tree, key)? {
-                let mut found = self.found.lock().unwrap_or_else(|e| e.into_inner());
-                if !found.contains(key) {
-                    found.push(*key);
-                }
-            }
-        }
-        Ok(tree)
-    }
-}
-
-/// Moves `key.old` to `key.new` in `tree`, converting its number to milliseconds; whether it
-/// was there. Both keys in one source is an error: which one is meant is not clear.
-fn rename(
-    tree: &mut config::Map<String, config::Value>,
-    key: &RenamedKey,
-) -> Result<bool, config::ConfigError> {
-    let (section, old) = key.old.split_once('.').expect("section.key");
-    let (_, new) = key.new.split_once('.').expect("section.key");
-    let Some(config::Value {
-        kind: config::ValueKind::Table(table),
-        ..
-    }) = tree.get_mut(section)
-    else {
-        return Ok(false);
-    };
-    let Some(value) = table.remove(old) else {
-        return Ok(false);
-    };
-    if table.contains_key(new) {
-        return Err(config::ConfigError::Message(format!(
-            "{} and {} are both set: they are one setting ({} is its old name); keep {}",
-            key.old, key.new, key.old, key.new
-        )));
-    }
-    let origin = value.origin().map(str::to_string);
-    let scaled = |n: u64| {
-        n.checked_mul(key.ms_per_unit)
-            .and_then(|ms| i64::try_from(ms).ok())
-    };
-    let kind = match value.kind {
-        config::ValueKind::I64(n) if n >= 0 => scaled(n as u64).map(config::ValueKind::I64),
-        config::ValueKind::U64(n) => scaled(n).map(config::ValueKind::I64),
-        config::ValueKind::String(ref t) => match t.trim().parse::<u64>() {
-            Ok(n) => scaled(n).map(config::ValueKind::I64),
-            // a duration with its unit ("90s") means the same under either name
-            Err(_) => Some(value.kind.clone()),
-        },
-        // negative, or not a number: DurationMs says what is wrong, under the new name
-        ref other => Some(other.clone()),
-    }
-    .ok_or_else(|| config::ConfigError::Message(format!("{} is too large", key.old)))?;
-    table.insert(new.to_string(), config::Value::new(origin.as_ref(), kind));
-    Ok(true)
-}
 
 impl Settings {
     /// Loads defaults, then `file` (TOML) if given, then `AMQP_DELAY_*` environment variables.

@@ -1,0 +1,127 @@
+//! The `[gateway]` section: its pairs and the checks a gateway needs.
+
+use super::*;
+
+/// `[gateway]` section of the configuration.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct GatewaySettings {
+    /// `[[gateway.pairs]]`: ingress exchange → target exchange.
+    pub pairs: Vec<PairConfig>,
+    /// How long an ingress message may wait in the gateway to share a batch (never past a
+    /// member's deadline): the gateway's publisher uses it in place of
+    /// `publisher.batch_linger`. One mechanism, two keys, because the defaults differ: here the
+    /// ingress message waits, not an application's call, so it may wait longer.
+    pub batch_linger: DurationMs,
+    /// A message whose `x-delay` is at most this is held by the gateway (unacked in the ingress
+    /// queue, so nothing is lost if the gateway dies) and published to its target when due,
+    /// without the tiers. 0 sends every message through the tiers.
+    pub hold: DurationMs,
+    /// How many messages the gateway holds at once, each in a prefetch slot of its own (on top
+    /// of `consumer.io_concurrency`); past that, short delays go through the tiers too.
+    pub max_held: usize,
+}
+
+impl Default for GatewaySettings {
+    fn default() -> Self {
+        GatewaySettings {
+            pairs: Vec::new(),
+            batch_linger: DurationMs(100),
+            hold: DurationMs(100),
+            max_held: 1536,
+        }
+    }
+}
+
+/// One `[[gateway.pairs]]` entry.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PairConfig {
+    /// Exchange applications publish to with `x-delay` (declared by the gateway, fanout).
+    pub ingress: String,
+    /// Existing exchange the due message is published to, with its original routing key.
+    pub target: String,
+}
+
+impl GatewaySettings {
+    /// Pairs from repeated `--ingress I --target T` flags, matched in order.
+    pub fn from_flags(ingress: &[String], target: &[String]) -> Result<GatewaySettings, String> {
+        if ingress.len() != target.len() {
+            return Err(format!(
+                "give one --target per --ingress (got {} --ingress and {} --target)",
+                ingress.len(),
+                target.len()
+            ));
+        }
+        let pairs = ingress
+            .iter()
+            .zip(target)
+            .map(|(i, t)| PairConfig {
+                ingress: i.clone(),
+                target: t.clone(),
+            })
+            .collect();
+        let s = GatewaySettings {
+            pairs,
+            ..GatewaySettings::default()
+        };
+        s.validate()?;
+        Ok(s)
+    }
+
+    /// Checks what can be checked without the layout or a broker.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.batch_linger.as_millis() > 1_000 {
+            return Err(format!(
+                "gateway.batch_linger must be at most 1s, got {}",
+                self.batch_linger
+            ));
+        }
+        if self.hold.as_millis() > 1_000 {
+            return Err(format!(
+                "gateway.hold must be at most 1s, got {}",
+                self.hold
+            ));
+        }
+        if self.max_held == 0 {
+            return Err(
+                "gateway.max_held must be at least 1 (gateway.hold = 0 holds nothing)".into(),
+            );
+        }
+        let mut seen = std::collections::HashSet::new();
+        for p in &self.pairs {
+            for (what, name) in [("ingress", &p.ingress), ("target", &p.target)] {
+                if name.is_empty() {
+                    return Err(format!(
+                        "gateway.pairs: every pair needs a non-empty '{what}'"
+                    ));
+                }
+                if name.len() > 255 {
+                    return Err(format!(
+                        "gateway.pairs: {what} exchange name is {} bytes, more than 255",
+                        name.len()
+                    ));
+                }
+            }
+            if p.ingress.starts_with("amq.") {
+                return Err(format!(
+                    "gateway.pairs: ingress '{}' starts with 'amq.', which the broker reserves",
+                    p.ingress
+                ));
+            }
+            if p.ingress == p.target {
+                return Err(format!(
+                    "gateway.pairs: ingress and target are both '{}'; the message would come back to the gateway",
+                    p.ingress
+                ));
+            }
+            if !seen.insert(p.ingress.as_str()) {
+                return Err(format!(
+                    "gateway.pairs: ingress '{}' appears twice; one ingress has one target",
+                    p.ingress
+                ));
+            }
+        }
+        Ok(())
+    }
+}
