@@ -1,7 +1,8 @@
 //! What a caller schedules and what it gets back, pure: a [`Message`] (destination, delay, body,
 //! properties) and the [`Scheduled`] confirmation with its route; and [`Message::check`], the
 //! rules every input path (library, CLI, JSONL) shares: AMQP short strings within 255 bytes,
-//! bounded body and headers, no `expiration`, the `x-delay-*` names reserved.
+//! bounded body and headers, no `expiration`, the `x-delay-*` names and the broker's native
+//! `x-opt-delivery-time` reserved.
 
 use lapin::BasicProperties;
 use lapin::types::{FieldTable, ShortString};
@@ -111,11 +112,17 @@ impl Message {
             return Err("the 'expiration' property is not allowed on a delayed message: it would expire inside a tier and be delivered early (docs/DESIGN.md rule 1); set it when the message is delivered instead".into());
         }
         if let Some(h) = self.properties.headers() {
-            let ours = h.inner().keys().find(|k| headers::is_ours(k.as_str()));
-            if let (false, Some(k)) = (self.internal, ours) {
-                return Err(format!(
-                    "header '{k}' is reserved: every x-delay-* header is amqp-delay's own"
-                ));
+            let reserved = h.inner().keys().find(|k| headers::is_reserved(k.as_str()));
+            if let (false, Some(k)) = (self.internal, reserved) {
+                return Err(if k.as_str() == headers::NATIVE_DELIVERY_TIME {
+                    format!(
+                        "header '{k}' is reserved: it is RabbitMQ's own publish-time delay, which \
+                         would delay the message once more at its destination; give amqp-delay \
+                         the delay instead"
+                    )
+                } else {
+                    format!("header '{k}' is reserved: every x-delay-* header is amqp-delay's own")
+                });
             }
             let size = headers::encoded_len(h);
             if size > MAX_HEADER_BYTES {
@@ -154,4 +161,28 @@ pub struct Scheduled {
     pub route: Route,
     /// How many messages share its broker message (1: it travels alone).
     pub batched_with: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::types::AMQPValue;
+
+    fn with_header(name: &str) -> Message {
+        let mut h = FieldTable::default();
+        h.insert(name.into(), AMQPValue::LongLongInt(1_900_000_000_000));
+        Message::new("q", 1_000, "x").with_headers(h)
+    }
+
+    #[test]
+    fn the_brokers_native_delay_is_reserved_like_ours() {
+        let e = with_header(headers::NATIVE_DELIVERY_TIME)
+            .check(1 << 20)
+            .unwrap_err();
+        assert!(e.contains("'x-opt-delivery-time' is reserved"), "{e}");
+        assert!(e.contains("RabbitMQ's own publish-time delay"), "{e}");
+        let e = with_header("x-delay-attempt").check(1 << 20).unwrap_err();
+        assert!(e.contains("every x-delay-* header"), "{e}");
+        assert!(with_header("x-opt-other").check(1 << 20).is_ok());
+    }
 }

@@ -96,13 +96,14 @@ pub fn parse_x_delay(value: Option<&AMQPValue>, max_delay_ms: u64) -> Result<u64
 /// carry moved into headers — the routing key, `expiration` (it would expire inside a tier),
 /// `delivery_mode` (the tiers are persistent), `user_id` (see the module doc), and markers for
 /// an absent `message_id` (the publisher generates one) or `headers` table. `x-delay-*`
-/// headers the application set and those the broker adds (`x-death` history,
+/// headers the application set, `x-opt-delivery-time` (the broker's native delay, which would
+/// delay the message again at the target) and those the broker adds (`x-death` history,
 /// `x-delivery-count`) are removed. `invalid` is
 /// the reason the message must be parked instead of delivered.
 pub fn stash(p: &BasicProperties, routing_key: &str, invalid: Option<&str>) -> BasicProperties {
     let empty = FieldTable::default();
     let mut h = headers::filter(p.headers().as_ref().unwrap_or(&empty), |k| {
-        !is_ours(k) && !headers::is_broker_header(k)
+        !headers::is_reserved(k) && !headers::is_broker_header(k)
     });
     h.insert(ROUTING_KEY.into(), long_string(routing_key));
     if let Some(e) = p.expiration() {
@@ -288,6 +289,10 @@ mod tests {
         h.insert("x-death".into(), AMQPValue::Void);
         h.insert("x-delivery-count".into(), AMQPValue::LongLongInt(1));
         h.insert("x-delay-attempt".into(), AMQPValue::LongInt(9));
+        h.insert(
+            headers::NATIVE_DELIVERY_TIME.into(),
+            AMQPValue::LongLongInt(1_900_000_000_000),
+        );
         BasicProperties::default()
             .with_content_type("application/json".into())
             .with_headers(h)
@@ -326,7 +331,12 @@ mod tests {
         assert_eq!(h.inner().get(ROUTING_KEY), Some(&s("orders.eu")));
         assert_eq!(h.inner().get(EXPIRATION), Some(&s("60000")));
         assert_eq!(h.inner().get(USER_ID), Some(&s("alice")));
-        for gone in ["x-death", "x-delivery-count", "x-delay-attempt"] {
+        for gone in [
+            "x-death",
+            "x-delivery-count",
+            "x-delay-attempt",
+            headers::NATIVE_DELIVERY_TIME,
+        ] {
             assert!(!h.contains_key(gone), "{gone}");
         }
         assert!(!h.contains_key(NO_MESSAGE_ID) && !h.contains_key(NO_HEADERS));

@@ -256,6 +256,25 @@ fn the_exit_code_follows_the_kind_of_error() {
         text.contains("invalid request: --header 'nameless' is not NAME=VALUE"),
         "{text}"
     );
+    // the broker's native delay header is refused on `send` like our own (before connecting)
+    let (code, text) = run_bin(
+        "delay-publisher",
+        &args(&[
+            "--url",
+            nobody,
+            "send",
+            "--queue",
+            "q",
+            "--delay",
+            "1s",
+            "--body",
+            "x",
+            "--header",
+            "x-opt-delivery-time=1900000000000",
+        ]),
+    );
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("'x-opt-delivery-time' is reserved"), "{text}");
     // the configuration: a metrics address that is none (found after the settings loaded)
     let (code, text) = run_bin(
         "delay-consumer",
