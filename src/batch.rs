@@ -253,6 +253,69 @@ pub fn group(cands: &[Candidate], limits: Limits) -> Vec<Group> {
     out
 }
 
+/// The last level of the timing wheel, which our consumers keep (see [`group_grains`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grain {
+    /// Width of a grain window in ms (windows are aligned to the epoch): messages due in the
+    /// same window travel together.
+    pub width_ms: u64,
+    /// How long before its first member is due a batch is planned to reach the consumer: room
+    /// for the route's own latency (dead-letter hops, the delivery).
+    pub lead_ms: u64,
+}
+
+/// Splits candidates for ONE destination whose consumers hold early messages until they are
+/// due (the worker, the relay, the gateway's due stage) into groups by grain window: members
+/// whose due times fall in the same window `[k·G, (k+1)·G)` share a group (within the limits),
+/// however far apart they arrived. A group should reach its consumer no earlier than its
+/// window's start − lead and no later than its earliest member's due time − lead, so it is
+/// never later than any member (the consumer then runs each member at its exact due time) and
+/// held at most one window plus the lead. Every candidate is in exactly one group.
+pub fn group_grains(cands: &[Candidate], grain: Grain, limits: Limits) -> Vec<Group> {
+    let width = grain.width_ms.max(1);
+    let mut order: Vec<usize> = (0..cands.len()).collect();
+    order.sort_by_key(|&i| cands[i].due_at_ms);
+    let mut out: Vec<Group> = Vec::new();
+    // the open group, its window index and its bytes
+    let mut cur: Option<(Group, u64, usize)> = None;
+    for i in order {
+        let c = cands[i];
+        let window = c.due_at_ms / width;
+        if let Some((g, w, bytes)) = cur.as_mut() {
+            if *w == window
+                && g.members.len() < limits.max_members
+                && *bytes + c.bytes <= limits.max_bytes
+            {
+                g.members.push(i);
+                *bytes += c.bytes;
+                continue;
+            }
+            out.push(cur.take().expect("checked").0);
+        }
+        // members come in due order: the first one is the earliest
+        let latest = c.due_at_ms.saturating_sub(grain.lead_ms);
+        let earliest = (window * width).saturating_sub(grain.lead_ms).min(latest);
+        let g = Group {
+            members: vec![i],
+            earliest_ms: earliest,
+            latest_ms: latest,
+        };
+        cur = Some((g, window, HEADER_LEN + c.bytes));
+    }
+    if let Some((g, _, _)) = cur {
+        out.push(g);
+    }
+    for g in &mut out {
+        // A message alone saves no broker work by arriving early, and each one waits in a
+        // prefetch slot of its consumer: it comes at most one lead before its lead.
+        if let [only] = g.members[..] {
+            let due = cands[only].due_at_ms;
+            g.earliest_ms = g.earliest_ms.max(due.saturating_sub(2 * grain.lead_ms));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -356,6 +419,83 @@ mod tests {
             }
             prop_assert!(seen.iter().all(|&n| n == 1));
         }
+    }
+
+    proptest! {
+        #[test]
+        fn grain_groups_arrive_before_every_member_and_within_its_window(
+            dues in proptest::collection::vec((0u64..20_000, 1usize..400), 1..200),
+            width in 1u64..3_000,
+            lead in 0u64..200,
+            max_members in 1usize..50,
+            max_bytes in 50usize..4_000,
+        ) {
+            let cands: Vec<Candidate> = dues
+                .iter()
+                .map(|&(d, s)| Candidate { due_at_ms: d, deadline_ms: d, bytes: s })
+                .collect();
+            let grain = Grain { width_ms: width, lead_ms: lead };
+            let limits = Limits { max_members, max_bytes };
+            let groups = group_grains(&cands, grain, limits);
+            let mut seen = vec![0; cands.len()];
+            for g in &groups {
+                prop_assert!(g.earliest_ms <= g.latest_ms);
+                prop_assert!(!g.members.is_empty() && g.members.len() <= max_members);
+                let bytes: usize = g.members.iter().map(|&i| cands[i].bytes).sum();
+                prop_assert!(g.members.len() == 1 || HEADER_LEN + bytes <= max_bytes);
+                let window = cands[g.members[0]].due_at_ms / width;
+                if let [only] = g.members[..] {
+                    // alone: at most two leads early
+                    prop_assert!(g.earliest_ms + 2 * lead >= cands[only].due_at_ms);
+                }
+                for &i in &g.members {
+                    seen[i] += 1;
+                    let due = cands[i].due_at_ms;
+                    // one window per group
+                    prop_assert_eq!(due / width, window);
+                    // never later than a member's due time (less the lead) ...
+                    prop_assert!(g.latest_ms <= due.saturating_sub(lead));
+                    // ... and never earlier than the member's window (less the lead)
+                    prop_assert!(g.earliest_ms >= (window * width).saturating_sub(lead));
+                }
+            }
+            prop_assert!(seen.iter().all(|&n| n == 1));
+        }
+    }
+
+    #[test]
+    fn a_trickle_due_in_one_window_is_one_group() {
+        // one message every 3 ms, all due within the same second
+        let cands: Vec<Candidate> = (0..300)
+            .map(|i| Candidate {
+                due_at_ms: 10_000 + i * 3,
+                deadline_ms: 10_000 + i * 3,
+                bytes: 20,
+            })
+            .collect();
+        let grain = Grain {
+            width_ms: 1_000,
+            lead_ms: 50,
+        };
+        let limits = Limits {
+            max_members: 1_000,
+            max_bytes: 1 << 20,
+        };
+        let g = group_grains(&cands, grain, limits);
+        assert_eq!(g.len(), 1);
+        assert_eq!((g[0].earliest_ms, g[0].latest_ms), (9_950, 9_950));
+        // alone: held at most two leads
+        let one = group_grains(&cands[100..101], grain, limits);
+        assert_eq!((one[0].earliest_ms, one[0].latest_ms), (10_200, 10_250));
+        // across a window boundary: two
+        let shifted: Vec<Candidate> = cands
+            .iter()
+            .map(|c| Candidate {
+                due_at_ms: c.due_at_ms + 500,
+                ..*c
+            })
+            .collect();
+        assert_eq!(group_grains(&shifted, grain, limits).len(), 2);
     }
 
     #[test]

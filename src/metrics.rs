@@ -81,6 +81,8 @@ pub struct Metrics {
     pub handler_duration: Family<QueueLabel, Histogram>,
     /// Handlers running now.
     pub in_flight: Gauge,
+    /// Messages a worker holds until they are due (grain batches arrive early).
+    pub held: Gauge,
     /// Broker messages in each tier and parking queue (ready + held when the management API
     /// answers), sampled periodically.
     pub tier_messages: Family<TierLabel, Gauge>,
@@ -121,6 +123,7 @@ impl Metrics {
             lateness: Family::new_with_constructor(|| Histogram::new(LATENESS_BUCKETS)),
             handler_duration: Family::new_with_constructor(|| Histogram::new(DURATION_BUCKETS)),
             in_flight: Gauge::default(),
+            held: Gauge::default(),
             tier_messages: Family::default(),
             tier_dead_lettered: Family::default(),
             messages_pending: Family::default(),
@@ -201,6 +204,11 @@ impl Metrics {
         );
         self.registry
             .register("in_flight", "Handlers running now", self.in_flight.clone());
+        self.registry.register(
+            "held",
+            "Messages waiting in a worker for their due time",
+            self.held.clone(),
+        );
     }
 
     /// The sampled gauges: tier depths, messages pending, the connection.

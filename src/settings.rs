@@ -145,6 +145,22 @@ pub struct PublisherSettings {
     /// (never past its lateness budget); 0 = do not wait. Every publisher but the gateway's,
     /// which lingers `gateway.batch_linger` instead.
     pub batch_linger: DurationMs,
+    /// The timing wheel's last grain: to a destination whose consumers hold early messages
+    /// until they are due (ours: a worker, a relay, a gateway's due stage), messages due in
+    /// the same window of this width travel through the tiers together, one batch, on a
+    /// coarse route that reaches the consumer before the first of them is due; the consumer
+    /// runs each at its exact due time. 0 = exact routes only (every member due within its
+    /// lateness budget, the behaviour before grains).
+    pub grain: DurationMs,
+    /// How long before its first member is due a grain batch is planned to reach the consumer:
+    /// the room for its route's own latency (dead-letter hops and the delivery, a few ms each
+    /// on an idle broker, more under load).
+    pub grain_lead: DurationMs,
+    /// While messages to a destination arrive steadily (the previous one less than
+    /// `batch_linger` ago), how long one may wait in the publisher for others of its grain
+    /// window, never past its window's slack (its due time − `grain_lead`); a `schedule` call
+    /// returns when its batch is confirmed. An occasional message waits `batch_linger` only.
+    pub grain_linger: DurationMs,
     /// Largest body accepted (RabbitMQ 4.x's default `max_message_size` is 16 MiB; 3.x's
     /// 128 MiB); larger is refused before anything is published.
     pub max_message_bytes: usize,
@@ -164,6 +180,9 @@ impl Default for PublisherSettings {
             batch_max_messages: 1_000,
             batch_max_bytes: 1 << 20,
             batch_linger: DurationMs(5),
+            grain: DurationMs(1_000),
+            grain_lead: DurationMs(50),
+            grain_linger: DurationMs(100),
             max_message_bytes: 16 << 20,
             reconnect_timeout: DurationMs(60_000),
         }
@@ -200,7 +219,28 @@ impl PublisherSettings {
                 self.batch_linger
             ));
         }
+        if self.grain.as_millis() > MAX_GRAIN_MS {
+            return Err(format!(
+                "publisher.grain must be at most {} (a consumer holds a grain's messages unacked, in memory), got {}",
+                DurationMs(MAX_GRAIN_MS),
+                self.grain
+            ));
+        }
+        if self.grain_lead.as_millis() > 10_000 || self.grain_linger.as_millis() > 1_000 {
+            return Err(format!(
+                "publisher.grain_lead must be at most 10s and publisher.grain_linger at most 1s, got {} and {}",
+                self.grain_lead, self.grain_linger
+            ));
+        }
         Ok(())
+    }
+
+    /// The grain batches are formed with (`None`: exact routes only).
+    pub fn grain(&self) -> Option<crate::batch::Grain> {
+        (self.grain.as_millis() > 0).then_some(crate::batch::Grain {
+            width_ms: self.grain.as_millis(),
+            lead_ms: self.grain_lead.as_millis(),
+        })
     }
 
     /// Whether messages are batched at all.
@@ -208,6 +248,9 @@ impl PublisherSettings {
         self.batch_max_messages > 1
     }
 }
+
+/// Longest `publisher.grain`: its messages wait unacked in a consumer for up to a grain.
+pub const MAX_GRAIN_MS: u64 = 60_000;
 
 /// Worker (`delay-consumer`) settings.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
@@ -220,6 +263,20 @@ pub struct ConsumerSettings {
     /// Messages an I/O stage (the gateway, `forward`, `relay`) moves at once, each awaiting
     /// its publish confirm; also their prefetch. Independent of `concurrency`.
     pub io_concurrency: usize,
+    /// Deliveries a queue's consumer may hold unacked, on top of its prefetch, while they
+    /// wait for their due time (grain batches reach the worker up to `publisher.grain` +
+    /// `publisher.grain_lead` early).
+    pub hold_prefetch: u16,
+    /// Messages (batch members count one each) a worker keeps in hand at once, over all its
+    /// queues, running or waiting for their due time: past it, it takes no more deliveries
+    /// until some are done (a batch is taken when nothing else is in hand, whatever its size).
+    pub max_in_hand: usize,
+    /// Bytes of message bodies a worker keeps in hand at once (as `max_in_hand`).
+    pub max_in_hand_bytes: usize,
+    /// Longest a message is held for its due time. One that arrives earlier than that (a
+    /// clock far behind the publisher's, a forged due time) is not held: it goes back
+    /// through the tiers for the time that is left, so it still never runs early.
+    pub max_hold: DurationMs,
     /// How long a message whose handler said "not now" (`Outcome::Requeue`) is held and
     /// retried in the worker before it goes back to its queue (each return to a RabbitMQ 4.x
     /// quorum queue can count towards its delivery limit); below the broker's
@@ -250,6 +307,10 @@ impl Default for ConsumerSettings {
             prefetch: 32,
             concurrency: 8,
             io_concurrency: 512,
+            hold_prefetch: 256,
+            max_in_hand: 200_000,
+            max_in_hand_bytes: 256 << 20,
+            max_hold: DurationMs(10_000),
             requeue_hold: DurationMs(5 * 60_000),
             handler_timeout: DurationMs(5 * 60_000),
             consumer_timeout: DurationMs(30 * 60_000),
@@ -318,6 +379,17 @@ impl ConsumerSettings {
         }
         if !(1..=u16::MAX as usize).contains(&self.io_concurrency) {
             return Err("consumer.io_concurrency must be between 1 and 65535".into());
+        }
+        if self.max_in_hand == 0 || self.max_in_hand_bytes == 0 {
+            return Err(
+                "consumer.max_in_hand and consumer.max_in_hand_bytes must be at least 1".into(),
+            );
+        }
+        if self.max_hold >= self.consumer_timeout {
+            return Err(format!(
+                "consumer.max_hold ({}) must be shorter than the broker's consumer_timeout ({})",
+                self.max_hold, self.consumer_timeout
+            ));
         }
         if self.requeue_hold >= self.consumer_timeout {
             return Err(format!(
@@ -468,6 +540,14 @@ impl Settings {
             self.validate_gateway().map_err(SettingsError::Invalid)?;
         }
         self.publisher.validate().map_err(SettingsError::Invalid)?;
+        let early = self.publisher.grain.as_millis() + self.publisher.grain_lead.as_millis();
+        if early >= self.consumer.max_hold.as_millis() {
+            return Err(SettingsError::Invalid(format!(
+                "consumer.max_hold ({}) must be longer than publisher.grain + publisher.grain_lead ({}): a grain batch reaches its consumer up to that early",
+                self.consumer.max_hold,
+                DurationMs(early)
+            )));
+        }
         crate::endpoints::validate_urls(&self.url).map_err(SettingsError::Invalid)?;
         self.tls.validate().map_err(SettingsError::Invalid)?;
         if self.cancel.notice.as_millis() == 0 {

@@ -153,20 +153,26 @@ impl Topology {
         broker::declare_queue_spread(conn, &name, self.parked_args()).await
     }
 
-    /// Declares the batch marker of destination `queue`: publishers then send it batches, which
-    /// only our worker reads (the worker declares it when it starts consuming). Recorded in the
-    /// control stream so that `teardown` removes it. Idempotent.
+    /// Declares the batch and hold markers of destination `queue`: publishers then send it
+    /// batches — grain batches that arrive early, which the consumer holds until each member
+    /// is due — that only our worker reads (the worker declares them when it starts
+    /// consuming). Recorded in the control stream so that `teardown` removes them. Idempotent.
     pub async fn declare_batch_marker(&self, conn: &Connection, queue: &str) -> Result<()> {
-        let Some(marker) = self.layout.batch_marker(queue) else {
+        let (Some(marker), Some(holds)) = (
+            self.layout.batch_marker(queue),
+            self.layout.hold_marker(queue),
+        ) else {
             return Err(Error::Invalid(format!(
                 "the batch marker name for '{queue}' would be longer than 255 bytes; it gets plain messages"
             )));
         };
-        if broker::exchange_exists(conn, &marker).await? {
+        if broker::exchange_exists(conn, &holds).await? {
             return Ok(());
         }
         let ch = open(conn).await?;
+        // the batch marker first: a publisher that sees the hold marker finds both
         declare_exchange(&ch, &marker, ExchangeKind::Fanout, FieldTable::default()).await?;
+        declare_exchange(&ch, &holds, ExchangeKind::Fanout, FieldTable::default()).await?;
         broker::close(&ch, "declared").await;
         let record = control::Record::BatchMarker {
             queue: queue.into(),

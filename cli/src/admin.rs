@@ -91,9 +91,9 @@ pub async fn teardown(
     gateway::delete_pairs(conn, &pairs).await?;
     let mut markers: Vec<String> = records
         .iter()
-        .filter_map(|r| match r {
-            Record::BatchMarker { queue } => layout.batch_marker(queue),
-            _ => None,
+        .flat_map(|r| match r {
+            Record::BatchMarker { queue } => layout.markers(queue),
+            _ => Vec::new(),
         })
         .collect();
     markers.sort();
@@ -178,9 +178,10 @@ pub async fn teardown_destination(
         done.queues.push(q.clone());
         broker::close(&ch, "deleted").await;
     }
-    if let Some(marker) = layout.batch_marker(queue)
-        && broker::exchange_exists(conn, &marker).await?
-    {
+    for marker in layout.markers(queue) {
+        if !broker::exchange_exists(conn, &marker).await? {
+            continue;
+        }
         let ch = broker::open(conn).await?;
         ch.exchange_delete(marker.as_str().into(), ExchangeDeleteOptions::default())
             .await

@@ -95,6 +95,22 @@ impl Layout {
         let name = format!("{}.batched.{queue}", self.prefix);
         (name.len() <= 255).then_some(name)
     }
+    /// The exchange whose existence says that the consumers of `queue` also hold an early
+    /// message until it is due (the timing wheel's last grain, `publisher.grain`): publishers
+    /// then send it grain batches on coarse routes. Declared with the batch marker by this
+    /// version's workers; a queue with only the batch marker (older workers) gets exact batches.
+    /// `None` when the name would not fit 255 bytes.
+    pub fn hold_marker(&self, queue: &str) -> Option<String> {
+        let name = format!("{}.holds.{queue}", self.prefix);
+        (name.len() <= 255).then_some(name)
+    }
+    /// Both markers of `queue` (batch, hold) whose names fit: what `teardown` removes.
+    pub fn markers(&self, queue: &str) -> Vec<String> {
+        [self.batch_marker(queue), self.hold_marker(queue)]
+            .into_iter()
+            .flatten()
+            .collect()
+    }
     /// Exchange that never routes anything; its `alternate-exchange` argument records the
     /// layout signature (the broker compares it on every re-declare). An exchange has no home
     /// node, so the marker stays readable while any minority of a cluster is down.

@@ -8,19 +8,20 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use tokio::sync::mpsc;
 
-use super::{Inner, Prepared};
+use super::{Inner, Prepared, Reads};
 use crate::batch::{self, Candidate, Limits};
 use crate::time::now_ms;
 
 /// The batcher: holds prepared messages — a whole chunk from `schedule_all` leaves at once,
-/// a single `schedule` call may wait up to `batch_linger` (never past its deadline) — and
-/// publishes them grouped per destination and firing window, one broker message per group,
-/// concurrently. Each group leaves when one of its members must: a group of messages that
+/// a single `schedule` call may wait up to `batch_linger` (never past its deadline), or
+/// `grain_linger` while messages to its destination arrive steadily (never past its grain's
+/// slack) — and publishes them grouped per destination and firing window, one broker message
+/// per group, concurrently. Each group leaves when one of its members must: a group of messages that
 /// fall due later keeps collecting members while an earlier one leaves (flushing everything
 /// at the first deadline kept the gateway's batches at ~6 members).
 pub(super) async fn run_batcher(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Vec<Prepared>>) {
     let mut tasks = tokio::task::JoinSet::new();
-    let linger = inner.settings.batch_linger.as_duration();
+    let mut linger = Linger::new(&inner);
     let limit = inner.settings.max_pending.max(1);
     // every message in hand, with the instant it must leave by
     let mut held: Vec<Held> = Vec::new();
@@ -36,10 +37,10 @@ pub(super) async fn run_batcher(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiv
         };
         match more {
             Some(first) => {
-                hold(&mut held, first, linger);
+                hold(&mut held, first, &mut linger);
                 while held.len() < limit {
                     match rx.try_recv() {
-                        Ok(more) => hold(&mut held, more, linger),
+                        Ok(more) => hold(&mut held, more, &mut linger),
                         Err(_) => break,
                     }
                 }
@@ -74,9 +75,54 @@ struct Held {
     prepared: Prepared,
 }
 
-/// Takes `batch` into `held`: a chunk of several leaves at once, a single message after up to
-/// `linger`, never past its deadline.
-fn hold(held: &mut Vec<Held>, batch: Vec<Prepared>, linger: Duration) {
+/// How long a single message may wait in the batcher.
+struct Linger {
+    /// `batch_linger`: what an occasional message waits.
+    short: Duration,
+    /// `grain_linger`: what a message to a destination with a steady flow waits.
+    long: Duration,
+    /// When a single message to each destination last came (pruned as it grows).
+    last: HashMap<String, Instant>,
+}
+
+impl Linger {
+    fn new(inner: &Inner) -> Self {
+        let short = inner.settings.batch_linger.as_duration();
+        let long = match inner.settings.grain() {
+            Some(_) => inner.settings.grain_linger.as_duration().max(short),
+            None => short,
+        };
+        Linger {
+            short,
+            long,
+            last: HashMap::new(),
+        }
+    }
+
+    /// What a single message to `destination` that arrived `now` may wait (before its slack):
+    /// long when the previous one came less than the short linger ago (another is likely to
+    /// come while it waits), short otherwise (a caller that awaits each `schedule` in turn is
+    /// never made to wait long).
+    fn for_one(&mut self, destination: &str, now: Instant) -> Duration {
+        if self.long == self.short {
+            return self.short;
+        }
+        let gap = self.short.max(Duration::from_millis(1));
+        let steady = self
+            .last
+            .get(destination)
+            .is_some_and(|&t| now.duration_since(t) < gap);
+        if self.last.len() >= 10_000 {
+            self.last.retain(|_, t| now.duration_since(*t) < gap);
+        }
+        self.last.insert(destination.to_string(), now);
+        if steady { self.long } else { self.short }
+    }
+}
+
+/// Takes `batch` into `held`: a chunk of several leaves at once, a single message after its
+/// linger, never past the latest it may leave (`leave_by_ms`).
+fn hold(held: &mut Vec<Held>, batch: Vec<Prepared>, linger: &mut Linger) {
     let now = Instant::now();
     let bulk = batch.len() > 1;
     let now_ms = now_ms();
@@ -84,7 +130,8 @@ fn hold(held: &mut Vec<Held>, batch: Vec<Prepared>, linger: Duration) {
         let wait = if bulk {
             Duration::ZERO
         } else {
-            linger.min(Duration::from_millis(p.deadline_ms.saturating_sub(now_ms)))
+            let slack = Duration::from_millis(p.leave_by_ms.saturating_sub(now_ms));
+            linger.for_one(&p.destination, now).min(slack)
         };
         Held {
             leave_by: now + wait,
@@ -114,13 +161,14 @@ fn plan_groups(inner: &Inner, held: Vec<Held>) -> Vec<Group<Held>> {
     };
     let mut groups = Vec::new();
     for (dest, members) in by_dest {
-        let batches = inner
+        let reads = inner
             .bound
             .lock()
             .expect("binding cache")
             .get(&dest)
-            .is_some_and(|b| b.batches);
-        if !batches {
+            .map_or(Reads::Plain, |b| b.reads);
+        let grain = inner.settings.grain().filter(|_| reads == Reads::Holds);
+        if reads == Reads::Plain {
             groups.extend(members.into_iter().map(|m| (vec![m], None)));
             continue;
         }
@@ -132,7 +180,10 @@ fn plan_groups(inner: &Inner, held: Vec<Held>) -> Vec<Group<Held>> {
                 bytes: h.bytes,
             })
             .collect();
-        let plan = batch::group(&cands, limits);
+        let plan = match grain {
+            Some(g) => batch::group_grains(&cands, g, limits),
+            None => batch::group(&cands, limits),
+        };
         let mut slots: Vec<Option<Held>> = members.into_iter().map(Some).collect();
         for g in plan {
             let ms: Vec<Held> = g

@@ -11,7 +11,7 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 
 use super::confirms::{self, Confirms, Outcome};
-use super::{Binding, CONNECTION_NAME, Inner, Prepared};
+use super::{Binding, CONNECTION_NAME, Inner, Prepared, Reads};
 use crate::batch;
 use crate::broker::{self, ACCESS_REFUSED, NOT_FOUND, SharedChannel};
 use crate::error::{Error, Result, ResultExt};
@@ -407,37 +407,56 @@ impl Inner {
     }
 
     /// Binds `destination` on the delivery exchange unless it was bound recently by us, and
-    /// learns whether its consumers read batches. Returns that.
-    pub(super) async fn ensure_bound(&self, destination: &str) -> Result<bool> {
+    /// learns from its markers what its consumers read. Returns that.
+    pub(super) async fn ensure_bound(&self, destination: &str) -> Result<Reads> {
         let ttl = self.settings.binding_cache.as_duration();
         let fresh = |map: &HashMap<String, Binding>| {
             map.get(destination)
                 .filter(|b| b.at.elapsed() < ttl)
-                .map(|b| b.batches)
+                .map(|b| b.reads)
         };
-        if let Some(b) = fresh(&self.bound.lock().expect("binding cache")) {
-            return Ok(b);
+        if let Some(r) = fresh(&self.bound.lock().expect("binding cache")) {
+            return Ok(r);
         }
         let mut admin = self.admin.lock().await;
-        if let Some(b) = fresh(&self.bound.lock().expect("binding cache")) {
-            return Ok(b);
+        if let Some(r) = fresh(&self.bound.lock().expect("binding cache")) {
+            return Ok(r);
         }
         self.bind_destination(&mut admin, destination).await?;
-        let batches = self.settings.batching()
-            && match self.layout.batch_marker(destination) {
-                Some(marker) => {
-                    broker::exchange_exists(&*self.connection().await?, &marker).await?
-                }
-                None => false,
-            };
+        let reads = self.markers_of(destination).await?;
         self.bound.lock().expect("binding cache").insert(
             destination.to_string(),
             Binding {
                 at: Instant::now(),
-                batches,
+                reads,
             },
         );
-        Ok(batches)
+        Ok(reads)
+    }
+
+    /// What `destination`'s markers say its consumers read (the hold marker is looked for only
+    /// when grains are on).
+    async fn markers_of(&self, destination: &str) -> Result<Reads> {
+        if !self.settings.batching() {
+            return Ok(Reads::Plain);
+        }
+        let conn = self.connection().await?;
+        let exists = |marker: Option<String>| {
+            let conn = conn.clone();
+            async move {
+                match marker {
+                    Some(m) => broker::exchange_exists(&conn, &m).await,
+                    None => Ok(false),
+                }
+            }
+        };
+        if self.settings.grain().is_some() && exists(self.layout.hold_marker(destination)).await? {
+            return Ok(Reads::Holds);
+        }
+        if exists(self.layout.batch_marker(destination)).await? {
+            return Ok(Reads::Batches);
+        }
+        Ok(Reads::Plain)
     }
 
     /// Binds `destination` on the delivery exchange, on the binding channel `admin` (opened

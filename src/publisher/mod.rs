@@ -79,8 +79,18 @@ struct Inner {
 #[derive(Debug, Clone, Copy)]
 struct Binding {
     at: Instant,
-    /// Its consumers read batches.
-    batches: bool,
+    reads: Reads,
+}
+
+/// What a destination's consumers can take, from its markers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reads {
+    /// Plain messages only, each planned alone.
+    Plain,
+    /// Batches whose members are all due when it arrives (exact routes).
+    Batches,
+    /// Grain batches, held until each member is due (coarse routes).
+    Holds,
 }
 
 /// A validated message with its final properties, waiting to be published.
@@ -90,6 +100,9 @@ struct Prepared {
     due_at_ms: u64,
     /// Due time + lateness budget.
     deadline_ms: u64,
+    /// The latest it may leave the batcher: its deadline, or, to a destination that holds
+    /// early messages, its due time − `grain_lead`.
+    leave_by_ms: u64,
     message_id: String,
     properties: BasicProperties,
     body: Vec<u8>,
@@ -339,9 +352,9 @@ impl Publisher {
     /// with concurrent calls to the same destination).
     pub async fn schedule(&self, msg: Message) -> Result<Scheduled> {
         let (tx, rx) = oneshot::channel();
-        let (p, batches) = self.prepare(msg, tx).await?;
+        let (p, reads) = self.prepare(msg, tx).await?;
         match &self.batcher {
-            Some(b) if batches => {
+            Some(b) if reads != Reads::Plain => {
                 if let Err(mpsc::error::SendError(mut v)) = b.send(vec![p]) {
                     let p = v.pop().expect("one message");
                     return self.inner.publish_alone(p).await;
@@ -425,12 +438,12 @@ impl Publisher {
     }
 
     /// Validates `msg`, binds its destination and gives it its final properties. The second
-    /// value says whether the destination reads batches.
+    /// value says what the destination's consumers read.
     async fn prepare(
         &self,
         msg: Message,
         reply: oneshot::Sender<Result<Scheduled>>,
-    ) -> Result<(Prepared, bool)> {
+    ) -> Result<(Prepared, Reads)> {
         let inner = &self.inner;
         self.check(&msg)?;
         let caller_headers = msg.properties.headers().clone().unwrap_or_default();
@@ -439,7 +452,7 @@ impl Publisher {
         let mut hdrs = headers::filter(&caller_headers, |k| {
             !headers::is_broker_header(k) && !headers::RESERVED.contains(&k)
         });
-        let batches = inner.ensure_bound(&msg.destination).await?;
+        let reads = inner.ensure_bound(&msg.destination).await?;
 
         let due_at_ms = now_ms() + msg.delay_ms;
         headers::set_schedule_headers(&mut hdrs, msg.delay_ms, due_at_ms, msg.attempt);
@@ -453,19 +466,25 @@ impl Publisher {
             .with_delivery_mode(2)
             .with_headers(hdrs);
         let budget = inner.precision.budget_ms(msg.delay_ms);
+        let deadline_ms = due_at_ms.saturating_add(budget);
+        let leave_by_ms = match (reads, inner.settings.grain()) {
+            (Reads::Holds, Some(g)) => due_at_ms.saturating_sub(g.lead_ms),
+            _ => deadline_ms,
+        };
         Ok((
             Prepared {
                 destination: msg.destination,
                 delay_ms: msg.delay_ms,
                 due_at_ms,
-                deadline_ms: due_at_ms.saturating_add(budget),
+                deadline_ms,
+                leave_by_ms,
                 message_id,
                 properties,
                 body: msg.body,
                 retry: msg.internal && msg.attempt > 0,
                 reply,
             },
-            batches,
+            reads,
         ))
     }
 

@@ -14,6 +14,7 @@
 
 mod acks;
 mod counters;
+mod in_hand;
 mod process;
 mod session;
 

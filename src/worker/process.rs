@@ -234,6 +234,31 @@ async fn one<H: Handler>(
         park(&d, &reason, "invalid", ctx).await?;
         return Ok((d, Done::Parked));
     }
+    // a grain batch (or a message alone on a coarse route) arrives before it is due: it waits
+    // here, its delivery unacked, and runs at its due time, never before
+    if let Some(due) = d.due_at_ms {
+        match hold_until(due, ctx, may_skip).await {
+            Hold::Due => {}
+            Hold::Stopping => return Ok((d, Done::NotStarted)),
+            Hold::TooEarly(left) => {
+                let reason = format!(
+                    "arrived {} before its due time, more than consumer.max_hold ({}): sent through the tiers again for the rest",
+                    crate::time::DurationMs(left),
+                    ctx.settings.max_hold
+                );
+                tracing::warn!(queue = %d.queue, id = %d.message_id, %reason);
+                reschedule(
+                    &d,
+                    &reason,
+                    ctx,
+                    d.attempt,
+                    left.min(ctx.layout.max_delay_ms()),
+                )
+                .await?;
+                return Ok((d, Done::Retried));
+            }
+        }
+    }
     let permits = if handler.io_bound() {
         &ctx.io
     } else {
@@ -259,6 +284,47 @@ async fn one<H: Handler>(
     };
     let done = carry_out(&d, outcome, ctx).await?;
     Ok((d, done))
+}
+
+/// How waiting for a due time ended.
+enum Hold {
+    /// It is due now.
+    Due,
+    /// The worker began stopping while it waited (only when it may be skipped).
+    Stopping,
+    /// It is due in this many ms, more than `consumer.max_hold`: not held.
+    TooEarly(u64),
+}
+
+/// Waits until `due` (ms since the epoch, by this machine's clock), never returning before
+/// it; a message due further off than `consumer.max_hold` is not waited for. Counted in the
+/// `held` gauge while it waits.
+async fn hold_until(due: u64, ctx: &TaskCtx, may_skip: bool) -> Hold {
+    let left = due.saturating_sub(now_ms());
+    if left == 0 {
+        return Hold::Due;
+    }
+    if left > ctx.settings.max_hold.as_millis() {
+        return Hold::TooEarly(left);
+    }
+    let held = &crate::metrics::global().held;
+    held.inc();
+    let end = loop {
+        let left = due.saturating_sub(now_ms());
+        if left == 0 {
+            break Hold::Due;
+        }
+        if may_skip && ctx.stopping.load(Ordering::Relaxed) {
+            break Hold::Stopping;
+        }
+        // the timer runs on the monotonic clock, the due time on the wall clock: look again
+        // after waking (a message that may be skipped at least every 100 ms, so a stopping
+        // worker gives it back; a batch's members run to the end anyway)
+        let step = if may_skip { left.min(100) } else { left };
+        tokio::time::sleep(Duration::from_millis(step)).await;
+    };
+    held.dec();
+    end
 }
 
 /// Runs the handler (within `consumer.handler_timeout`), again with a growing pause while it

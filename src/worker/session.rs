@@ -18,7 +18,7 @@ use tokio::task::JoinSet;
 
 use super::{
     CANCEL_TIMEOUT, CAREFUL_FOR, Event, FOLLOWER_CHECK, Handler, Mode, STALL_CHECK,
-    STALL_CHECK_TIMEOUT, SessionEnd, Tagged, Worker, acks, process,
+    STALL_CHECK_TIMEOUT, SessionEnd, Tagged, Worker, acks, in_hand, process,
 };
 use crate::broker;
 use crate::cancel::{Cancellations, FollowOptions};
@@ -65,6 +65,8 @@ struct Session<'w, H: Handler> {
     all_acks: Vec<Arc<acks::Acks>>,
     /// When each subscription last brought a message (or was made).
     last_delivery: Vec<Instant>,
+    /// Messages and bytes of the deliveries running or held, and their bound.
+    in_hand: Arc<in_hand::InHand>,
     tasks: JoinSet<()>,
     resub_tx: mpsc::UnboundedSender<usize>,
     resub_rx: mpsc::UnboundedReceiver<usize>,
@@ -124,6 +126,7 @@ impl<'w, H: Handler> Session<'w, H> {
             channels: vec![None; n],
             all_acks: Vec::new(),
             last_delivery: vec![Instant::now(); n],
+            in_hand: in_hand::InHand::new(cs.max_in_hand, cs.max_in_hand_bytes),
             tasks: JoinSet::new(),
             resub_tx,
             resub_rx,
@@ -179,8 +182,12 @@ impl<'w, H: Handler> Session<'w, H> {
         // message would go back to the queue; a new session follows the stream anew
         let mut follower_tick =
             tokio::time::interval_at(tokio::time::Instant::now() + FOLLOWER_CHECK, FOLLOWER_CHECK);
+        let hand = self.in_hand.clone();
         loop {
             while self.tasks.try_join_next().is_some() {}
+            // past the in-hand bound no delivery is taken (the broker keeps them) until one
+            // is done
+            let full = hand.full();
             let end = tokio::select! {
                 _ = shutdown.as_mut() => Some(SessionEnd::Stopped),
                 _ = &mut careful_over, if careful => Some(SessionEnd::Careful),
@@ -192,7 +199,8 @@ impl<'w, H: Handler> Session<'w, H> {
                 }),
                 _ = stall_tick.tick() => self.check_stalls().await,
                 Some(i) = self.resub_rx.recv() => self.resubscribe(i).await,
-                next = self.deliveries.next(), if !self.deliveries.is_empty() => match next {
+                _ = hand.room(), if full => None,
+                next = self.deliveries.next(), if !full && !self.deliveries.is_empty() => match next {
                     Some((i, event)) => self.on_delivery(i, event).await,
                     None => None,
                 },
@@ -263,8 +271,10 @@ impl<'w, H: Handler> Session<'w, H> {
                 tracing::trace!(%queue, tag = d.delivery_tag, redelivered = d.redelivered, in_flight = self.tasks.len(), "delivery");
                 let settle = acks.received(d.delivery_tag, d.acker.clone());
                 let ctx = self.ctx.clone();
+                let taken = self.in_hand.take(&d);
                 self.tasks.spawn(async move {
                     process::delivery(d, settle, &queue, &*handler, &ctx).await;
+                    drop(taken);
                 });
                 None
             }
@@ -446,12 +456,19 @@ impl<H: Handler> Worker<H> {
             tracing::info!(queue = %q, "publishers will send plain messages: {}", crate::error::chain(&e));
         }
         let cs = &self.settings.consumer;
+        // on top of what keeps the handlers busy, slots for deliveries that wait for their
+        // due time (grain batches arrive early)
         let prefetch = if careful {
             1
         } else if handler.io_bound() {
             u16::try_from(cs.io_concurrency).unwrap_or(u16::MAX)
         } else {
             cs.prefetch
+        };
+        let prefetch = if careful {
+            prefetch
+        } else {
+            prefetch.saturating_add(cs.hold_prefetch)
         };
         ch.basic_qos(prefetch, BasicQosOptions::default())
             .await

@@ -99,13 +99,13 @@ impl Drop for Env {
     }
 }
 
-/// Deletes the batch marker exchange of each of `queues` under `layout` (absent ones are fine).
+/// Deletes the batch and hold marker exchanges of each of `queues` under `layout` (absent ones are fine).
 async fn delete_batch_markers(conn: &Connection, layout: &Layout, queues: &[String]) {
     let Ok(ch) = conn.create_channel().await else {
         return;
     };
     for q in queues {
-        if let Some(x) = layout.batch_marker(q) {
+        for x in layout.markers(q) {
             let _ = ch
                 .exchange_delete(x.as_str().into(), Default::default())
                 .await;

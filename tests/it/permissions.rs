@@ -460,10 +460,10 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
         !pair_exists().await,
         "teardown left the gateway's ingress: {said}"
     );
-    for marker in [
-        topo.layout().batch_marker(&q).unwrap(),
-        topo.layout().batch_marker(&pair.due_queue).unwrap(),
-    ] {
+    let mut markers = topo.layout().markers(&q);
+    markers.extend(topo.layout().markers(&pair.due_queue));
+    assert_eq!(markers.len(), 4);
+    for marker in markers {
         assert!(
             !amqp_delay::broker::exchange_exists(&conn, &marker)
                 .await

@@ -137,10 +137,10 @@ impl Bench<'_> {
     ) -> Result<Stage> {
         let layout = settings.layout()?;
         let parked = layout.parked_queue(queue);
-        let marker = layout.batch_marker(queue);
+        let markers = layout.markers(queue);
         self.cleanup.add_queue(queue);
         self.cleanup.add_queue(&parked);
-        if let Some(m) = &marker {
+        for m in &markers {
             self.cleanup.add_exchange(m);
         }
         Topology::new(layout.clone())
@@ -156,7 +156,7 @@ impl Bench<'_> {
             task,
             counted: None,
             queues: vec![queue.to_string(), parked],
-            exchanges: marker.into_iter().collect(),
+            exchanges: markers,
             gateway: None,
         };
         if let Err(e) = self.until_consumed(&mut stage, queue).await {
@@ -182,7 +182,7 @@ impl Bench<'_> {
         let layout = s.layout()?;
         let mut queues: Vec<String> = pair.queues().iter().map(|q| q.to_string()).collect();
         let mut exchanges = vec![target.clone(), ingress];
-        exchanges.extend(layout.batch_marker(&pair.due_queue));
+        exchanges.extend(layout.markers(&pair.due_queue));
         for q in &queues {
             self.cleanup.add_queue(q);
         }
