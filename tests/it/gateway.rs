@@ -604,7 +604,9 @@ async fn through_full_tiers(delay: u64) -> String {
     let p = env.settings.prefix.clone();
     let (x_in, x_t, _objects) = one_pair(&env).await;
     let pairs = [(x_in.as_str(), x_t.as_str())];
-    let config = write_config(&env, "");
+    // exact routes: with grains a 150 ms delay would go straight to the due queue, held
+    // there, and never meet a full tier
+    let config = write_config(&env, "[publisher]\ngrain = \"0s\"\n");
     let gw = GatewayProc::start(&env, &config.0, &pairs, "gw");
     let pair = pairs_of(&env, &pairs);
     wait_for_consumers(&env.conn, &pair, 1, &[&gw]).await;

@@ -14,4 +14,5 @@ mod hostile;
 mod observe;
 mod permissions;
 mod security;
+mod wheel;
 mod worker;
