@@ -31,7 +31,7 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
             "500ms",
             // every scenario: the default run leaves out uniform_batched and relay
             "--scenarios",
-            "raw,fixed,uniform,mix,binary,fixed_batched,uniform_batched,relay,gateway",
+            "raw,fixed,uniform,mix,binary,fixed_batched,uniform_batched,relay,gateway,gateway_long",
         ])
         .env("AMQP_URL", broker_url())
         .kill_on_drop(true)
@@ -59,7 +59,13 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
     assert_eq!(report["raw"]["lost"], 0);
 
     let unbatched = ["fixed", "uniform", "mix", "binary"];
-    let batched = ["fixed_batched", "uniform_batched", "relay", "gateway"];
+    let batched = [
+        "fixed_batched",
+        "uniform_batched",
+        "relay",
+        "gateway",
+        "gateway_long",
+    ];
     for name in unbatched.into_iter().chain(batched) {
         let s = &report["scenarios"][name];
         assert!(s.is_object(), "scenario {name} missing: {report}");
@@ -86,6 +92,11 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
             );
             assert_eq!(per_msg, 1.0, "{name}: unbatched, one broker message each");
         }
+        number(
+            &s["lateness_broker_msgs_per_msg"],
+            "lateness_broker_msgs_per_msg",
+        );
+        assert!(number(&s["lateness_messages"], "lateness_messages") > 0.0);
         let l = &s["lateness_ms"];
         for k in ["min", "p50", "p99", "p999", "max"] {
             number(&l[k], k);
@@ -110,6 +121,14 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
         report["scenarios"]["fixed_batched"]
     );
     assert_eq!(report["scenarios"]["binary"]["radix"], 2);
+    // the gateway holds its 1–100 ms delays; gateway_long's 1–5,000 ms cross the tiers
+    for key in ["tiers_share", "lateness_tiers_share"] {
+        let share = |name: &str| number(&report["scenarios"][name][key], key);
+        assert_eq!(share("gateway"), 0.0, "gateway {key}");
+        assert!(share("gateway_long") > 0.9, "gateway_long {key}");
+    }
+    assert_eq!(report["scenarios"]["fixed"]["tiers_share"], 1.0);
+    assert_eq!(report["raw"]["tiers_share"], Value::Null);
 
     // everything the run declared is gone
     let prefix = report["config"]["prefix"].as_str().expect("prefix");
@@ -117,24 +136,28 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
     let conn = amqp_delay::connection::connect(&broker_url(), "bench smoke test")
         .await
         .expect("connect");
-    // the names the library gives: the run's three layouts (main, radix 2, gateway)
+    // the names the library gives: the run's four layouts (main, radix 2, the two gateways)
     let layout = |prefix: &str| Layout::new(prefix, &TopologySettings::default()).expect("layout");
-    let (main, r2, gw) = (
+    let (main, r2, gw, gwl) = (
         layout(prefix),
         layout(&format!("{prefix}-r2")),
         layout(&format!("{prefix}-gw")),
+        layout(&format!("{prefix}-gwl")),
     );
     // the bench's own destinations and ingress, one of each kind a run declares
     let batched_dest = format!("{prefix}.fixed_batched.sat");
     let ingress = format!("{prefix}.gateway.sat.in");
+    let ingress_long = format!("{prefix}.gateway_long.sat.in");
     // the layout markers are exchanges
     let exchanges = [
         main.layout_marker(),
         r2.layout_marker(),
         gw.layout_marker(),
+        gwl.layout_marker(),
         main.batch_marker(&batched_dest).expect("marker name fits"),
         format!("{prefix}.gateway.sat.target"),
         ingress.clone(),
+        ingress_long.clone(),
     ];
     for x in &exchanges {
         let exists = amqp_delay::broker::exchange_exists(&conn, x)
@@ -151,6 +174,8 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
         format!("{prefix}.gateway.sat"),
         gw.gateway_due_queue(&ingress),
         gw.control_stream(),
+        gwl.gateway_due_queue(&ingress_long),
+        gwl.control_stream(),
     ];
     for q in &queues {
         let state = amqp_delay::broker::queue_state(&conn, q)

@@ -36,10 +36,15 @@ pub(crate) enum Scenario {
     /// Plugin-style: `x-delay` 1–100 ms to the ingress of an in-process gateway, raw consumer
     /// on a queue bound to its target exchange.
     Gateway,
+    /// As `gateway` with `x-delay` 1–5,000 ms: all but the shortest delays are longer than
+    /// `gateway.hold`, so the messages cross the tiers (in batches to the due stage).
+    #[value(name = "gateway_long")]
+    #[serde(rename = "gateway_long")]
+    GatewayLong,
 }
 
 impl Scenario {
-    pub(crate) const ALL: [Scenario; 9] = [
+    pub(crate) const ALL: [Scenario; 10] = [
         Scenario::Raw,
         Scenario::Fixed,
         Scenario::Uniform,
@@ -49,6 +54,7 @@ impl Scenario {
         Scenario::UniformBatched,
         Scenario::Relay,
         Scenario::Gateway,
+        Scenario::GatewayLong,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -62,17 +68,28 @@ impl Scenario {
             Scenario::UniformBatched => "uniform_batched",
             Scenario::Relay => "relay",
             Scenario::Gateway => "gateway",
+            Scenario::GatewayLong => "gateway_long",
         }
     }
 
-    /// Those a run without `--scenarios` measures: all but `uniform_batched` and `relay`,
-    /// which need more messages than the default to measure the broker rather than their 5 s
-    /// delays (`--batched-messages`), and a minute each.
+    /// Those a run without `--scenarios` measures: all but `uniform_batched`, `relay` and
+    /// `gateway_long`, which need more messages than the default to measure the broker rather
+    /// than their 5 s delays (`--batched-messages`), and a minute each.
     pub(crate) fn defaults() -> Vec<Scenario> {
         Scenario::ALL
             .into_iter()
-            .filter(|s| !matches!(s, Scenario::UniformBatched | Scenario::Relay))
+            .filter(|s| {
+                !matches!(
+                    s,
+                    Scenario::UniformBatched | Scenario::Relay | Scenario::GatewayLong
+                )
+            })
             .collect()
+    }
+
+    /// Published plugin-style with `x-delay` to an in-process gateway.
+    pub(crate) fn gateway(self) -> bool {
+        matches!(self, Scenario::Gateway | Scenario::GatewayLong)
     }
 
     /// Delivered through batches (the destination is consumed by the library's worker, a relay
@@ -80,7 +97,11 @@ impl Scenario {
     pub(crate) fn batched(self) -> bool {
         matches!(
             self,
-            Scenario::FixedBatched | Scenario::UniformBatched | Scenario::Relay | Scenario::Gateway
+            Scenario::FixedBatched
+                | Scenario::UniformBatched
+                | Scenario::Relay
+                | Scenario::Gateway
+                | Scenario::GatewayLong
         )
     }
 }
@@ -89,6 +110,9 @@ impl Scenario {
 pub(crate) const MIX_FIXED_SHARE: f64 = 0.6;
 /// The `x-delay` range of the gateway scenario, in ms.
 pub(crate) const GATEWAY_DELAYS_MS: std::ops::RangeInclusive<u64> = 1..=100;
+/// The `x-delay` range of the `gateway_long` scenario, in ms (its topology holds at least this,
+/// whatever `--max-delay`).
+pub(crate) const GATEWAY_LONG_DELAYS_MS: std::ops::RangeInclusive<u64> = 1..=5_000;
 /// Real-world upper bound of the mix's arbitrary delays (scaled down to `max_delay` in the run).
 pub(crate) const MIX_REAL_MAX_MS: u64 = 24 * 3_600_000;
 
@@ -243,6 +267,15 @@ impl BenchConfig {
     /// declares and owns it).
     pub(crate) fn gateway_settings(&self) -> Settings {
         self.settings_for(&format!("{}-gw", self.settings.prefix), false)
+    }
+
+    /// The layout of the `gateway_long` scenario: the main shape under `<prefix>-gwl`, its
+    /// longest delay at least [`GATEWAY_LONG_DELAYS_MS`]'s (a longer `x-delay` is parked).
+    pub(crate) fn gateway_long_settings(&self) -> Settings {
+        let mut s = self.settings_for(&format!("{}-gwl", self.settings.prefix), false);
+        let max = self.max_delay_ms.max(*GATEWAY_LONG_DELAYS_MS.end());
+        s.topology.max_delay = DurationMs(max);
+        s
     }
 
     /// The configured radix and unit, delays up to `max_delay`, with or without the fixed levels

@@ -18,11 +18,15 @@
 //!   delays to a destination the library's `Worker` consumes (its batch marker makes the
 //!   publisher batch; members counted one by one in its handler); uniform delays through the
 //!   relay of `delay-consumer --relay` into a plain queue; and plugin-style `x-delay` 1–100 ms
-//!   publishes to the `x-delay` gateway's ingress, counted on a queue bound to its target.
-//!   Besides the above they report broker messages through the tiers per message (the
-//!   library's metrics: how well batches packed). `uniform_batched` and `relay` are opt-in.
+//!   publishes to the `x-delay` gateway's ingress, counted on a queue bound to its target;
+//!   `gateway_long` the same with `x-delay` 1–5,000 ms, which cross the tiers (longer than
+//!   `gateway.hold`). Besides the above they report broker messages through the tiers per
+//!   message (the library's metrics: how well batches packed), the gateways also the share of
+//!   their messages that crossed the tiers. `uniform_batched`, `relay` and `gateway_long` are
+//!   opt-in.
 //! * **lateness** of every scenario, from a second, rate-limited run at half its measured
-//!   capacity (or `rate`): `consume time − x-delay-due-at`, as min/p50/p99/p99.9/max.
+//!   capacity (or `rate`): `consume time − x-delay-due-at`, as min/p50/p99/p99.9/max, with its
+//!   broker messages per message.
 //! * **capacity** (optional): M messages held in one tier, the publish rate and the broker's
 //!   memory before/after (read with `rabbitmqctl` when the broker is local), then drained.
 //!
@@ -79,7 +83,7 @@ const ABOUT: &str = "Measure amqp-delay against the raw broker: throughput, late
 const LONG_ABOUT: &str = "\
 Measure amqp-delay against the raw broker: throughput, lateness and capacity, in one run.
 
-Scenarios (choose with --scenarios; all but uniform_batched and relay by default):
+Scenarios (choose with --scenarios; all but uniform_batched, relay and gateway_long by default):
   raw      N persistent messages, confirms pipelined, straight into one plain queue of the
            tiers' queue type, consumed with manual acks: the ceiling on this machine
   fixed    every message on one fixed level (one hop)
@@ -95,12 +99,15 @@ Scenarios (choose with --scenarios; all but uniform_batched and relay by default
   gateway  plugin-style publishes with x-delay 1–100 ms to the ingress of the x-delay
            gateway (in process, the configuration's settings), read from a queue bound to
            its target exchange; with --rate 1000: its lateness at a steady 1,000 msg/s
+  gateway_long  as gateway with x-delay 1–5,000 ms: longer than gateway.hold (100 ms by
+           default), so the messages cross the tiers (opt-in, as uniform_batched)
 
 Each scenario is run twice: saturating (msg/s end to end, from the first publish to the last
 consume, its ratio to raw, average hops per message), then rate-limited at half that rate (or
 --rate) for lateness = consume time − x-delay-due-at (min, p50, p99, p99.9, max). Every message
-is counted: lost, duplicated or early messages are reported and make the exit code 1. The
-batched scenarios also report broker messages through the tiers per message (brk/m).
+is counted: lost, duplicated or early messages are reported and make the exit code 1. Both runs
+report broker messages through the tiers per message (brk/m); the gateways also the share of
+their messages that crossed the tiers.
 --capacity M additionally holds M messages in one tier and reads the broker's memory before and
 after (rabbitmqctl, local broker only), then drains them; with --capacity-batched they travel in
 batches to a worker.

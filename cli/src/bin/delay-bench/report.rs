@@ -50,6 +50,12 @@ pub(crate) struct ScenarioResult {
     pub(crate) broker_msgs_per_msg: Option<f64>,
     /// The same in the rate-limited lateness run.
     pub(crate) lateness_broker_msgs_per_msg: Option<f64>,
+    /// Messages scheduled into the tiers per message delivered, in the saturating run: about 1
+    /// for the delayed paths; for a gateway the share that crossed the tiers (the rest it held
+    /// in memory, `gateway.hold`). Null for raw.
+    pub(crate) tiers_share: Option<f64>,
+    /// The same in the rate-limited lateness run.
+    pub(crate) lateness_tiers_share: Option<f64>,
     /// Hops the same mix would take at real scale (24 h, the configured fixed levels).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) real_scale_avg_hops: Option<f64>,
@@ -66,6 +72,8 @@ pub(crate) struct ScenarioResult {
     pub(crate) lateness_ms: Percentiles,
     /// Rate of the lateness run.
     pub(crate) lateness_rate_msgs_per_s: f64,
+    /// Messages published in the lateness run.
+    pub(crate) lateness_messages: usize,
     /// Confirmed but never delivered (both runs).
     pub(crate) lost: usize,
     /// Deliveries beyond the first (both runs).
@@ -252,7 +260,7 @@ impl Report {
         let _ = writeln!(s);
         let _ = writeln!(
             s,
-            "{:<62} {:>7} {:>5} {:>5} {:>5} {:>8} │ {:>6} {:>5} {:>5} {:>5} {:>6} {:>6} │ {:>4} {:>4}",
+            "{:<62} {:>7} {:>5} {:>5} {:>5} {:>8} │ {:>6} {:>5} {:>5} {:>5} {:>6} {:>6} {:>5} │ {:>4} {:>4}",
             "scenario",
             "msg/s",
             "×raw",
@@ -265,6 +273,7 @@ impl Report {
             "p99",
             "p99.9",
             "max",
+            "brk/m",
             "lost",
             "dup"
         );
@@ -280,7 +289,7 @@ impl Report {
             let l = &r.lateness_ms;
             let _ = writeln!(
                 s,
-                "{:<62} {:>7} {:>5} {:>5.2} {:>5} {:>8} │ {:>6.0} {:>5} {:>5} {:>5} {:>6} {:>6} │ {:>4} {:>4}",
+                "{:<62} {:>7} {:>5} {:>5.2} {:>5} {:>8} │ {:>6.0} {:>5} {:>5} {:>5} {:>6} {:>6} {:>5} │ {:>4} {:>4}",
                 truncate(&r.description, 62),
                 format!(
                     "{}{:.0}",
@@ -290,8 +299,7 @@ impl Report {
                 r.ratio_to_raw
                     .map_or_else(|| "-".into(), |x| format!("{x:.2}")),
                 r.avg_hops,
-                r.broker_msgs_per_msg
-                    .map_or_else(|| "-".into(), |x| format!("{x:.3}")),
+                fmt_ratio(r.broker_msgs_per_msg),
                 r.backlog_p50_ms,
                 r.lateness_rate_msgs_per_s,
                 l.min,
@@ -299,6 +307,7 @@ impl Report {
                 l.p99,
                 l.p999,
                 l.max,
+                fmt_ratio(r.lateness_broker_msgs_per_msg),
                 r.lost,
                 r.duplicates
             );
@@ -312,32 +321,12 @@ impl Report {
             s,
             "\nmsg/s: end to end, first publish to last consume. sat p50: median lateness of that \
              saturating run (ms). Lateness (ms, consume − x-delay-due-at; raw: latency) from a \
-             second run at half the measured rate (or --rate). brk/m: broker messages through the \
-             tiers per message in the saturating run (1: unbatched; a batch counts once; gateway: \
-             per message delivered, a held one takes none)."
+             second run at a steady half the measured rate (or --rate). brk/m: broker messages \
+             through the tiers per message, left in the saturating run, right in the steady one \
+             (1: unbatched; a batch counts once; gateway: per message delivered, a held one takes \
+             none)."
         );
-        let batched: Vec<String> = Scenario::ALL
-            .iter()
-            .filter(|sc| sc.batched())
-            .filter_map(|sc| {
-                let r = self.scenarios.get(sc.name())?;
-                Some(format!(
-                    "{} {} ({:.2} hops)",
-                    sc.name(),
-                    r.lateness_broker_msgs_per_msg
-                        .map_or_else(|| "-".into(), |x| format!("{x:.3}")),
-                    r.lateness_avg_hops
-                ))
-            })
-            .collect();
-        if !batched.is_empty() {
-            let _ = writeln!(
-                s,
-                "brk/m in the lateness runs: {}. Batched hops are the routes the batches took \
-                 (gateway: planned per message alone).",
-                batched.join(", ")
-            );
-        }
+        self.write_batched_notes(s);
         if self.scenarios.values().any(|r| r.delay_bound) {
             let _ = writeln!(
                 s,
@@ -355,6 +344,50 @@ impl Report {
                 "mix at real scale (configured fixed levels, 0–24 h): {m:.2} hops per message"
             );
         }
+    }
+
+    /// The batched scenarios' hops in the lateness runs, and how many of the gateways'
+    /// messages crossed the tiers (the rest the gateway held in memory).
+    fn write_batched_notes(&self, s: &mut String) {
+        let batched = self.named(|sc| sc.batched(), |r| format!("{:.2}", r.lateness_avg_hops));
+        if !batched.is_empty() {
+            let _ = writeln!(
+                s,
+                "Batched hops are the routes the batches took (gateway: planned per message \
+                 alone); in the steady runs: {}.",
+                batched.join(", ")
+            );
+        }
+        let crossed = self.named(Scenario::gateway, |r| {
+            format!(
+                "{} (steady {})",
+                fmt_ratio(r.tiers_share),
+                fmt_ratio(r.lateness_tiers_share)
+            )
+        });
+        if !crossed.is_empty() {
+            let _ = writeln!(
+                s,
+                "Share of the gateway's messages that crossed the tiers: {}.",
+                crossed.join(", ")
+            );
+        }
+    }
+
+    /// `name value` for each scenario of the run that `pick` selects, in the fixed order.
+    fn named(
+        &self,
+        pick: impl Fn(Scenario) -> bool,
+        value: impl Fn(&ScenarioResult) -> String,
+    ) -> Vec<String> {
+        Scenario::ALL
+            .into_iter()
+            .filter(|&sc| pick(sc))
+            .filter_map(|sc| {
+                let r = self.scenarios.get(sc.name())?;
+                Some(format!("{} {}", sc.name(), value(r)))
+            })
+            .collect()
     }
 
     /// No problem, or the list of them.
@@ -402,6 +435,11 @@ fn write_capacity(s: &mut String, cap: &CapacityResult) {
         cap.lost,
         cap.duplicates
     );
+}
+
+/// A ratio with three decimals, `-` when there is none.
+fn fmt_ratio(x: Option<f64>) -> String {
+    x.map_or_else(|| "-".into(), |x| format!("{x:.3}"))
 }
 
 fn truncate(s: &str, n: usize) -> String {

@@ -76,9 +76,11 @@ pub(crate) async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> 
             .await?;
         scenarios.insert(Scenario::Binary.name().to_string(), r);
     }
-    if wants(Scenario::Gateway) {
-        let r = b.gateway(raw_rate).await?;
-        scenarios.insert(Scenario::Gateway.name().to_string(), r);
+    for sc in [Scenario::Gateway, Scenario::GatewayLong] {
+        if wants(sc) {
+            let r = b.gateway(sc, raw_rate).await?;
+            scenarios.insert(sc.name().to_string(), r);
+        }
     }
     let capacity = match cfg.capacity {
         Some(m) => {

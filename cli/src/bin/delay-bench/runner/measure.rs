@@ -82,6 +82,12 @@ impl RunOutcome {
         (self.unique > 0).then(|| self.tier_messages.0 as f64 / self.unique as f64)
     }
 
+    /// Messages scheduled into the tiers per message delivered: below 1 for a gateway that
+    /// held some in memory (0 when it held all), about 1 for the other delayed paths.
+    pub(super) fn tiers_share(&self) -> Option<f64> {
+        (self.unique > 0).then(|| self.tier_messages.1 as f64 / self.unique as f64)
+    }
+
     pub(super) fn publish_msgs_per_s(&self) -> f64 {
         if self.publish_s > 0.0 {
             (self.n - self.publish_errors) as f64 / self.publish_s

@@ -10,7 +10,10 @@ use amqp_delay::{Layout, Precision, Publisher, Result};
 use super::Bench;
 use super::measure::RunOutcome;
 use super::stage::Path;
-use crate::config::{BenchConfig, GATEWAY_DELAYS_MS, MIX_FIXED_SHARE, MIX_REAL_MAX_MS, Scenario};
+use crate::config::{
+    BenchConfig, GATEWAY_DELAYS_MS, GATEWAY_LONG_DELAYS_MS, MIX_FIXED_SHARE, MIX_REAL_MAX_MS,
+    Scenario,
+};
 use crate::hops::{delays_for, mix_avg_hops, real_layout};
 use crate::report::{ScenarioResult, describe_precision, round1, round3};
 
@@ -76,19 +79,21 @@ impl Bench<'_> {
 
     /// The gateway's own topology (as `delay-publisher gateway` declares it), its settings the
     /// configuration's (the defaults unless configured): x-delay publishes to an in-process
-    /// gateway.
-    pub(super) async fn gateway(&mut self, raw_rate: Option<f64>) -> Result<ScenarioResult> {
-        let settings = self.cfg.gateway_settings();
+    /// gateway. `gateway_long` has a topology of its own (its delays may be longer than
+    /// `--max-delay`).
+    pub(super) async fn gateway(
+        &mut self,
+        sc: Scenario,
+        raw_rate: Option<f64>,
+    ) -> Result<ScenarioResult> {
+        let settings = match sc {
+            Scenario::GatewayLong => self.cfg.gateway_long_settings(),
+            _ => self.cfg.gateway_settings(),
+        };
         let layout = settings.layout()?;
         let path = Path::Gateway(Box::new(settings.clone()));
-        self.on_own_topology(
-            Scenario::Gateway,
-            &layout,
-            settings.precision,
-            raw_rate,
-            &path,
-        )
-        .await
+        self.on_own_topology(sc, &layout, settings.precision, raw_rate, &path)
+            .await
     }
 
     /// A scenario on a topology of its own: declared, run, checked empty, deleted.
@@ -219,9 +224,12 @@ impl Passes {
         let measured = sat.msgs_per_s();
         let ok_n = (self.n - sat.publish_errors).max(1) as f64;
         let ok_lat = (self.n_lat - lat.publish_errors).max(1) as f64;
-        let per_msg = |r: &RunOutcome| match sc {
-            Scenario::Gateway => r.broker_msgs_per_delivered(),
-            _ => r.broker_msgs_per_msg(),
+        let per_msg = |r: &RunOutcome| {
+            if sc.gateway() {
+                r.broker_msgs_per_delivered()
+            } else {
+                r.broker_msgs_per_msg()
+            }
         };
         ScenarioResult {
             description,
@@ -238,6 +246,13 @@ impl Passes {
                 .then(|| round3(sat.observed_hops as f64 / sat.unique.max(1) as f64)),
             broker_msgs_per_msg: per_msg(sat).map(round3),
             lateness_broker_msgs_per_msg: per_msg(lat).map(round3),
+            tiers_share: (sc != Scenario::Raw)
+                .then(|| sat.tiers_share().map(round3))
+                .flatten(),
+            lateness_tiers_share: (sc != Scenario::Raw)
+                .then(|| lat.tiers_share().map(round3))
+                .flatten(),
+            lateness_messages: self.n_lat,
             real_scale_avg_hops: real_scale_avg_hops.map(round3),
             e2e_s: round3(sat.e2e_s),
             publish_s: round3(sat.publish_s),
@@ -257,7 +272,7 @@ impl Passes {
     fn summary(&self, result: &ScenarioResult) -> String {
         let (sc, l) = (self.sc, &result.lateness_ms);
         format!(
-            "{:<15} {:>8.0} msg/s{}  hops {:.2}{}  lateness @{:.0}/s p50 {} p99 {} max {} ms",
+            "{:<15} {:>8.0} msg/s{}  hops {:.2}{}  lateness @{:.0}/s min {} p50 {} p99 {} max {} ms{}",
             sc.name(),
             result.msgs_per_s,
             result
@@ -271,9 +286,14 @@ impl Passes {
                 .map(|b| format!("  {b:.3} broker msgs/msg"))
                 .unwrap_or_default(),
             self.rate,
+            l.min,
             l.p50,
             l.p99,
-            l.max
+            l.max,
+            result
+                .lateness_broker_msgs_per_msg
+                .map(|b| format!(", {b:.3} broker msgs/msg"))
+                .unwrap_or_default(),
         )
     }
 }
@@ -327,6 +347,11 @@ fn description(cfg: &BenchConfig, sc: Scenario) -> String {
             "gateway: x-delay {}–{} ms → ingress → target → {qt} queue",
             GATEWAY_DELAYS_MS.start(),
             GATEWAY_DELAYS_MS.end()
+        ),
+        Scenario::GatewayLong => format!(
+            "gateway: x-delay {}–{} ms → ingress → tiers → target → {qt} queue",
+            GATEWAY_LONG_DELAYS_MS.start(),
+            GATEWAY_LONG_DELAYS_MS.end()
         ),
     }
 }
