@@ -153,6 +153,15 @@ pub(crate) struct BenchConfig {
     /// Investigation knob: spread the fixed scenario over this many one-hop tiers (TTLs F,
     /// F+1 ms, …) to see whether a sharded fixed level scales past one queue.
     pub(crate) fixed_shards: u32,
+    /// Sustained-rate mode: search each scenario's highest steady rate whose p99 lateness
+    /// stays within `objective_ms`.
+    pub(crate) sustained: bool,
+    /// The p99 lateness objective of the sustained-rate mode, in ms.
+    pub(crate) objective_ms: u64,
+    /// Seconds of publishing in each probe of the sustained-rate mode.
+    pub(crate) probe_secs: f64,
+    /// Probes per scenario in the sustained-rate mode (the search may stop earlier).
+    pub(crate) probes: usize,
     /// Show a progress bar on stderr.
     pub(crate) progress: bool,
     pub(crate) quick: bool,
@@ -179,6 +188,10 @@ impl BenchConfig {
             seed: 1,
             linger_ms: 300,
             fixed_shards: 1,
+            sustained: false,
+            objective_ms: 25,
+            probe_secs: 2.0,
+            probes: 5,
             progress: false,
             quick: false,
         }
@@ -226,6 +239,12 @@ impl BenchConfig {
         }
         if self.fixed_shards == 0 || u64::from(self.fixed_shards) >= self.max_delay_ms / 20 {
             return Err("--fixed-shards must be at least 1 and below max_delay/20 ms".into());
+        }
+        if self.objective_ms == 0 || self.probes == 0 {
+            return Err("--objective-ms and --probes must be at least 1".into());
+        }
+        if !(self.probe_secs.is_finite() && self.probe_secs > 0.0 && self.probe_secs <= 600.0) {
+            return Err("--probe-secs must be positive and at most 600".into());
         }
         if self.capacity == Some(0) {
             return Err("--capacity must be at least 1".into());
@@ -326,5 +345,26 @@ mod tests {
         assert_eq!(c.fixed_levels(), vec![250, 1000, 2500, 5000]);
         assert_eq!(c.binary_layout().unwrap().prefix(), "bench-test-r2");
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn sustained_flags_are_checked() {
+        for bad in [
+            BenchConfig {
+                objective_ms: 0,
+                ..cfg()
+            },
+            BenchConfig { probes: 0, ..cfg() },
+            BenchConfig {
+                probe_secs: f64::NAN,
+                ..cfg()
+            },
+            BenchConfig {
+                probe_secs: 0.0,
+                ..cfg()
+            },
+        ] {
+            assert!(bad.validate().is_err());
+        }
     }
 }

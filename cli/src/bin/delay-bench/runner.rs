@@ -8,6 +8,7 @@ mod measure;
 mod publish;
 mod scenario;
 mod stage;
+mod sustained;
 mod tracker;
 
 use std::collections::BTreeMap;
@@ -142,6 +143,10 @@ fn run_config(cfg: &BenchConfig) -> RunConfig {
         rate: cfg.rate,
         seed: cfg.seed,
         fixed_shards: cfg.fixed_shards,
+        sustained: cfg.sustained,
+        objective_ms: cfg.objective_ms,
+        probe_secs: cfg.probe_secs,
+        probes: cfg.probes,
     }
 }
 

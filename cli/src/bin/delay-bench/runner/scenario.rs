@@ -15,7 +15,7 @@ use crate::config::{
     Scenario,
 };
 use crate::hops::{delays_for, mix_avg_hops, real_layout};
-use crate::report::{ScenarioResult, describe_precision, round1, round3};
+use crate::report::{ScenarioResult, SustainedResult, describe_precision, round1, round3};
 
 impl Bench<'_> {
     /// Raw: publish with a confirm into one plain queue and consume, the ceiling the delayed
@@ -113,7 +113,8 @@ impl Bench<'_> {
     }
 
     /// Saturating run, then the rate-limited lateness run (at `--rate`, else half the
-    /// saturating rate, for `--lateness-secs`), each with its own destination queue.
+    /// saturating rate, for `--lateness-secs`), each with its own destination queue; with
+    /// `--sustained`, the search for the highest steady rate on time.
     async fn scenario(
         &mut self,
         sc: Scenario,
@@ -123,6 +124,25 @@ impl Bench<'_> {
         raw_rate: Option<f64>,
         path: &Path,
     ) -> Result<ScenarioResult> {
+        let cfg = self.cfg;
+        let mut passes = self.passes(sc, pubs, path).await?;
+        if cfg.sustained {
+            passes.sustained = Some(self.sustained(sc, pubs, path, &passes.sat).await?);
+        }
+        let real_scale = real_scale_avg_hops(cfg, sc);
+        let result = passes.result(
+            description(cfg, sc),
+            layout,
+            &precision,
+            raw_rate,
+            real_scale,
+        );
+        self.progress.note(&passes.summary(&result));
+        Ok(result)
+    }
+
+    /// The saturating pass and the paced lateness pass of `sc`.
+    async fn passes(&mut self, sc: Scenario, pubs: &[Publisher], path: &Path) -> Result<Passes> {
         let cfg = self.cfg;
         let prefix = &cfg.settings.prefix;
         let raw = sc == Scenario::Raw;
@@ -157,24 +177,15 @@ impl Bench<'_> {
                 path,
             )
             .await?;
-        let passes = Passes {
+        Ok(Passes {
             sc,
             n,
             sat,
             n_lat,
             lat,
             rate,
-        };
-        let real_scale = real_scale_avg_hops(cfg, sc);
-        let result = passes.result(
-            description(cfg, sc),
-            layout,
-            &precision,
-            raw_rate,
-            real_scale,
-        );
-        self.progress.note(&passes.summary(&result));
-        Ok(result)
+            sustained: None,
+        })
     }
 
     fn lateness_count(&self, rate: f64) -> usize {
@@ -199,7 +210,8 @@ impl Bench<'_> {
     }
 }
 
-/// The two passes of a scenario: `n` messages saturating, then `n_lat` at `rate`.
+/// The two passes of a scenario: `n` messages saturating, then `n_lat` at `rate`; and the
+/// sustained-rate search when there was one.
 struct Passes {
     sc: Scenario,
     n: usize,
@@ -207,6 +219,7 @@ struct Passes {
     n_lat: usize,
     lat: RunOutcome,
     rate: f64,
+    sustained: Option<SustainedResult>,
 }
 
 impl Passes {
@@ -224,13 +237,17 @@ impl Passes {
         let measured = sat.msgs_per_s();
         let ok_n = (self.n - sat.publish_errors).max(1) as f64;
         let ok_lat = (self.n_lat - lat.publish_errors).max(1) as f64;
-        let per_msg = |r: &RunOutcome| {
-            if sc.gateway() {
-                r.broker_msgs_per_delivered()
-            } else {
-                r.broker_msgs_per_msg()
-            }
+        let per_msg = |r: &RunOutcome| r.broker_msgs_per_msg_of(sc);
+        // raw's own sustained rate is measured against its saturating rate
+        let baseline = if sc == Scenario::Raw {
+            Some(measured).filter(|&m| m > 0.0)
+        } else {
+            raw_rate
         };
+        let sustained = self.sustained.clone().map(|mut st| {
+            st.ratio_to_raw = st.msgs_per_s.zip(baseline).map(|(s, r)| round3(s / r));
+            st
+        });
         ScenarioResult {
             description,
             radix: layout.radix(),
@@ -253,6 +270,7 @@ impl Passes {
                 .then(|| lat.tiers_share().map(round3))
                 .flatten(),
             lateness_messages: self.n_lat,
+            lateness_release_lag_ms: lat.release_lag_ms,
             real_scale_avg_hops: real_scale_avg_hops.map(round3),
             e2e_s: round3(sat.e2e_s),
             publish_s: round3(sat.publish_s),
@@ -265,6 +283,7 @@ impl Passes {
             duplicates: sat.duplicates + lat.duplicates,
             publish_errors: sat.publish_errors + lat.publish_errors,
             early: sat.lateness.early + lat.lateness.early,
+            sustained,
         }
     }
 
