@@ -17,22 +17,11 @@ fn number(v: &Value, path: &str) -> f64 {
         .unwrap_or_else(|| panic!("{path} is not a number: {v}"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn quick_run_reports_every_scenario_and_loses_nothing() {
+/// Runs `delay-bench --json` with `args` against the test broker: the report it printed.
+async fn bench(args: &[&str]) -> Value {
     let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-bench"))
-        .args([
-            "--quick",
-            "--json",
-            "-n",
-            "300",
-            "--lateness-secs",
-            "0.5",
-            "--max-delay",
-            "500ms",
-            // every scenario: the default run leaves out uniform_batched and relay
-            "--scenarios",
-            "raw,fixed,uniform,mix,binary,fixed_batched,uniform_batched,relay,gateway",
-        ])
+        .arg("--json")
+        .args(args)
         .env("AMQP_URL", broker_url())
         .kill_on_drop(true)
         .output();
@@ -46,20 +35,108 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
         "delay-bench failed ({}); this test needs a real broker (./scripts/test.sh starts one):\n{stderr}",
         out.status
     );
-    let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
             "stdout is not one JSON object ({e}):\n{}",
             String::from_utf8_lossy(&out.stdout)
         )
-    });
+    })
+}
 
+/// Both runs in one test, one after the other: two benchmarks at once would measure each
+/// other on a shared broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quick_run_reports_every_scenario_and_loses_nothing() {
+    let report = bench(&[
+        "--quick",
+        "-n",
+        "300",
+        "--lateness-secs",
+        "0.5",
+        "--max-delay",
+        "500ms",
+        // every scenario: the default run leaves out uniform_batched, relay and gateway_long
+        "--scenarios",
+        "raw,fixed,uniform,mix,binary,fixed_batched,uniform_batched,relay,gateway,gateway_long",
+    ])
+    .await;
+    check_every_scenario(&report).await;
+    let sustained = bench(&[
+        "--quick",
+        "-n",
+        "300",
+        "--lateness-secs",
+        "0.5",
+        "--max-delay",
+        "500ms",
+        "--scenarios",
+        "raw,fixed_batched",
+        "--sustained",
+        "--probes",
+        "2",
+        "--probe-secs",
+        "0.3",
+    ])
+    .await;
+    check_sustained(&sustained);
+}
+
+/// The sustained-rate search: its shape in the JSON, every probe a steady run below the
+/// ceiling, the rate found (if any) among the probes and its ratio to raw. No timing
+/// assertions: which probes pass depends on the machine.
+fn check_sustained(report: &Value) {
+    assert_eq!(report["ok"], Value::Bool(true), "{}", report["problems"]);
+    assert_eq!(report["config"]["sustained"], Value::Bool(true));
+    for (name, s) in [
+        ("raw", &report["raw"]),
+        ("fixed_batched", &report["scenarios"]["fixed_batched"]),
+    ] {
+        let st = &s["sustained"];
+        assert_eq!(st["objective_p99_ms"], 25, "{name}: {st}");
+        let ceiling = number(&st["ceiling_msgs_per_s"], "ceiling_msgs_per_s");
+        let probes = st["probes"].as_array().expect("probes");
+        assert!(!probes.is_empty() && probes.len() <= 2, "{name}: {st}");
+        for p in probes {
+            let rate = number(&p["rate_msgs_per_s"], "rate_msgs_per_s");
+            assert!(rate > 0.0 && rate < ceiling, "{name}: {p}");
+            assert!(
+                number(&p["lateness_ms"]["samples"], "samples") > 0.0,
+                "{name}"
+            );
+            number(&p["release_lag_ms"], "release_lag_ms");
+            let verdict = p["verdict"].as_str().expect("verdict");
+            assert!(["ok", "late", "behind"].contains(&verdict), "{name}: {p}");
+        }
+        let passed: Vec<f64> = probes
+            .iter()
+            .filter(|p| p["verdict"] == "ok")
+            .map(|p| number(&p["rate_msgs_per_s"], "rate"))
+            .collect();
+        match st["msgs_per_s"].as_f64() {
+            Some(r) => {
+                assert!(passed.contains(&r), "{name}: {st}");
+                assert!(number(&st["ratio_to_raw"], "ratio_to_raw") > 0.0, "{name}");
+            }
+            None => assert!(passed.is_empty(), "{name}: {st}"),
+        }
+    }
+}
+
+/// The every-scenario run: shapes, counts, hops, batching, and that it deleted what it declared.
+async fn check_every_scenario(report: &Value) {
     assert_eq!(report["ok"], Value::Bool(true), "{}", report["problems"]);
     assert_eq!(report["problems"], serde_json::json!([]));
     assert!(number(&report["raw_msgs_per_s"], "raw_msgs_per_s") > 0.0);
     assert_eq!(report["raw"]["lost"], 0);
 
     let unbatched = ["fixed", "uniform", "mix", "binary"];
-    let batched = ["fixed_batched", "uniform_batched", "relay", "gateway"];
+    let batched = [
+        "fixed_batched",
+        "uniform_batched",
+        "relay",
+        "gateway",
+        "gateway_long",
+    ];
     for name in unbatched.into_iter().chain(batched) {
         let s = &report["scenarios"][name];
         assert!(s.is_object(), "scenario {name} missing: {report}");
@@ -86,6 +163,11 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
             );
             assert_eq!(per_msg, 1.0, "{name}: unbatched, one broker message each");
         }
+        number(
+            &s["lateness_broker_msgs_per_msg"],
+            "lateness_broker_msgs_per_msg",
+        );
+        assert!(number(&s["lateness_messages"], "lateness_messages") > 0.0);
         let l = &s["lateness_ms"];
         for k in ["min", "p50", "p99", "p999", "max"] {
             number(&l[k], k);
@@ -110,6 +192,14 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
         report["scenarios"]["fixed_batched"]
     );
     assert_eq!(report["scenarios"]["binary"]["radix"], 2);
+    // the gateway holds its 1–100 ms delays; gateway_long's 1–5,000 ms cross the tiers
+    for key in ["tiers_share", "lateness_tiers_share"] {
+        let share = |name: &str| number(&report["scenarios"][name][key], key);
+        assert_eq!(share("gateway"), 0.0, "gateway {key}");
+        assert!(share("gateway_long") > 0.9, "gateway_long {key}");
+    }
+    assert_eq!(report["scenarios"]["fixed"]["tiers_share"], 1.0);
+    assert_eq!(report["raw"]["tiers_share"], Value::Null);
 
     // everything the run declared is gone
     let prefix = report["config"]["prefix"].as_str().expect("prefix");
@@ -117,24 +207,28 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
     let conn = amqp_delay::connection::connect(&broker_url(), "bench smoke test")
         .await
         .expect("connect");
-    // the names the library gives: the run's three layouts (main, radix 2, gateway)
+    // the names the library gives: the run's four layouts (main, radix 2, the two gateways)
     let layout = |prefix: &str| Layout::new(prefix, &TopologySettings::default()).expect("layout");
-    let (main, r2, gw) = (
+    let (main, r2, gw, gwl) = (
         layout(prefix),
         layout(&format!("{prefix}-r2")),
         layout(&format!("{prefix}-gw")),
+        layout(&format!("{prefix}-gwl")),
     );
     // the bench's own destinations and ingress, one of each kind a run declares
     let batched_dest = format!("{prefix}.fixed_batched.sat");
     let ingress = format!("{prefix}.gateway.sat.in");
+    let ingress_long = format!("{prefix}.gateway_long.sat.in");
     // the layout markers are exchanges
     let exchanges = [
         main.layout_marker(),
         r2.layout_marker(),
         gw.layout_marker(),
+        gwl.layout_marker(),
         main.batch_marker(&batched_dest).expect("marker name fits"),
         format!("{prefix}.gateway.sat.target"),
         ingress.clone(),
+        ingress_long.clone(),
     ];
     for x in &exchanges {
         let exists = amqp_delay::broker::exchange_exists(&conn, x)
@@ -151,6 +245,8 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
         format!("{prefix}.gateway.sat"),
         gw.gateway_due_queue(&ingress),
         gw.control_stream(),
+        gwl.gateway_due_queue(&ingress_long),
+        gwl.control_stream(),
     ];
     for q in &queues {
         let state = amqp_delay::broker::queue_state(&conn, q)

@@ -36,10 +36,15 @@ pub(crate) enum Scenario {
     /// Plugin-style: `x-delay` 1–100 ms to the ingress of an in-process gateway, raw consumer
     /// on a queue bound to its target exchange.
     Gateway,
+    /// As `gateway` with `x-delay` 1–5,000 ms: all but the shortest delays are longer than
+    /// `gateway.hold`, so the messages cross the tiers (in batches to the due stage).
+    #[value(name = "gateway_long")]
+    #[serde(rename = "gateway_long")]
+    GatewayLong,
 }
 
 impl Scenario {
-    pub(crate) const ALL: [Scenario; 9] = [
+    pub(crate) const ALL: [Scenario; 10] = [
         Scenario::Raw,
         Scenario::Fixed,
         Scenario::Uniform,
@@ -49,6 +54,7 @@ impl Scenario {
         Scenario::UniformBatched,
         Scenario::Relay,
         Scenario::Gateway,
+        Scenario::GatewayLong,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -62,17 +68,28 @@ impl Scenario {
             Scenario::UniformBatched => "uniform_batched",
             Scenario::Relay => "relay",
             Scenario::Gateway => "gateway",
+            Scenario::GatewayLong => "gateway_long",
         }
     }
 
-    /// Those a run without `--scenarios` measures: all but `uniform_batched` and `relay`,
-    /// which need more messages than the default to measure the broker rather than their 5 s
-    /// delays (`--batched-messages`), and a minute each.
+    /// Those a run without `--scenarios` measures: all but `uniform_batched`, `relay` and
+    /// `gateway_long`, which need more messages than the default to measure the broker rather
+    /// than their 5 s delays (`--batched-messages`), and a minute each.
     pub(crate) fn defaults() -> Vec<Scenario> {
         Scenario::ALL
             .into_iter()
-            .filter(|s| !matches!(s, Scenario::UniformBatched | Scenario::Relay))
+            .filter(|s| {
+                !matches!(
+                    s,
+                    Scenario::UniformBatched | Scenario::Relay | Scenario::GatewayLong
+                )
+            })
             .collect()
+    }
+
+    /// Published plugin-style with `x-delay` to an in-process gateway.
+    pub(crate) fn gateway(self) -> bool {
+        matches!(self, Scenario::Gateway | Scenario::GatewayLong)
     }
 
     /// Delivered through batches (the destination is consumed by the library's worker, a relay
@@ -80,7 +97,11 @@ impl Scenario {
     pub(crate) fn batched(self) -> bool {
         matches!(
             self,
-            Scenario::FixedBatched | Scenario::UniformBatched | Scenario::Relay | Scenario::Gateway
+            Scenario::FixedBatched
+                | Scenario::UniformBatched
+                | Scenario::Relay
+                | Scenario::Gateway
+                | Scenario::GatewayLong
         )
     }
 }
@@ -89,6 +110,9 @@ impl Scenario {
 pub(crate) const MIX_FIXED_SHARE: f64 = 0.6;
 /// The `x-delay` range of the gateway scenario, in ms.
 pub(crate) const GATEWAY_DELAYS_MS: std::ops::RangeInclusive<u64> = 1..=100;
+/// The `x-delay` range of the `gateway_long` scenario, in ms (its topology holds at least this,
+/// whatever `--max-delay`).
+pub(crate) const GATEWAY_LONG_DELAYS_MS: std::ops::RangeInclusive<u64> = 1..=5_000;
 /// Real-world upper bound of the mix's arbitrary delays (scaled down to `max_delay` in the run).
 pub(crate) const MIX_REAL_MAX_MS: u64 = 24 * 3_600_000;
 
@@ -129,6 +153,15 @@ pub(crate) struct BenchConfig {
     /// Investigation knob: spread the fixed scenario over this many one-hop tiers (TTLs F,
     /// F+1 ms, …) to see whether a sharded fixed level scales past one queue.
     pub(crate) fixed_shards: u32,
+    /// Sustained-rate mode: search each scenario's highest steady rate whose p99 lateness
+    /// stays within `objective_ms`.
+    pub(crate) sustained: bool,
+    /// The p99 lateness objective of the sustained-rate mode, in ms.
+    pub(crate) objective_ms: u64,
+    /// Seconds of publishing in each probe of the sustained-rate mode.
+    pub(crate) probe_secs: f64,
+    /// Probes per scenario in the sustained-rate mode (the search may stop earlier).
+    pub(crate) probes: usize,
     /// Show a progress bar on stderr.
     pub(crate) progress: bool,
     pub(crate) quick: bool,
@@ -155,6 +188,10 @@ impl BenchConfig {
             seed: 1,
             linger_ms: 300,
             fixed_shards: 1,
+            sustained: false,
+            objective_ms: 25,
+            probe_secs: 2.0,
+            probes: 5,
             progress: false,
             quick: false,
         }
@@ -203,6 +240,12 @@ impl BenchConfig {
         if self.fixed_shards == 0 || u64::from(self.fixed_shards) >= self.max_delay_ms / 20 {
             return Err("--fixed-shards must be at least 1 and below max_delay/20 ms".into());
         }
+        if self.objective_ms == 0 || self.probes == 0 {
+            return Err("--objective-ms and --probes must be at least 1".into());
+        }
+        if !(self.probe_secs.is_finite() && self.probe_secs > 0.0 && self.probe_secs <= 600.0) {
+            return Err("--probe-secs must be positive and at most 600".into());
+        }
         if self.capacity == Some(0) {
             return Err("--capacity must be at least 1".into());
         }
@@ -243,6 +286,15 @@ impl BenchConfig {
     /// declares and owns it).
     pub(crate) fn gateway_settings(&self) -> Settings {
         self.settings_for(&format!("{}-gw", self.settings.prefix), false)
+    }
+
+    /// The layout of the `gateway_long` scenario: the main shape under `<prefix>-gwl`, its
+    /// longest delay at least [`GATEWAY_LONG_DELAYS_MS`]'s (a longer `x-delay` is parked).
+    pub(crate) fn gateway_long_settings(&self) -> Settings {
+        let mut s = self.settings_for(&format!("{}-gwl", self.settings.prefix), false);
+        let max = self.max_delay_ms.max(*GATEWAY_LONG_DELAYS_MS.end());
+        s.topology.max_delay = DurationMs(max);
+        s
     }
 
     /// The configured radix and unit, delays up to `max_delay`, with or without the fixed levels
@@ -293,5 +345,26 @@ mod tests {
         assert_eq!(c.fixed_levels(), vec![250, 1000, 2500, 5000]);
         assert_eq!(c.binary_layout().unwrap().prefix(), "bench-test-r2");
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn sustained_flags_are_checked() {
+        for bad in [
+            BenchConfig {
+                objective_ms: 0,
+                ..cfg()
+            },
+            BenchConfig { probes: 0, ..cfg() },
+            BenchConfig {
+                probe_secs: f64::NAN,
+                ..cfg()
+            },
+            BenchConfig {
+                probe_secs: 0.0,
+                ..cfg()
+            },
+        ] {
+            assert!(bad.validate().is_err());
+        }
     }
 }

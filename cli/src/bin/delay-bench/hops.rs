@@ -12,7 +12,10 @@ use amqp_delay::settings::Settings;
 use amqp_delay::time::{DurationMs, compact_duration};
 use amqp_delay::{Layout, Precision, plan};
 
-use crate::config::{BenchConfig, GATEWAY_DELAYS_MS, MIX_FIXED_SHARE, MIX_REAL_MAX_MS, Scenario};
+use crate::config::{
+    BenchConfig, GATEWAY_DELAYS_MS, GATEWAY_LONG_DELAYS_MS, MIX_FIXED_SHARE, MIX_REAL_MAX_MS,
+    Scenario,
+};
 use crate::report::round3;
 
 /// `n` delays of scenario `sc` (deterministic for a seed).
@@ -29,6 +32,7 @@ pub(crate) fn delays_for(sc: Scenario, cfg: &BenchConfig, n: usize, seed: u64) -
                 rng.random_range(0..=max)
             }
             Scenario::Gateway => rng.random_range(GATEWAY_DELAYS_MS),
+            Scenario::GatewayLong => rng.random_range(GATEWAY_LONG_DELAYS_MS),
             Scenario::Mix => mix_delay(&mut rng, &fixed, max),
         })
         .collect()
@@ -219,6 +223,26 @@ mod tests {
                 .iter()
                 .all(|&d| d == 250)
         );
+    }
+
+    #[test]
+    fn gateway_long_delays_are_mostly_longer_than_the_hold() {
+        let c = cfg();
+        let hold = Settings::default().gateway.hold.as_millis();
+        let long = delays_for(Scenario::GatewayLong, &c, 10_000, 1);
+        assert!(long.iter().all(|d| GATEWAY_LONG_DELAYS_MS.contains(d)));
+        let crossing = long.iter().filter(|&&d| d > hold).count() as f64 / 10_000.0;
+        assert!(crossing > 0.95, "{crossing}");
+        // the short scenario's are all held
+        let short = delays_for(Scenario::Gateway, &c, 1_000, 1);
+        assert!(short.iter().all(|&d| d <= hold), "hold {hold} ms");
+        // its topology carries them whatever --max-delay
+        let mut small = cfg();
+        small.max_delay_ms = 500;
+        let s = small.gateway_long_settings();
+        let layout = s.layout().unwrap();
+        assert!(layout.max_delay_ms() >= *GATEWAY_LONG_DELAYS_MS.end());
+        assert!(s.prefix.ends_with("-gwl"));
     }
 
     #[test]

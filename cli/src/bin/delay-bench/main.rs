@@ -18,11 +18,18 @@
 //!   delays to a destination the library's `Worker` consumes (its batch marker makes the
 //!   publisher batch; members counted one by one in its handler); uniform delays through the
 //!   relay of `delay-consumer --relay` into a plain queue; and plugin-style `x-delay` 1–100 ms
-//!   publishes to the `x-delay` gateway's ingress, counted on a queue bound to its target.
-//!   Besides the above they report broker messages through the tiers per message (the
-//!   library's metrics: how well batches packed). `uniform_batched` and `relay` are opt-in.
+//!   publishes to the `x-delay` gateway's ingress, counted on a queue bound to its target;
+//!   `gateway_long` the same with `x-delay` 1–5,000 ms, which cross the tiers (longer than
+//!   `gateway.hold`). Besides the above they report broker messages through the tiers per
+//!   message (the library's metrics: how well batches packed), the gateways also the share of
+//!   their messages that crossed the tiers. `uniform_batched`, `relay` and `gateway_long` are
+//!   opt-in.
 //! * **lateness** of every scenario, from a second, rate-limited run at half its measured
-//!   capacity (or `rate`): `consume time − x-delay-due-at`, as min/p50/p99/p99.9/max.
+//!   capacity (or `rate`): `consume time − x-delay-due-at`, as min/p50/p99/p99.9/max, with its
+//!   broker messages per message.
+//! * **sustained rate** (optional, `--sustained`): the highest steady rate whose p99 lateness
+//!   stays within an objective, found by short paced probes (`runner::sustained`, the search
+//!   and the verdict pure in `search`), as msg/s and as a ratio to raw's saturating rate.
 //! * **capacity** (optional): M messages held in one tier, the publish rate and the broker's
 //!   memory before/after (read with `rabbitmqctl` when the broker is local), then drained.
 //!
@@ -46,6 +53,7 @@
 //! * `runner`: the run itself (raw and delayed scenarios, lateness runs, capacity) and, in
 //!   `runner::measure`, one publish-and-consume pass with its counting.
 //! * `hops`: pure hop statistics: the delay distributions and `--hop-table`.
+//! * `search`: pure parts of the sustained-rate mode: the rate search and a probe's verdict.
 //! * `environment`: the machine and what `rabbitmqctl` says about a local broker.
 //! * `report`: the `Report` (the `--json` object) and its table.
 //! * `cleanup`, `progress`, `amqp`: deleting what a run declared, the progress bar, AMQP plumbing.
@@ -62,6 +70,7 @@ mod hops;
 mod progress;
 mod report;
 mod runner;
+mod search;
 
 use std::io::IsTerminal;
 
@@ -79,7 +88,7 @@ const ABOUT: &str = "Measure amqp-delay against the raw broker: throughput, late
 const LONG_ABOUT: &str = "\
 Measure amqp-delay against the raw broker: throughput, lateness and capacity, in one run.
 
-Scenarios (choose with --scenarios; all but uniform_batched and relay by default):
+Scenarios (choose with --scenarios; all but uniform_batched, relay and gateway_long by default):
   raw      N persistent messages, confirms pipelined, straight into one plain queue of the
            tiers' queue type, consumed with manual acks: the ceiling on this machine
   fixed    every message on one fixed level (one hop)
@@ -95,12 +104,21 @@ Scenarios (choose with --scenarios; all but uniform_batched and relay by default
   gateway  plugin-style publishes with x-delay 1–100 ms to the ingress of the x-delay
            gateway (in process, the configuration's settings), read from a queue bound to
            its target exchange; with --rate 1000: its lateness at a steady 1,000 msg/s
+  gateway_long  as gateway with x-delay 1–5,000 ms: longer than gateway.hold (100 ms by
+           default), so the messages cross the tiers (opt-in, as uniform_batched)
 
 Each scenario is run twice: saturating (msg/s end to end, from the first publish to the last
 consume, its ratio to raw, average hops per message), then rate-limited at half that rate (or
 --rate) for lateness = consume time − x-delay-due-at (min, p50, p99, p99.9, max). Every message
-is counted: lost, duplicated or early messages are reported and make the exit code 1. The
-batched scenarios also report broker messages through the tiers per message (brk/m).
+is counted: lost, duplicated or early messages are reported and make the exit code 1. Both runs
+report broker messages through the tiers per message (brk/m); the gateways also the share of
+their messages that crossed the tiers.
+--sustained additionally searches, for each scenario, the highest steady rate whose p99 lateness
+stays within --objective-ms (25 ms): --probes short steady runs (--probe-secs of publishing each,
+plus their delays) at rates bisected between 1/16 of its saturating rate and that rate; it
+reports that rate and its ratio to raw's saturating rate (of the same run). A probe fails when
+its p99 is above the objective, when the publisher fell behind the rate by more than the
+objective, or when a message was lost or early.
 --capacity M additionally holds M messages in one tier and reads the broker's memory before and
 after (rabbitmqctl, local broker only), then drains them; with --capacity-batched they travel in
 batches to a worker.
@@ -189,6 +207,22 @@ struct Args {
     /// sharded fixed level scales past the single-queue limit
     #[arg(long, value_name = "K", default_value_t = 1)]
     fixed_shards: u32,
+    /// Sustained-rate mode: after each scenario's runs, search the highest steady rate whose
+    /// p99 lateness stays within --objective-ms (short probes between 1/16 of its saturating
+    /// rate and that rate), reported in msg/s and as a ratio to raw's
+    #[arg(long)]
+    sustained: bool,
+    /// The p99 lateness objective of --sustained, in ms
+    #[arg(long, value_name = "MS", default_value_t = 25)]
+    objective_ms: u64,
+    /// Seconds of publishing in each probe of --sustained (each probe also waits for its
+    /// delays) [default: 2, with --quick 1]
+    #[arg(long, value_name = "SECS")]
+    probe_secs: Option<f64>,
+    /// Probes per scenario in --sustained (the search stops earlier once it brackets the rate
+    /// within 10%) [default: 5, with --quick 3]
+    #[arg(long, value_name = "K")]
+    probes: Option<usize>,
     /// No progress display (it is shown only when stderr is a terminal anyway)
     #[arg(long)]
     no_progress: bool,
@@ -258,6 +292,12 @@ fn config(args: &Args) -> Result<BenchConfig, String> {
     c.body_bytes = args.body_bytes;
     c.seed = args.seed;
     c.fixed_shards = args.fixed_shards;
+    c.sustained = args.sustained;
+    c.objective_ms = args.objective_ms;
+    c.probe_secs = args
+        .probe_secs
+        .unwrap_or(if args.quick { 1.0 } else { 2.0 });
+    c.probes = args.probes.unwrap_or(if args.quick { 3 } else { 5 });
     c.progress = !args.no_progress && std::io::stderr().is_terminal();
     c.validate()?;
     Ok(c)

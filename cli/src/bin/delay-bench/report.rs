@@ -10,6 +10,7 @@ use amqp_delay::Precision;
 use amqp_delay::time::compact_duration;
 
 use crate::config::Scenario;
+use crate::search::Verdict;
 
 /// Lateness (or latency) percentiles in milliseconds.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
@@ -50,6 +51,12 @@ pub(crate) struct ScenarioResult {
     pub(crate) broker_msgs_per_msg: Option<f64>,
     /// The same in the rate-limited lateness run.
     pub(crate) lateness_broker_msgs_per_msg: Option<f64>,
+    /// Messages scheduled into the tiers per message delivered, in the saturating run: about 1
+    /// for the delayed paths; for a gateway the share that crossed the tiers (the rest it held
+    /// in memory, `gateway.hold`). Null for raw.
+    pub(crate) tiers_share: Option<f64>,
+    /// The same in the rate-limited lateness run.
+    pub(crate) lateness_tiers_share: Option<f64>,
     /// Hops the same mix would take at real scale (24 h, the configured fixed levels).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) real_scale_avg_hops: Option<f64>,
@@ -66,6 +73,11 @@ pub(crate) struct ScenarioResult {
     pub(crate) lateness_ms: Percentiles,
     /// Rate of the lateness run.
     pub(crate) lateness_rate_msgs_per_s: f64,
+    /// Messages published in the lateness run.
+    pub(crate) lateness_messages: usize,
+    /// The longest a message of the lateness run waited past its release time for its
+    /// publisher (ms): large means the run did not keep its rate.
+    pub(crate) lateness_release_lag_ms: u64,
     /// Confirmed but never delivered (both runs).
     pub(crate) lost: usize,
     /// Deliveries beyond the first (both runs).
@@ -74,6 +86,44 @@ pub(crate) struct ScenarioResult {
     pub(crate) publish_errors: usize,
     /// Messages delivered before their due time (both runs): must be 0.
     pub(crate) early: u64,
+    /// The sustained-rate search (`--sustained`; null without it).
+    pub(crate) sustained: Option<SustainedResult>,
+}
+
+/// The highest steady rate found whose p99 lateness stayed within the objective.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct SustainedResult {
+    pub(crate) objective_p99_ms: u64,
+    /// The highest rate probed that met the objective (null when none did).
+    pub(crate) msgs_per_s: Option<f64>,
+    /// `msgs_per_s` over the raw baseline of the same run (null without raw or a rate).
+    pub(crate) ratio_to_raw: Option<f64>,
+    /// The lowest rate probed that missed it (null when none did): the sustained rate lies
+    /// below.
+    pub(crate) missed_msgs_per_s: Option<f64>,
+    /// The top of the search: the saturating rate (its publish rate when that run was bound
+    /// by its delays). Never probed itself.
+    pub(crate) ceiling_msgs_per_s: f64,
+    /// Seconds of publishing per probe.
+    pub(crate) probe_secs: f64,
+    /// In the order they ran.
+    pub(crate) probes: Vec<ProbeResult>,
+}
+
+/// One steady run of the search.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct ProbeResult {
+    pub(crate) rate_msgs_per_s: f64,
+    pub(crate) messages: usize,
+    pub(crate) lateness_ms: Percentiles,
+    /// Broker messages through the tiers per message (as `lateness_broker_msgs_per_msg`).
+    pub(crate) broker_msgs_per_msg: Option<f64>,
+    /// The longest a message waited past its release time for its publisher (ms).
+    pub(crate) release_lag_ms: u64,
+    /// `ok`, `late` (p99 above the objective), `behind` (p99 within it, but the publisher fell
+    /// behind the rate by more than the objective), `failed` (lost, early or unpublished
+    /// messages).
+    pub(crate) verdict: Verdict,
 }
 
 /// Capacity mode's numbers.
@@ -155,6 +205,10 @@ pub(crate) struct RunConfig {
     pub(crate) rate: Option<f64>,
     pub(crate) seed: u64,
     pub(crate) fixed_shards: u32,
+    pub(crate) sustained: bool,
+    pub(crate) objective_ms: u64,
+    pub(crate) probe_secs: f64,
+    pub(crate) probes: usize,
 }
 
 /// Everything one run found; `--json` prints it as one object.
@@ -208,6 +262,7 @@ impl Report {
         self.write_setup(&mut s);
         self.write_rows(&mut s);
         self.write_notes(&mut s);
+        self.write_sustained(&mut s);
         if let Some(cap) = &self.capacity {
             write_capacity(&mut s, cap);
         }
@@ -252,7 +307,7 @@ impl Report {
         let _ = writeln!(s);
         let _ = writeln!(
             s,
-            "{:<62} {:>7} {:>5} {:>5} {:>5} {:>8} │ {:>6} {:>5} {:>5} {:>5} {:>6} {:>6} │ {:>4} {:>4}",
+            "{:<62} {:>7} {:>5} {:>5} {:>5} {:>8} │ {:>6} {:>5} {:>5} {:>5} {:>6} {:>6} {:>5} │ {:>4} {:>4}",
             "scenario",
             "msg/s",
             "×raw",
@@ -265,6 +320,7 @@ impl Report {
             "p99",
             "p99.9",
             "max",
+            "brk/m",
             "lost",
             "dup"
         );
@@ -280,7 +336,7 @@ impl Report {
             let l = &r.lateness_ms;
             let _ = writeln!(
                 s,
-                "{:<62} {:>7} {:>5} {:>5.2} {:>5} {:>8} │ {:>6.0} {:>5} {:>5} {:>5} {:>6} {:>6} │ {:>4} {:>4}",
+                "{:<62} {:>7} {:>5} {:>5.2} {:>5} {:>8} │ {:>6.0} {:>5} {:>5} {:>5} {:>6} {:>6} {:>5} │ {:>4} {:>4}",
                 truncate(&r.description, 62),
                 format!(
                     "{}{:.0}",
@@ -290,8 +346,7 @@ impl Report {
                 r.ratio_to_raw
                     .map_or_else(|| "-".into(), |x| format!("{x:.2}")),
                 r.avg_hops,
-                r.broker_msgs_per_msg
-                    .map_or_else(|| "-".into(), |x| format!("{x:.3}")),
+                fmt_ratio(r.broker_msgs_per_msg),
                 r.backlog_p50_ms,
                 r.lateness_rate_msgs_per_s,
                 l.min,
@@ -299,6 +354,7 @@ impl Report {
                 l.p99,
                 l.p999,
                 l.max,
+                fmt_ratio(r.lateness_broker_msgs_per_msg),
                 r.lost,
                 r.duplicates
             );
@@ -312,32 +368,12 @@ impl Report {
             s,
             "\nmsg/s: end to end, first publish to last consume. sat p50: median lateness of that \
              saturating run (ms). Lateness (ms, consume − x-delay-due-at; raw: latency) from a \
-             second run at half the measured rate (or --rate). brk/m: broker messages through the \
-             tiers per message in the saturating run (1: unbatched; a batch counts once; gateway: \
-             per message delivered, a held one takes none)."
+             second run at a steady half the measured rate (or --rate). brk/m: broker messages \
+             through the tiers per message, left in the saturating run, right in the steady one \
+             (1: unbatched; a batch counts once; gateway: per message delivered, a held one takes \
+             none)."
         );
-        let batched: Vec<String> = Scenario::ALL
-            .iter()
-            .filter(|sc| sc.batched())
-            .filter_map(|sc| {
-                let r = self.scenarios.get(sc.name())?;
-                Some(format!(
-                    "{} {} ({:.2} hops)",
-                    sc.name(),
-                    r.lateness_broker_msgs_per_msg
-                        .map_or_else(|| "-".into(), |x| format!("{x:.3}")),
-                    r.lateness_avg_hops
-                ))
-            })
-            .collect();
-        if !batched.is_empty() {
-            let _ = writeln!(
-                s,
-                "brk/m in the lateness runs: {}. Batched hops are the routes the batches took \
-                 (gateway: planned per message alone).",
-                batched.join(", ")
-            );
-        }
+        self.write_batched_notes(s);
         if self.scenarios.values().any(|r| r.delay_bound) {
             let _ = writeln!(
                 s,
@@ -354,6 +390,74 @@ impl Report {
                 s,
                 "mix at real scale (configured fixed levels, 0–24 h): {m:.2} hops per message"
             );
+        }
+    }
+
+    /// The batched scenarios' hops in the lateness runs, and how many of the gateways'
+    /// messages crossed the tiers (the rest the gateway held in memory).
+    fn write_batched_notes(&self, s: &mut String) {
+        let batched = self.named(|sc| sc.batched(), |r| format!("{:.2}", r.lateness_avg_hops));
+        if !batched.is_empty() {
+            let _ = writeln!(
+                s,
+                "Batched hops are the routes the batches took (gateway: planned per message \
+                 alone); in the steady runs: {}.",
+                batched.join(", ")
+            );
+        }
+        let crossed = self.named(Scenario::gateway, |r| {
+            format!(
+                "{} (steady {})",
+                fmt_ratio(r.tiers_share),
+                fmt_ratio(r.lateness_tiers_share)
+            )
+        });
+        if !crossed.is_empty() {
+            let _ = writeln!(
+                s,
+                "Share of the gateway's messages that crossed the tiers: {}.",
+                crossed.join(", ")
+            );
+        }
+    }
+
+    /// `name value` for each scenario of the run that `pick` selects, in the fixed order.
+    fn named(
+        &self,
+        pick: impl Fn(Scenario) -> bool,
+        value: impl Fn(&ScenarioResult) -> String,
+    ) -> Vec<String> {
+        Scenario::ALL
+            .into_iter()
+            .filter(|&sc| pick(sc))
+            .filter_map(|sc| {
+                let r = self.scenarios.get(sc.name())?;
+                Some(format!("{} {}", sc.name(), value(r)))
+            })
+            .collect()
+    }
+
+    /// The sustained-rate search, one line per scenario (raw first) with its probes.
+    fn write_sustained(&self, s: &mut String) {
+        if !self.config.sustained {
+            return;
+        }
+        let _ = writeln!(
+            s,
+            "\nsustained rate: the highest steady rate probed whose p99 lateness stayed within \
+             {} ms ({} s probes, at most {} per scenario; ×raw: of raw's saturating rate)",
+            self.config.objective_ms, self.config.probe_secs, self.config.probes
+        );
+        let ordered = self.raw.iter().map(|r| ("raw", r)).chain(
+            Scenario::ALL
+                .iter()
+                .skip(1)
+                .filter_map(|sc| Some((sc.name(), self.scenarios.get(sc.name())?))),
+        );
+        for (name, r) in ordered {
+            if let Some(st) = &r.sustained {
+                let _ = writeln!(s, "  {name:<15} {}", sustained_line(st));
+            }
         }
     }
 
@@ -404,6 +508,50 @@ fn write_capacity(s: &mut String, cap: &CapacityResult) {
     );
 }
 
+/// `1234 msg/s (0.17 × raw)` or `< 80 msg/s`, then the probes: `rate verdict p99`.
+fn sustained_line(st: &SustainedResult) -> String {
+    let found = match (st.msgs_per_s, st.missed_msgs_per_s) {
+        (Some(r), _) => format!(
+            "{r:>8.0} msg/s ({} × raw)",
+            st.ratio_to_raw
+                .map_or_else(|| "-".into(), |x| format!("{x:.2}"))
+        ),
+        (None, Some(m)) => format!("   < {m:.0} msg/s (none of the probes met it)"),
+        (None, None) => "       - (no probe: the ceiling is too low)".into(),
+    };
+    let probes: Vec<String> = st
+        .probes
+        .iter()
+        .map(|p| {
+            format!(
+                "{:.0} {} p99 {}",
+                p.rate_msgs_per_s,
+                verdict_word(p.verdict),
+                p.lateness_ms.p99
+            )
+        })
+        .collect();
+    format!(
+        "{found}; ceiling {:.0}; probes: {}",
+        st.ceiling_msgs_per_s,
+        probes.join(", ")
+    )
+}
+
+fn verdict_word(v: Verdict) -> &'static str {
+    match v {
+        Verdict::Ok => "ok",
+        Verdict::Late => "late",
+        Verdict::Behind => "behind",
+        Verdict::Failed => "failed",
+    }
+}
+
+/// A ratio with three decimals, `-` when there is none.
+fn fmt_ratio(x: Option<f64>) -> String {
+    x.map_or_else(|| "-".into(), |x| format!("{x:.3}"))
+}
+
 fn truncate(s: &str, n: usize) -> String {
     if s.chars().count() <= n {
         s.to_string()
@@ -411,5 +559,78 @@ fn truncate(s: &str, n: usize) -> String {
         let mut t: String = s.chars().take(n - 1).collect();
         t.push('…');
         t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn probe(rate: f64, p99: i64, verdict: Verdict) -> ProbeResult {
+        ProbeResult {
+            rate_msgs_per_s: rate,
+            messages: 100,
+            lateness_ms: Percentiles {
+                p99,
+                ..Percentiles::default()
+            },
+            broker_msgs_per_msg: Some(1.0),
+            release_lag_ms: 0,
+            verdict,
+        }
+    }
+
+    fn sustained(msgs_per_s: Option<f64>, missed: Option<f64>) -> SustainedResult {
+        SustainedResult {
+            objective_p99_ms: 25,
+            msgs_per_s,
+            ratio_to_raw: msgs_per_s.map(|r| r / 2_000.0),
+            missed_msgs_per_s: missed,
+            ceiling_msgs_per_s: 4_000.0,
+            probe_secs: 2.0,
+            probes: vec![
+                probe(1_000.0, 12, Verdict::Ok),
+                probe(2_000.0, 80, Verdict::Late),
+            ],
+        }
+    }
+
+    #[test]
+    fn sustained_lines_say_what_was_found() {
+        let found = sustained_line(&sustained(Some(1_000.0), Some(2_000.0)));
+        assert!(found.contains("1000 msg/s (0.50 × raw)"), "{found}");
+        assert!(
+            found.contains("probes: 1000 ok p99 12, 2000 late p99 80"),
+            "{found}"
+        );
+        assert!(found.contains("ceiling 4000"), "{found}");
+        let none = sustained_line(&sustained(None, Some(250.0)));
+        assert!(none.contains("< 250 msg/s"), "{none}");
+        let empty = SustainedResult {
+            probes: Vec::new(),
+            ..sustained(None, None)
+        };
+        assert!(sustained_line(&empty).contains("no probe"));
+    }
+
+    #[test]
+    fn json_names_are_stable() {
+        let v = serde_json::to_value(sustained(Some(1_000.0), None)).unwrap();
+        for k in [
+            "objective_p99_ms",
+            "msgs_per_s",
+            "ratio_to_raw",
+            "missed_msgs_per_s",
+            "ceiling_msgs_per_s",
+            "probe_secs",
+            "probes",
+        ] {
+            assert!(v.get(k).is_some(), "{k} missing: {v}");
+        }
+        let p = &v["probes"][1];
+        assert_eq!(p["verdict"], "late");
+        assert_eq!(p["lateness_ms"]["p99"], 80);
+        assert_eq!(fmt_ratio(None), "-");
+        assert_eq!(fmt_ratio(Some(0.1234)), "0.123");
     }
 }

@@ -8,6 +8,7 @@ mod measure;
 mod publish;
 mod scenario;
 mod stage;
+mod sustained;
 mod tracker;
 
 use std::collections::BTreeMap;
@@ -76,9 +77,11 @@ pub(crate) async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> 
             .await?;
         scenarios.insert(Scenario::Binary.name().to_string(), r);
     }
-    if wants(Scenario::Gateway) {
-        let r = b.gateway(raw_rate).await?;
-        scenarios.insert(Scenario::Gateway.name().to_string(), r);
+    for sc in [Scenario::Gateway, Scenario::GatewayLong] {
+        if wants(sc) {
+            let r = b.gateway(sc, raw_rate).await?;
+            scenarios.insert(sc.name().to_string(), r);
+        }
     }
     let capacity = match cfg.capacity {
         Some(m) => {
@@ -140,6 +143,10 @@ fn run_config(cfg: &BenchConfig) -> RunConfig {
         rate: cfg.rate,
         seed: cfg.seed,
         fixed_shards: cfg.fixed_shards,
+        sustained: cfg.sustained,
+        objective_ms: cfg.objective_ms,
+        probe_secs: cfg.probe_secs,
+        probes: cfg.probes,
     }
 }
 

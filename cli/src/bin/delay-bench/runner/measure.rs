@@ -23,6 +23,7 @@ use super::publish::Published;
 use super::stage::{Path, Stage, Target};
 use super::tracker::{Lateness, Tracker};
 use crate::amqp::{declare_plain_queue, delete_queue};
+use crate::config::Scenario;
 
 /// The tiers' broker messages and the messages scheduled so far in this process (the library's
 /// metrics: a batch is one broker message).
@@ -43,6 +44,8 @@ pub(super) struct RunOutcome {
     /// When the last message became due, in s after the first publish.
     max_due_s: f64,
     pub(super) publish_s: f64,
+    /// Paced passes: the longest a message waited past its release time for its publisher.
+    pub(super) release_lag_ms: u64,
     pub(super) hops_sum: u64,
     pub(super) observed_hops: u64,
     pub(super) lateness: Lateness,
@@ -80,6 +83,22 @@ impl RunOutcome {
     /// the messages it holds are never scheduled into the tiers (0 when it held them all).
     pub(super) fn broker_msgs_per_delivered(&self) -> Option<f64> {
         (self.unique > 0).then(|| self.tier_messages.0 as f64 / self.unique as f64)
+    }
+
+    /// Broker messages through the tiers per message as scenario `sc` counts them: per
+    /// message delivered for a gateway, else per message scheduled.
+    pub(super) fn broker_msgs_per_msg_of(&self, sc: Scenario) -> Option<f64> {
+        if sc.gateway() {
+            self.broker_msgs_per_delivered()
+        } else {
+            self.broker_msgs_per_msg()
+        }
+    }
+
+    /// Messages scheduled into the tiers per message delivered: below 1 for a gateway that
+    /// held some in memory (0 when it held all), about 1 for the other delayed paths.
+    pub(super) fn tiers_share(&self) -> Option<f64> {
+        (self.unique > 0).then(|| self.tier_messages.1 as f64 / self.unique as f64)
     }
 
     pub(super) fn publish_msgs_per_s(&self) -> f64 {
@@ -232,6 +251,7 @@ impl Bench<'_> {
             e2e_s: t.last_unique_ns.load(Ordering::Relaxed) as f64 / 1e9,
             max_due_s: t.max_due_ms.load(Ordering::Relaxed) as f64 / 1e3,
             publish_s: published.publish_s,
+            release_lag_ms: published.release_lag_ms,
             hops_sum: published.hops_sum,
             observed_hops: t.observed_hops.load(Ordering::Relaxed),
             lateness,
@@ -392,4 +412,57 @@ async fn consume(
     }
     let _ = ch.close(200, "done".into()).await;
     Ok(lateness)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pass that delivered `unique` messages, `scheduled` of them through `broker` broker
+    /// messages in the tiers.
+    fn outcome(unique: usize, broker: u64, scheduled: u64) -> RunOutcome {
+        RunOutcome {
+            n: unique,
+            unique,
+            lost: 0,
+            duplicates: 0,
+            publish_errors: 0,
+            first_error: None,
+            e2e_s: 1.0,
+            max_due_s: 0.0,
+            publish_s: 1.0,
+            release_lag_ms: 0,
+            hops_sum: 0,
+            observed_hops: 0,
+            lateness: Lateness::new(),
+            tier_messages: (broker, scheduled),
+        }
+    }
+
+    #[test]
+    fn broker_messages_per_message_by_path() {
+        // batched: 1000 messages in 50 batches
+        let batched = outcome(1_000, 50, 1_000);
+        assert_eq!(
+            batched.broker_msgs_per_msg_of(Scenario::UniformBatched),
+            Some(0.05)
+        );
+        assert_eq!(batched.tiers_share(), Some(1.0));
+        // a gateway that held 100 of 1000 and sent the rest in 300 batches: per delivered
+        let gateway = outcome(1_000, 300, 900);
+        assert_eq!(
+            gateway.broker_msgs_per_msg_of(Scenario::GatewayLong),
+            Some(0.3)
+        );
+        assert_eq!(
+            gateway.broker_msgs_per_msg_of(Scenario::Uniform),
+            Some(300.0 / 900.0)
+        );
+        assert_eq!(gateway.tiers_share(), Some(0.9));
+        // held them all / nothing through the tiers
+        let held = outcome(1_000, 0, 0);
+        assert_eq!(held.broker_msgs_per_msg_of(Scenario::Gateway), Some(0.0));
+        assert_eq!(held.broker_msgs_per_msg_of(Scenario::Raw), None);
+        assert_eq!(outcome(0, 0, 0).tiers_share(), None);
+    }
 }

@@ -1,9 +1,9 @@
 //! The publish step of a pass: publisher `j` of `p` takes the message indexes `j, j + p, …`
 //! below N, paced at the pass's rate if it has one, and publishes each where the pass's target
-//! says (through `schedule_all`, or with a confirm straight into a queue or plugin-style to an
-//! exchange). A failed publish is recorded by index: that message is not expected to arrive.
+//! says (through `schedule_all`, one `schedule` call each when paced, or with a confirm
+//! straight into a queue or plugin-style to an exchange). A failed publish is recorded by index: that message is not expected to arrive.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
@@ -26,6 +26,9 @@ pub(super) struct Published {
     pub(super) first_error: Option<String>,
     pub(super) hops_sum: u64,
     pub(super) publish_s: f64,
+    /// Paced passes: the longest a message waited past its release time for its publisher to
+    /// take it (0 when the publishers kept up).
+    pub(super) release_lag_ms: u64,
 }
 
 impl Published {
@@ -35,6 +38,7 @@ impl Published {
             first_error: None,
             hops_sum: 0,
             publish_s: 0.0,
+            release_lag_ms: 0,
         }
     }
 
@@ -78,12 +82,15 @@ impl Bench<'_> {
             delays,
             body: &body,
             in_flight: self.cfg.settings.publisher.max_in_flight,
+            max_pending: self.cfg.settings.publisher.max_pending.max(1),
             publishers: pubs.len(),
+            lag_ms: AtomicU64::new(0),
         };
         let shares = pubs.iter().enumerate().map(|(j, p)| pass.share(j, p));
         let shares = futures::future::join_all(shares).await;
         let mut out = Published::empty();
         out.publish_s = t0.elapsed().as_secs_f64();
+        out.release_lag_ms = pass.lag_ms.load(Ordering::Relaxed);
         for share in shares {
             out.add(share);
         }
@@ -100,7 +107,11 @@ struct Pass<'a> {
     delays: Option<&'a [u64]>,
     body: &'a [u8],
     in_flight: usize,
+    /// Paced `schedule` calls in progress at once, per publisher.
+    max_pending: usize,
     publishers: usize,
+    /// The longest a paced message was taken after its release time, in ms.
+    lag_ms: AtomicU64,
 }
 
 impl Pass<'_> {
@@ -113,8 +124,13 @@ impl Pass<'_> {
         let indexes = (j..self.run.n).step_by(self.publishers);
         futures::stream::iter(indexes).then(move |i| async move {
             if let Some(r) = self.rate {
-                tokio::time::sleep_until((self.t0 + Duration::from_secs_f64(i as f64 / r)).into())
-                    .await;
+                let release = self.t0 + Duration::from_secs_f64(i as f64 / r);
+                tokio::time::sleep_until(release.into()).await;
+                let lag = Instant::now()
+                    .saturating_duration_since(release)
+                    .as_millis();
+                self.lag_ms
+                    .fetch_max(u64::try_from(lag).unwrap_or(u64::MAX), Ordering::Relaxed);
             }
             i
         })
@@ -127,13 +143,25 @@ impl Pass<'_> {
             out.note(i, r);
             self.run.tracker.published.fetch_add(1, Ordering::Relaxed);
         };
+        let message = |queue: &str, i: usize| {
+            Message::new(queue, self.delay(i), self.body.to_vec()).with_id(i.to_string())
+        };
         match &self.run.target {
+            // paced: one `schedule` call per message, as an application at a steady rate makes
+            // them (concurrent calls batch); `schedule_all` would take the next message only
+            // when one of its few chunks in hand is confirmed, holding back the pace
+            Target::Schedule(queue) if self.rate.is_some() => {
+                let mut results = std::pin::pin!(
+                    self.paced(j)
+                        .map(|i| async move { (i, publisher.schedule(message(queue, i)).await) })
+                        .buffer_unordered(self.max_pending)
+                );
+                while let Some((i, r)) = results.next().await {
+                    note(i, r.map(|s| s.route.hops()));
+                }
+            }
             Target::Schedule(queue) => {
-                let msgs = self.paced(j).map(|i| {
-                    let m = Message::new(queue.as_str(), self.delay(i), self.body.to_vec())
-                        .with_id(i.to_string());
-                    (i, m)
-                });
+                let msgs = self.paced(j).map(|i| (i, message(queue, i)));
                 let mut results = std::pin::pin!(publisher.schedule_all(msgs));
                 while let Some((i, r)) = results.next().await {
                     note(i, r.map(|s| s.route.hops()));

@@ -10,9 +10,12 @@ use amqp_delay::{Layout, Precision, Publisher, Result};
 use super::Bench;
 use super::measure::RunOutcome;
 use super::stage::Path;
-use crate::config::{BenchConfig, GATEWAY_DELAYS_MS, MIX_FIXED_SHARE, MIX_REAL_MAX_MS, Scenario};
+use crate::config::{
+    BenchConfig, GATEWAY_DELAYS_MS, GATEWAY_LONG_DELAYS_MS, MIX_FIXED_SHARE, MIX_REAL_MAX_MS,
+    Scenario,
+};
 use crate::hops::{delays_for, mix_avg_hops, real_layout};
-use crate::report::{ScenarioResult, describe_precision, round1, round3};
+use crate::report::{ScenarioResult, SustainedResult, describe_precision, round1, round3};
 
 impl Bench<'_> {
     /// Raw: publish with a confirm into one plain queue and consume, the ceiling the delayed
@@ -76,19 +79,21 @@ impl Bench<'_> {
 
     /// The gateway's own topology (as `delay-publisher gateway` declares it), its settings the
     /// configuration's (the defaults unless configured): x-delay publishes to an in-process
-    /// gateway.
-    pub(super) async fn gateway(&mut self, raw_rate: Option<f64>) -> Result<ScenarioResult> {
-        let settings = self.cfg.gateway_settings();
+    /// gateway. `gateway_long` has a topology of its own (its delays may be longer than
+    /// `--max-delay`).
+    pub(super) async fn gateway(
+        &mut self,
+        sc: Scenario,
+        raw_rate: Option<f64>,
+    ) -> Result<ScenarioResult> {
+        let settings = match sc {
+            Scenario::GatewayLong => self.cfg.gateway_long_settings(),
+            _ => self.cfg.gateway_settings(),
+        };
         let layout = settings.layout()?;
         let path = Path::Gateway(Box::new(settings.clone()));
-        self.on_own_topology(
-            Scenario::Gateway,
-            &layout,
-            settings.precision,
-            raw_rate,
-            &path,
-        )
-        .await
+        self.on_own_topology(sc, &layout, settings.precision, raw_rate, &path)
+            .await
     }
 
     /// A scenario on a topology of its own: declared, run, checked empty, deleted.
@@ -108,7 +113,8 @@ impl Bench<'_> {
     }
 
     /// Saturating run, then the rate-limited lateness run (at `--rate`, else half the
-    /// saturating rate, for `--lateness-secs`), each with its own destination queue.
+    /// saturating rate, for `--lateness-secs`), each with its own destination queue; with
+    /// `--sustained`, the search for the highest steady rate on time.
     async fn scenario(
         &mut self,
         sc: Scenario,
@@ -118,6 +124,25 @@ impl Bench<'_> {
         raw_rate: Option<f64>,
         path: &Path,
     ) -> Result<ScenarioResult> {
+        let cfg = self.cfg;
+        let mut passes = self.passes(sc, pubs, path).await?;
+        if cfg.sustained {
+            passes.sustained = Some(self.sustained(sc, pubs, path, &passes.sat).await?);
+        }
+        let real_scale = real_scale_avg_hops(cfg, sc);
+        let result = passes.result(
+            description(cfg, sc),
+            layout,
+            &precision,
+            raw_rate,
+            real_scale,
+        );
+        self.progress.note(&passes.summary(&result));
+        Ok(result)
+    }
+
+    /// The saturating pass and the paced lateness pass of `sc`.
+    async fn passes(&mut self, sc: Scenario, pubs: &[Publisher], path: &Path) -> Result<Passes> {
         let cfg = self.cfg;
         let prefix = &cfg.settings.prefix;
         let raw = sc == Scenario::Raw;
@@ -152,24 +177,15 @@ impl Bench<'_> {
                 path,
             )
             .await?;
-        let passes = Passes {
+        Ok(Passes {
             sc,
             n,
             sat,
             n_lat,
             lat,
             rate,
-        };
-        let real_scale = real_scale_avg_hops(cfg, sc);
-        let result = passes.result(
-            description(cfg, sc),
-            layout,
-            &precision,
-            raw_rate,
-            real_scale,
-        );
-        self.progress.note(&passes.summary(&result));
-        Ok(result)
+            sustained: None,
+        })
     }
 
     fn lateness_count(&self, rate: f64) -> usize {
@@ -194,7 +210,8 @@ impl Bench<'_> {
     }
 }
 
-/// The two passes of a scenario: `n` messages saturating, then `n_lat` at `rate`.
+/// The two passes of a scenario: `n` messages saturating, then `n_lat` at `rate`; and the
+/// sustained-rate search when there was one.
 struct Passes {
     sc: Scenario,
     n: usize,
@@ -202,6 +219,7 @@ struct Passes {
     n_lat: usize,
     lat: RunOutcome,
     rate: f64,
+    sustained: Option<SustainedResult>,
 }
 
 impl Passes {
@@ -219,10 +237,17 @@ impl Passes {
         let measured = sat.msgs_per_s();
         let ok_n = (self.n - sat.publish_errors).max(1) as f64;
         let ok_lat = (self.n_lat - lat.publish_errors).max(1) as f64;
-        let per_msg = |r: &RunOutcome| match sc {
-            Scenario::Gateway => r.broker_msgs_per_delivered(),
-            _ => r.broker_msgs_per_msg(),
+        let per_msg = |r: &RunOutcome| r.broker_msgs_per_msg_of(sc);
+        // raw's own sustained rate is measured against its saturating rate
+        let baseline = if sc == Scenario::Raw {
+            Some(measured).filter(|&m| m > 0.0)
+        } else {
+            raw_rate
         };
+        let sustained = self.sustained.clone().map(|mut st| {
+            st.ratio_to_raw = st.msgs_per_s.zip(baseline).map(|(s, r)| round3(s / r));
+            st
+        });
         ScenarioResult {
             description,
             radix: layout.radix(),
@@ -238,6 +263,14 @@ impl Passes {
                 .then(|| round3(sat.observed_hops as f64 / sat.unique.max(1) as f64)),
             broker_msgs_per_msg: per_msg(sat).map(round3),
             lateness_broker_msgs_per_msg: per_msg(lat).map(round3),
+            tiers_share: (sc != Scenario::Raw)
+                .then(|| sat.tiers_share().map(round3))
+                .flatten(),
+            lateness_tiers_share: (sc != Scenario::Raw)
+                .then(|| lat.tiers_share().map(round3))
+                .flatten(),
+            lateness_messages: self.n_lat,
+            lateness_release_lag_ms: lat.release_lag_ms,
             real_scale_avg_hops: real_scale_avg_hops.map(round3),
             e2e_s: round3(sat.e2e_s),
             publish_s: round3(sat.publish_s),
@@ -250,6 +283,7 @@ impl Passes {
             duplicates: sat.duplicates + lat.duplicates,
             publish_errors: sat.publish_errors + lat.publish_errors,
             early: sat.lateness.early + lat.lateness.early,
+            sustained,
         }
     }
 
@@ -257,7 +291,7 @@ impl Passes {
     fn summary(&self, result: &ScenarioResult) -> String {
         let (sc, l) = (self.sc, &result.lateness_ms);
         format!(
-            "{:<15} {:>8.0} msg/s{}  hops {:.2}{}  lateness @{:.0}/s p50 {} p99 {} max {} ms",
+            "{:<15} {:>8.0} msg/s{}  hops {:.2}{}  lateness @{:.0}/s min {} p50 {} p99 {} max {} ms{}",
             sc.name(),
             result.msgs_per_s,
             result
@@ -271,9 +305,14 @@ impl Passes {
                 .map(|b| format!("  {b:.3} broker msgs/msg"))
                 .unwrap_or_default(),
             self.rate,
+            l.min,
             l.p50,
             l.p99,
-            l.max
+            l.max,
+            result
+                .lateness_broker_msgs_per_msg
+                .map(|b| format!(", {b:.3} broker msgs/msg"))
+                .unwrap_or_default(),
         )
     }
 }
@@ -327,6 +366,11 @@ fn description(cfg: &BenchConfig, sc: Scenario) -> String {
             "gateway: x-delay {}–{} ms → ingress → target → {qt} queue",
             GATEWAY_DELAYS_MS.start(),
             GATEWAY_DELAYS_MS.end()
+        ),
+        Scenario::GatewayLong => format!(
+            "gateway: x-delay {}–{} ms → ingress → tiers → target → {qt} queue",
+            GATEWAY_LONG_DELAYS_MS.start(),
+            GATEWAY_LONG_DELAYS_MS.end()
         ),
     }
 }
