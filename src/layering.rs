@@ -71,6 +71,7 @@ const PURE_FILES: &[&str] = &[
     "src/gateway/x_delay.rs",
     "cli/src/jsonl.rs",
     "cli/src/bin/delay-bench/hops.rs",
+    "cli/src/bin/delay-bench/search.rs",
 ];
 
 /// What broker I/O looks like in the source.

@@ -137,6 +137,7 @@ impl<'w, H: Handler> Session<'w, H> {
         tracing::info!(
             queues = ?worker.subscriptions.iter().map(|(q, _)| q.as_str()).collect::<Vec<_>>(),
             prefetch = cs.prefetch,
+            hold_prefetch = cs.hold_prefetch,
             concurrency = cs.concurrency,
             "worker consuming"
         );
