@@ -142,8 +142,56 @@ fn take_u32(input: &mut &[u8], what: &str) -> Result<usize, String> {
     Ok(u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize)
 }
 
-/// Decodes a batch body. Any malformation is a reason, never a panic.
+/// Decodes a batch body. Any malformation is a reason, never a panic. A delivery from the
+/// broker is read with [`decode_bounded`], which also holds the body to its header and a
+/// maximum.
 pub fn decode(body: &[u8]) -> Result<Vec<Member>, String> {
+    members(body, None, usize::MAX)?.collect()
+}
+
+/// Decodes a batch body that must hold exactly `announced` members (what its headers say,
+/// [`announced_count`]) and at most `max_members` (the publisher's
+/// `publisher.batch_max_messages`: no batch of ours holds more). Refused, with a reason,
+/// before anything is allocated per member: a count that differs from the header, a count
+/// beyond the maximum, a body whose member frames do not add up to it exactly. Never panics.
+pub fn decode_bounded(
+    body: &[u8],
+    announced: u64,
+    max_members: usize,
+) -> Result<Vec<Member>, String> {
+    members(body, Some(announced), max_members)?.collect()
+}
+
+/// The members of a batch body, decoded one at a time as the iterator is advanced (so a caller
+/// may run them as a bounded stream), after the same checks as [`decode_bounded`] (without
+/// `announced`, only the maximum): the body's framing is walked once, without allocating,
+/// before the first member is decoded. A member whose properties do not parse is an `Err`
+/// item.
+pub fn members(
+    body: &[u8],
+    announced: Option<u64>,
+    max_members: usize,
+) -> Result<impl Iterator<Item = Result<Member, String>> + '_, String> {
+    let (count, frames) = frame(body)?;
+    if let Some(announced) = announced
+        && u64::try_from(count).ok() != Some(announced)
+    {
+        return Err(format!(
+            "batch holds {count} members but its headers announce {announced}"
+        ));
+    }
+    if count > max_members {
+        return Err(format!(
+            "batch announces {count} members, more than the {max_members} a batch may hold"
+        ));
+    }
+    check_frames(frames, count)?;
+    let mut input = frames;
+    Ok((0..count).map(move |i| member_at(&mut input, i)))
+}
+
+/// The member count and the members' bytes of a batch body.
+fn frame(body: &[u8]) -> Result<(usize, &[u8]), String> {
     let mut input = body;
     let magic = take(&mut input, 3, "the magic")?;
     if magic != MAGIC {
@@ -163,23 +211,36 @@ pub fn decode(body: &[u8]) -> Result<Vec<Member>, String> {
             input.len()
         ));
     }
-    let mut out = Vec::with_capacity(count);
-    for i in 0..count {
+    Ok((count, input))
+}
+
+/// Walks `count` member frames (two lengths and what they say each) without decoding or
+/// allocating anything: they must end exactly where the body does.
+fn check_frames(mut input: &[u8], count: usize) -> Result<(), String> {
+    for _ in 0..count {
         let plen = take_u32(&mut input, "a properties length")?;
-        let praw = take(&mut input, plen, "member properties")?;
-        let properties = match parse_properties(praw) {
-            Ok((&[], p)) => p,
-            Ok(_) => return Err(format!("member {i}: properties have trailing bytes")),
-            Err(e) => return Err(format!("member {i}: properties do not parse: {e}")),
-        };
+        take(&mut input, plen, "member properties")?;
         let blen = take_u32(&mut input, "a body length")?;
-        let body = take(&mut input, blen, "a member body")?.to_vec();
-        out.push(Member { properties, body });
+        take(&mut input, blen, "a member body")?;
     }
     if !input.is_empty() {
         return Err(format!("{} bytes after the last member", input.len()));
     }
-    Ok(out)
+    Ok(())
+}
+
+/// Member `i`, decoded from the front of `input` (whose framing was checked).
+fn member_at(input: &mut &[u8], i: usize) -> Result<Member, String> {
+    let plen = take_u32(input, "a properties length")?;
+    let praw = take(input, plen, "member properties")?;
+    let properties = match parse_properties(praw) {
+        Ok((&[], p)) => p,
+        Ok(_) => return Err(format!("member {i}: properties have trailing bytes")),
+        Err(e) => return Err(format!("member {i}: properties do not parse: {e}")),
+    };
+    let blen = take_u32(input, "a body length")?;
+    let body = take(input, blen, "a member body")?.to_vec();
+    Ok(Member { properties, body })
 }
 
 /// What [`group`] needs of one message.
@@ -389,13 +450,84 @@ mod tests {
         assert!(decode(b"{\"json\":1}").unwrap_err().contains("bad magic"));
     }
 
+    #[test]
+    fn a_bounded_decode_holds_the_body_to_its_header_and_the_maximum() {
+        let members: Vec<Member> = (0..3).map(member).collect();
+        let body = encode(&members);
+        assert_eq!(decode_bounded(&body, 3, 3).unwrap(), members);
+        assert!(
+            decode_bounded(&body, 2, 10)
+                .unwrap_err()
+                .contains("announce 2")
+        );
+        assert!(
+            decode_bounded(&body, 4, 10)
+                .unwrap_err()
+                .contains("announce 4")
+        );
+        assert!(decode_bounded(&body, u64::MAX, 10).is_err());
+        assert!(
+            decode_bounded(&body, 3, 2)
+                .unwrap_err()
+                .contains("more than the 2")
+        );
+        // the frames must end with the body, checked before the first member is decoded
+        let mut trailing = body.clone();
+        trailing.push(0);
+        assert!(super::members(&trailing, Some(3), 3).is_err());
+        // a plain message's announced count is 1
+        assert_eq!(announced_count(&BasicProperties::default()), 1);
+    }
+
+    /// Attack 7 of issue 23: a 3 MB body announcing 300 000 ten-byte members (its header says
+    /// 300 000 as well) is refused by its count alone, before anything per member.
+    #[test]
+    fn a_batch_announcing_more_members_than_a_batch_may_hold_is_refused_up_front() {
+        let props = encode_properties(&BasicProperties::default());
+        let one = vec![7u8; 10];
+        let n = 300_000;
+        let body = encode_parts((0..n).map(|_| (props.as_slice(), one.as_slice())));
+        assert!(body.len() > 3_000_000, "{}", body.len());
+        let e = decode_bounded(&body, n as u64, 1_000).unwrap_err();
+        assert!(e.contains("more than the 1000"), "{e}");
+        // and one that lies about its count to its header
+        let e = decode_bounded(&body, 10, 1_000).unwrap_err();
+        assert!(e.contains("announce 10"), "{e}");
+    }
+
     proptest! {
+        /// Whatever the body and the announced count, a bounded decode gives exactly the
+        /// announced members within the maximum, or a reason.
+        #[test]
+        fn a_bounded_decode_gives_the_announced_members_or_a_reason(
+            n in 0u8..12,
+            announced in 0u64..16,
+            max in 0usize..16,
+            flip in proptest::option::of((0usize..2_000, any::<u8>())),
+        ) {
+            let mut body = encode(&(0..n).map(member).collect::<Vec<_>>());
+            if let Some((at, b)) = flip {
+                let at = at % body.len();
+                body[at] = b;
+            }
+            if let Ok(m) = decode_bounded(&body, announced, max) {
+                prop_assert_eq!(m.len() as u64, announced);
+                prop_assert!(m.len() <= max);
+                prop_assert_eq!(decode(&body).unwrap(), m);
+            }
+            if flip.is_none() {
+                let ok = u64::from(n) == announced && usize::from(n) <= max;
+                prop_assert_eq!(decode_bounded(&body, announced, max).is_ok(), ok);
+            }
+        }
+
         #[test]
         fn decoding_arbitrary_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
             let _ = decode(&bytes);
             let mut b = b"ADB\x01".to_vec();
             b.extend_from_slice(&bytes);
             let _ = decode(&b);
+            let _ = decode_bounded(&b, 3, 1_000);
         }
 
         #[test]

@@ -12,10 +12,24 @@ use serde::{Deserialize, Serialize};
 use crate::broker;
 use crate::error::Result;
 use crate::layout::Layout;
-use crate::stream_log::{LogRecord, StreamLog};
+use crate::stream_log::{LogRecord, StreamLog, skipped};
+
+/// The longest message id: AMQP's `message-id` is a short string (what `Publisher::cancel`
+/// accepts too). A tombstone naming a longer or an empty id is no canceller's, and is skipped.
+pub const MAX_ID_BYTES: usize = 255;
+/// Tombstones in one record, at most: what a bulk cancel (`Publisher::cancel_all`) and a
+/// checkpoint part put in one. A record with more is no writer's of ours, and is skipped.
+pub const MAX_ITEMS: usize = 1_000;
+/// The longest record worth decoding: [`MAX_ITEMS`] tombstones of [`MAX_ID_BYTES`]-byte ids
+/// each escaped to six bytes a byte (JSON's `\u00XX`, the worst case) with their `until`
+/// (1 000 × 1 556 bytes ≈ 1.5 MiB), rounded up. A gateway pair or a batch marker is far less.
+pub const MAX_RECORD_BYTES: usize = 2 * 1024 * 1024;
+/// Names of gateway pairs and batch markers [`read_all`] keeps, at most: far more than a
+/// topology has destinations and pairs; a stream flooded with distinct names is forged.
+pub const MAX_NAMED: usize = 100_000;
 
 /// Records in the control stream.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Record {
     /// A gateway pair was declared under this prefix.
@@ -86,7 +100,12 @@ impl LogRecord for Record {
 
 /// `layout`'s control stream.
 pub(crate) fn log(layout: &Layout) -> StreamLog<Record> {
-    StreamLog::new("control stream", layout.control_stream(), layout.prefix())
+    StreamLog::new(
+        "control stream",
+        layout.control_stream(),
+        layout.prefix(),
+        MAX_RECORD_BYTES,
+    )
 }
 
 /// Declares the control stream (idempotent).
@@ -102,9 +121,10 @@ pub async fn append(conn: &Connection, layout: &Layout, record: &Record) -> Resu
     log(layout).append(conn, record).await
 }
 
-/// Every record in the stream, oldest first (barriers and checkpoints left out). `Ok(vec![])`
-/// when the stream does not exist. Gives up only when no record arrives for a while
-/// ([`crate::stream_log::READ_STALL`]).
+/// The gateway pairs and batch markers in the stream, oldest first, each once (what
+/// `teardown` needs; tombstones, barriers and checkpoints left out), at most [`MAX_NAMED`].
+/// `Ok(vec![])` when the stream does not exist. Gives up only when no record arrives for a
+/// while ([`crate::stream_log::READ_STALL`]).
 pub async fn read_all(conn: &Connection, layout: &Layout) -> Result<Vec<Record>> {
     let log = log(layout);
     if !log.exists(conn).await? {
@@ -112,19 +132,43 @@ pub async fn read_all(conn: &Connection, layout: &Layout) -> Result<Vec<Record>>
     }
     let nonce = log.barrier(conn).await?;
     let mut reader = log.open_reader(conn, broker::long_string("first")).await?;
-    let mut out = Vec::new();
+    let mut named = Named::default();
     let read = reader
         .read_to_barrier(&nonce, |_, record| match record {
-            Some(
-                Record::Barrier { .. } | Record::CheckpointBegin { .. } | Record::Checkpoint { .. },
-            ) => {}
-            Some(r) => out.push(r),
+            Some(r) => named.take(r),
             // a record of a newer version, or garbage someone published: skip it
             None => tracing::debug!(stream = %log.name(), "skipping an unreadable record"),
         })
         .await;
     reader.end("read").await;
-    read.map(|_| out)
+    read.map(|_| named.out)
+}
+
+/// The gateway pairs and batch markers of a read, each once, at most [`MAX_NAMED`].
+#[derive(Default)]
+struct Named {
+    seen: std::collections::HashSet<Record>,
+    out: Vec<Record>,
+}
+
+impl Named {
+    fn take(&mut self, r: Record) {
+        if !matches!(r, Record::GatewayPair { .. } | Record::BatchMarker { .. })
+            || self.seen.contains(&r)
+        {
+            return;
+        }
+        if self.out.len() >= MAX_NAMED {
+            skipped(
+                "control stream",
+                "too_many_items",
+                &format!("more than {MAX_NAMED} gateway pairs and batch markers"),
+            );
+            return;
+        }
+        self.seen.insert(r.clone());
+        self.out.push(r);
+    }
 }
 
 #[cfg(test)]
@@ -140,5 +184,31 @@ mod tests {
         assert_eq!(body, br#"{"type":"cancels","items":[["a",5]]}"#);
         let body = log.encode(&Record::barrier("n".into()));
         assert_eq!(body, br#"{"type":"barrier","nonce":"n"}"#);
+    }
+
+    #[test]
+    fn the_largest_record_of_ours_fits_the_bound() {
+        let id = "\u{1}".repeat(MAX_ID_BYTES);
+        let items = vec![(id, u64::MAX); MAX_ITEMS];
+        let body =
+            log(&Layout::new("p", &Default::default()).unwrap()).encode(&Record::Cancels { items });
+        assert!(body.len() <= MAX_RECORD_BYTES, "{}", body.len());
+    }
+
+    #[test]
+    fn a_read_keeps_each_name_once_and_nothing_else() {
+        let mut n = Named::default();
+        let marker = Record::BatchMarker { queue: "q".into() };
+        n.take(marker.clone());
+        n.take(Record::barrier("b".into()));
+        n.take(Record::Cancels { items: vec![] });
+        n.take(marker.clone());
+        assert_eq!(n.out, vec![marker]);
+        for i in 0..MAX_NAMED + 5 {
+            n.take(Record::BatchMarker {
+                queue: format!("q{i}"),
+            });
+        }
+        assert_eq!(n.out.len(), MAX_NAMED);
     }
 }

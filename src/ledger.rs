@@ -10,8 +10,11 @@ use lapin::types::AMQPValue;
 
 use crate::error::Result;
 use crate::layout::Layout;
-use crate::stream_log::{Compaction, LogRecord, Reader, StreamLog};
-use crate::tally::{Dues, Entry, Pending, READ_WINDOW_MS, Reckoned, Reckoning, SNAPSHOT_EVERY_MS};
+use crate::stream_log::{Compaction, LogRecord, Reader, StreamLog, skipped};
+use crate::tally::{
+    Bounds, DUE_SLACK_MS, Dues, Entry, Pending, READ_WINDOW_MS, Reckoned, Reckoning,
+    SNAPSHOT_EVERY_MS,
+};
 use crate::time::now_ms;
 
 impl LogRecord for Entry {
@@ -34,8 +37,10 @@ impl Compaction for Reckoning {
 
     fn record(&mut self, offset: Option<u64>, record: Option<Entry>) {
         // a record of a newer version, or garbage someone published, is skipped
-        if let (Some(offset), Some(entry)) = (offset, record) {
-            self.read(offset, entry);
+        if let (Some(offset), Some(entry)) = (offset, record)
+            && let Err(why) = self.read(offset, entry)
+        {
+            skipped(KIND, why, &format!("the record at offset {offset}"));
         }
     }
 
@@ -44,13 +49,22 @@ impl Compaction for Reckoning {
     }
 
     fn restart(&mut self) {
-        *self = Reckoning::default();
+        *self = Reckoning::new(self.bounds());
     }
 }
 
-/// `layout`'s ledger stream.
+/// What the ledger stream is called in errors and metrics.
+const KIND: &str = "ledger stream";
+
+/// How far ahead a count of `layout`'s can fall due: its longest delay plus [`DUE_SLACK_MS`].
+fn ahead_ms(layout: &Layout) -> u64 {
+    layout.max_delay_ms().saturating_add(DUE_SLACK_MS)
+}
+
+/// `layout`'s ledger stream: its records at most [`crate::tally::max_record_bytes`] long.
 pub(crate) fn log(layout: &Layout) -> StreamLog<Entry> {
-    StreamLog::new("ledger stream", layout.ledger_stream(), layout.prefix())
+    let max_bytes = crate::tally::max_record_bytes(ahead_ms(layout));
+    StreamLog::new(KIND, layout.ledger_stream(), layout.prefix(), max_bytes)
 }
 
 /// Declares the ledger stream (idempotent), kept as long as the control stream: the longest
@@ -82,7 +96,7 @@ pub struct Counted {
 /// there is none; leaves a snapshot when the newest is older than [`SNAPSHOT_EVERY_MS`].
 pub async fn count(conn: &Connection, layout: &Layout) -> Result<Option<Counted>> {
     let log = log(layout);
-    let Some((reckoned, barrier, reader)) = reckon(conn, &log).await? else {
+    let Some((reckoned, barrier, reader)) = reckon(conn, &log, ahead_ms(layout)).await? else {
         return Ok(None);
     };
     reader.end("counted").await;
@@ -95,6 +109,7 @@ pub async fn count(conn: &Connection, layout: &Layout) -> Result<Option<Counted>
 async fn reckon(
     conn: &Connection,
     log: &StreamLog<Entry>,
+    ahead_ms: u64,
 ) -> Result<Option<(Reckoned, Option<u64>, Reader<Entry>)>> {
     if !log.exists(conn).await? {
         return Ok(None);
@@ -102,7 +117,7 @@ async fn reckon(
     let nonce = log.barrier(conn).await?;
     let started = std::time::Instant::now();
     let since_s = now_ms().saturating_sub(READ_WINDOW_MS) / 1000;
-    let mut reckoning = Reckoning::default();
+    let mut reckoning = Reckoning::new(Bounds::new(now_ms(), ahead_ms));
     let window = [AMQPValue::Timestamp(since_s)];
     let (reader, barrier) = log
         .start_from_compaction(conn, &nonce, window, &mut reckoning)
@@ -176,7 +191,8 @@ impl Following {
 /// when the topology has no ledger stream.
 pub async fn follow(conn: Arc<Connection>, layout: &Layout) -> Result<Option<Following>> {
     let log = log(layout);
-    let Some((reckoned, barrier, mut reader)) = reckon(&conn, &log).await? else {
+    let ahead = ahead_ms(layout);
+    let Some((reckoned, barrier, mut reader)) = reckon(&conn, &log, ahead).await? else {
         return Ok(None);
     };
     // the reader goes on after the barrier, its snapshot included (which it skips)
@@ -189,8 +205,8 @@ pub async fn follow(conn: Arc<Connection>, layout: &Layout) -> Result<Option<Fol
             while let Some(Ok((_, record))) = reader.next().await {
                 // a record of a newer version, or garbage someone published, is skipped; a
                 // snapshot sums what was already counted
-                if let Some(Entry::Scheduled { dues: pairs }) = record {
-                    sum.lock().unwrap_or_else(|p| p.into_inner()).merge(&pairs);
+                if let Some(record) = record {
+                    follow_one(&sum, record, Bounds::new(now_ms(), ahead));
                 }
             }
         };
@@ -205,6 +221,20 @@ pub async fn follow(conn: Arc<Connection>, layout: &Layout) -> Result<Option<Fol
         task,
         _stop: stop,
     }))
+}
+
+/// A record read by a follower into its sum, within `bounds` (the sum compacted when it grows
+/// past them: bounded whatever is appended).
+fn follow_one(sum: &std::sync::Mutex<Dues>, record: Entry, bounds: Bounds) {
+    match bounds.check(record) {
+        Ok(Entry::Scheduled { dues: pairs }) => {
+            let mut sum = sum.lock().unwrap_or_else(|p| p.into_inner());
+            sum.merge(&pairs);
+            sum.bound(&bounds);
+        }
+        Ok(_) => {}
+        Err(why) => skipped(KIND, why, &"a record followed"),
+    }
 }
 
 /// What a publisher has put into the tiers since it last wrote to the ledger.
@@ -239,5 +269,57 @@ impl Recorder {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Dues> {
         self.dues.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_follower_clamps_far_counts_and_stays_bounded_whatever_is_appended() {
+        let now = 1_000_000_000_000;
+        let bounds = Bounds::new(now, 3_600_000);
+        let sum = std::sync::Mutex::new(Dues::default());
+        // a count due in 2^63 s is due within the bounds instead
+        follow_one(
+            &sum,
+            Entry::Scheduled {
+                dues: vec![(u64::MAX / 2, 5)],
+            },
+            bounds,
+        );
+        assert_eq!(sum.lock().unwrap().pending(now).total, 5);
+        assert_eq!(sum.lock().unwrap().pending(now + 3_601_000).total, 0);
+        // a record with more pairs than ours is skipped
+        let many = (0..bounds.max_pairs as u64 + 1).map(|i| (i, 1)).collect();
+        follow_one(&sum, Entry::Scheduled { dues: many }, bounds);
+        assert_eq!(sum.lock().unwrap().pending(now).total, 5);
+        // records of due seconds anywhere: the sum never holds much more than a record may
+        for k in 0..50u64 {
+            let dues = (0..bounds.max_pairs as u64)
+                .map(|i| (k * 10_000 + i, 1))
+                .collect();
+            follow_one(&sum, Entry::Scheduled { dues }, bounds);
+            assert!(sum.lock().unwrap().len() <= 3 * bounds.max_pairs);
+        }
+    }
+
+    #[test]
+    fn the_largest_record_of_ours_fits_the_bound() {
+        let layout = Layout::new("p", &Default::default()).unwrap();
+        let ahead = ahead_ms(&layout);
+        let pairs = vec![(u64::MAX, u64::MAX); crate::tally::max_pairs(ahead)];
+        let snapshot = Entry::Snapshot {
+            covers: u64::MAX,
+            at_ms: u64::MAX,
+            dues: pairs,
+        };
+        let body = log(&layout).encode(&snapshot);
+        assert!(
+            body.len() <= log(&layout).max_record_bytes(),
+            "{}",
+            body.len()
+        );
     }
 }

@@ -42,6 +42,18 @@ pub struct TierLabel {
     pub kind: String,
 }
 
+/// A stream and why one of its records was skipped.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SkippedLabel {
+    /// `control` or `ledger`.
+    pub stream: String,
+    /// `oversize` (more bytes than any record we write), `too_many_items` (more tombstones or
+    /// counts than one record of ours holds), `insane` (a snapshot covering offsets at or after
+    /// its own, an id no message can have) or `tombstones_full` (a tombstone past the cap of
+    /// live ones).
+    pub reason: String,
+}
+
 /// How soon the messages a gauge counts fall due: `1m`, `1h`, `1d` or `all`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DueLabel {
@@ -75,6 +87,8 @@ pub struct Metrics {
     pub cancel_too_late: Family<QueueLabel, Counter>,
     /// Barriers appended to the control stream to sync before running a message.
     pub cancel_syncs: Counter,
+    /// Stream records a reader skipped (or cut short) because no writer of ours makes them.
+    pub records_skipped: Family<SkippedLabel, Counter>,
     /// Due time → handler start, in seconds.
     pub lateness: Family<QueueLabel, Histogram>,
     /// Handler run time, in seconds.
@@ -120,6 +134,7 @@ impl Metrics {
             cancelled: Family::default(),
             cancel_too_late: Family::default(),
             cancel_syncs: Counter::default(),
+            records_skipped: Family::default(),
             lateness: Family::new_with_constructor(|| Histogram::new(LATENESS_BUCKETS)),
             handler_duration: Family::new_with_constructor(|| Histogram::new(DURATION_BUCKETS)),
             in_flight: Gauge::default(),
@@ -190,6 +205,11 @@ impl Metrics {
             "Barriers appended to the control stream to sync before running a message",
             self.cancel_syncs.clone(),
         );
+        self.registry.register(
+            "stream_records_skipped",
+            "Records of the control or ledger stream a reader skipped (or cut short) because no writer of ours makes them, by stream and reason",
+            self.records_skipped.clone(),
+        );
         self.registry.register_with_unit(
             "lateness",
             "Time from a message's due time to its handler's start",
@@ -250,6 +270,17 @@ impl Metrics {
         }
     }
 
+    /// Counts a record of `stream` skipped for `reason`; returns how many were skipped before
+    /// (so that a flood of them is logged only now and then).
+    pub fn skip(&self, stream: &str, reason: &str) -> u64 {
+        self.records_skipped
+            .get_or_create(&SkippedLabel {
+                stream: stream.to_string(),
+                reason: reason.to_string(),
+            })
+            .inc()
+    }
+
     /// Counts a parked message.
     pub fn park(&self, queue: &str, reason: &str) {
         self.parked
@@ -279,11 +310,14 @@ mod tests {
             .get_or_create(&Metrics::queue("q"))
             .observe(0.002);
         m.park("q", "permanent");
+        assert_eq!(m.skip("ledger", "oversize"), 0);
+        assert_eq!(m.skip("ledger", "oversize"), 1);
         let text = m.encode();
         for name in [
             "amqp_delay_scheduled_total 1",
             "amqp_delay_lateness_seconds_bucket{le=\"0.0025\",queue=\"q\"} 1",
             "amqp_delay_parked_total{queue=\"q\",reason=\"permanent\"} 1",
+            "amqp_delay_stream_records_skipped_total{stream=\"ledger\",reason=\"oversize\"} 2",
             "# TYPE amqp_delay_connected gauge",
         ] {
             assert!(text.contains(name), "{name} missing in:\n{text}");

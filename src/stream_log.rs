@@ -11,6 +11,11 @@
 //! it, so nothing earlier is missed. A read gives up only when records stop arriving
 //! ([`READ_STALL`]), never because the stream is long.
 //!
+//! Anyone allowed to write a stream can append anything, so a record is decoded only when it
+//! is no larger than the stream's own records can be ([`StreamLog::max_record_bytes`]); a
+//! larger one is skipped undecoded, counted (`amqp_delay_stream_records_skipped_total`) and
+//! logged now and then ([`skipped`]).
+//!
 //! A [`Reader`] holds a lapin consumer on a channel of its own and ends the consumer before
 //! closing the channel (`broker::end_consumer`), also when it is dropped.
 
@@ -70,12 +75,31 @@ pub(crate) fn nonce() -> String {
     uuid::Uuid::now_v7().to_string()
 }
 
+/// Counts a record of the stream `kind` ("control stream", "ledger stream") skipped for
+/// `reason` (a label of `amqp_delay_stream_records_skipped_total`), with a warning for the
+/// first few of each reason and then every thousandth: a flood of forged records must not
+/// flood the log as well.
+pub(crate) fn skipped(kind: &str, reason: &str, detail: &dyn std::fmt::Display) {
+    let stream = kind.strip_suffix(" stream").unwrap_or(kind);
+    let before = crate::metrics::global().skip(stream, reason);
+    if before < 10 || before.is_multiple_of(1_000) {
+        tracing::warn!(
+            stream,
+            reason,
+            skipped = before + 1,
+            "skipping a record no writer of ours makes: {detail}"
+        );
+    }
+}
+
 /// One stream of records `R`: its name, what it is called in errors, and its prefix.
 pub(crate) struct StreamLog<R> {
     /// "control stream", "ledger stream".
     kind: &'static str,
     name: String,
     prefix: String,
+    /// The largest record worth decoding: what the stream's largest record of ours can be.
+    max_record_bytes: usize,
     records: PhantomData<fn() -> R>,
 }
 
@@ -85,20 +109,34 @@ impl<R> Clone for StreamLog<R> {
             kind: self.kind,
             name: self.name.clone(),
             prefix: self.prefix.clone(),
+            max_record_bytes: self.max_record_bytes,
             records: PhantomData,
         }
     }
 }
 
 impl<R: LogRecord> StreamLog<R> {
-    /// The stream `name` of the topology under `prefix`, called `kind` in errors.
-    pub(crate) fn new(kind: &'static str, name: String, prefix: &str) -> Self {
+    /// The stream `name` of the topology under `prefix`, called `kind` in errors, whose
+    /// records (ours) are at most `max_record_bytes` long: readers skip longer ones undecoded.
+    pub(crate) fn new(
+        kind: &'static str,
+        name: String,
+        prefix: &str,
+        max_record_bytes: usize,
+    ) -> Self {
         StreamLog {
             kind,
             name,
             prefix: prefix.to_string(),
+            max_record_bytes,
             records: PhantomData,
         }
+    }
+
+    /// The largest record a reader decodes.
+    #[cfg(test)]
+    pub(crate) fn max_record_bytes(&self) -> usize {
+        self.max_record_bytes
     }
 
     /// The stream's queue name.
@@ -267,6 +305,8 @@ impl<R: LogRecord> StreamLog<R> {
             Ok(consumer) => Ok(Reader {
                 open: Some((ch, consumer)),
                 stream: self.name.clone(),
+                kind: self.kind,
+                max_record_bytes: self.max_record_bytes,
                 credit: Credit::default(),
                 records: PhantomData,
             }),
@@ -321,14 +361,16 @@ pub(crate) struct Reader<R> {
     /// `None` once ended.
     open: Option<(Channel, lapin::Consumer)>,
     stream: String,
+    kind: &'static str,
+    max_record_bytes: usize,
     credit: Credit,
     records: PhantomData<fn() -> R>,
 }
 
 impl<R: LogRecord> Reader<R> {
     /// The next record: its offset (when the broker said) and the record (`None` when it does
-    /// not decode: garbage, or a newer version's kind). `None` when the broker ended the
-    /// consumer.
+    /// not decode: garbage, a newer version's kind, or longer than any of ours — skipped
+    /// undecoded, see [`skipped`]). `None` when the broker ended the consumer.
     pub(crate) async fn next(&mut self) -> Option<Result<(Option<u64>, Option<R>)>> {
         let (_, consumer) = self.open.as_mut()?;
         let d = match self.credit.next(consumer).await? {
@@ -341,7 +383,7 @@ impl<R: LogRecord> Reader<R> {
             }
         };
         let offset = broker::stream_offset(&d);
-        let record = serde_json::from_slice(&d.data).ok();
+        let record = decode(&d.data, self.max_record_bytes, self.kind);
         self.credit.read(d.acker).await;
         Some(Ok((offset, record)))
     }
@@ -376,6 +418,20 @@ impl<R: LogRecord> Reader<R> {
             each(offset, record);
         }
     }
+}
+
+/// A record's body decoded, unless it is longer than `max_bytes` (skipped undecoded: decoding
+/// it would cost a multiple of its size) or not a record of ours.
+fn decode<R: DeserializeOwned>(body: &[u8], max_bytes: usize, kind: &str) -> Option<R> {
+    if body.len() > max_bytes {
+        let detail = format!(
+            "{} bytes, more than the {max_bytes} of any record of ours",
+            body.len()
+        );
+        skipped(kind, "oversize", &detail);
+        return None;
+    }
+    serde_json::from_slice(body).ok()
 }
 
 impl<R> Reader<R> {
@@ -463,7 +519,7 @@ mod tests {
 
     #[test]
     fn a_missing_stream_is_named_and_so_is_a_returned_append() {
-        let log = StreamLog::<Test>::new("ledger stream", "p.ledger".into(), "p");
+        let log = StreamLog::<Test>::new("ledger stream", "p.ledger".into(), "p", 100);
         let text = log.missing().to_string();
         assert!(
             text.contains("the ledger stream 'p.ledger' is missing"),
@@ -487,12 +543,36 @@ mod tests {
 
     #[test]
     fn records_travel_as_tagged_json_and_unknown_kinds_do_not_decode() {
-        let log = StreamLog::<Test>::new("control stream", "p.control".into(), "p");
+        let log = StreamLog::<Test>::new("control stream", "p.control".into(), "p", 100);
         let body = log.encode(&Test::barrier("n".into()));
         assert_eq!(body, br#"{"type":"barrier","nonce":"n"}"#);
         let back: Test = serde_json::from_slice(&body).unwrap();
         assert_eq!(back.barrier_nonce(), Some("n"));
         assert!(serde_json::from_slice::<Test>(br#"{"type":"something_new"}"#).is_err());
         assert!(serde_json::from_slice::<Test>(b"garbage").is_err());
+    }
+
+    #[test]
+    fn a_record_longer_than_ours_is_skipped_undecoded_and_counted() {
+        let body = br#"{"type":"note","text":"0123456789"}"#;
+        let counted = || {
+            crate::metrics::global()
+                .records_skipped
+                .get_or_create(&crate::metrics::SkippedLabel {
+                    stream: "test".into(),
+                    reason: "oversize".into(),
+                })
+                .get()
+        };
+        let before = counted();
+        assert_eq!(
+            decode::<Test>(body, body.len(), "test stream"),
+            Some(Test::Note {
+                text: "0123456789".into()
+            })
+        );
+        assert_eq!(counted(), before);
+        assert_eq!(decode::<Test>(body, body.len() - 1, "test stream"), None);
+        assert_eq!(counted(), before + 1);
     }
 }

@@ -143,19 +143,145 @@ pub struct Pending {
 /// Pairs `[due_s, count]` as records carry them.
 pub type Pairs = Vec<(u64, u64)>;
 
-/// Sums a ledger read in order up to a barrier: from the newest snapshot whose records after it
-/// were all read, else from every record (right only when the read started at the stream's
-/// start).
-#[derive(Debug, Default)]
+/// The most bytes one pair takes in a record: `[u64,u64],`.
+pub const MAX_PAIR_BYTES: usize = 44;
+
+/// How far past the longest delay a due time of ours can be: a planned route never overshoots
+/// its delay by more than one tier's TTL, and no TTL exceeds 2^32 − 1 ms (~49.7 days).
+pub const DUE_SLACK_MS: u64 = 1 << 32;
+
+/// The most pairs [`Dues::compact`] leaves for counts due within `ahead_ms`: every second of
+/// the first two hours, every minute to 180 days, every hour beyond (one more of each for the
+/// rounding up). A record of ours never holds more (publishers compact what they write).
+pub fn max_pairs(ahead_ms: u64) -> usize {
+    let ahead_s = ahead_ms.div_ceil(1000);
+    let seconds = ahead_s.min(7_200);
+    let minutes = ahead_s.min(15_552_000).saturating_sub(7_200).div_ceil(60) + 1;
+    let hours = ahead_s.saturating_sub(15_552_000).div_ceil(3_600) + 1;
+    usize::try_from(seconds + minutes + hours).unwrap_or(usize::MAX)
+}
+
+/// The longest ledger record of ours for counts due within `ahead_ms`: [`max_pairs`] pairs of
+/// [`MAX_PAIR_BYTES`], and the rest of a snapshot. A reader skips longer ones undecoded.
+pub fn max_record_bytes(ahead_ms: u64) -> usize {
+    max_pairs(ahead_ms)
+        .saturating_mul(MAX_PAIR_BYTES)
+        .saturating_add(256)
+}
+
+/// What a reader accepts of the records anyone may have appended, as of `now_ms`: at most
+/// `max_pairs` pairs a record, due times no later than `latest_s` (later ones are counted as
+/// due then: a forged far-off count is forgotten like a real one), a snapshot taken no later
+/// than now and covering only offsets before its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    /// Now, ms since the epoch.
+    pub now_ms: u64,
+    /// The latest second a count may fall due.
+    pub latest_s: u64,
+    /// Pairs in one record, at most.
+    pub max_pairs: usize,
+}
+
+impl Bounds {
+    /// For a topology whose counts fall due within `ahead_ms` (its longest delay plus
+    /// [`DUE_SLACK_MS`]), as of `now_ms`.
+    pub fn new(now_ms: u64, ahead_ms: u64) -> Bounds {
+        Bounds {
+            now_ms,
+            latest_s: now_ms.saturating_add(ahead_ms).div_ceil(1000),
+            max_pairs: max_pairs(ahead_ms),
+        }
+    }
+
+    /// No bound at all (tests of the arithmetic).
+    pub fn none() -> Bounds {
+        Bounds {
+            now_ms: u64::MAX,
+            latest_s: u64::MAX,
+            max_pairs: usize::MAX,
+        }
+    }
+
+    /// `entry` as a reader takes it, or why it is skipped (a label of
+    /// `amqp_delay_stream_records_skipped_total`): more pairs than a record of ours holds
+    /// (`too_many_items`); due times past `latest_s` clamped, a snapshot's time past now too.
+    pub fn check(&self, entry: Entry) -> Result<Entry, &'static str> {
+        let clamp = |mut dues: Pairs| {
+            if dues.len() > self.max_pairs {
+                return Err("too_many_items");
+            }
+            for (s, _) in &mut dues {
+                *s = (*s).min(self.latest_s);
+            }
+            Ok(dues)
+        };
+        Ok(match entry {
+            Entry::Scheduled { dues } => Entry::Scheduled { dues: clamp(dues)? },
+            Entry::Snapshot {
+                covers,
+                at_ms,
+                dues,
+            } => Entry::Snapshot {
+                covers,
+                at_ms: at_ms.min(self.now_ms),
+                dues: clamp(dues)?,
+            },
+            e @ Entry::Barrier { .. } => e,
+        })
+    }
+}
+
+impl Dues {
+    /// Keeps the sum within `b`: once it holds more than twice the pairs a record may, it is
+    /// compacted as of `b.now_ms` (what is due dropped, far-off seconds coarsened), so that its
+    /// size is bounded whatever records were read.
+    pub fn bound(&mut self, b: &Bounds) {
+        if self.0.len() > b.max_pairs.saturating_mul(2) {
+            let mut kept = Dues::default();
+            kept.merge(&self.compact(b.now_ms));
+            *self = kept;
+        }
+    }
+
+    /// Pairs held.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// Scheduled records a [`Reckoning`] keeps for a snapshot still to come, at most: a snapshot
+/// follows the barrier it covers at once, so only what publishers appended meanwhile (one
+/// record each per 10 s) lies between them.
+pub const TAIL_RECORDS: usize = 10_000;
+/// Pairs in those records, at most (16 MB).
+pub const TAIL_PAIRS: usize = 1_000_000;
+
+/// Sums a ledger read in order up to a barrier, as it goes (its memory bounded whatever was
+/// appended): from the newest snapshot whose records after it were all read, else from every
+/// record (right only when the read started at the stream's start).
+#[derive(Debug)]
 pub struct Reckoning {
+    bounds: Bounds,
     /// The first offset read.
     first: Option<u64>,
-    /// Scheduled records by offset.
-    scheduled: Vec<(u64, Pairs)>,
-    /// The newest snapshot: covers, taken at, pairs.
-    snapshot: Option<(u64, u64, Pairs)>,
+    /// Every scheduled record read, summed.
+    all: Dues,
+    /// The latest scheduled records by offset, for a snapshot covering up to a recent barrier.
+    tail: std::collections::VecDeque<(u64, Pairs)>,
+    tail_pairs: usize,
+    /// The newest scheduled record that left the tail.
+    dropped: Option<u64>,
+    /// The newest usable snapshot: covers, taken at, and its pairs plus every record after.
+    snapshot: Option<(u64, u64, Dues)>,
     /// Records read.
     records: u64,
+}
+
+impl Default for Reckoning {
+    fn default() -> Self {
+        Reckoning::new(Bounds::none())
+    }
 }
 
 /// What a [`Reckoning`] concluded.
@@ -170,22 +296,84 @@ pub struct Reckoned {
 }
 
 impl Reckoning {
-    /// Takes the record at `offset` (records arrive in offset order).
-    pub fn read(&mut self, offset: u64, entry: Entry) {
+    /// A read that takes records within `bounds`.
+    pub fn new(bounds: Bounds) -> Reckoning {
+        Reckoning {
+            bounds,
+            first: None,
+            all: Dues::default(),
+            tail: Default::default(),
+            tail_pairs: 0,
+            dropped: None,
+            snapshot: None,
+            records: 0,
+        }
+    }
+
+    /// Its bounds.
+    pub fn bounds(&self) -> Bounds {
+        self.bounds
+    }
+
+    /// Takes the record at `offset` (records arrive in offset order), or says why it skipped
+    /// it (see [`Bounds::check`]; `insane`: a snapshot covering offsets at or after its own).
+    pub fn read(&mut self, offset: u64, entry: Entry) -> Result<(), &'static str> {
         self.first.get_or_insert(offset);
         self.records += 1;
-        match entry {
-            Entry::Scheduled { dues } => self.scheduled.push((offset, dues)),
+        match self.bounds.check(entry)? {
+            Entry::Scheduled { dues } => {
+                self.all.merge(&dues);
+                self.all.bound(&self.bounds);
+                if let Some((.., sum)) = &mut self.snapshot {
+                    sum.merge(&dues);
+                    sum.bound(&self.bounds);
+                }
+                self.keep(offset, dues);
+            }
             Entry::Snapshot {
                 covers,
                 at_ms,
                 dues,
             } => {
-                if self.snapshot.as_ref().is_none_or(|(c, ..)| covers > *c) {
-                    self.snapshot = Some((covers, at_ms, dues));
+                // a reader's barrier lies before the snapshot it appends after reading it
+                if covers >= offset {
+                    return Err("insane");
                 }
+                self.take_snapshot(covers, at_ms, &dues);
             }
             Entry::Barrier { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// A scheduled record into the tail, the oldest dropped beyond its bounds.
+    fn keep(&mut self, offset: u64, dues: Pairs) {
+        self.tail_pairs += dues.len();
+        self.tail.push_back((offset, dues));
+        while self.tail.len() > TAIL_RECORDS || self.tail_pairs > TAIL_PAIRS {
+            let Some((o, pairs)) = self.tail.pop_front() else {
+                break;
+            };
+            self.tail_pairs -= pairs.len();
+            self.dropped = Some(o);
+        }
+    }
+
+    /// A snapshot covering up to `covers`: the one to start from when it is newer than the one
+    /// held, every record after it was read, and the tail still holds them.
+    fn take_snapshot(&mut self, covers: u64, at_ms: u64, dues: &[(u64, u64)]) {
+        let first = self.first.unwrap_or(0);
+        let newer = self.snapshot.as_ref().is_none_or(|(c, ..)| covers > *c);
+        let read_after = covers.saturating_add(1) >= first;
+        let in_tail = self.dropped.is_none_or(|d| d <= covers);
+        if newer && read_after && in_tail {
+            let mut sum = Dues::default();
+            sum.merge(dues);
+            for (_, pairs) in self.tail.iter().filter(|(o, _)| *o > covers) {
+                sum.merge(pairs);
+            }
+            sum.bound(&self.bounds);
+            self.snapshot = Some((covers, at_ms, sum));
         }
     }
 
@@ -199,48 +387,28 @@ impl Reckoning {
     /// read), or when the read began at the stream's first record (`from_start`) or read
     /// nothing. `None` otherwise: read the whole stream and take [`Reckoning::finish_whole`].
     pub fn finish(self, from_start: bool) -> Option<Reckoned> {
-        (from_start || self.first.is_none() || self.usable().is_some()).then(|| self.finish_whole())
+        (from_start || self.first.is_none() || self.snapshot.is_some()).then(|| self.finish_whole())
     }
 
     /// Whether the read so far can be summed as it is ([`Reckoning::finish`] of a read that
     /// knows no more than where it began): it holds a usable snapshot, began at offset 0, or
     /// read nothing.
     pub fn complete(&self) -> bool {
-        self.began_at_zero() || self.first.is_none() || self.usable().is_some()
+        self.began_at_zero() || self.first.is_none() || self.snapshot.is_some()
     }
 
     /// The sum of a read that began at the stream's first record: from the newest usable
     /// snapshot, else from every record.
     pub fn finish_whole(self) -> Reckoned {
-        let usable = self
-            .usable()
-            .map(|(covers, at, pairs)| (*covers, *at, pairs));
-        let mut dues = Dues::default();
-        let (after, snapshot_at_ms) = match usable {
-            Some((covers, at, pairs)) => {
-                dues.merge(pairs);
-                (Some(covers), Some(at))
-            }
-            None => (None, None),
+        let (dues, snapshot_at_ms) = match self.snapshot {
+            Some((_, at, sum)) => (sum, Some(at)),
+            None => (self.all, None),
         };
-        for (offset, pairs) in &self.scheduled {
-            if after.is_none_or(|c| *offset > c) {
-                dues.merge(pairs);
-            }
-        }
         Reckoned {
             dues,
             snapshot_at_ms,
             records: self.records,
         }
-    }
-
-    /// The newest snapshot whose later records were all read.
-    fn usable(&self) -> Option<&(u64, u64, Pairs)> {
-        let first = self.first.unwrap_or(0);
-        self.snapshot
-            .as_ref()
-            .filter(|(covers, ..)| covers.saturating_add(1) >= first)
     }
 }
 
@@ -381,7 +549,7 @@ mod tests {
     #[test]
     fn a_window_without_a_usable_snapshot_asks_for_the_whole_stream() {
         let mut r = Reckoning::default();
-        r.read(50, Entry::Scheduled { dues: vec![(9, 1)] });
+        r.read(50, Entry::Scheduled { dues: vec![(9, 1)] }).unwrap();
         // covers up to 40: records 41..49 were not read
         r.read(
             51,
@@ -390,12 +558,138 @@ mod tests {
                 at_ms: 1,
                 dues: vec![(9, 3)],
             },
-        );
+        )
+        .unwrap();
         assert!(!r.complete());
         assert_eq!(r.finish(false), None);
     }
 
+    #[test]
+    fn a_snapshot_covering_its_own_offset_or_later_is_skipped() {
+        let mut r = Reckoning::new(Bounds::new(1_000_000, 3_600_000));
+        r.read(
+            0,
+            Entry::Scheduled {
+                dues: vec![(1_100, 1)],
+            },
+        )
+        .unwrap();
+        let forged = Entry::Snapshot {
+            covers: u64::MAX,
+            at_ms: u64::MAX,
+            dues: vec![],
+        };
+        assert_eq!(r.read(1, forged), Err("insane"));
+        let own = Entry::Snapshot {
+            covers: 2,
+            at_ms: 1,
+            dues: vec![],
+        };
+        assert_eq!(r.read(2, own), Err("insane"), "covers its own offset");
+        r.read(
+            3,
+            Entry::Scheduled {
+                dues: vec![(1_200, 2)],
+            },
+        )
+        .unwrap();
+        let got = r.finish_whole();
+        assert_eq!(got.snapshot_at_ms, None);
+        assert_eq!(
+            got.dues.pending(1_000_000).total,
+            3,
+            "every real count counted"
+        );
+    }
+
+    #[test]
+    fn far_due_times_and_future_snapshots_are_clamped_and_oversize_records_skipped() {
+        let now = 1_000_000;
+        let b = Bounds::new(now, 3_600_000);
+        assert_eq!(b.latest_s, 4_600);
+        let e = b.check(Entry::Scheduled {
+            dues: vec![(u64::MAX, 7), (2_000, 1)],
+        });
+        assert_eq!(
+            e,
+            Ok(Entry::Scheduled {
+                dues: vec![(4_600, 7), (2_000, 1)]
+            })
+        );
+        let e = b.check(Entry::Snapshot {
+            covers: 1,
+            at_ms: u64::MAX,
+            dues: vec![],
+        });
+        assert!(
+            matches!(
+                e,
+                Ok(Entry::Snapshot {
+                    at_ms: 1_000_000,
+                    ..
+                })
+            ),
+            "{e:?}"
+        );
+        let many = (0..=b.max_pairs as u64).map(|s| (s, 1)).collect();
+        assert_eq!(
+            b.check(Entry::Scheduled { dues: many }),
+            Err("too_many_items")
+        );
+        // a forged far-off count is forgotten like a real one, once its clamped time has come
+        let mut d = Dues::default();
+        d.merge(&[(4_600, 7)]);
+        assert_eq!(d.pending(4_600_000).total, 0);
+    }
+
+    #[test]
+    fn the_pair_bound_holds_what_compact_keeps() {
+        // a year: what `a_year_of_pending_messages_fits_one_snapshot` fills
+        assert!(max_pairs(365 * 86_400_000) >= 270_721);
+        let now_ms = 1_000_000_000;
+        for ahead_s in [1u64, 7_199, 7_201, 100_000, 15_552_001, 20_000_000] {
+            let mut d = Dues::default();
+            for s in 1..=ahead_s.min(200_000) {
+                d.add((now_ms / 1000 + s) * 1000, 1);
+            }
+            d.add(now_ms + ahead_s * 1000, 1);
+            assert!(
+                d.compact(now_ms).len() <= max_pairs(ahead_s * 1000),
+                "{ahead_s}"
+            );
+        }
+    }
+
     proptest! {
+        /// Whatever is appended, a read holds a bounded sum and tail, and a snapshot with its
+        /// real offsets still sums right.
+        #[test]
+        fn a_read_stays_bounded_whatever_is_appended(
+            records in proptest::collection::vec(
+                (proptest::num::u64::ANY, proptest::collection::vec((proptest::num::u64::ANY, 1u64..5), 0..40)),
+                1..80,
+            ),
+        ) {
+            let b = Bounds { now_ms: 1_000_000, latest_s: 1_100, max_pairs: 30 };
+            let mut r = Reckoning::new(b);
+            for (i, (covers, dues)) in records.into_iter().enumerate() {
+                let e = if covers % 3 == 0 {
+                    Entry::Snapshot { covers, at_ms: covers, dues }
+                } else {
+                    Entry::Scheduled { dues }
+                };
+                let _ = r.read(i as u64, e);
+                prop_assert!(r.all.len() <= 2 * b.max_pairs + b.max_pairs);
+                prop_assert!(r.tail.len() <= TAIL_RECORDS);
+                if let Some((covers, at, sum)) = &r.snapshot {
+                    prop_assert!(*covers < i as u64 && *at <= b.now_ms);
+                    prop_assert!(sum.len() <= 3 * b.max_pairs);
+                }
+            }
+            let got = r.finish_whole();
+            prop_assert!(got.dues.0.keys().all(|s| *s <= b.latest_s));
+        }
+
         /// Starting from any snapshot gives what summing every record gives.
         #[test]
         fn a_snapshot_and_the_records_after_it_sum_to_every_record(
@@ -410,7 +704,7 @@ mod tests {
                 .collect();
             let mut everything = Reckoning::default();
             for (i, e) in records.iter().enumerate() {
-                everything.read(i as u64, e.clone());
+                everything.read(i as u64, e.clone()).unwrap();
             }
             let all = everything.finish_whole().dues;
             // a reader took a snapshot at its barrier after record `cut`
@@ -425,9 +719,9 @@ mod tests {
             let start = start.min(cut + 1);
             let mut r = Reckoning::default();
             for (i, e) in records.iter().enumerate().skip(start) {
-                r.read(i as u64, e.clone());
+                r.read(i as u64, e.clone()).unwrap();
             }
-            r.read(records.len() as u64, snap);
+            r.read(records.len() as u64, snap).unwrap();
             let got = r.finish(false).unwrap();
             prop_assert_eq!(got.snapshot_at_ms, Some(now_ms));
             prop_assert_eq!(got.dues.pending(now_ms), all.pending(now_ms));

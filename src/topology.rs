@@ -227,9 +227,9 @@ impl Topology {
         Ok(())
     }
 
-    /// Deletes every exchange and queue of this layout (messages in them are lost). Missing
-    /// objects are ignored, so it is safe to run twice.
-    pub async fn delete(&self, conn: &Connection) -> Result<()> {
+    /// Every queue and every exchange of this layout, by name (what [`Topology::delete`]
+    /// deletes): all of them under the prefix.
+    pub fn objects(&self) -> (Vec<String>, Vec<String>) {
         let l = &self.layout;
         let mut queues: Vec<String> = l.tiers().into_iter().map(|t| t.queue).collect();
         queues.push(l.unroutable_queue());
@@ -246,6 +246,13 @@ impl Topology {
         exchanges.push(l.parking_exchange());
         exchanges.push(l.layout_marker());
         exchanges.push(l.signature_exchange());
+        (queues, exchanges)
+    }
+
+    /// Deletes every exchange and queue of this layout (messages in them are lost). Missing
+    /// objects are ignored, so it is safe to run twice.
+    pub async fn delete(&self, conn: &Connection) -> Result<()> {
+        let (queues, exchanges) = self.objects();
         let ch = open(conn).await?;
         for q in &queues {
             ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())

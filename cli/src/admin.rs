@@ -33,62 +33,92 @@ pub async fn management(settings: &Settings) -> Option<Management> {
     }
 }
 
-/// What [`teardown`] removed.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// What [`teardown`] removed, and what it left.
+#[derive(Debug, Clone, Default)]
 pub struct Teardown {
-    /// Ingress exchanges of the gateway pairs removed.
+    /// Ingress exchanges of the gateway pairs removed (their queues; the exchange too unless
+    /// it is in `left`).
     pub pairs: Vec<String>,
     /// Batch markers removed.
     pub markers: usize,
+    /// What it left, and why: objects that are not ours, and those whose deletion failed.
+    pub left: Vec<Left>,
 }
 
-/// Removes the topology under `layout`'s prefix, the gateway pairs and batch markers declared
-/// under it (found in the control stream, so no configuration has to name them). Unless
-/// `force`, refuses while the tiers, the unroutable queue or a gateway queue hold messages —
-/// ready or held by the broker's dead-letter worker — since they would be lost; and, without
-/// the management API (which alone sees held messages), refuses to call them empty.
+impl Teardown {
+    /// Whether a deletion failed (not counting what was left as not ours).
+    pub fn failed(&self) -> bool {
+        self.left.iter().any(|l| l.failed)
+    }
+}
+
+/// An object [`teardown`] left.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Left {
+    /// `exchange 'x'`, `queue 'q'`.
+    pub object: String,
+    /// Why: not ours (and whose it is), or the broker's error.
+    pub reason: String,
+    /// Whether its deletion was tried and failed.
+    pub failed: bool,
+}
+
+/// Whether teardown may delete the exchange or queue `name`, found in the control stream (which
+/// anyone allowed to write it may have forged): only a name under the prefix (`<prefix>.`), or
+/// an ingress exchange the configuration's gateway pairs name (`configured`); never the default
+/// exchange, never the broker's own `amq.*`. `Err` says why not.
+pub fn owned(
+    layout: &Layout,
+    configured: &[String],
+    name: &str,
+) -> std::result::Result<(), String> {
+    if name.is_empty() {
+        return Err("the default exchange is the broker's".into());
+    }
+    if name.starts_with("amq.") {
+        return Err("an `amq.*` name is the broker's own".into());
+    }
+    if name.starts_with(&layout.namespace()) || configured.iter().any(|c| c == name) {
+        return Ok(());
+    }
+    Err(format!(
+        "not under the prefix '{}' and no gateway pair of the configuration: not ours to delete",
+        layout.namespace()
+    ))
+}
+
+/// Removes the topology under `layout`'s prefix and what its control stream names under it,
+/// as [`teardown_with`] with no gateway pair configured.
 pub async fn teardown(
     conn: &Connection,
     layout: &Layout,
     management: Option<&Management>,
     force: bool,
 ) -> Result<Teardown> {
+    teardown_with(conn, layout, management, force, &[]).await
+}
+
+/// Removes the topology under `layout`'s prefix, the gateway pairs and batch markers declared
+/// under it (found in the control stream, so no configuration has to name them) — of those,
+/// only what is ours ([`owned`]: a pair's ingress exchange outside the prefix only when
+/// `configured` names it). Unless `force`, refuses while the tiers, the unroutable queue or a
+/// gateway queue hold messages — ready or held by the broker's dead-letter worker — since they
+/// would be lost; and, without the management API (which alone sees held messages), refuses to
+/// call them empty. An object whose deletion fails is listed in [`Teardown::left`] and the
+/// rest are deleted all the same.
+pub async fn teardown_with(
+    conn: &Connection,
+    layout: &Layout,
+    management: Option<&Management>,
+    force: bool,
+    configured: &[String],
+) -> Result<Teardown> {
     let records = control::read_all(conn, layout).await?;
     let pairs = gateway::registered_pairs(layout, &records);
     let topology = Topology::new(layout.clone());
     if !force {
-        let stats = topology.stats_with(conn, management).await?;
-        // tiers and the unroutable queue go with the topology; destinations' parking queues stay
-        let unroutable = layout.unroutable_queue();
-        let mut held: u64 = stats
-            .iter()
-            .filter(|s| s.kind != "parked" || s.queue == unroutable)
-            .map(|s| s.messages)
-            .sum();
-        let infos = match management {
-            Some(m) => Some(m.queues(&layout.namespace()).await?),
-            None => None,
-        };
-        for q in pairs.iter().flat_map(|p| p.queues()) {
-            held += match infos.as_ref() {
-                Some(i) => i.get(q).map_or(0, |q| q.messages),
-                None => broker::queue_state(conn, q)
-                    .await?
-                    .map_or(0, |s| u64::from(s.ready)),
-            };
-        }
-        if held > 0 {
-            return Err(Error::Invalid(format!(
-                "{held} messages are still in the tiers, the gateway queues or parked; they would be lost. Wait for them to drain, or pass --force"
-            )));
-        }
-        if management.is_none() {
-            return Err(Error::Invalid(
-                "no message is ready in the tiers, but without the broker's management API messages held by its dead-letter worker (after a restart or failover) cannot be seen, so the topology cannot be called empty. Enable the management plugin (or set management_url), or pass --force if you are sure".into(),
-            ));
-        }
+        refuse_while_held(conn, layout, management, &topology, &pairs).await?;
     }
-    gateway::delete_pairs(conn, &pairs).await?;
     let mut markers: Vec<String> = records
         .iter()
         .flat_map(|r| match r {
@@ -98,18 +128,159 @@ pub async fn teardown(
         .collect();
     markers.sort();
     markers.dedup();
-    let ch = broker::open(conn).await?;
-    for m in &markers {
-        ch.exchange_delete(m.as_str().into(), ExchangeDeleteOptions::default())
-            .await
-            .context(|| format!("deleting exchange '{m}'"))?;
+    let mut d = Deleter::new(conn, layout, configured);
+    let mut done = Teardown::default();
+    for p in &pairs {
+        for q in p.queues() {
+            d.delete(Kind::Queue, q).await;
+        }
+        d.delete(Kind::Exchange, &p.ingress).await;
+        done.pairs.push(p.ingress.clone());
     }
-    broker::close(&ch, "deleted").await;
-    topology.delete(conn).await?;
-    Ok(Teardown {
-        pairs: pairs.into_iter().map(|p| p.ingress).collect(),
-        markers: markers.len(),
-    })
+    for m in &markers {
+        if d.delete(Kind::Exchange, m).await {
+            done.markers += 1;
+        }
+    }
+    let (queues, exchanges) = topology.objects();
+    for q in &queues {
+        d.delete(Kind::Queue, q).await;
+    }
+    for x in &exchanges {
+        d.delete(Kind::Exchange, x).await;
+    }
+    done.left = d.finish().await;
+    Ok(done)
+}
+
+/// [`teardown_with`]'s refusal while messages would be lost.
+async fn refuse_while_held(
+    conn: &Connection,
+    layout: &Layout,
+    management: Option<&Management>,
+    topology: &Topology,
+    pairs: &[gateway::Pair],
+) -> Result<()> {
+    let stats = topology.stats_with(conn, management).await?;
+    // tiers and the unroutable queue go with the topology; destinations' parking queues stay
+    let unroutable = layout.unroutable_queue();
+    let mut held: u64 = stats
+        .iter()
+        .filter(|s| s.kind != "parked" || s.queue == unroutable)
+        .map(|s| s.messages)
+        .sum();
+    let infos = match management {
+        Some(m) => Some(m.queues(&layout.namespace()).await?),
+        None => None,
+    };
+    for q in pairs.iter().flat_map(|p| p.queues()) {
+        held += match infos.as_ref() {
+            Some(i) => i.get(q).map_or(0, |q| q.messages),
+            None => broker::queue_state(conn, q)
+                .await?
+                .map_or(0, |s| u64::from(s.ready)),
+        };
+    }
+    if held > 0 {
+        return Err(Error::Invalid(format!(
+            "{held} messages are still in the tiers, the gateway queues or parked; they would be lost. Wait for them to drain, or pass --force"
+        )));
+    }
+    if management.is_none() {
+        return Err(Error::Invalid(
+            "no message is ready in the tiers, but without the broker's management API messages held by its dead-letter worker (after a restart or failover) cannot be seen, so the topology cannot be called empty. Enable the management plugin (or set management_url), or pass --force if you are sure".into(),
+        ));
+    }
+    Ok(())
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Queue,
+    Exchange,
+}
+
+/// Deletes objects one by one, each only when it is ours ([`owned`]), going on after an error
+/// (on a new channel: the broker closes the channel of a refused delete), and remembers what it
+/// left.
+struct Deleter<'a> {
+    conn: &'a Connection,
+    layout: &'a Layout,
+    configured: &'a [String],
+    ch: Option<lapin::Channel>,
+    left: Vec<Left>,
+}
+
+impl<'a> Deleter<'a> {
+    fn new(conn: &'a Connection, layout: &'a Layout, configured: &'a [String]) -> Self {
+        Deleter {
+            conn,
+            layout,
+            configured,
+            ch: None,
+            left: Vec::new(),
+        }
+    }
+
+    /// Deletes `name` (missing is fine); `false` when it was left.
+    async fn delete(&mut self, kind: Kind, name: &str) -> bool {
+        let object = match kind {
+            Kind::Queue => format!("queue '{name}'"),
+            Kind::Exchange => format!("exchange '{name}'"),
+        };
+        if let Err(reason) = owned(self.layout, self.configured, name) {
+            tracing::warn!("teardown leaves {object}: {reason}");
+            self.left.push(Left {
+                object,
+                reason,
+                failed: false,
+            });
+            return false;
+        }
+        let r = match self.channel().await {
+            Ok(ch) => match kind {
+                Kind::Queue => ch
+                    .queue_delete(name.into(), QueueDeleteOptions::default())
+                    .await
+                    .map(|_| ()),
+                Kind::Exchange => {
+                    ch.exchange_delete(name.into(), ExchangeDeleteOptions::default())
+                        .await
+                }
+            }
+            .context(|| format!("deleting {object}")),
+            Err(e) => Err(e),
+        };
+        let Err(e) = r else { return true };
+        // the broker closed the channel: the next object gets a new one
+        self.ch = None;
+        let reason = amqp_delay::error::chain(&e);
+        tracing::warn!("teardown could not delete {object}: {reason}");
+        self.left.push(Left {
+            object,
+            reason,
+            failed: true,
+        });
+        false
+    }
+
+    async fn channel(&mut self) -> Result<lapin::Channel> {
+        match &self.ch {
+            Some(ch) if ch.status().connected() => Ok(ch.clone()),
+            _ => {
+                let ch = broker::open(self.conn).await?;
+                self.ch = Some(ch.clone());
+                Ok(ch)
+            }
+        }
+    }
+
+    async fn finish(self) -> Vec<Left> {
+        if let Some(ch) = &self.ch {
+            broker::close(ch, "deleted").await;
+        }
+        self.left
+    }
 }
 
 /// What [`teardown_destination`] removed.
@@ -321,5 +492,24 @@ mod tests {
         ];
         let b = StatsSummary::of(&stats, Ok(None)).broker_messages;
         assert_eq!((b.in_tiers, b.within_1d), (u64::MAX, u64::MAX));
+    }
+
+    #[test]
+    fn teardown_owns_what_is_under_the_prefix_or_configured_and_never_the_brokers() {
+        let layout = Layout::new("p", &Default::default()).unwrap();
+        let configured = ["orders.delayed".to_string(), "amq.direct".to_string()];
+        assert!(owned(&layout, &configured, "p.level0").is_ok());
+        assert!(owned(&layout, &configured, "orders.delayed").is_ok());
+        for theirs in ["p-other-app", "pp.level0", "p", "other"] {
+            let e = owned(&layout, &configured, theirs).unwrap_err();
+            assert!(e.contains("not ours"), "{theirs}: {e}");
+        }
+        // never the broker's, even when configured
+        assert!(
+            owned(&layout, &configured, "amq.direct")
+                .unwrap_err()
+                .contains("amq.")
+        );
+        assert!(owned(&layout, &configured, "").is_err());
     }
 }

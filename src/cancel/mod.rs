@@ -48,7 +48,7 @@ use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::stream_log::{Reader, StreamLog};
 use crate::time::now_ms;
-use state::{State, lock};
+use state::{Limits, State, lock};
 use stream::{Starting, pump, steps_back, wait_progress, write_checkpoint};
 
 /// Executed ids remembered, to report a cancel that arrived too late.
@@ -62,7 +62,14 @@ pub const EXPIRED_KEPT_MS: u64 = 7 * 24 * 3600 * 1000;
 /// tombstones: twice their number, so that checkpoints stay a small part of the stream).
 pub const CHECKPOINT_EVERY: u64 = 10_000;
 /// Tombstones per checkpoint record (as many as a bulk cancel puts in one record).
-const CHECKPOINT_PART: usize = 1_000;
+const CHECKPOINT_PART: usize = control::MAX_ITEMS;
+/// Live tombstones a follower holds, at most: a cancel beyond is not held (a warning and
+/// `amqp_delay_stream_records_skipped_total{reason="tombstones_full"}`), so that whatever is
+/// appended a follower's memory stays bounded. A tombstone of a UUID id costs about 130 bytes
+/// (a million added ~130 MB, measured), so this is ~33 MB (~90 MB with 255-byte ids); it is
+/// 2.5 times the expired ones kept, and more live cancels than a deployment of ours holds
+/// (each lives only until its message's due time plus the horizon).
+pub const MAX_LIVE: usize = 250_000;
 
 /// What a canceller learns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -96,7 +103,10 @@ pub fn tombstone(
     notice_ms: u64,
     horizon_ms: u64,
 ) -> (Record, Verdict) {
-    let latest_due = due_at_ms.unwrap_or_else(|| now.saturating_add(max_delay_ms));
+    // no message can fall due later than the longest delay from now: nor can a tombstone need
+    // to live longer (followers clamp it there too)
+    let latest = now.saturating_add(max_delay_ms);
+    let latest_due = due_at_ms.map_or(latest, |due| due.min(latest));
     let until_ms = latest_due.saturating_add(horizon_ms);
     let verdict = match due_at_ms {
         None => Verdict::Unknown,
@@ -235,7 +245,11 @@ impl Cancellations {
             .context(|| "enabling publisher confirms".into())?;
         // barriers (syncs) and checkpoints are appended on it from different tasks
         let channel = SharedChannel::new(channel);
-        let state = Arc::new(Mutex::new(State::new()));
+        let limits = Limits {
+            ahead_ms: layout.max_delay_ms().saturating_add(opts.horizon_ms),
+            max_live: MAX_LIVE,
+        };
+        let state = Arc::new(Mutex::new(State::new(limits)));
         let every = opts.checkpoint_every.max(1);
         // the end: a marker first, so that an empty stream has one, then the probe; the start
         // barrier comes after the probed end, so every step back reads up to it
@@ -280,6 +294,11 @@ impl Cancellations {
     /// [`Cancellations::sync_for`] (or [`Cancellations::sync_if_stale`]) first.
     pub fn is_cancelled(&self, id: &str) -> bool {
         !id.is_empty() && lock(&self.state).is_cancelled(id, now_ms())
+    }
+
+    /// Until when `id`'s tombstone is live (ms since the epoch), if one is.
+    pub fn live_until(&self, id: &str) -> Option<u64> {
+        lock(&self.state).tombstones.get(id).copied()
     }
 
     /// Live tombstones (what the follower holds in memory besides the expired ones it keeps).
@@ -443,6 +462,15 @@ mod tests {
         assert_eq!(v, Verdict::TooLate);
         let (r, v) = tombstone("a", None, 1_000, 1_000_000, 1_000, 500);
         assert_eq!(v, Verdict::Unknown);
+        assert!(matches!(
+            r,
+            Record::Cancel {
+                until_ms: 1_001_500,
+                ..
+            }
+        ));
+        // a due time past the longest delay from now is no message's
+        let (r, _) = tombstone("a", Some(u64::MAX), 1_000, 1_000_000, 1_000, 500);
         assert!(matches!(
             r,
             Record::Cancel {

@@ -7,8 +7,25 @@ use std::sync::{Mutex, MutexGuard};
 use rand::Rng;
 use tokio::sync::oneshot;
 
-use super::{EXPIRED_KEPT, EXPIRED_KEPT_MS};
-use crate::control::Record;
+use super::{CHECKPOINT_PART, EXPIRED_KEPT, EXPIRED_KEPT_MS, MAX_LIVE};
+use crate::control::{MAX_ID_BYTES, MAX_ITEMS, Record};
+use crate::stream_log::skipped;
+
+/// What a follower takes of records anyone may have appended.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Limits {
+    /// A tombstone is live at most this long from now: the topology's longest delay plus the
+    /// follower's `cancel.horizon` (no message can fall due later); a later `until` is clamped.
+    pub(super) ahead_ms: u64,
+    /// Live tombstones held, at most ([`MAX_LIVE`]).
+    pub(super) max_live: usize,
+}
+
+/// Parts of one checkpoint, at most: every tombstone a follower may hold, live and expired, in
+/// parts of [`CHECKPOINT_PART`]. A checkpoint announcing more is no follower's.
+const MAX_PARTS: u32 = ((MAX_LIVE + EXPIRED_KEPT) / CHECKPOINT_PART + 1) as u32;
+
+const KIND: &str = "control stream";
 
 /// Tombstones as records carry them: `(id, until_ms)`.
 pub(super) type Items = Vec<(String, u64)>;
@@ -23,6 +40,7 @@ pub(super) struct OpenCheckpoint {
 
 /// What a follower knows; changed only by its reader task (and by the lookups that prune).
 pub(super) struct State {
+    pub(super) limits: Limits,
     /// id → live until (ms since the epoch).
     pub(super) tombstones: HashMap<String, u64>,
     /// Expired tombstones still kept: id → kept until.
@@ -63,8 +81,9 @@ pub(super) struct State {
 }
 
 impl State {
-    pub(super) fn new() -> State {
+    pub(super) fn new(limits: Limits) -> State {
         State {
+            limits,
             tombstones: HashMap::new(),
             expired: HashMap::new(),
             expired_order: VecDeque::new(),
@@ -87,9 +106,32 @@ impl State {
         }
     }
 
-    /// A tombstone read (a cancel, or a checkpoint's copy).
+    /// A tombstone read (a cancel, or a checkpoint's copy): its `until` clamped to what a
+    /// message can need, an id no message can have skipped, and a new live one beyond
+    /// [`Limits::max_live`] too (loudly: the cap is far above what a deployment needs).
     pub(super) fn add(&mut self, id: String, until_ms: u64, now: u64) {
+        if id.is_empty() || id.len() > MAX_ID_BYTES {
+            skipped(
+                KIND,
+                "insane",
+                &format!("a tombstone of a {}-byte id", id.len()),
+            );
+            return;
+        }
+        let until_ms = until_ms.min(now.saturating_add(self.limits.ahead_ms));
         if until_ms > now {
+            if self.tombstones.len() >= self.limits.max_live && !self.tombstones.contains_key(&id) {
+                self.prune(now);
+                if self.tombstones.len() >= self.limits.max_live {
+                    let max = self.limits.max_live;
+                    skipped(
+                        KIND,
+                        "tombstones_full",
+                        &format!("already {max} live tombstones, the most a follower holds"),
+                    );
+                    return;
+                }
+            }
             // a checkpoint repeats every live tombstone: count a late cancel once, when it is new
             if !self.tombstones.contains_key(&id)
                 && let Some(queue) = self.executed_set.get(&id)
@@ -200,6 +242,11 @@ impl State {
     pub(super) fn apply(&mut self, r: Record, now: u64) {
         self.read += 1;
         self.records += 1;
+        if let Some((reason, why)) = insane(&r) {
+            // a position all the same, like a record that does not decode
+            skipped(KIND, reason, &why);
+            return;
+        }
         match r {
             Record::Cancel { id, until_ms, .. } => self.add(id, until_ms, now),
             Record::Cancels { items } => {
@@ -301,6 +348,24 @@ impl State {
     }
 }
 
+/// Why no writer of ours makes `r`, if none does: more tombstones than a record of ours holds
+/// ([`MAX_ITEMS`]), a checkpoint of more parts than a follower can write ([`MAX_PARTS`]).
+fn insane(r: &Record) -> Option<(&'static str, String)> {
+    match r {
+        Record::Cancels { items } | Record::Checkpoint { items, .. } if items.len() > MAX_ITEMS => {
+            Some((
+                "too_many_items",
+                format!("{} tombstones, more than {MAX_ITEMS}", items.len()),
+            ))
+        }
+        Record::Checkpoint { parts, .. } if *parts > MAX_PARTS => Some((
+            "too_many_items",
+            format!("a checkpoint of {parts} parts, more than {MAX_PARTS}"),
+        )),
+        _ => None,
+    }
+}
+
 /// The state, also after a panic elsewhere held its lock.
 pub(super) fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
     // a panic while holding the lock leaves a state that is still a valid map of tombstones
@@ -310,6 +375,12 @@ pub(super) fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Limits that bound nothing the tests below do.
+    const WIDE: Limits = Limits {
+        ahead_ms: u64::MAX,
+        max_live: usize::MAX,
+    };
 
     fn cancel(id: &str, until_ms: u64) -> Record {
         Record::Cancel {
@@ -321,7 +392,7 @@ mod tests {
 
     #[test]
     fn state_keeps_live_tombstones_and_a_bounded_number_of_expired_ones() {
-        let mut s = State::new();
+        let mut s = State::new(WIDE);
         s.apply(cancel("old", 5), 10);
         s.apply(cancel("live", 5_000), 10);
         assert_eq!(s.tombstones.len(), 1);
@@ -337,7 +408,7 @@ mod tests {
         assert!(s.is_cancelled("live", 5_000 + EXPIRED_KEPT_MS - 1));
         assert!(!s.is_cancelled("live", 5_000 + EXPIRED_KEPT_MS));
         // and at most EXPIRED_KEPT of them, the most recently expired
-        let mut s = State::new();
+        let mut s = State::new(WIDE);
         for i in 0..EXPIRED_KEPT + 10 {
             s.apply(cancel(&format!("e{i}"), 5), 10);
         }
@@ -350,7 +421,7 @@ mod tests {
     fn reading_the_same_expired_tombstones_again_keeps_them_all() {
         // every checkpoint repeats them: re-reading must not push duplicates that trimming
         // would later take for the originals
-        let mut s = State::new();
+        let mut s = State::new(WIDE);
         for _ in 0..3 {
             for i in 0..EXPIRED_KEPT {
                 s.apply(cancel(&format!("e{i}"), 5), 10);
@@ -363,7 +434,7 @@ mod tests {
 
     #[test]
     fn a_tombstone_past_its_until_counts_before_it_is_pruned() {
-        let mut s = State::new();
+        let mut s = State::new(WIDE);
         s.apply(cancel("t", 100), 10);
         // no prune has run since: still cancelled, and still in a checkpoint
         assert!(s.is_cancelled("t", 200));
@@ -373,7 +444,7 @@ mod tests {
 
     #[test]
     fn a_late_cancel_read_again_from_a_checkpoint_counts_once() {
-        let mut s = State::new();
+        let mut s = State::new(WIDE);
         s.executed_set.insert("ran".into(), "q".into());
         s.add("ran".into(), 5_000, 10);
         s.add("ran".into(), 5_000, 20);
@@ -382,7 +453,7 @@ mod tests {
 
     #[test]
     fn a_checkpoint_of_no_parts_or_of_changing_parts_is_not_complete() {
-        let mut s = State::new();
+        let mut s = State::new(WIDE);
         s.apply(Record::CheckpointBegin { nonce: "k".into() }, 10);
         let part = |part: u32, parts: u32| Record::Checkpoint {
             nonce: "k".into(),
@@ -401,7 +472,7 @@ mod tests {
 
     #[test]
     fn a_checkpoint_counts_once_all_its_parts_follow_its_begin() {
-        let mut s = State::new();
+        let mut s = State::new(WIDE);
         let part = |n: u32, items: Vec<(String, u64)>| Record::Checkpoint {
             nonce: "k".into(),
             part: n,
@@ -430,11 +501,11 @@ mod tests {
 
     #[test]
     fn a_snapshot_read_back_restores_what_its_writer_held() {
-        let mut w = State::new();
+        let mut w = State::new(WIDE);
         w.apply(cancel("live", 50_000), 1_000);
         w.apply(cancel("expired", 500), 1_000);
         let items = w.snapshot(1_000);
-        let mut r = State::new();
+        let mut r = State::new(WIDE);
         r.apply(
             Record::Checkpoint {
                 nonce: "k".into(),
@@ -455,7 +526,7 @@ mod tests {
 
     #[test]
     fn only_a_ready_follower_checkpoints_after_enough_records() {
-        let mut s = State::new();
+        let mut s = State::new(WIDE);
         s.jitter = 1.0;
         for i in 0..100 {
             s.apply(
@@ -476,7 +547,7 @@ mod tests {
         s.apply(Record::CheckpointBegin { nonce: "k".into() }, 10);
         assert!(!s.wants_checkpoint(100));
         // many tombstones: checkpoints further apart (twice as many records as tombstones)
-        let mut s = State::new();
+        let mut s = State::new(WIDE);
         s.jitter = 1.0;
         s.ready = true;
         for i in 0..100 {
@@ -492,5 +563,106 @@ mod tests {
             );
         }
         assert!(s.wants_checkpoint(10));
+    }
+
+    #[test]
+    fn a_never_expiring_tombstone_is_live_only_as_long_as_a_message_can_need() {
+        let mut s = State::new(Limits {
+            ahead_ms: 1_000,
+            max_live: 10,
+        });
+        s.apply(cancel("forever", u64::MAX), 5_000);
+        assert_eq!(s.tombstones.get("forever"), Some(&6_000));
+        assert!(s.is_cancelled("forever", 5_999));
+        // then an expired one like any other, kept a week and forgotten
+        s.prune(6_000);
+        assert!(s.tombstones.is_empty());
+        assert!(!s.is_cancelled("forever", 6_000 + EXPIRED_KEPT_MS));
+    }
+
+    #[test]
+    fn tombstones_no_writer_of_ours_makes_are_skipped() {
+        let mut s = State::new(WIDE);
+        s.apply(cancel("", 100), 10);
+        s.apply(cancel(&"x".repeat(MAX_ID_BYTES + 1), 100), 10);
+        let many = |n: usize| (0..n).map(|i| (format!("m{i}"), 100)).collect::<Items>();
+        s.apply(
+            Record::Cancels {
+                items: many(MAX_ITEMS + 1),
+            },
+            10,
+        );
+        assert!(s.tombstones.is_empty());
+        assert_eq!(s.read, 3, "each a position all the same");
+        s.apply(
+            Record::Cancels {
+                items: many(MAX_ITEMS),
+            },
+            10,
+        );
+        assert_eq!(s.tombstones.len(), MAX_ITEMS);
+        // a checkpoint of absurdly many parts never completes
+        s.apply(Record::CheckpointBegin { nonce: "k".into() }, 10);
+        let part = |parts| Record::Checkpoint {
+            nonce: "k".into(),
+            part: 0,
+            parts,
+            items: vec![],
+        };
+        s.apply(part(MAX_PARTS + 1), 10);
+        assert_eq!(s.complete_at, None);
+        s.apply(part(1), 10);
+        assert!(s.complete_at.is_some());
+    }
+
+    #[test]
+    fn live_tombstones_stop_at_the_cap_and_room_comes_back_as_they_expire() {
+        let mut s = State::new(Limits {
+            ahead_ms: u64::MAX,
+            max_live: 3,
+        });
+        for i in 0..5 {
+            s.apply(cancel(&format!("t{i}"), 100 + i), 10);
+        }
+        assert_eq!(s.tombstones.len(), 3);
+        assert!(s.is_cancelled("t2", 10) && !s.is_cancelled("t3", 10));
+        // one held already is taken again (a checkpoint repeats it)
+        s.add("t0".into(), 500, 10);
+        assert_eq!(s.tombstones.get("t0"), Some(&500));
+        // expired ones make room
+        s.add("late".into(), 1_000, 150);
+        assert!(s.tombstones.contains_key("late"));
+    }
+
+    proptest::proptest! {
+        /// Whatever records are read, a follower holds at most its caps, and no tombstone is
+        /// live past now plus its limit.
+        #[test]
+        fn a_follower_stays_within_its_limits_whatever_it_reads(
+            records in proptest::collection::vec(
+                (0u8..4, proptest::collection::vec((0u16..400, proptest::num::u64::ANY), 0..30)),
+                1..40,
+            ),
+        ) {
+            let limits = Limits { ahead_ms: 5_000, max_live: 50 };
+            let mut s = State::new(limits);
+            let now = 1_000_000;
+            for (kind, items) in records {
+                let items: Items = items.into_iter().map(|(i, u)| (format!("i{i}"), u)).collect();
+                let r = match kind {
+                    0 => Record::Cancels { items },
+                    1 => Record::Checkpoint { nonce: "k".into(), part: 0, parts: 1, items },
+                    2 => Record::CheckpointBegin { nonce: "k".into() },
+                    _ => match items.into_iter().next() {
+                        Some((id, until_ms)) => Record::Cancel { id, until_ms, due_at_ms: None },
+                        None => Record::Barrier { nonce: "b".into() },
+                    },
+                };
+                s.apply(r, now);
+                proptest::prop_assert!(s.tombstones.len() <= limits.max_live);
+                proptest::prop_assert!(s.expired.len() <= EXPIRED_KEPT);
+                proptest::prop_assert!(s.tombstones.values().all(|u| *u <= now + limits.ahead_ms));
+            }
+        }
     }
 }

@@ -21,6 +21,7 @@ fn registry_samples() -> BTreeMap<String, BTreeSet<String>> {
     let _ = m.lateness.get_or_create(&q);
     let _ = m.handler_duration.get_or_create(&q);
     m.park("q", "permanent");
+    let _ = m.skip("control", "oversize");
     let _ = m.tier_messages.get_or_create(&TierLabel {
         queue: "q".into(),
         kind: "cascade".into(),

@@ -627,7 +627,8 @@ async fn through_full_tiers(delay: u64) -> String {
 }
 
 /// `teardown` finds the gateway pairs declared under the prefix (the control stream remembers
-/// them), refuses while their queues hold messages, and removes them with the topology.
+/// them), refuses while their queues hold messages, and removes their queues with the
+/// topology (an ingress exchange outside the prefix only when the configuration names it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn teardown_removes_the_gateway_queues_without_a_config() {
     within(async {
@@ -689,17 +690,81 @@ async fn teardown_removes_the_gateway_queues_without_a_config() {
             let state = amqp_delay::broker::queue_state(&env.conn, q).await.unwrap();
             assert!(state.is_none(), "{q} is still there");
         }
+        // its ingress exchange is outside the prefix and no configuration names it: not
+        // teardown's to delete (the record could be anyone's), and said so
         assert!(
-            !amqp_delay::broker::exchange_exists(&env.conn, &x_in)
+            amqp_delay::broker::exchange_exists(&env.conn, &x_in)
                 .await
                 .unwrap()
         );
+        assert!(text.contains(&format!("left exchange '{x_in}'")), "{text}");
         let marker = env.layout().layout_marker();
         assert!(
             !amqp_delay::broker::exchange_exists(&env.conn, &marker)
                 .await
                 .unwrap()
         );
+        env.cleanup().await;
+    })
+    .await;
+}
+
+/// Teardown deletes only what it owns (issue 23, attack 5): gateway-pair records that anyone
+/// allowed to write the control stream may append, naming another application's exchange and a
+/// broker's own, leave both (listed with the reason) and the rest is deleted all the same; a
+/// pair the configuration names is deleted whatever its name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn teardown_leaves_the_exchanges_a_forged_record_names_and_deletes_the_rest() {
+    within(async {
+        let env = Env::new(small_topology()).await;
+        let p = env.settings.prefix.clone();
+        let (other, configured) = (format!("{p}-other-app"), format!("{p}-configured"));
+        let _objects = GatewayObjects::new(&env, &[(configured.as_str(), "x")], &[&other]);
+        declare_exchange(&env.conn, &other, ExchangeKind::Fanout).await;
+        declare_exchange(&env.conn, &configured, ExchangeKind::Fanout).await;
+        let layout = env.layout();
+        for ingress in [other.as_str(), "amq.direct", configured.as_str()] {
+            let forged = amqp_delay::control::Record::GatewayPair {
+                ingress: ingress.into(),
+                target: "x".into(),
+            };
+            amqp_delay::control::append(&env.conn, &layout, &forged)
+                .await
+                .unwrap();
+        }
+        let pairs = format!("[[gateway.pairs]]\ningress = \"{configured}\"\ntarget = \"x\"\n");
+        let config = write_config(&env, &pairs);
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+            .arg("--config")
+            .arg(&config.0)
+            .args(["teardown", "--force"])
+            .env("AMQP_URL", broker_url())
+            .output()
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{text}\n{err}");
+        let exists = async |x: &str| broker::exchange_exists(&env.conn, x).await.unwrap();
+        for theirs in [other.as_str(), "amq.direct"] {
+            assert!(exists(theirs).await, "{theirs} was deleted");
+            assert!(
+                text.contains(&format!("left exchange '{theirs}'")),
+                "{text}"
+            );
+        }
+        assert!(
+            !exists(&configured).await,
+            "the configured pair's ingress is still there"
+        );
+        assert!(
+            !exists(&layout.layout_marker()).await,
+            "the topology is still there"
+        );
+        for q in [layout.control_stream(), layout.tiers()[0].queue.clone()] {
+            let state = broker::queue_state(&env.conn, &q).await.unwrap();
+            assert!(state.is_none(), "{q} is still there");
+        }
         env.cleanup().await;
     })
     .await;

@@ -3,6 +3,7 @@
 //! own random prefix on a small 1 ms-unit topology and deletes what it declared.
 
 mod actions;
+mod attacks;
 mod batching;
 mod bench_smoke;
 mod cancel;

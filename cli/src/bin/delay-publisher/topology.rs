@@ -213,17 +213,15 @@ pub(crate) async fn teardown(
     let management = management.as_ref();
     connected(settings, "amqp-delay teardown", async |conn| {
         if queues.is_empty() {
-            let done = admin::teardown(conn, &layout, management, force).await?;
-            amqp_delay_cli::outln!(
-                "removed the topology under prefix '{}' and {} gateway pair(s){}",
-                layout.prefix(),
-                done.pairs.len(),
-                done.pairs
-                    .iter()
-                    .map(|p| format!(" '{p}'"))
-                    .collect::<String>()
-            );
-            return Ok(0);
+            let configured: Vec<String> =
+                settings.gateway.pairs.iter().map(|p| p.ingress.clone()).collect();
+            let done = admin::teardown_with(conn, &layout, management, force, &configured).await?;
+            print_teardown(&layout, &done);
+            return Ok(if done.failed() {
+                amqp_delay_cli::cli::EXIT_FAILURES
+            } else {
+                0
+            });
         }
         for q in queues {
             let done = admin::teardown_destination(conn, &layout, management, q, force).await?;
@@ -245,4 +243,21 @@ pub(crate) async fn teardown(
         Ok(0)
     })
     .await
+}
+
+/// What `teardown` removed and, one line each, what it left and why.
+fn print_teardown(layout: &Layout, done: &admin::Teardown) {
+    amqp_delay_cli::outln!(
+        "removed the topology under prefix '{}' and {} gateway pair(s){}",
+        layout.prefix(),
+        done.pairs.len(),
+        done.pairs
+            .iter()
+            .map(|p| format!(" '{p}'"))
+            .collect::<String>()
+    );
+    for l in &done.left {
+        let how = if l.failed { "could not delete" } else { "left" };
+        amqp_delay_cli::outln!("{how} {}: {}", l.object, l.reason);
+    }
 }

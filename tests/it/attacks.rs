@@ -1,0 +1,159 @@
+//! Attacks of issue 23 replayed against the fixed code: records anyone allowed to write a
+//! stream may append (2: a never-expiring tombstone; 3: a snapshot that covers everything) and
+//! a batch announcing more members than a batch may hold (7). Each test fails on the code
+//! before the fix.
+
+use std::time::Duration;
+
+use amqp_delay::batch;
+use amqp_delay::cancel::Cancellations;
+use amqp_delay::settings::PublisherSettings;
+use amqp_delay::time::{DurationMs, now_ms};
+use amqp_delay::{Message, broker};
+use lapin::BasicProperties;
+use lapin::options::BasicGetOptions;
+
+use crate::harness::*;
+
+/// Publishes raw `bodies` to the stream `stream` through the default exchange (what the
+/// documented publisher role may write), confirmed.
+async fn append_raw(env: &Env, stream: &str, bodies: &[Vec<u8>]) {
+    let ch = env.conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    for body in bodies {
+        let confirm = ch
+            .basic_publish(
+                "".into(),
+                stream.into(),
+                Default::default(),
+                body,
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(confirm.is_ack());
+    }
+    let _ = ch.close(200, "ok".into()).await;
+}
+
+/// Attack 2: a forged tombstone that never expires (`until_ms` 2^64−1) lives only as long as a
+/// message can need it; a record of more tombstones than any of ours, or longer, is skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_never_expiring_forged_tombstone_is_clamped_and_floods_are_skipped() {
+    let env = Env::new(small_topology()).await;
+    let layout = env.layout();
+    let forever = br#"{"type":"cancel","id":"victim","until_ms":18446744073709551615}"#.to_vec();
+    let items: Vec<String> = (0..1_001)
+        .map(|i| format!(r#"["flood-{i}",18446744073709551615]"#))
+        .collect();
+    let flood = format!(r#"{{"type":"cancels","items":[{}]}}"#, items.join(",")).into_bytes();
+    let huge = format!(
+        r#"{{"type":"cancel","id":"huge","until_ms":{},"pad":"{}"}}"#,
+        u64::MAX,
+        "x".repeat(3 << 20)
+    )
+    .into_bytes();
+    append_raw(&env, &layout.control_stream(), &[forever, flood, huge]).await;
+
+    let horizon_ms = 60_000;
+    let before = now_ms();
+    let follower =
+        Cancellations::follow(&env.conn, &layout, Duration::from_millis(1_000), horizon_ms)
+            .await
+            .unwrap();
+    let until = follower
+        .live_until("victim")
+        .expect("the tombstone is held");
+    let latest = now_ms() + layout.max_delay_ms() + horizon_ms;
+    assert!(
+        until <= latest && until >= before + layout.max_delay_ms(),
+        "until {until}, latest {latest}"
+    );
+    assert!(
+        !follower.is_cancelled("flood-0"),
+        "a record of 1 001 tombstones was taken"
+    );
+    assert!(!follower.is_cancelled("huge"), "a 3 MB record was taken");
+    assert_eq!(follower.stats().live, 1);
+    drop(follower);
+    env.cleanup().await;
+}
+
+/// Attack 3: a forged ledger snapshot covering offset 2^64−1 no longer hides what publishers
+/// count, then or later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_snapshot_covering_everything_hides_nothing() {
+    let mut t = small_topology();
+    t.max_delay = DurationMs(60_000);
+    t.max_tier_ttl = DurationMs(20_000);
+    let mut env = Env::new(t).await;
+    let q = env.queue("counted").await;
+    let layout = env.layout();
+    let forged = format!(
+        r#"{{"type":"snapshot","covers":{},"at_ms":{},"dues":[]}}"#,
+        u64::MAX,
+        u64::MAX
+    );
+    append_raw(&env, &layout.ledger_stream(), &[forged.into_bytes()]).await;
+    let p = env.publisher().await;
+    for i in 0..8 {
+        p.schedule(Message::new(q.clone(), 40_000, format!("m{i}")))
+            .await
+            .expect("scheduled");
+    }
+    p.close().await;
+    // the first count reads everything (and leaves a snapshot of its own), the second starts
+    // from that one: both see the 8
+    for read in ["first", "second"] {
+        let c = amqp_delay::ledger::count(&env.conn, &layout)
+            .await
+            .unwrap()
+            .expect("the topology has a ledger");
+        assert_eq!(c.pending.total, 8, "{read} count: {c:?}");
+    }
+    env.cleanup().await;
+}
+
+/// Attack 7: a 3 MB batch announcing 300 000 ten-byte members (its header too) is refused by
+/// the bounded decode with the publisher's `batch_max_messages`, and so is one whose header
+/// announces fewer members than its body holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_announcing_more_members_than_a_batch_holds_is_refused() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("batch-attack").await;
+    let props = batch::encode_properties(&BasicProperties::default());
+    let member = vec![7u8; 10];
+    let body = batch::encode_parts((0..300_000).map(|_| (props.as_slice(), member.as_slice())));
+    let ch = broker::open(&env.conn).await.unwrap();
+    for announced in [300_000, 3] {
+        let p = BasicProperties::default()
+            .with_content_type(batch::CONTENT_TYPE.into())
+            .with_headers(batch::batch_headers(announced));
+        ch.basic_publish("".into(), q.as_str().into(), Default::default(), &body, p)
+            .await
+            .unwrap();
+    }
+    let max = PublisherSettings::default().batch_max_messages;
+    for expected in ["more than the", "announce 3"] {
+        let mut got = None;
+        for _ in 0..100 {
+            got = ch
+                .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
+                .await
+                .unwrap();
+            if got.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let d = got.expect("the batch arrived");
+        assert!(batch::is_batch(&d.properties));
+        let announced = batch::announced_count(&d.properties);
+        let e = batch::decode_bounded(&d.data, announced, max).unwrap_err();
+        assert!(e.contains(expected), "{e}");
+    }
+    broker::close(&ch, "ok").await;
+    env.cleanup().await;
+}
