@@ -374,7 +374,7 @@ pub fn group_grains(cands: &[Candidate], grain: Grain, limits: Limits) -> Vec<Gr
     for g in &mut out {
         // A message alone saves no broker work by arriving early, and each one waits in a
         // prefetch slot of its consumer: it comes at most `SINGLE_EARLY_MS` before its lead.
-        if let [only] = g.members[..] {
+        if g.members.len() == 1 {
             g.earliest_ms = g
                 .earliest_ms
                 .max(g.latest_ms.saturating_sub(SINGLE_EARLY_MS));

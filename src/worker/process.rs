@@ -30,6 +30,8 @@ pub(super) struct TaskCtx {
     pub cancels: Arc<Cancellations>,
     pub publisher: Arc<Publisher>,
     pub settings: ConsumerSettings,
+    /// The most members a batch may announce (no publisher of ours sends more).
+    pub batch_max_members: usize,
     pub layout: Layout,
     pub counters: Arc<Counters>,
     /// Permits of business handlers (`consumer.concurrency`).
@@ -129,7 +131,10 @@ async fn batch_delivery<H: Handler>(
     requeue: Requeue<'_>,
 ) {
     let redelivered = raw.redelivered;
-    let members = match batch::decode(&raw.data) {
+    // the count must be the header's and within what a publisher of ours sends, checked
+    // before anything is allocated per member: a forged batch cannot blow up the worker
+    let announced = batch::announced_count(&raw.properties);
+    let members = match batch::decode_bounded(&raw.data, announced, ctx.batch_max_members) {
         Ok(m) => m,
         Err(reason) => {
             let (d, _) = envelope::decode(

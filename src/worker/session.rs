@@ -107,6 +107,11 @@ impl<'w, H: Handler> Session<'w, H> {
             cancels,
             publisher: publisher.clone(),
             settings: cs.clone(),
+            // a worker configured below the default still reads a default publisher's batches
+            batch_max_members: s
+                .publisher
+                .batch_max_messages
+                .max(crate::settings::PublisherSettings::default().batch_max_messages),
             layout: layout.clone(),
             counters: worker.counters.clone(),
             business: Arc::new(Semaphore::new(cs.concurrency)),
