@@ -449,13 +449,22 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
             .unwrap()
     };
     assert!(pair_exists().await);
+    // the ingress is outside the prefix: teardown deletes it only when the configuration
+    // names its pair (a record in the control stream is not enough, issue 23)
+    let cfg_pairs = temp_path(&p, "perm-pairs.toml");
+    let mut text = std::fs::read_to_string(&cfg).unwrap();
+    text.push_str(&format!(
+        "\n[[gateway.pairs]]\ningress = \"{ingress}\"\ntarget = \"{target}\"\n"
+    ));
+    std::fs::write(&cfg_pairs, text).unwrap();
     let said = cli_as(
         "the admin's teardown",
-        &cfg,
+        &cfg_pairs,
         &admin,
         &["teardown", "--force"],
     )
     .await;
+    let _ = std::fs::remove_file(&cfg_pairs);
     assert!(
         !pair_exists().await,
         "teardown left the gateway's ingress: {said}"
