@@ -377,14 +377,20 @@ impl Cancellations {
     /// every record confirmed before `due − cancel.notice` (before `now − notice / 2` without
     /// a due time). Syncs (see [`Cancellations::sync`]) only when the last sync started
     /// earlier than that. `Ok(true)` when it appended a barrier, `Ok(false)` when the last
-    /// sync was recent enough.
+    /// sync was recent enough. Called for a message held until its due time, up to a notice
+    /// before it (the sync then adds nothing to its lateness): a sync needed then starts now.
     pub async fn sync_for(&self, due_at_ms: Option<u64>) -> Result<bool> {
         let now = now_ms();
         let need = match due_at_ms {
-            Some(due) => due.min(now).saturating_sub(self.notice_ms),
+            Some(due) => due.saturating_sub(self.notice_ms).min(now),
             None => now.saturating_sub(self.notice_ms / 2),
         };
         self.sync_since(need).await
+    }
+
+    /// `cancel.notice` in ms.
+    pub fn notice_ms(&self) -> u64 {
+        self.notice_ms
     }
 
     /// Makes sure every record confirmed `cancel.notice / 2` ago or earlier has been read:

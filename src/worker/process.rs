@@ -242,7 +242,19 @@ async fn one<H: Handler>(
     // a grain batch (or a message alone on a coarse route) arrives before it is due: it waits
     // here, its delivery unacked, and runs at its due time, never before
     if let Some(due) = d.due_at_ms {
-        match hold_until(due, ctx, may_skip).await {
+        // the cancel sync it needs may start half a notice before its due time: done while it
+        // is held, it adds nothing to its lateness
+        let sync_at = due.saturating_sub(ctx.cancels.notice_ms() / 2);
+        let held = match hold_until(sync_at, due, ctx, may_skip).await {
+            Hold::Due if sync_at < due && now_ms() < due => {
+                if ctx.cancels.sync_for(Some(due)).await? {
+                    ctx.counters.count(Event::CancelSync, &d.queue);
+                }
+                hold_until(due, due, ctx, may_skip).await
+            }
+            other => other,
+        };
+        match held {
             Hold::Due => {}
             Hold::Stopping => return Ok((d, Done::NotStarted)),
             Hold::TooEarly(left) => {
@@ -301,16 +313,18 @@ enum Hold {
     TooEarly(u64),
 }
 
-/// Waits until `due` (ms since the epoch, by this machine's clock), never returning before
-/// it; a message due further off than `consumer.max_hold` is not waited for. Counted in the
-/// `held` gauge while it waits.
-async fn hold_until(due: u64, ctx: &TaskCtx, may_skip: bool) -> Hold {
-    let left = due.saturating_sub(now_ms());
-    if left == 0 {
-        return Hold::Due;
-    }
+/// Waits until `until` (ms since the epoch, by this machine's clock; at most the message's
+/// `due` time), never returning before it; a message due further off than
+/// `consumer.max_hold` is not waited for. Counted in the `held` gauge while it waits.
+async fn hold_until(until: u64, due: u64, ctx: &TaskCtx, may_skip: bool) -> Hold {
+    let now = now_ms();
+    let left = due.saturating_sub(now);
     if left > ctx.settings.max_hold.as_millis() {
         return Hold::TooEarly(left);
+    }
+    let due = until.min(due);
+    if due <= now {
+        return Hold::Due;
     }
     let held = &crate::metrics::global().held;
     held.inc();
