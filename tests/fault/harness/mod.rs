@@ -94,6 +94,14 @@ impl Fault {
         }
     }
 
+    /// Exact routes for this scenario's publishers (`publisher.grain = 0`): every message its
+    /// own broker message, through every level its delay needs, as before grains.
+    pub fn exact_routes(&self) {
+        let mut text = std::fs::read_to_string(&self.config).unwrap();
+        text.push_str("[publisher]\ngrain = \"0s\"\n");
+        std::fs::write(&self.config, text).unwrap();
+    }
+
     /// A temp file of this test (deleted at the end).
     pub fn file(&mut self, name: &str) -> PathBuf {
         let p = std::env::temp_dir().join(format!("{}-{name}", self.prefix));
