@@ -151,6 +151,12 @@ impl Connector {
     }
 }
 
+/// The user `conn` logged in as (from its URL; `None` when it names none): what the broker
+/// accepts as the `user_id` of its publishes ([`crate::trust`]).
+pub fn user_of(conn: &Connection) -> Option<String> {
+    Some(conn.status().username()).filter(|u| !u.is_empty())
+}
+
 /// Connects to `urls` with the system's CA certificates (see [`Connector`] for TLS files).
 pub async fn connect(urls: &str, name: &str) -> Result<Connection> {
     Connector::plain(urls).connect(name).await

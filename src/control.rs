@@ -12,7 +12,12 @@ use serde::{Deserialize, Serialize};
 use crate::broker;
 use crate::error::Result;
 use crate::layout::Layout;
+use crate::settings::TrustSettings;
 use crate::stream_log::{LogRecord, StreamLog, skipped};
+use crate::trust::Trust;
+
+/// What the control stream is called in errors and metrics.
+pub(crate) const KIND: &str = "control stream";
 
 /// The longest message id: AMQP's `message-id` is a short string (what `Publisher::cancel`
 /// accepts too). A tombstone naming a longer or an empty id is no canceller's, and is skipped.
@@ -72,7 +77,9 @@ pub enum Record {
         /// Unique per checkpoint.
         nonce: String,
     },
-    /// One part of a checkpoint: tombstones `[id, until_ms]` as of its begin record.
+    /// One part of a checkpoint: tombstones `[id, until_ms]` as of its begin record, all
+    /// written by the user `by` (a cancel stops only its writer's messages, see
+    /// [`crate::trust`]).
     Checkpoint {
         /// The nonce of its begin record.
         nonce: String,
@@ -82,6 +89,10 @@ pub enum Record {
         parts: u32,
         /// The tombstones.
         items: Vec<(String, u64)>,
+        /// Who wrote the cancels of these tombstones (empty in a checkpoint written before
+        /// cancels had owners: none of its tombstones counts).
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        by: String,
     },
 }
 
@@ -101,7 +112,7 @@ impl LogRecord for Record {
 /// `layout`'s control stream.
 pub(crate) fn log(layout: &Layout) -> StreamLog<Record> {
     StreamLog::new(
-        "control stream",
+        KIND,
         layout.control_stream(),
         layout.prefix(),
         MAX_RECORD_BYTES,
@@ -122,11 +133,17 @@ pub async fn append(conn: &Connection, layout: &Layout, record: &Record) -> Resu
 }
 
 /// The gateway pairs and batch markers in the stream, oldest first, each once (what
-/// `teardown` needs; tombstones, barriers and checkpoints left out), at most [`MAX_NAMED`].
+/// `teardown` needs; tombstones, barriers and checkpoints left out), at most [`MAX_NAMED`],
+/// of writers `trust` lets name them (with the connection's own user: [`Trust::may_compact`]).
 /// `Ok(vec![])` when the stream does not exist. Gives up only when no record arrives for a
 /// while ([`crate::stream_log::READ_STALL`]).
-pub async fn read_all(conn: &Connection, layout: &Layout) -> Result<Vec<Record>> {
+pub async fn read_all(
+    conn: &Connection,
+    layout: &Layout,
+    trust: &TrustSettings,
+) -> Result<Vec<Record>> {
     let log = log(layout);
+    let trust = Trust::new(crate::connection::user_of(conn), trust);
     if !log.exists(conn).await? {
         return Ok(Vec::new());
     }
@@ -134,8 +151,13 @@ pub async fn read_all(conn: &Connection, layout: &Layout) -> Result<Vec<Record>>
     let mut reader = log.open_reader(conn, broker::long_string("first")).await?;
     let mut named = Named::default();
     let read = reader
-        .read_to_barrier(&nonce, |_, record| match record {
-            Some(r) => named.take(r),
+        .read_to_barrier(&nonce, |read| match read.record {
+            Some(r) if trust.may_compact(read.by.as_deref()) => named.take(r),
+            Some(r @ (Record::GatewayPair { .. } | Record::BatchMarker { .. })) => {
+                let by = read.by.as_deref().unwrap_or("no user_id");
+                skipped(KIND, "untrusted", &format!("{r:?} by '{by}', no admin"));
+            }
+            Some(_) => {}
             // a record of a newer version, or garbage someone published: skip it
             None => tracing::debug!(stream = %log.name(), "skipping an unreadable record"),
         })
@@ -160,7 +182,7 @@ impl Named {
         }
         if self.out.len() >= MAX_NAMED {
             skipped(
-                "control stream",
+                KIND,
                 "too_many_items",
                 &format!("more than {MAX_NAMED} gateway pairs and batch markers"),
             );

@@ -30,6 +30,9 @@ pub struct Delivery {
     pub routing_key: String,
     /// Exchange it was delivered from.
     pub exchange: String,
+    /// Who scheduled it, as the broker checked (`user_id`; see [`crate::trust`]): a cancel
+    /// stops it only when its owner or an admin wrote it. `None` when it carries no `user_id`.
+    pub owner: Option<String>,
 }
 
 impl Delivery {
@@ -121,6 +124,7 @@ pub fn decode(
         redelivered,
         routing_key: routing_key.to_string(),
         exchange: exchange.to_string(),
+        owner: None,
     };
     match parsed {
         Ok((attempt, due, delay)) => {
@@ -212,15 +216,30 @@ pub fn republish_properties(p: &BasicProperties, headers: FieldTable) -> BasicPr
     .with_headers(headers)
 }
 
-/// Headers for re-scheduling a message: the original ones without the broker's death history,
-/// our schedule headers (set again by the publisher) and parking headers.
-pub fn headers_for_reschedule(original: Option<&FieldTable>) -> FieldTable {
+/// Headers for re-scheduling a message owned by `owner`: the original ones without the
+/// broker's death history, our schedule headers (set again by the publisher) and parking
+/// headers, naming its owner ([`headers::OWNER`]) for whoever reads the copy.
+pub fn headers_for_reschedule(original: Option<&FieldTable>, owner: Option<&str>) -> FieldTable {
     let empty = FieldTable::default();
-    headers::filter(original.unwrap_or(&empty), |k| {
+    let mut h = headers::filter(original.unwrap_or(&empty), |k| {
         !headers::is_broker_header(k)
             && !headers::RESERVED.contains(&k)
+            && k != headers::OWNER
             && !k.starts_with(headers::PARKED_PREFIX)
-    })
+    });
+    if let Some(owner) = owner {
+        h.insert(headers::OWNER.into(), AMQPValue::LongString(owner.into()));
+    }
+    h
+}
+
+/// The owner a copy names ([`headers::OWNER`]), if it names one as a string.
+pub fn owner_header(p: &BasicProperties) -> Option<String> {
+    match p.headers().as_ref()?.inner().get(headers::OWNER)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -319,13 +338,18 @@ mod tests {
             ("x-delivery-count", AMQPValue::LongInt(2)),
             (ATTEMPT, AMQPValue::LongInt(1)),
             (PARKED_REASON, AMQPValue::Void),
+            (headers::OWNER, AMQPValue::LongString("earlier".into())),
             ("app", AMQPValue::Boolean(true)),
         ]);
-        let h = headers_for_reschedule(p.headers().as_ref());
+        let h = headers_for_reschedule(p.headers().as_ref(), None);
         assert_eq!(
             h.inner().keys().map(|k| k.as_str()).collect::<Vec<_>>(),
             ["app"]
         );
+        // the copy names the owner the worker knows, never the one it was handed
+        let h = headers_for_reschedule(p.headers().as_ref(), Some("alice"));
+        let copy = BasicProperties::default().with_headers(h);
+        assert_eq!(owner_header(&copy).as_deref(), Some("alice"));
     }
 }
 

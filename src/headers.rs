@@ -41,6 +41,9 @@ pub const NO_MESSAGE_ID: &str = "x-delay-no-message-id";
 pub const NO_HEADERS: &str = "x-delay-no-headers";
 /// Gateway: the `user_id` the application published with; kept on the delivered message.
 pub const USER_ID: &str = "x-delay-user-id";
+/// Who owns a copy a worker or a gateway wrote on another user's behalf (a retry, a gateway
+/// hop): believed only from such a writer (see `amqp_delay::trust`).
+pub const OWNER: &str = "x-delay-owner";
 /// Gateway: why the ingress refused the message; the due handler parks it with this reason.
 pub const INVALID: &str = "x-delay-invalid";
 

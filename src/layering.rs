@@ -25,6 +25,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("settings", 0),
     ("tally", 0),
     ("error", 0),
+    ("trust", 0),
     ("broker", 1),
     ("cancel", 1),
     ("connection", 1),

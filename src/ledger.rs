@@ -10,12 +10,14 @@ use lapin::types::AMQPValue;
 
 use crate::error::Result;
 use crate::layout::Layout;
-use crate::stream_log::{Compaction, LogRecord, Reader, StreamLog, skipped};
+use crate::settings::TrustSettings;
+use crate::stream_log::{Compaction, LogRecord, Read, Reader, StreamLog, skipped};
 use crate::tally::{
     Bounds, DUE_SLACK_MS, Dues, Entry, Pending, READ_WINDOW_MS, Reckoned, Reckoning,
     SNAPSHOT_EVERY_MS,
 };
 use crate::time::now_ms;
+use crate::trust::Trust;
 
 impl LogRecord for Entry {
     fn barrier(nonce: String) -> Self {
@@ -30,26 +32,51 @@ impl LogRecord for Entry {
     }
 }
 
-/// A read of the ledger is whole from the newest snapshot whose later records it read all, or
-/// from the stream's first record.
-impl Compaction for Reckoning {
+/// A read of the ledger: the [`Reckoning`] of the records whose writers may write them. It is
+/// whole from the newest snapshot whose later records it read all, or from the stream's first
+/// record.
+struct Reading {
+    reckoning: Reckoning,
+    trust: Trust,
+}
+
+impl Compaction for Reading {
     type Record = Entry;
 
-    fn record(&mut self, offset: Option<u64>, record: Option<Entry>) {
+    fn record(&mut self, read: Read<Entry>) {
         // a record of a newer version, or garbage someone published, is skipped
-        if let (Some(offset), Some(entry)) = (offset, record)
-            && let Err(why) = self.read(offset, entry)
-        {
+        let (Some(offset), Some(entry)) = (read.offset, read.record) else {
+            return;
+        };
+        if let Some(why) = untrusted(&entry, read.by.as_deref(), &self.trust) {
+            skipped(KIND, "untrusted", &format!("{why}, at offset {offset}"));
+        } else if let Err(why) = self.reckoning.read(offset, entry) {
             skipped(KIND, why, &format!("the record at offset {offset}"));
         }
     }
 
     fn whole(&self) -> bool {
-        self.complete()
+        self.reckoning.complete()
     }
 
     fn restart(&mut self) {
-        *self = Reckoning::new(self.bounds());
+        self.reckoning = Reckoning::new(self.reckoning.bounds());
+    }
+}
+
+/// Why `by` may not write `entry`, if it may not: a count needs a writer (a publisher's
+/// `user_id`), a snapshot, which stands for everything before it, one the reader trusts
+/// ([`Trust::may_compact`]).
+fn untrusted(entry: &Entry, by: Option<&str>, trust: &Trust) -> Option<String> {
+    match entry {
+        Entry::Scheduled { .. } if by.is_none_or(str::is_empty) => {
+            Some("a count without user_id".into())
+        }
+        Entry::Snapshot { .. } if !trust.may_compact(by) => Some(format!(
+            "a snapshot by '{}', no admin or peer",
+            by.unwrap_or("no user_id")
+        )),
+        _ => None,
     }
 }
 
@@ -92,11 +119,18 @@ pub struct Counted {
 /// Counts the messages publishers put into the tiers that are not yet due. `None` when the
 /// topology has no ledger stream (declared by a version before it: `declare` adds it).
 ///
-/// Reads the last [`READ_WINDOW_MS`] from the newest snapshot in it, or the whole stream when
-/// there is none; leaves a snapshot when the newest is older than [`SNAPSHOT_EVERY_MS`].
-pub async fn count(conn: &Connection, layout: &Layout) -> Result<Option<Counted>> {
+/// Reads the last [`READ_WINDOW_MS`] from the newest snapshot in it that `trust` (with the
+/// connection's own user) lets count, or the whole stream when there is none; leaves a
+/// snapshot when the newest is older than [`SNAPSHOT_EVERY_MS`].
+pub async fn count(
+    conn: &Connection,
+    layout: &Layout,
+    trust: &TrustSettings,
+) -> Result<Option<Counted>> {
     let log = log(layout);
-    let Some((reckoned, barrier, reader)) = reckon(conn, &log, ahead_ms(layout)).await? else {
+    let trust = Trust::new(crate::connection::user_of(conn), trust);
+    let Some((reckoned, barrier, reader)) = reckon(conn, &log, ahead_ms(layout), trust).await?
+    else {
         return Ok(None);
     };
     reader.end("counted").await;
@@ -110,6 +144,7 @@ async fn reckon(
     conn: &Connection,
     log: &StreamLog<Entry>,
     ahead_ms: u64,
+    trust: Trust,
 ) -> Result<Option<(Reckoned, Option<u64>, Reader<Entry>)>> {
     if !log.exists(conn).await? {
         return Ok(None);
@@ -117,12 +152,15 @@ async fn reckon(
     let nonce = log.barrier(conn).await?;
     let started = std::time::Instant::now();
     let since_s = now_ms().saturating_sub(READ_WINDOW_MS) / 1000;
-    let mut reckoning = Reckoning::new(Bounds::new(now_ms(), ahead_ms));
+    let mut reading = Reading {
+        reckoning: Reckoning::new(Bounds::new(now_ms(), ahead_ms)),
+        trust,
+    };
     let window = [AMQPValue::Timestamp(since_s)];
     let (reader, barrier) = log
-        .start_from_compaction(conn, &nonce, window, &mut reckoning)
+        .start_from_compaction(conn, &nonce, window, &mut reading)
         .await?;
-    let reckoned = reckoning.finish_whole();
+    let reckoned = reading.reckoning.finish_whole();
     tracing::debug!(stream = %log.name(), records = reckoned.records, elapsed = ?started.elapsed(), "ledger read");
     Ok(Some((reckoned, barrier, reader)))
 }
@@ -189,10 +227,15 @@ impl Following {
 
 /// Counts the ledger (as [`count`]) and keeps following it on a channel of `conn`. `None`
 /// when the topology has no ledger stream.
-pub async fn follow(conn: Arc<Connection>, layout: &Layout) -> Result<Option<Following>> {
+pub async fn follow(
+    conn: Arc<Connection>,
+    layout: &Layout,
+    trust: &TrustSettings,
+) -> Result<Option<Following>> {
     let log = log(layout);
     let ahead = ahead_ms(layout);
-    let Some((reckoned, barrier, mut reader)) = reckon(&conn, &log, ahead).await? else {
+    let trust = Trust::new(crate::connection::user_of(&conn), trust);
+    let Some((reckoned, barrier, mut reader)) = reckon(&conn, &log, ahead, trust).await? else {
         return Ok(None);
     };
     // the reader goes on after the barrier, its snapshot included (which it skips)
@@ -202,10 +245,12 @@ pub async fn follow(conn: Arc<Connection>, layout: &Layout) -> Result<Option<Fol
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {
         let follow = async {
-            while let Some(Ok((_, record))) = reader.next().await {
+            while let Some(Ok(read)) = reader.next().await {
                 // a record of a newer version, or garbage someone published, is skipped; a
-                // snapshot sums what was already counted
-                if let Some(record) = record {
+                // snapshot sums what was already counted; a count needs its writer
+                if let Some(record) = read.record
+                    && read.by.as_deref().is_some_and(|by| !by.is_empty())
+                {
                     follow_one(&sum, record, Bounds::new(now_ms(), ahead));
                 }
             }

@@ -20,7 +20,8 @@
 //! ```
 //!
 //! Public modules: [`settings`] (every setting), [`layout`] (tier names and sizes), [`headers`]
-//! (the header names on the wire), [`time`] (durations as written in settings), [`metrics`]
+//! (the header names on the wire), [`time`] (durations as written in settings), [`trust`]
+//! (whose records and messages count for what), [`metrics`]
 //! (the Prometheus registry the library fills) and, with the `management` feature,
 //! `management` (RabbitMQ's HTTP API, to count messages its dead-letter worker holds).
 //!
@@ -36,6 +37,7 @@ pub mod layout;
 pub mod metrics;
 pub mod settings;
 pub mod time;
+pub mod trust;
 // (each private unless the `tools` feature opens it; spelled out so that rustfmt sees it)
 #[cfg(feature = "tools")]
 #[doc(hidden)]

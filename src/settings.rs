@@ -56,6 +56,8 @@ pub struct Settings {
     pub gateway: GatewaySettings,
     /// Cancelling scheduled messages.
     pub cancel: CancelSettings,
+    /// Whose records and messages count for what (see `amqp_delay::trust`).
+    pub trust: TrustSettings,
 }
 
 impl Default for Settings {
@@ -73,7 +75,38 @@ impl Default for Settings {
             consumer: ConsumerSettings::default(),
             gateway: GatewaySettings::default(),
             cancel: CancelSettings::default(),
+            trust: TrustSettings::default(),
         }
+    }
+}
+
+/// `[trust]`: the users whose records and messages count beyond their own (the broker checks
+/// every `user_id`, so a name here is who wrote it). Every process also trusts its own user.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrustSettings {
+    /// Users who may cancel any message (not only their own), and whose checkpoints, ledger
+    /// snapshots, gateway pairs and batch markers count: the users of `declare`, `teardown`,
+    /// `gateway --declare-only` and of operators' `cancel`.
+    pub admins: Vec<String>,
+    /// The users of the other workers and gateways of this topology: their checkpoints and
+    /// snapshots count, their copies of others' messages (retries, gateway hops) name the
+    /// owner, and the gateway's due stage takes what they wrote.
+    pub peers: Vec<String>,
+}
+
+impl TrustSettings {
+    /// Names must be user names: non-empty short strings.
+    pub fn validate(&self) -> Result<(), String> {
+        for (key, names) in [("trust.admins", &self.admins), ("trust.peers", &self.peers)] {
+            if let Some(bad) = names.iter().find(|n| n.is_empty() || n.len() > 255) {
+                return Err(format!(
+                    "{key} holds user names of 1 to 255 bytes, got one of {} bytes",
+                    bad.len()
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -550,6 +583,7 @@ impl Settings {
         }
         crate::endpoints::validate_urls(&self.url).map_err(SettingsError::Invalid)?;
         self.tls.validate().map_err(SettingsError::Invalid)?;
+        self.trust.validate().map_err(SettingsError::Invalid)?;
         if self.cancel.notice.as_millis() == 0 {
             return Err(SettingsError::Invalid(
                 "cancel.notice must be positive".into(),

@@ -16,6 +16,10 @@
 //! larger one is skipped undecoded, counted (`amqp_delay_stream_records_skipped_total`) and
 //! logged now and then ([`skipped`]).
 //!
+//! Every record appended carries the writer's user as its AMQP `user_id`, which the broker
+//! checks; a reader hands each record over with that name ([`Read::by`]), and the stream's
+//! followers believe a record only as far as its writer may write it ([`crate::trust`]).
+//!
 //! A [`Reader`] holds a lapin consumer on a channel of its own and ends the consumer before
 //! closing the channel (`broker::end_consumer`), also when it is dropped.
 
@@ -61,9 +65,8 @@ pub(crate) trait LogRecord: Serialize + DeserializeOwned {
 pub(crate) trait Compaction {
     /// The stream's records.
     type Record: LogRecord;
-    /// Takes the next record before the barrier, at `offset` (when the broker said); `None` is
-    /// a record that does not decode (garbage, or a newer version's kind).
-    fn record(&mut self, offset: Option<u64>, record: Option<Self::Record>);
+    /// Takes the next record before the barrier, with its offset and writer.
+    fn record(&mut self, read: Read<Self::Record>);
     /// Whether what was read since the read began holds a whole compaction.
     fn whole(&self) -> bool;
     /// The read begins again further back: forget what depends on where it began.
@@ -100,7 +103,22 @@ pub(crate) struct StreamLog<R> {
     prefix: String,
     /// The largest record worth decoding: what the stream's largest record of ours can be.
     max_record_bytes: usize,
+    /// The `user_id` on what it appends on a channel ([`StreamLog::append_on`]); an append on
+    /// a connection of its own names the connection's user.
+    writer: Option<String>,
     records: PhantomData<fn() -> R>,
+}
+
+/// A record as read, with who wrote it.
+#[derive(Debug)]
+pub(crate) struct Read<R> {
+    /// Its offset, when the broker said.
+    pub(crate) offset: Option<u64>,
+    /// Its `user_id` (checked by the broker when it was appended), when it has one.
+    pub(crate) by: Option<String>,
+    /// The record; `None` when it does not decode (garbage, a newer version's kind, longer
+    /// than any of ours).
+    pub(crate) record: Option<R>,
 }
 
 impl<R> Clone for StreamLog<R> {
@@ -110,6 +128,7 @@ impl<R> Clone for StreamLog<R> {
             name: self.name.clone(),
             prefix: self.prefix.clone(),
             max_record_bytes: self.max_record_bytes,
+            writer: self.writer.clone(),
             records: PhantomData,
         }
     }
@@ -129,8 +148,16 @@ impl<R: LogRecord> StreamLog<R> {
             name,
             prefix: prefix.to_string(),
             max_record_bytes,
+            writer: None,
             records: PhantomData,
         }
+    }
+
+    /// The same log, appending on channels as `user` (the channel's connection's user: the
+    /// broker refuses any other `user_id`).
+    pub(crate) fn writing_as(mut self, user: Option<String>) -> Self {
+        self.writer = user;
+        self
     }
 
     /// The largest record a reader decodes.
@@ -186,12 +213,13 @@ impl<R: LogRecord> StreamLog<R> {
     /// Appends `record` on a confirm channel of its own (see [`StreamLog::append_on`]).
     pub(crate) async fn append(&self, conn: &Connection, record: &R) -> Result<()> {
         let ch = SharedChannel::new(broker::open(conn).await?);
+        let log = self.clone().writing_as(crate::connection::user_of(conn));
         let r = match ch
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .context(|| "enabling publisher confirms".into())
         {
-            Ok(()) => self.append_on(&ch, record).await,
+            Ok(()) => log.append_on(&ch, record).await,
             Err(e) => Err(e),
         };
         broker::close(&ch, "appended").await;
@@ -203,6 +231,12 @@ impl<R: LogRecord> StreamLog<R> {
     pub(crate) async fn append_on(&self, ch: &SharedChannel, record: &R) -> Result<()> {
         let body = self.encode(record);
         let stream = self.name.as_str();
+        let mut props = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type("application/json".into());
+        if let Some(user) = &self.writer {
+            props = props.with_user_id(user.as_str().into());
+        }
         let appended = async {
             let confirm = ch
                 .basic_publish(
@@ -213,9 +247,7 @@ impl<R: LogRecord> StreamLog<R> {
                         ..BasicPublishOptions::default()
                     },
                     &body,
-                    BasicProperties::default()
-                        .with_delivery_mode(2)
-                        .with_content_type("application/json".into()),
+                    props,
                 )
                 .await
                 .context(|| format!("appending to '{stream}'"))?
@@ -260,7 +292,7 @@ impl<R: LogRecord> StreamLog<R> {
     pub(crate) async fn end_offset(&self, conn: &Connection) -> Result<Option<u64>> {
         let mut probe = self.open(conn, broker::long_string("last"), 1).await?;
         let end = match tokio::time::timeout(PROBE_TIMEOUT, probe.next()).await {
-            Ok(Some(Ok((offset, _)))) => offset,
+            Ok(Some(Ok(read))) => read.offset,
             _ => None,
         };
         probe.end("probed").await;
@@ -336,7 +368,7 @@ impl<R: LogRecord> StreamLog<R> {
             let from = step.unwrap_or_else(|| broker::long_string("first"));
             let mut reader = self.open_reader(conn, from).await?;
             let read = reader
-                .read_to_barrier(nonce, |o, r| into.record(o, r))
+                .read_to_barrier(nonce, |read| into.record(read))
                 .await;
             let barrier = match read {
                 Ok(b) => b,
@@ -368,10 +400,9 @@ pub(crate) struct Reader<R> {
 }
 
 impl<R: LogRecord> Reader<R> {
-    /// The next record: its offset (when the broker said) and the record (`None` when it does
-    /// not decode: garbage, a newer version's kind, or longer than any of ours — skipped
-    /// undecoded, see [`skipped`]). `None` when the broker ended the consumer.
-    pub(crate) async fn next(&mut self) -> Option<Result<(Option<u64>, Option<R>)>> {
+    /// The next record, with its offset and writer (a record longer than any of ours is
+    /// skipped undecoded, see [`skipped`]). `None` when the broker ended the consumer.
+    pub(crate) async fn next(&mut self) -> Option<Result<Read<R>>> {
         let (_, consumer) = self.open.as_mut()?;
         let d = match self.credit.next(consumer).await? {
             Ok(d) => d,
@@ -384,8 +415,9 @@ impl<R: LogRecord> Reader<R> {
         };
         let offset = broker::stream_offset(&d);
         let record = decode(&d.data, self.max_record_bytes, self.kind);
+        let by = d.properties.user_id().as_ref().map(|u| u.to_string());
         self.credit.read(d.acker).await;
-        Some(Ok((offset, record)))
+        Some(Ok(Read { offset, by, record }))
     }
 
     /// Reads until the barrier `nonce`, giving every record before it to `each`. Returns the
@@ -393,7 +425,7 @@ impl<R: LogRecord> Reader<R> {
     pub(crate) async fn read_to_barrier(
         &mut self,
         nonce: &str,
-        mut each: impl FnMut(Option<u64>, Option<R>),
+        mut each: impl FnMut(Read<R>),
     ) -> Result<Option<u64>> {
         loop {
             let Ok(next) = tokio::time::timeout(READ_STALL, self.next()).await else {
@@ -411,11 +443,11 @@ impl<R: LogRecord> Reader<R> {
                     "the broker ended the read before the barrier",
                 ));
             };
-            let (offset, record) = next?;
-            if record.as_ref().and_then(R::barrier_nonce) == Some(nonce) {
-                return Ok(offset);
+            let read = next?;
+            if read.record.as_ref().and_then(R::barrier_nonce) == Some(nonce) {
+                return Ok(read.offset);
             }
-            each(offset, record);
+            each(read);
         }
     }
 }

@@ -95,7 +95,8 @@ pub async fn teardown(
     management: Option<&Management>,
     force: bool,
 ) -> Result<Teardown> {
-    teardown_with(conn, layout, management, force, &[]).await
+    let trust = amqp_delay::settings::TrustSettings::default();
+    teardown_with(conn, layout, management, force, &[], &trust).await
 }
 
 /// Removes the topology under `layout`'s prefix, the gateway pairs and batch markers declared
@@ -105,15 +106,17 @@ pub async fn teardown(
 /// gateway queue hold messages — ready or held by the broker's dead-letter worker — since they
 /// would be lost; and, without the management API (which alone sees held messages), refuses to
 /// call them empty. An object whose deletion fails is listed in [`Teardown::left`] and the
-/// rest are deleted all the same.
+/// rest are deleted all the same. Pairs and markers count only from writers `trust` (with
+/// the connection's own user) lets name them: an admin's, a peer's.
 pub async fn teardown_with(
     conn: &Connection,
     layout: &Layout,
     management: Option<&Management>,
     force: bool,
     configured: &[String],
+    trust: &amqp_delay::settings::TrustSettings,
 ) -> Result<Teardown> {
-    let records = control::read_all(conn, layout).await?;
+    let records = control::read_all(conn, layout, trust).await?;
     let pairs = gateway::registered_pairs(layout, &records);
     let topology = Topology::new(layout.clone());
     if !force {

@@ -128,7 +128,7 @@ async fn sample_tiers(settings: Settings, every: Duration) {
             Err(e) => tracing::debug!("sampling tier depths: {e}"),
         }
         if following.as_ref().is_none_or(|f| !f.is_following()) {
-            following = match ledger::follow(c.clone(), &layout).await {
+            following = match ledger::follow(c.clone(), &layout, &settings.trust).await {
                 Ok(f) => f,
                 Err(e) => {
                     tracing::debug!("following the ledger: {e}");

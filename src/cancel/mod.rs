@@ -46,9 +46,11 @@ use crate::broker::{self, ResultExt, SharedChannel};
 use crate::control::{self, Record};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
+use crate::settings::TrustSettings;
 use crate::stream_log::{Reader, StreamLog};
 use crate::time::now_ms;
-use state::{Limits, State, lock};
+use crate::trust::Trust;
+use state::{Key, Limits, State, lock};
 use stream::{Starting, pump, steps_back, wait_progress, write_checkpoint};
 
 /// Executed ids remembered, to report a cancel that arrived too late.
@@ -135,6 +137,9 @@ pub struct FollowOptions {
     /// Counts every record read, from the start: whoever waits for the follower to start sees
     /// that it makes progress.
     pub progress: Option<Arc<AtomicU64>>,
+    /// `[trust]`: whose cancels stop any message and whose checkpoints count besides the
+    /// follower's own user ([`crate::trust`]).
+    pub trust: TrustSettings,
 }
 
 impl FollowOptions {
@@ -145,6 +150,7 @@ impl FollowOptions {
             horizon_ms,
             checkpoint_every: CHECKPOINT_EVERY,
             progress: None,
+            trust: TrustSettings::default(),
         }
     }
 }
@@ -237,7 +243,9 @@ impl Cancellations {
         layout: &Layout,
         opts: FollowOptions,
     ) -> Result<Cancellations> {
-        let log = control::log(layout);
+        let user = crate::connection::user_of(conn);
+        let log = control::log(layout).writing_as(user.clone());
+        let trust = Trust::new(user, &opts.trust);
         let channel = broker::open(conn).await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
@@ -249,7 +257,7 @@ impl Cancellations {
             ahead_ms: layout.max_delay_ms().saturating_add(opts.horizon_ms),
             max_live: MAX_LIVE,
         };
-        let state = Arc::new(Mutex::new(State::new(limits)));
+        let state = Arc::new(Mutex::new(State::new(limits, trust)));
         let every = opts.checkpoint_every.max(1);
         // the end: a marker first, so that an empty stream has one, then the probe; the start
         // barrier comes after the probed end, so every step back reads up to it
@@ -290,15 +298,21 @@ impl Cancellations {
         })
     }
 
-    /// Whether `id` is cancelled (a tombstone is held). For the guarantee, call
-    /// [`Cancellations::sync_for`] (or [`Cancellations::sync_if_stale`]) first.
-    pub fn is_cancelled(&self, id: &str) -> bool {
-        !id.is_empty() && lock(&self.state).is_cancelled(id, now_ms())
+    /// Whether the message `id` owned by `owner` (see [`crate::trust::Trust::owner`]) is
+    /// cancelled: a tombstone written by its owner or by an admin is held. For the guarantee,
+    /// call [`Cancellations::sync_for`] (or [`Cancellations::sync_if_stale`]) first.
+    pub fn is_cancelled(&self, id: &str, owner: Option<&str>) -> bool {
+        !id.is_empty() && lock(&self.state).is_cancelled(id, owner, now_ms())
     }
 
-    /// Until when `id`'s tombstone is live (ms since the epoch), if one is.
-    pub fn live_until(&self, id: &str) -> Option<u64> {
-        lock(&self.state).tombstones.get(id).copied()
+    /// Until when the tombstone `by` wrote for `id` is live (ms since the epoch), if one is.
+    pub fn live_until(&self, id: &str, by: &str) -> Option<u64> {
+        lock(&self.state).tombstones.get(&Key::new(by, id)).copied()
+    }
+
+    /// Whose records and messages count for what, as this follower reads them.
+    pub fn trust(&self) -> Trust {
+        lock(&self.state).trust.clone()
     }
 
     /// Live tombstones (what the follower holds in memory besides the expired ones it keeps).
@@ -343,11 +357,14 @@ impl Cancellations {
 
     /// A cancelled message fell due at `due_at_ms`: its tombstone is needed only for the
     /// horizon after that (retries, redeliveries), not until the canceller's worst case.
-    pub fn fell_due(&self, id: &str, due_at_ms: Option<u64>) {
+    pub fn fell_due(&self, id: &str, owner: Option<&str>, due_at_ms: Option<u64>) {
         if let Some(due) = due_at_ms {
             let mut s = lock(&self.state);
-            if let Some(until) = s.tombstones.get_mut(id) {
-                *until = (*until).min(due.saturating_add(self.horizon_ms));
+            let trust = s.trust.clone();
+            for by in owner.into_iter().chain(trust.admins()) {
+                if let Some(until) = s.tombstones.get_mut(&Key::new(by, id)) {
+                    *until = (*until).min(due.saturating_add(self.horizon_ms));
+                }
             }
         }
     }

@@ -10,6 +10,7 @@ use tokio::sync::oneshot;
 use super::{CHECKPOINT_PART, EXPIRED_KEPT, EXPIRED_KEPT_MS, MAX_LIVE};
 use crate::control::{MAX_ID_BYTES, MAX_ITEMS, Record};
 use crate::stream_log::skipped;
+use crate::trust::Trust;
 
 /// What a follower takes of records anyone may have appended.
 #[derive(Debug, Clone, Copy)]
@@ -22,13 +23,53 @@ pub(super) struct Limits {
 }
 
 /// Parts of one checkpoint, at most: every tombstone a follower may hold, live and expired, in
-/// parts of [`CHECKPOINT_PART`]. A checkpoint announcing more is no follower's.
-const MAX_PARTS: u32 = ((MAX_LIVE + EXPIRED_KEPT) / CHECKPOINT_PART + 1) as u32;
+/// parts of [`CHECKPOINT_PART`], each part one writer's (a part more for each of up to
+/// [`MAX_WRITERS`] writers). A checkpoint announcing more is no follower's.
+const MAX_PARTS: u32 = ((MAX_LIVE + EXPIRED_KEPT) / CHECKPOINT_PART + 1 + MAX_WRITERS) as u32;
+/// Users writing cancels a checkpoint allows for: far more than a deployment has (users are
+/// broker accounts an administrator creates).
+const MAX_WRITERS: usize = 10_000;
 
 const KIND: &str = "control stream";
 
-/// Tombstones as records carry them: `(id, until_ms)`.
-pub(super) type Items = Vec<(String, u64)>;
+/// A tombstone's name: the cancelled message id and the user who wrote the cancel (it stops
+/// only that user's messages, or any when the user is an admin: [`Trust::may_cancel`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(super) struct Key {
+    pub(super) by: String,
+    pub(super) id: String,
+}
+
+impl Key {
+    pub(super) fn new(by: &str, id: &str) -> Key {
+        Key {
+            by: by.to_string(),
+            id: id.to_string(),
+        }
+    }
+}
+
+/// Tombstones as a follower hands them to its checkpoint: `(key, until_ms)`.
+pub(super) type Items = Vec<(Key, u64)>;
+
+/// `items` as checkpoint parts carry them: by writer, at most `part` tombstones `(id, until)`
+/// a part, each part one writer's; one empty part when there is nothing.
+pub(super) fn parts_of(mut items: Items, part: usize) -> Vec<(String, Vec<(String, u64)>)> {
+    items.sort_unstable();
+    let mut parts: Vec<(String, Vec<(String, u64)>)> = Vec::new();
+    for (key, until) in items {
+        match parts.last_mut() {
+            Some((by, part_items)) if *by == key.by && part_items.len() < part => {
+                part_items.push((key.id, until))
+            }
+            _ => parts.push((key.by, vec![(key.id, until)])),
+        }
+    }
+    if parts.is_empty() {
+        parts.push((String::new(), Vec::new()));
+    }
+    parts
+}
 
 /// The records read since a checkpoint's begin record, while its parts arrive.
 pub(super) struct OpenCheckpoint {
@@ -41,12 +82,14 @@ pub(super) struct OpenCheckpoint {
 /// What a follower knows; changed only by its reader task (and by the lookups that prune).
 pub(super) struct State {
     pub(super) limits: Limits,
-    /// id → live until (ms since the epoch).
-    pub(super) tombstones: HashMap<String, u64>,
-    /// Expired tombstones still kept: id → kept until.
-    pub(super) expired: HashMap<String, u64>,
-    /// The same, oldest first (an id may appear more than once; the map says which counts).
-    pub(super) expired_order: VecDeque<(String, u64)>,
+    /// Whose records count for what.
+    pub(super) trust: Trust,
+    /// Tombstone → live until (ms since the epoch).
+    pub(super) tombstones: HashMap<Key, u64>,
+    /// Expired tombstones still kept: key → kept until.
+    pub(super) expired: HashMap<Key, u64>,
+    /// The same, oldest first (a key may appear more than once; the map says which counts).
+    pub(super) expired_order: VecDeque<(Key, u64)>,
     /// Barriers appended by this follower and not read back yet.
     pub(super) waiting: HashMap<String, oneshot::Sender<()>>,
     /// Why the follower stopped, if it did.
@@ -81,9 +124,10 @@ pub(super) struct State {
 }
 
 impl State {
-    pub(super) fn new(limits: Limits) -> State {
+    pub(super) fn new(limits: Limits, trust: Trust) -> State {
         State {
             limits,
+            trust,
             tombstones: HashMap::new(),
             expired: HashMap::new(),
             expired_order: VecDeque::new(),
@@ -109,18 +153,19 @@ impl State {
     /// A tombstone read (a cancel, or a checkpoint's copy): its `until` clamped to what a
     /// message can need, an id no message can have skipped, and a new live one beyond
     /// [`Limits::max_live`] too (loudly: the cap is far above what a deployment needs).
-    pub(super) fn add(&mut self, id: String, until_ms: u64, now: u64) {
-        if id.is_empty() || id.len() > MAX_ID_BYTES {
+    pub(super) fn add(&mut self, key: Key, until_ms: u64, now: u64) {
+        if key.id.is_empty() || key.id.len() > MAX_ID_BYTES {
             skipped(
                 KIND,
                 "insane",
-                &format!("a tombstone of a {}-byte id", id.len()),
+                &format!("a tombstone of a {}-byte id", key.id.len()),
             );
             return;
         }
         let until_ms = until_ms.min(now.saturating_add(self.limits.ahead_ms));
         if until_ms > now {
-            if self.tombstones.len() >= self.limits.max_live && !self.tombstones.contains_key(&id) {
+            if self.tombstones.len() >= self.limits.max_live && !self.tombstones.contains_key(&key)
+            {
                 self.prune(now);
                 if self.tombstones.len() >= self.limits.max_live {
                     let max = self.limits.max_live;
@@ -133,9 +178,10 @@ impl State {
                 }
             }
             // a checkpoint repeats every live tombstone: count a late cancel once, when it is new
-            if !self.tombstones.contains_key(&id)
-                && let Some(queue) = self.executed_set.get(&id)
+            if !self.tombstones.contains_key(&key)
+                && let Some(queue) = self.executed_set.get(&key.id)
             {
+                let id = &key.id;
                 tracing::warn!(%id, %queue, "a cancel arrived after the message ran: too late");
                 crate::metrics::global()
                     .cancel_too_late
@@ -143,14 +189,14 @@ impl State {
                     .inc();
                 self.too_late += 1;
             }
-            let e = self.tombstones.entry(id).or_insert(until_ms);
+            let e = self.tombstones.entry(key).or_insert(until_ms);
             *e = (*e).max(until_ms);
         } else {
-            self.keep_expired(id, until_ms.saturating_add(EXPIRED_KEPT_MS), now);
+            self.keep_expired(key, until_ms.saturating_add(EXPIRED_KEPT_MS), now);
         }
     }
 
-    pub(super) fn keep_expired(&mut self, id: String, keep_until: u64, now: u64) {
+    pub(super) fn keep_expired(&mut self, id: Key, keep_until: u64, now: u64) {
         if keep_until <= now || self.tombstones.contains_key(&id) {
             return;
         }
@@ -181,7 +227,7 @@ impl State {
 
     /// Moves tombstones past their `until` to the expired ones.
     pub(super) fn prune(&mut self, now: u64) {
-        let gone: Vec<(String, u64)> = self
+        let gone: Vec<(Key, u64)> = self
             .tombstones
             .iter()
             .filter(|(_, until)| **until <= now)
@@ -195,12 +241,21 @@ impl State {
         self.last_prune = now;
     }
 
-    pub(super) fn is_cancelled(&self, id: &str, now: u64) -> bool {
+    /// Whether a message `id` owned by `owner` is cancelled: a tombstone of its owner's or of
+    /// an admin's is held.
+    pub(super) fn is_cancelled(&self, id: &str, owner: Option<&str>, now: u64) -> bool {
+        owner
+            .into_iter()
+            .chain(self.trust.admins())
+            .any(|by| self.holds(&Key::new(by, id), now))
+    }
+
+    fn holds(&self, key: &Key, now: u64) -> bool {
         // a tombstone past its `until` counts as expired even before `prune` moves it
         self.tombstones
-            .get(id)
+            .get(key)
             .is_some_and(|until| until.saturating_add(EXPIRED_KEPT_MS) > now)
-            || self.expired.get(id).is_some_and(|keep| *keep > now)
+            || self.expired.get(key).is_some_and(|keep| *keep > now)
     }
 
     /// Every tombstone held, as checkpoint items: live ones with their `until`, expired ones
@@ -227,31 +282,46 @@ impl State {
         self.begun_at = None;
     }
 
-    /// A record read: applied, or, when it did not decode (garbage or a newer version's kind),
-    /// a position all the same.
-    pub(super) fn read_one(&mut self, r: Option<Record>, now: u64) {
-        match r {
-            Some(r) => self.apply(r, now),
-            None => {
-                self.read += 1;
-                self.records += 1;
-            }
-        }
-    }
-
-    pub(super) fn apply(&mut self, r: Record, now: u64) {
+    /// A record read, written by `by`: applied as far as its writer may write it, or, when it
+    /// did not decode (garbage or a newer version's kind) or its writer may not, a position
+    /// all the same.
+    pub(super) fn read_one(&mut self, r: Option<Record>, by: Option<&str>, now: u64) {
         self.read += 1;
         self.records += 1;
-        if let Some((reason, why)) = insane(&r) {
-            // a position all the same, like a record that does not decode
+        let Some(r) = r else { return };
+        if let Some((reason, why)) = insane(&r).or_else(|| self.untrusted(&r, by)) {
             skipped(KIND, reason, &why);
             return;
         }
+        self.apply(r, by.unwrap_or_default(), now);
+    }
+
+    /// Why `by` may not write `r`, if it may not: a cancel needs a writer (it stops only its
+    /// writer's messages), a checkpoint one who may stand for everyone ([`Trust::may_compact`]).
+    fn untrusted(&self, r: &Record, by: Option<&str>) -> Option<(&'static str, String)> {
+        let who = || by.unwrap_or("no user_id");
         match r {
-            Record::Cancel { id, until_ms, .. } => self.add(id, until_ms, now),
+            Record::Cancel { .. } | Record::Cancels { .. } if by.is_none_or(str::is_empty) => {
+                Some(("untrusted", "a cancel without user_id".into()))
+            }
+            Record::CheckpointBegin { .. } | Record::Checkpoint { .. }
+                if !self.trust.may_compact(by) =>
+            {
+                Some((
+                    "untrusted",
+                    format!("a checkpoint by '{}', no admin or peer", who()),
+                ))
+            }
+            _ => None,
+        }
+    }
+
+    fn apply(&mut self, r: Record, by: &str, now: u64) {
+        match r {
+            Record::Cancel { id, until_ms, .. } => self.add(Key::new(by, &id), until_ms, now),
             Record::Cancels { items } => {
                 for (id, until_ms) in items {
-                    self.add(id, until_ms, now);
+                    self.add(Key::new(by, &id), until_ms, now);
                 }
             }
             Record::Barrier { nonce } => {
@@ -292,9 +362,14 @@ impl State {
                 part,
                 parts,
                 items,
+                by,
             } => {
-                for (id, until_ms) in items {
-                    self.add(id, until_ms, now);
+                // a part of a checkpoint written before cancels had writers names none: its
+                // tombstones stop nothing (the checkpoint counts as a position all the same)
+                if !by.is_empty() {
+                    for (id, until_ms) in items {
+                        self.add(Key::new(&by, &id), until_ms, now);
+                    }
                 }
                 // a checkpoint has at least one part, and its first part read says how many
                 if parts > 0
@@ -376,6 +451,30 @@ pub(super) fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
 mod tests {
     use super::*;
 
+    /// The writer of the tests' cancels, and the owner of the messages they check.
+    const W: &str = "u";
+
+    /// A follower whose own user is `W` (its checkpoints count).
+    fn ours() -> Trust {
+        Trust::new(Some(W.into()), &Default::default())
+    }
+
+    fn key(id: &str) -> Key {
+        Key::new(W, id)
+    }
+
+    impl State {
+        /// A record of `W`'s.
+        fn apply_w(&mut self, r: Record, now: u64) {
+            self.read_one(Some(r), Some(W), now);
+        }
+
+        /// Whether `W`'s message `id` is cancelled.
+        fn cancelled_w(&self, id: &str, now: u64) -> bool {
+            self.is_cancelled(id, Some(W), now)
+        }
+    }
+
     /// Limits that bound nothing the tests below do.
     const WIDE: Limits = Limits {
         ahead_ms: u64::MAX,
@@ -392,105 +491,107 @@ mod tests {
 
     #[test]
     fn state_keeps_live_tombstones_and_a_bounded_number_of_expired_ones() {
-        let mut s = State::new(WIDE);
-        s.apply(cancel("old", 5), 10);
-        s.apply(cancel("live", 5_000), 10);
+        let mut s = State::new(WIDE, ours());
+        s.apply_w(cancel("old", 5), 10);
+        s.apply_w(cancel("live", 5_000), 10);
         assert_eq!(s.tombstones.len(), 1);
-        assert!(s.is_cancelled("old", 10), "expired, but still kept");
-        s.apply(cancel("later", 9_000), 6_000);
+        assert!(s.cancelled_w("old", 10), "expired, but still kept");
+        s.apply_w(cancel("later", 9_000), 6_000);
         assert!(
-            !s.tombstones.contains_key("live"),
+            !s.tombstones.contains_key(&key("live")),
             "no longer live after its until"
         );
-        assert!(s.is_cancelled("live", 6_000), "kept after its until");
-        assert!(s.tombstones.contains_key("later"));
+        assert!(s.cancelled_w("live", 6_000), "kept after its until");
+        assert!(s.tombstones.contains_key(&key("later")));
         // kept for EXPIRED_KEPT_MS after the until, no longer
-        assert!(s.is_cancelled("live", 5_000 + EXPIRED_KEPT_MS - 1));
-        assert!(!s.is_cancelled("live", 5_000 + EXPIRED_KEPT_MS));
+        assert!(s.cancelled_w("live", 5_000 + EXPIRED_KEPT_MS - 1));
+        assert!(!s.cancelled_w("live", 5_000 + EXPIRED_KEPT_MS));
         // and at most EXPIRED_KEPT of them, the most recently expired
-        let mut s = State::new(WIDE);
+        let mut s = State::new(WIDE, ours());
         for i in 0..EXPIRED_KEPT + 10 {
-            s.apply(cancel(&format!("e{i}"), 5), 10);
+            s.apply_w(cancel(&format!("e{i}"), 5), 10);
         }
         assert_eq!(s.expired.len(), EXPIRED_KEPT);
-        assert!(!s.is_cancelled("e0", 10));
-        assert!(s.is_cancelled(&format!("e{}", EXPIRED_KEPT + 9), 10));
+        assert!(!s.cancelled_w("e0", 10));
+        assert!(s.cancelled_w(&format!("e{}", EXPIRED_KEPT + 9), 10));
     }
 
     #[test]
     fn reading_the_same_expired_tombstones_again_keeps_them_all() {
         // every checkpoint repeats them: re-reading must not push duplicates that trimming
         // would later take for the originals
-        let mut s = State::new(WIDE);
+        let mut s = State::new(WIDE, ours());
         for _ in 0..3 {
             for i in 0..EXPIRED_KEPT {
-                s.apply(cancel(&format!("e{i}"), 5), 10);
+                s.apply_w(cancel(&format!("e{i}"), 5), 10);
             }
         }
         assert_eq!(s.expired.len(), EXPIRED_KEPT);
         assert_eq!(s.expired_order.len(), EXPIRED_KEPT);
-        assert!(s.is_cancelled("e0", 10));
+        assert!(s.cancelled_w("e0", 10));
     }
 
     #[test]
     fn a_tombstone_past_its_until_counts_before_it_is_pruned() {
-        let mut s = State::new(WIDE);
-        s.apply(cancel("t", 100), 10);
+        let mut s = State::new(WIDE, ours());
+        s.apply_w(cancel("t", 100), 10);
         // no prune has run since: still cancelled, and still in a checkpoint
-        assert!(s.is_cancelled("t", 200));
-        assert!(s.snapshot(200).iter().any(|(id, _)| id == "t"));
-        assert!(!s.is_cancelled("t", 100 + EXPIRED_KEPT_MS));
+        assert!(s.cancelled_w("t", 200));
+        assert!(s.snapshot(200).iter().any(|(k, _)| k.id == "t"));
+        assert!(!s.cancelled_w("t", 100 + EXPIRED_KEPT_MS));
     }
 
     #[test]
     fn a_late_cancel_read_again_from_a_checkpoint_counts_once() {
-        let mut s = State::new(WIDE);
+        let mut s = State::new(WIDE, ours());
         s.executed_set.insert("ran".into(), "q".into());
-        s.add("ran".into(), 5_000, 10);
-        s.add("ran".into(), 5_000, 20);
+        s.add(key("ran"), 5_000, 10);
+        s.add(key("ran"), 5_000, 20);
         assert_eq!(s.too_late, 1);
     }
 
     #[test]
     fn a_checkpoint_of_no_parts_or_of_changing_parts_is_not_complete() {
-        let mut s = State::new(WIDE);
-        s.apply(Record::CheckpointBegin { nonce: "k".into() }, 10);
+        let mut s = State::new(WIDE, ours());
+        s.apply_w(Record::CheckpointBegin { nonce: "k".into() }, 10);
         let part = |part: u32, parts: u32| Record::Checkpoint {
             nonce: "k".into(),
             part,
             parts,
             items: vec![],
+            by: W.into(),
         };
-        s.apply(part(0, 0), 10);
+        s.apply_w(part(0, 0), 10);
         assert_eq!(s.complete_at, None, "zero parts");
-        s.apply(part(0, 2), 10);
-        s.apply(part(1, 1), 10);
+        s.apply_w(part(0, 2), 10);
+        s.apply_w(part(1, 1), 10);
         assert_eq!(s.complete_at, None, "a part claiming fewer parts");
-        s.apply(part(1, 2), 10);
+        s.apply_w(part(1, 2), 10);
         assert!(s.complete_at.is_some());
     }
 
     #[test]
     fn a_checkpoint_counts_once_all_its_parts_follow_its_begin() {
-        let mut s = State::new(WIDE);
+        let mut s = State::new(WIDE, ours());
         let part = |n: u32, items: Vec<(String, u64)>| Record::Checkpoint {
             nonce: "k".into(),
             part: n,
             parts: 2,
             items,
+            by: W.into(),
         };
         // parts without their begin: tombstones taken, no checkpoint
-        s.apply(part(0, vec![("a".into(), 100)]), 10);
-        assert!(s.is_cancelled("a", 10));
+        s.apply_w(part(0, vec![("a".into(), 100)]), 10);
+        assert!(s.cancelled_w("a", 10));
         assert_eq!(s.complete_at, None);
-        s.apply(cancel("x", 100), 10);
-        s.apply(Record::CheckpointBegin { nonce: "k".into() }, 10);
-        s.apply(cancel("y", 100), 10);
-        s.apply(part(1, vec![]), 10);
+        s.apply_w(cancel("x", 100), 10);
+        s.apply_w(Record::CheckpointBegin { nonce: "k".into() }, 10);
+        s.apply_w(cancel("y", 100), 10);
+        s.apply_w(part(1, vec![]), 10);
         assert_eq!(s.complete_at, None, "one part of two");
-        s.apply(part(1, vec![]), 10);
+        s.apply_w(part(1, vec![]), 10);
         assert_eq!(s.complete_at, None, "the same part again");
-        s.apply(part(0, vec![("b".into(), 100)]), 10);
+        s.apply_w(part(0, vec![("b".into(), 100)]), 10);
         assert_eq!(
             s.complete_at,
             Some(3),
@@ -501,35 +602,38 @@ mod tests {
 
     #[test]
     fn a_snapshot_read_back_restores_what_its_writer_held() {
-        let mut w = State::new(WIDE);
-        w.apply(cancel("live", 50_000), 1_000);
-        w.apply(cancel("expired", 500), 1_000);
-        let items = w.snapshot(1_000);
-        let mut r = State::new(WIDE);
-        r.apply(
+        let mut w = State::new(WIDE, ours());
+        w.apply_w(cancel("live", 50_000), 1_000);
+        w.apply_w(cancel("expired", 500), 1_000);
+        let parts = parts_of(w.snapshot(1_000), 10);
+        assert_eq!(parts.len(), 1);
+        let (by, items) = parts.into_iter().next().unwrap();
+        let mut r = State::new(WIDE, ours());
+        r.apply_w(
             Record::Checkpoint {
                 nonce: "k".into(),
                 part: 0,
                 parts: 1,
                 items,
+                by,
             },
             2_000,
         );
-        assert_eq!(r.tombstones.get("live"), Some(&50_000));
-        assert!(r.is_cancelled("expired", 2_000));
+        assert_eq!(r.tombstones.get(&key("live")), Some(&50_000));
+        assert!(r.cancelled_w("expired", 2_000));
         assert_eq!(
-            r.expired.get("expired"),
-            w.expired.get("expired"),
+            r.expired.get(&key("expired")),
+            w.expired.get(&key("expired")),
             "kept exactly as long"
         );
     }
 
     #[test]
     fn only_a_ready_follower_checkpoints_after_enough_records() {
-        let mut s = State::new(WIDE);
+        let mut s = State::new(WIDE, ours());
         s.jitter = 1.0;
         for i in 0..100 {
-            s.apply(
+            s.apply_w(
                 Record::Barrier {
                     nonce: format!("{i}"),
                 },
@@ -544,18 +648,18 @@ mod tests {
         assert!(s.wants_checkpoint(100));
         assert!(!s.wants_checkpoint(101));
         // someone else began one: wait for it
-        s.apply(Record::CheckpointBegin { nonce: "k".into() }, 10);
+        s.apply_w(Record::CheckpointBegin { nonce: "k".into() }, 10);
         assert!(!s.wants_checkpoint(100));
         // many tombstones: checkpoints further apart (twice as many records as tombstones)
-        let mut s = State::new(WIDE);
+        let mut s = State::new(WIDE, ours());
         s.jitter = 1.0;
         s.ready = true;
         for i in 0..100 {
-            s.apply(cancel(&format!("c{i}"), 1_000), 10);
+            s.apply_w(cancel(&format!("c{i}"), 1_000), 10);
         }
         assert!(!s.wants_checkpoint(10), "holds 100: every 200 records");
         for i in 0..100 {
-            s.apply(
+            s.apply_w(
                 Record::Barrier {
                     nonce: format!("{i}"),
                 },
@@ -567,26 +671,29 @@ mod tests {
 
     #[test]
     fn a_never_expiring_tombstone_is_live_only_as_long_as_a_message_can_need() {
-        let mut s = State::new(Limits {
-            ahead_ms: 1_000,
-            max_live: 10,
-        });
-        s.apply(cancel("forever", u64::MAX), 5_000);
-        assert_eq!(s.tombstones.get("forever"), Some(&6_000));
-        assert!(s.is_cancelled("forever", 5_999));
+        let mut s = State::new(
+            Limits {
+                ahead_ms: 1_000,
+                max_live: 10,
+            },
+            ours(),
+        );
+        s.apply_w(cancel("forever", u64::MAX), 5_000);
+        assert_eq!(s.tombstones.get(&key("forever")), Some(&6_000));
+        assert!(s.cancelled_w("forever", 5_999));
         // then an expired one like any other, kept a week and forgotten
         s.prune(6_000);
         assert!(s.tombstones.is_empty());
-        assert!(!s.is_cancelled("forever", 6_000 + EXPIRED_KEPT_MS));
+        assert!(!s.cancelled_w("forever", 6_000 + EXPIRED_KEPT_MS));
     }
 
     #[test]
     fn tombstones_no_writer_of_ours_makes_are_skipped() {
-        let mut s = State::new(WIDE);
-        s.apply(cancel("", 100), 10);
-        s.apply(cancel(&"x".repeat(MAX_ID_BYTES + 1), 100), 10);
-        let many = |n: usize| (0..n).map(|i| (format!("m{i}"), 100)).collect::<Items>();
-        s.apply(
+        let mut s = State::new(WIDE, ours());
+        s.apply_w(cancel("", 100), 10);
+        s.apply_w(cancel(&"x".repeat(MAX_ID_BYTES + 1), 100), 10);
+        let many = |n: usize| (0..n).map(|i| (format!("m{i}"), 100)).collect::<Vec<_>>();
+        s.apply_w(
             Record::Cancels {
                 items: many(MAX_ITEMS + 1),
             },
@@ -594,7 +701,7 @@ mod tests {
         );
         assert!(s.tombstones.is_empty());
         assert_eq!(s.read, 3, "each a position all the same");
-        s.apply(
+        s.apply_w(
             Record::Cancels {
                 items: many(MAX_ITEMS),
             },
@@ -602,36 +709,40 @@ mod tests {
         );
         assert_eq!(s.tombstones.len(), MAX_ITEMS);
         // a checkpoint of absurdly many parts never completes
-        s.apply(Record::CheckpointBegin { nonce: "k".into() }, 10);
+        s.apply_w(Record::CheckpointBegin { nonce: "k".into() }, 10);
         let part = |parts| Record::Checkpoint {
             nonce: "k".into(),
             part: 0,
             parts,
             items: vec![],
+            by: W.into(),
         };
-        s.apply(part(MAX_PARTS + 1), 10);
+        s.apply_w(part(MAX_PARTS + 1), 10);
         assert_eq!(s.complete_at, None);
-        s.apply(part(1), 10);
+        s.apply_w(part(1), 10);
         assert!(s.complete_at.is_some());
     }
 
     #[test]
     fn live_tombstones_stop_at_the_cap_and_room_comes_back_as_they_expire() {
-        let mut s = State::new(Limits {
-            ahead_ms: u64::MAX,
-            max_live: 3,
-        });
+        let mut s = State::new(
+            Limits {
+                ahead_ms: u64::MAX,
+                max_live: 3,
+            },
+            ours(),
+        );
         for i in 0..5 {
-            s.apply(cancel(&format!("t{i}"), 100 + i), 10);
+            s.apply_w(cancel(&format!("t{i}"), 100 + i), 10);
         }
         assert_eq!(s.tombstones.len(), 3);
-        assert!(s.is_cancelled("t2", 10) && !s.is_cancelled("t3", 10));
+        assert!(s.cancelled_w("t2", 10) && !s.cancelled_w("t3", 10));
         // one held already is taken again (a checkpoint repeats it)
-        s.add("t0".into(), 500, 10);
-        assert_eq!(s.tombstones.get("t0"), Some(&500));
+        s.add(key("t0"), 500, 10);
+        assert_eq!(s.tombstones.get(&key("t0")), Some(&500));
         // expired ones make room
-        s.add("late".into(), 1_000, 150);
-        assert!(s.tombstones.contains_key("late"));
+        s.add(key("late"), 1_000, 150);
+        assert!(s.tombstones.contains_key(&key("late")));
     }
 
     proptest::proptest! {
@@ -645,20 +756,20 @@ mod tests {
             ),
         ) {
             let limits = Limits { ahead_ms: 5_000, max_live: 50 };
-            let mut s = State::new(limits);
+            let mut s = State::new(limits, ours());
             let now = 1_000_000;
             for (kind, items) in records {
-                let items: Items = items.into_iter().map(|(i, u)| (format!("i{i}"), u)).collect();
+                let items: Vec<_> = items.into_iter().map(|(i, u)| (format!("i{i}"), u)).collect();
                 let r = match kind {
                     0 => Record::Cancels { items },
-                    1 => Record::Checkpoint { nonce: "k".into(), part: 0, parts: 1, items },
+                    1 => Record::Checkpoint { nonce: "k".into(), part: 0, parts: 1, items, by: W.into() },
                     2 => Record::CheckpointBegin { nonce: "k".into() },
                     _ => match items.into_iter().next() {
                         Some((id, until_ms)) => Record::Cancel { id, until_ms, due_at_ms: None },
                         None => Record::Barrier { nonce: "b".into() },
                     },
                 };
-                s.apply(r, now);
+                s.apply_w(r, now);
                 proptest::prop_assert!(s.tombstones.len() <= limits.max_live);
                 proptest::prop_assert!(s.expired.len() <= EXPIRED_KEPT);
                 proptest::prop_assert!(s.tombstones.values().all(|u| *u <= now + limits.ahead_ms));

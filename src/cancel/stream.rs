@@ -10,11 +10,11 @@ use lapin::types::AMQPValue;
 use tokio::sync::oneshot;
 
 use super::CHECKPOINT_PART;
-use super::state::{Items, State, lock};
+use super::state::{Items, State, lock, parts_of};
 use crate::broker::SharedChannel;
 use crate::control::Record;
 use crate::error::{Error, Result};
-use crate::stream_log::{Compaction, READ_STALL, Reader, StreamLog};
+use crate::stream_log::{Compaction, READ_STALL, Read, Reader, StreamLog};
 use crate::time::now_ms;
 
 /// Where a start-up read may begin before the stream's first record, nearest first: from
@@ -42,8 +42,8 @@ pub(super) struct Starting<'a> {
 impl Compaction for Starting<'_> {
     type Record = Record;
 
-    fn record(&mut self, _offset: Option<u64>, record: Option<Record>) {
-        lock(self.state).read_one(record, now_ms());
+    fn record(&mut self, read: Read<Record>) {
+        lock(self.state).read_one(read.record, read.by.as_deref(), now_ms());
         if let Some(p) = self.progress {
             p.fetch_add(1, Ordering::Relaxed);
         }
@@ -70,8 +70,8 @@ pub(super) async fn pump(
     every: u64,
 ) {
     loop {
-        let record = match reader.next().await {
-            Some(Ok((_, record))) => record,
+        let read = match reader.next().await {
+            Some(Ok(read)) => read,
             Some(Err(e)) => {
                 let mut s = lock(&state);
                 s.broken = Some(e.to_string());
@@ -82,7 +82,7 @@ pub(super) async fn pump(
         };
         let checkpoint = {
             let mut s = lock(&state);
-            s.read_one(record, now_ms());
+            s.read_one(read.record, read.by.as_deref(), now_ms());
             s.begin_checkpoint(every)
         };
         if let Some((nonce, rx)) = checkpoint {
@@ -111,22 +111,20 @@ pub(super) async fn write_checkpoint(
         };
         log.append_on(&channel, &begin).await?;
         let items = wait_progress(&state, rx, "reading a checkpoint's begin record back").await?;
-        let chunks: Vec<&[(String, u64)]> = if items.is_empty() {
-            vec![&[]]
-        } else {
-            items.chunks(CHECKPOINT_PART).collect()
-        };
+        let held = items.len();
+        let chunks = parts_of(items, CHECKPOINT_PART);
         let parts = u32::try_from(chunks.len()).unwrap_or(u32::MAX);
-        for (part, chunk) in chunks.into_iter().enumerate() {
+        for (part, (by, items)) in chunks.into_iter().enumerate() {
             let part = Record::Checkpoint {
                 nonce: nonce.clone(),
                 part: u32::try_from(part).unwrap_or(u32::MAX),
                 parts,
-                items: chunk.to_vec(),
+                items,
+                by,
             };
             log.append_on(&channel, &part).await?;
         }
-        Ok::<usize, Error>(items.len())
+        Ok::<usize, Error>(held)
     }
     .await;
     let mut s = lock(&state);

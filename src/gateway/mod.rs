@@ -46,14 +46,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ExchangeKind};
 
 use crate::broker;
 use crate::control;
 use crate::envelope::Delivery;
 use crate::error::{Error, Result, ResultExt};
-use crate::headers::{INVALID, X_DELAY};
+use crate::headers::{INVALID, OWNER, X_DELAY};
 use crate::layout::Layout;
 use crate::message::Message;
 use crate::settings::{PairConfig, Settings};
@@ -178,6 +178,14 @@ enum Held {
     Failed,
 }
 
+/// Who owns an application's message: the `user_id` it published with (the broker checked
+/// it), else the gateway's own user, which schedules it; their cancels (and an admin's) stop it.
+fn ingress_owner(d: &Delivery, ctx: &Context) -> Option<String> {
+    d.owner
+        .clone()
+        .or_else(|| ctx.trust().own().map(str::to_string))
+}
+
 /// A place among the gateway's held messages, given back when dropped.
 struct HoldSlot(Arc<AtomicUsize>);
 
@@ -232,8 +240,16 @@ impl GatewayHandler {
             Ok(ms) => (ms, None),
             Err(reason) => (0, Some(reason)),
         };
+        let mut props = stash(&d.properties, &d.routing_key, invalid.as_deref());
+        // the gateway's copy names its owner, so that the owner's cancels stop it
+        let owner = ingress_owner(d, ctx);
+        if let Some(owner) = &owner {
+            let mut h = props.headers().clone().unwrap_or_default();
+            h.insert(OWNER.into(), AMQPValue::LongString(owner.as_str().into()));
+            props = props.with_headers(h);
+        }
         let mut msg = Message::new(c.pair.due_queue.clone(), delay_ms, d.body.clone())
-            .with_properties(stash(&d.properties, &d.routing_key, invalid.as_deref()))
+            .with_properties(props)
             .internal();
         if invalid.is_none() && delay_ms <= c.hold_ms {
             // what could not cross the tiers is parked whatever its delay, as it would be
@@ -241,7 +257,8 @@ impl GatewayHandler {
                 return cannot_schedule(&e);
             }
             if let Some(_slot) = HoldSlot::take(&c.held, c.hold_cap) {
-                match self.publish_held(d, delay_ms, &msg.properties, ctx).await {
+                let held = self.publish_held(d, owner.as_deref(), delay_ms, &msg.properties, ctx);
+                match held.await {
                     Held::Published => return Outcome::Success,
                     Held::Cancelled => return Outcome::Cancelled,
                     // due now: the due queue retries it, or parks it with the reason
@@ -276,6 +293,7 @@ impl GatewayHandler {
     async fn publish_held(
         &self,
         d: &Delivery,
+        owner: Option<&str>,
         delay_ms: u64,
         props: &lapin::BasicProperties,
         ctx: &Context,
@@ -289,7 +307,7 @@ impl GatewayHandler {
             .lateness
             .get_or_create(&crate::metrics::Metrics::queue(&c.pair.due_queue))
             .observe(late as f64 / 1000.0);
-        match ctx.is_cancelled(&d.message_id, due_at_ms).await {
+        match ctx.is_cancelled_as(&d.message_id, owner, due_at_ms).await {
             Ok(true) => return Held::Cancelled,
             Ok(false) => {}
             Err(_) => return Held::Failed,
@@ -313,6 +331,16 @@ impl GatewayHandler {
 
     async fn handle_due(&self, d: &Delivery, ctx: &Context) -> Outcome {
         let c = &self.ctx;
+        // the due stage publishes to the target what it carries, with the routing key and
+        // `x-delay-user-id` it names: only a gateway may have written it, not whoever may
+        // write the tiers
+        let writer = d.properties.user_id().as_ref().map(|u| u.as_str());
+        if !ctx.trust().is_forwarder(writer) {
+            return Outcome::Permanent(format!(
+                "not written by a gateway: user_id '{}' is neither this gateway's user nor one of trust.peers",
+                writer.unwrap_or("(none)")
+            ));
+        }
         let empty = FieldTable::default();
         match text_header(d.headers().unwrap_or(&empty), INVALID) {
             Ok(Some(reason)) => return Outcome::Permanent(reason),

@@ -115,6 +115,7 @@ impl Inner {
         } else {
             self.batch_message(members, &route, earliest)
         };
+        let props = self.signed(props);
         let batch_id = (members.len() > 1)
             .then(|| props.message_id().as_ref().map(|s| s.to_string()))
             .flatten();
@@ -151,9 +152,11 @@ impl Inner {
         };
         let log = crate::ledger::log(&self.layout);
         let stream = log.name();
-        let props = BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_content_type("application/json".into());
+        let props = self.signed(
+            BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_content_type("application/json".into()),
+        );
         let written = self
             .publish_confirmed("", stream, &log.encode(&entry), props)
             .await;
@@ -170,6 +173,15 @@ impl Inner {
                 tracing::warn!(%stream, "could not write the ledger (kept for the next try): {}", crate::error::chain(&e));
                 self.ledger.put_back(entry);
             }
+        }
+    }
+
+    /// `props` with this publisher's user as `user_id` (whatever the caller set: the broker
+    /// refuses any other), so that readers know who wrote it ([`crate::trust`]).
+    pub(super) fn signed(&self, props: BasicProperties) -> BasicProperties {
+        match &self.user {
+            Some(u) => props.with_user_id(u.clone()),
+            None => props,
         }
     }
 

@@ -73,6 +73,11 @@ struct Inner {
     ledger: crate::ledger::Recorder,
     /// Whether the topology has a ledger stream (declared by this version or later).
     ledger_on: std::sync::atomic::AtomicBool,
+    /// The connection's user: the `user_id` on everything it writes into the topology (tier
+    /// messages, batches, stream records), which the broker checks (see [`crate::trust`]).
+    user: Option<lapin::types::ShortString>,
+    /// `[trust]`: whose ledger snapshots its counts start from.
+    trust: crate::settings::TrustSettings,
 }
 
 /// What the publisher knows of a destination, refreshed every `publisher.binding_cache`.
@@ -236,7 +241,9 @@ impl Publisher {
     /// after a loss, unlike a stream log's own); a missing stream is the stream log's error.
     async fn append_control(&self, record: &Record) -> Result<()> {
         let log = crate::control::log(&self.inner.layout);
-        let props = BasicProperties::default().with_delivery_mode(2);
+        let props = self
+            .inner
+            .signed(BasicProperties::default().with_delivery_mode(2));
         self.inner
             .publish_confirmed("", log.name(), &log.encode(record), props)
             .await
@@ -282,7 +289,10 @@ impl Publisher {
             );
         }
         let channel = open_confirm_channel(&conn).await?;
+        let user = crate::connection::user_of(&conn).map(|u| u.as_str().into());
         let inner = Arc::new(Inner {
+            user,
+            trust: all.trust.clone(),
             conn: tokio::sync::RwLock::new(conn),
             url,
             channel: tokio::sync::RwLock::new(channel),
@@ -554,7 +564,7 @@ async fn run_ledger(inner: Arc<Inner>, mut stop: tokio::sync::oneshot::Receiver<
             next_count = tokio::time::Instant::now() + snapshot_every;
             let count = async {
                 let conn = inner.connection().await?;
-                crate::ledger::count(&conn, &inner.layout).await
+                crate::ledger::count(&conn, &inner.layout, &inner.trust).await
             };
             tokio::select! {
                 r = count => match r {

@@ -36,6 +36,7 @@ use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::publisher::Publisher;
 use crate::settings::Settings;
+use crate::trust::Trust;
 
 /// What a handler decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,6 +83,7 @@ pub trait Handler: Send + Sync + 'static {
 pub struct Context {
     publisher: Arc<Publisher>,
     cancels: Arc<Cancellations>,
+    trust: Arc<Trust>,
 }
 
 impl Context {
@@ -90,14 +92,30 @@ impl Context {
         &self.publisher
     }
 
-    /// Whether `message_id`, due at `due_at_ms`, has been cancelled, after reading every cancel
-    /// that matters for it (those confirmed `cancel.notice` before the due time), as the worker
-    /// does before it runs a handler. For a handler that itself waits until a message is due
-    /// (the gateway holding a short delay); it then returns [`Outcome::Cancelled`]. An error
-    /// when the control stream cannot be read.
-    pub async fn is_cancelled(&self, message_id: &str, due_at_ms: u64) -> Result<bool> {
+    /// Whether `d`, due at `due_at_ms`, has been cancelled (by its owner or an admin), after
+    /// reading every cancel that matters for it (those confirmed `cancel.notice` before the
+    /// due time), as the worker does before it runs a handler. For a handler that itself waits
+    /// until a message is due (the gateway holding a short delay); it then returns
+    /// [`Outcome::Cancelled`]. An error when the control stream cannot be read.
+    pub async fn is_cancelled(&self, d: &Delivery, due_at_ms: u64) -> Result<bool> {
+        self.is_cancelled_as(&d.message_id, d.owner.as_deref(), due_at_ms)
+            .await
+    }
+
+    /// [`Context::is_cancelled`] for the message `id` owned by `owner`.
+    pub async fn is_cancelled_as(
+        &self,
+        id: &str,
+        owner: Option<&str>,
+        due_at_ms: u64,
+    ) -> Result<bool> {
         self.cancels.sync_for(Some(due_at_ms)).await?;
-        Ok(self.cancels.is_cancelled(message_id))
+        Ok(self.cancels.is_cancelled(id, owner))
+    }
+
+    /// Whose records and messages count for what ([`crate::trust`]).
+    pub fn trust(&self) -> &Trust {
+        &self.trust
     }
 }
 

@@ -23,11 +23,14 @@ use crate::metrics::Metrics;
 use crate::publisher::Publisher;
 use crate::settings::ConsumerSettings;
 use crate::time::now_ms;
+use crate::trust::Trust;
 
 /// What every delivery task shares.
 pub(super) struct TaskCtx {
     /// The control stream's tombstones.
     pub cancels: Arc<Cancellations>,
+    /// Whose messages are whose ([`crate::trust`]).
+    pub trust: Arc<Trust>,
     pub publisher: Arc<Publisher>,
     pub settings: ConsumerSettings,
     /// The most members a batch may announce (no publisher of ours sends more).
@@ -88,7 +91,8 @@ pub(super) async fn delivery<H: Handler>(
         batch_delivery(raw, acker, queue, handler, ctx, requeue).await;
         return;
     }
-    let decoded = envelope::decode(
+    let owner = owner_of(&raw.properties, None, ctx);
+    let mut decoded = envelope::decode(
         queue,
         raw.data,
         raw.properties,
@@ -96,6 +100,7 @@ pub(super) async fn delivery<H: Handler>(
         raw.exchange.as_str(),
         redelivered,
     );
+    decoded.0.owner = owner;
     let id = decoded.0.message_id.clone();
     match one(decoded, handler, ctx, true).await {
         Ok((_, Done::NotStarted)) => {
@@ -107,6 +112,40 @@ pub(super) async fn delivery<H: Handler>(
         }
         Ok(_) => settle(acker, queue, &id, Ok(()), requeue).await,
         Err(e) => settle(acker, queue, &id, Err(e), requeue).await,
+    }
+}
+
+/// Who owns a message with properties `props` (a plain one, or a batch member whose batch
+/// had `batch`): its writer's `user_id`, or the owner a forwarder of ours named
+/// ([`Trust::owner`]). A member's own `user_id` is not the broker's to check: its batch's is.
+fn owner_of(
+    props: &lapin::BasicProperties,
+    batch: Option<&lapin::BasicProperties>,
+    ctx: &TaskCtx,
+) -> Option<String> {
+    let writer = batch
+        .unwrap_or(props)
+        .user_id()
+        .as_ref()
+        .map(|u| u.as_str());
+    ctx.trust
+        .owner(writer, envelope::owner_header(props).as_deref())
+}
+
+/// A batch member's properties as if it had been delivered alone: the `user_id` its batch's
+/// writer had (the broker checked that one), never one the member claims.
+fn member_properties(
+    member: lapin::BasicProperties,
+    batch: &lapin::BasicProperties,
+) -> lapin::BasicProperties {
+    let omit = envelope::Omit {
+        user_id: true,
+        ..envelope::Omit::default()
+    };
+    let p = envelope::copy_properties(&member, omit);
+    match batch.user_id() {
+        Some(u) => p.with_user_id(u.clone()),
+        None => p,
     }
 }
 
@@ -160,8 +199,12 @@ async fn batch_delivery<H: Handler>(
         .unwrap_or_default();
     let (key, exchange) = (raw.routing_key.as_str(), raw.exchange.as_str());
     tracing::debug!(queue, batch = %batch_id, redelivered, members = members.len(), "batch received");
+    let batch_props = &raw.properties;
     let runs = members.into_iter().map(|m| async move {
-        let decoded = envelope::decode(queue, m.body, m.properties, key, exchange, redelivered);
+        let owner = owner_of(&m.properties, Some(batch_props), ctx);
+        let props = member_properties(m.properties, batch_props);
+        let mut decoded = envelope::decode(queue, m.body, props, key, exchange, redelivered);
+        decoded.0.owner = owner;
         // a batch that started runs to the end (within the shutdown grace): its members are
         // never skipped
         match one(decoded, handler, ctx, false).await {
@@ -291,7 +334,7 @@ async fn one<H: Handler>(
     if ctx.cancels.sync_for(d.due_at_ms).await? {
         ctx.counters.count(Event::CancelSync, &d.queue);
     }
-    if ctx.cancels.is_cancelled(&d.message_id) {
+    if ctx.cancels.is_cancelled(&d.message_id, d.owner.as_deref()) {
         cancelled(&d, ctx, "acked without running");
         return Ok((d, Done::Cancelled));
     }
@@ -357,6 +400,7 @@ async fn run_handler<H: Handler>(d: &Delivery, handler: &H, ctx: &TaskCtx) -> Op
     let hctx = Context {
         publisher: ctx.publisher.clone(),
         cancels: ctx.cancels.clone(),
+        trust: ctx.trust.clone(),
     };
     let held = Instant::now();
     let mut pause = Duration::from_millis(250);
@@ -381,7 +425,7 @@ async fn run_handler<H: Handler>(d: &Delivery, handler: &H, ctx: &TaskCtx) -> Op
                 tracing::info!(queue = %d.queue, id = %d.message_id, %reason, "not processed now; trying again in {pause:?}");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(2));
-                if ctx.cancels.is_cancelled(&d.message_id) {
+                if ctx.cancels.is_cancelled(&d.message_id, d.owner.as_deref()) {
                     break None;
                 }
             }
@@ -441,7 +485,8 @@ async fn carry_out(d: &Delivery, outcome: Outcome, ctx: &TaskCtx) -> Result<Done
 
 /// Counts and logs a cancelled message (acked without running, or without running again).
 fn cancelled(d: &Delivery, ctx: &TaskCtx, what: &str) {
-    ctx.cancels.fell_due(&d.message_id, d.due_at_ms);
+    ctx.cancels
+        .fell_due(&d.message_id, d.owner.as_deref(), d.due_at_ms);
     ctx.counters.count(Event::Cancelled, &d.queue);
     tracing::info!(queue = %d.queue, id = %d.message_id, attempt = d.attempt, "cancelled: {what}");
 }
@@ -456,7 +501,7 @@ async fn reschedule(
 ) -> Result<()> {
     let props = envelope::republish_properties(
         &d.properties,
-        envelope::headers_for_reschedule(d.headers()),
+        envelope::headers_for_reschedule(d.headers(), d.owner.as_deref()),
     );
     let msg = Message::new(d.queue.clone(), delay, d.body.clone())
         .with_properties(props)
@@ -488,6 +533,13 @@ async fn park(d: &Delivery, reason: &str, kind: &str, ctx: &TaskCtx) -> Result<(
         headers::PARKED_FROM.into(),
         AMQPValue::LongString(LongString::from(d.queue.as_str())),
     );
+    // who scheduled it, for whoever looks at the parked copy
+    if let Some(owner) = &d.owner {
+        h.insert(
+            headers::OWNER.into(),
+            AMQPValue::LongString(LongString::from(owner.as_str())),
+        );
+    }
     let props = envelope::republish_properties(&d.properties, h).with_delivery_mode(2);
     let target = ctx.layout.parked_queue(&d.queue);
     ctx.publisher

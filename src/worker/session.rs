@@ -96,6 +96,7 @@ impl<'w, H: Handler> Session<'w, H> {
         let mut follow =
             FollowOptions::new(s.cancel.notice.as_duration(), s.cancel.horizon.as_millis());
         follow.progress = Some(progress);
+        follow.trust = s.trust.clone();
         let cancels = match Cancellations::follow_with(conn, layout, follow).await {
             Ok(c) => Arc::new(c),
             Err(e @ (Error::Amqp { .. } | Error::Timeout { .. } | Error::Stream { .. })) => {
@@ -104,6 +105,7 @@ impl<'w, H: Handler> Session<'w, H> {
             Err(e) => return Err(e),
         };
         let ctx = Arc::new(process::TaskCtx {
+            trust: Arc::new(cancels.trust()),
             cancels,
             publisher: publisher.clone(),
             settings: cs.clone(),

@@ -27,7 +27,11 @@ async fn append_raw(env: &Env, stream: &str, bodies: &[Vec<u8>]) {
                 stream.into(),
                 Default::default(),
                 body,
-                BasicProperties::default().with_delivery_mode(2),
+                // an authenticated writer (the broker checks it): what the documented
+                // publisher role can append
+                BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_user_id("guest".into()),
             )
             .await
             .unwrap()
@@ -64,7 +68,7 @@ async fn a_never_expiring_forged_tombstone_is_clamped_and_floods_are_skipped() {
             .await
             .unwrap();
     let until = follower
-        .live_until("victim")
+        .live_until("victim", "guest")
         .expect("the tombstone is held");
     let latest = now_ms() + layout.max_delay_ms() + horizon_ms;
     assert!(
@@ -72,10 +76,13 @@ async fn a_never_expiring_forged_tombstone_is_clamped_and_floods_are_skipped() {
         "until {until}, latest {latest}"
     );
     assert!(
-        !follower.is_cancelled("flood-0"),
+        !follower.is_cancelled("flood-0", Some("guest")),
         "a record of 1 001 tombstones was taken"
     );
-    assert!(!follower.is_cancelled("huge"), "a 3 MB record was taken");
+    assert!(
+        !follower.is_cancelled("huge", Some("guest")),
+        "a 3 MB record was taken"
+    );
     assert_eq!(follower.stats().live, 1);
     drop(follower);
     env.cleanup().await;
@@ -107,7 +114,7 @@ async fn a_forged_snapshot_covering_everything_hides_nothing() {
     // the first count reads everything (and leaves a snapshot of its own), the second starts
     // from that one: both see the 8
     for read in ["first", "second"] {
-        let c = amqp_delay::ledger::count(&env.conn, &layout)
+        let c = amqp_delay::ledger::count(&env.conn, &layout, &Default::default())
             .await
             .unwrap()
             .expect("the topology has a ledger");

@@ -336,7 +336,7 @@ async fn stats_count_messages_not_broker_messages() {
         (1..30).contains(&in_tiers),
         "300 messages took {in_tiers} broker messages"
     );
-    let c = amqp_delay::ledger::count(&env.conn, &layout)
+    let c = amqp_delay::ledger::count(&env.conn, &layout, &Default::default())
         .await
         .unwrap()
         .expect("the topology has a ledger");
@@ -355,7 +355,7 @@ async fn stats_count_messages_not_broker_messages() {
     drop(p);
     let mut c = None;
     for _ in 0..50 {
-        let now = amqp_delay::ledger::count(&env.conn, &layout)
+        let now = amqp_delay::ledger::count(&env.conn, &layout, &Default::default())
             .await
             .unwrap()
             .unwrap();
@@ -420,7 +420,9 @@ async fn stats_count_messages_not_broker_messages() {
         .expect("scheduled without a ledger");
     p.close().await;
     assert_eq!(
-        amqp_delay::ledger::count(&env.conn, &layout).await.unwrap(),
+        amqp_delay::ledger::count(&env.conn, &layout, &Default::default())
+            .await
+            .unwrap(),
         None
     );
     let text = stats(false).await;

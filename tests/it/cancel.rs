@@ -282,7 +282,7 @@ async fn a_cancel_confirmed_the_notice_before_due_is_honoured_and_a_late_one_is_
         let id = format!("probe{i}");
         p.cancel(&id, None).await.unwrap();
         let t = Instant::now();
-        while !follower.is_cancelled(&id) {
+        while !follower.is_cancelled(&id, Some("guest")) {
             tokio::time::sleep(Duration::from_micros(200)).await;
             assert!(
                 t.elapsed() < Duration::from_secs(5),
@@ -394,7 +394,9 @@ async fn append_raw(env: &Env, bodies: impl Iterator<Item = String>) {
                 stream.as_str().into(),
                 Default::default(),
                 body.as_bytes(),
-                lapin::BasicProperties::default().with_delivery_mode(2),
+                lapin::BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_user_id("guest".into()),
             )
             .await
             .unwrap(),
@@ -457,7 +459,10 @@ async fn start_up_reads_from_the_latest_checkpoint_not_the_whole_stream() {
     let first_took = t.elapsed();
     let s = first.stats();
     assert!(s.start_records > n, "{s:?}");
-    assert!(first.is_cancelled("early-live") && first.is_cancelled("early-expired"));
+    assert!(
+        first.is_cancelled("early-live", Some("guest"))
+            && first.is_cancelled("early-expired", Some("guest"))
+    );
     // it read far more than a checkpoint's worth: it writes one
     assert!(
         wait_until(Duration::from_secs(10), || {
@@ -492,9 +497,15 @@ async fn start_up_reads_from_the_latest_checkpoint_not_the_whole_stream() {
         "read more than the way back to the checkpoint: {s2:?}"
     );
     assert!(s2.checkpoints_read >= 1, "{s2:?}");
-    assert!(second.is_cancelled("early-live"), "lost a tombstone");
-    assert!(second.is_cancelled("early-expired"), "lost an expired one");
-    assert!(!second.is_cancelled("never"));
+    assert!(
+        second.is_cancelled("early-live", Some("guest")),
+        "lost a tombstone"
+    );
+    assert!(
+        second.is_cancelled("early-expired", Some("guest")),
+        "lost an expired one"
+    );
+    assert!(!second.is_cancelled("never", Some("guest")));
     // how long that takes is printed above, not asserted: the suite does not control the
     // machine's load (5.7 s once on a loaded 2-core machine, 4.0.5); the records read are the
     // property
@@ -502,7 +513,7 @@ async fn start_up_reads_from_the_latest_checkpoint_not_the_whole_stream() {
     let p = env.publisher().await;
     p.cancel("later", None).await.unwrap();
     second.sync().await.unwrap();
-    assert!(second.is_cancelled("later"));
+    assert!(second.is_cancelled("later", Some("guest")));
     p.close().await;
     drop((first, second));
     env.cleanup().await;

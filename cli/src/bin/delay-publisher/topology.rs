@@ -88,7 +88,7 @@ pub(crate) async fn stats(
             .await;
         // messages rather than broker messages: a failure to count is said, not fatal
         let counted = match &stats {
-            Ok(_) => amqp_delay::ledger::count(conn, &layout).await,
+            Ok(_) => amqp_delay::ledger::count(conn, &layout, &settings.trust).await,
             Err(_) => Ok(None),
         };
         Ok((stats, counted))
@@ -215,7 +215,15 @@ pub(crate) async fn teardown(
         if queues.is_empty() {
             let configured: Vec<String> =
                 settings.gateway.pairs.iter().map(|p| p.ingress.clone()).collect();
-            let done = admin::teardown_with(conn, &layout, management, force, &configured).await?;
+            let done = admin::teardown_with(
+                conn,
+                &layout,
+                management,
+                force,
+                &configured,
+                &settings.trust,
+            )
+            .await?;
             print_teardown(&layout, &done);
             return Ok(if done.failed() {
                 amqp_delay_cli::cli::EXIT_FAILURES
