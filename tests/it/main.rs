@@ -15,5 +15,6 @@ mod hostile;
 mod observe;
 mod permissions;
 mod security;
+mod trust;
 mod wheel;
 mod worker;

@@ -20,7 +20,7 @@ fn tls_node_name() -> String {
     crate::security::tls_node()["TLS_NODE"].clone()
 }
 
-fn ctl(args: &[&str]) {
+pub(crate) fn ctl(args: &[&str]) {
     let out = rabbitmqctl()
         .args(["-n", &tls_node_name()])
         .args(args)
@@ -34,7 +34,7 @@ fn ctl(args: &[&str]) {
 }
 
 /// Creates `user` with `configure`, `write`, `read` regexes on vhost `/`.
-fn user(user: &str, configure: &str, write: &str, read: &str) {
+pub(crate) fn user(user: &str, configure: &str, write: &str, read: &str) {
     let _ = rabbitmqctl()
         .args(["-n", &tls_node_name(), "delete_user", user])
         .output();
@@ -42,13 +42,13 @@ fn user(user: &str, configure: &str, write: &str, read: &str) {
     ctl(&["set_permissions", "-p", "/", user, configure, write, read]);
 }
 
-fn url(user: &str, port: &str) -> String {
+pub(crate) fn url(user: &str, port: &str) -> String {
     format!("amqp://{user}:{user}-pw@127.0.0.1:{port}/%2f")
 }
 
 /// Runs `delay-publisher --config cfg --url url args...`; panics naming `what` unless it
 /// succeeds. Returns its stdout.
-async fn cli_as(what: &str, cfg: &std::path::Path, url: &str, args: &[&str]) -> String {
+pub(crate) async fn cli_as(what: &str, cfg: &std::path::Path, url: &str, args: &[&str]) -> String {
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
         .arg("--config")
         .arg(cfg)
@@ -69,12 +69,12 @@ async fn cli_as(what: &str, cfg: &std::path::Path, url: &str, args: &[&str]) -> 
 /// Removes what the test made on the test node, also after a panic: the topology (as
 /// `teardown --force`, with what the control stream names), the queues and the exchange the
 /// test declared itself, the users.
-struct Cleanup {
-    cfg: std::path::PathBuf,
-    root: String,
-    queues: Vec<String>,
-    exchanges: Vec<String>,
-    users: Vec<String>,
+pub(crate) struct Cleanup {
+    pub(crate) cfg: std::path::PathBuf,
+    pub(crate) root: String,
+    pub(crate) queues: Vec<String>,
+    pub(crate) exchanges: Vec<String>,
+    pub(crate) users: Vec<String>,
 }
 
 impl Drop for Cleanup {

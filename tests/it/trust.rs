@@ -1,0 +1,467 @@
+//! Issue 23 replayed with several users, each holding exactly its documented permission set
+//! (on our own TLS test node's plain port, where users are created): what one role can do to
+//! another. A publisher (mallory) cancels, forges records and writes into the gateway's due
+//! queue; another publisher's (alice's) messages, an admin's cancel and the gateway's output
+//! must come out as their owners meant. Before writers were authenticated, mallory's cancel
+//! stopped alice's message, the forged checkpoint hid alice's cancel (as the reader that trusts
+//! mallory still shows) and the due stage delivered mallory's message.
+
+use std::time::Duration;
+
+use amqp_delay::cancel::{Cancellations, FollowOptions};
+use amqp_delay::settings::TrustSettings;
+use amqp_delay::time::now_ms;
+use amqp_delay::{Message, Outcome, Publisher, Settings, Worker};
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, LongString};
+
+use crate::harness::*;
+use crate::permissions::{Cleanup, cli_as, url, user};
+use crate::worker::Scripted;
+
+/// The users of one test, with the documented sets: an admin, two publishers, a worker of
+/// `q`, a gateway of `ingress` → `target`.
+struct World {
+    p: String,
+    port: String,
+    q: String,
+    ingress: String,
+    target: String,
+    root: String,
+    settings: Settings,
+    cfg: std::path::PathBuf,
+    _cleanup: Cleanup,
+}
+
+impl World {
+    fn url(&self, role: &str) -> String {
+        url(&format!("{}-{role}", self.p), &self.port)
+    }
+
+    fn user(&self, role: &str) -> String {
+        format!("{}-{role}", self.p)
+    }
+
+    /// The settings of `role`, which trusts the admin as every deployment should.
+    fn as_role(&self, role: &str) -> Settings {
+        Settings {
+            url: self.url(role),
+            trust: TrustSettings {
+                admins: vec![self.user("adm")],
+                peers: vec![],
+            },
+            ..self.settings.clone()
+        }
+    }
+}
+
+async fn world() -> World {
+    let node = crate::security::tls_node();
+    let port = node["AMQP_PORT"].clone();
+    let p = random_prefix();
+    let q = format!("{p}-orders");
+    let tiers = format!(r"{p}\.(level\d+|fixed\..+|overflow\d+|deliver)");
+    let (ingress, target) = (format!("{p}-delayed"), format!("{p}-target"));
+    let admin_set = format!(r"^({p}\..*|{q}|{ingress})$");
+    let admin_write = format!(r"^({p}\..*|{q}|{ingress}|amq\.default)$");
+    user(&format!("{p}-adm"), &admin_set, &admin_write, &admin_set);
+    let publisher_write = format!(r"^({tiers}|amq\.default)$");
+    for who in ["alice", "mallory"] {
+        user(&format!("{p}-{who}"), "^$", &publisher_write, "^$");
+    }
+    let stream_read = format!(r"{p}\.(control|ledger)");
+    user(
+        &format!("{p}-wrk"),
+        "^$",
+        &format!("^(amq\\.default|{tiers})$"),
+        &format!(r"^({q}|{stream_read})$"),
+    );
+    user(
+        &format!("{p}-gw"),
+        "^$",
+        &format!(r"^(amq\.default|{ingress}|{target}|{p}\.(gw\..*|parking)|{tiers})$"),
+        &format!(r"^({ingress}|{p}\.gw\..*|{stream_read})$"),
+    );
+    let root = url("guest", &port).replace("guest-pw", "guest");
+    let settings = Settings {
+        url: root.clone(),
+        prefix: p.clone(),
+        topology: small_topology(),
+        ..Settings::default()
+    };
+    let t = &settings.topology;
+    let cfg = temp_path(&p, "trust.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "prefix = \"{p}\"\n[topology]\nradix = {}\nunit = {}\nmax_delay = {}\nfixed_levels = [150]\nmax_tier_ttl = {}\n[trust]\nadmins = [\"{p}-adm\"]\n\n[[gateway.pairs]]\ningress = \"{ingress}\"\ntarget = \"{target}\"\n",
+            t.radix,
+            t.unit.as_millis(),
+            t.max_delay.as_millis(),
+            t.max_tier_ttl.as_millis()
+        ),
+    )
+    .unwrap();
+    let layout = settings.layout().unwrap();
+    let _cleanup = Cleanup {
+        cfg: cfg.clone(),
+        root: root.clone(),
+        queues: vec![q.clone(), format!("{p}-out"), layout.parked_queue(&q)],
+        exchanges: vec![target.clone()],
+        users: ["adm", "alice", "mallory", "wrk", "gw"]
+            .iter()
+            .map(|u| format!("{p}-{u}"))
+            .collect(),
+    };
+    let w = World {
+        p,
+        port,
+        q,
+        ingress,
+        target,
+        root,
+        settings,
+        cfg,
+        _cleanup,
+    };
+    cli_as("the admin's declare", &w.cfg, &w.url("adm"), &["declare"]).await;
+    w
+}
+
+/// Appends `bodies` to the control stream as `who` would with its own rights (the default
+/// exchange), each with `user_id` `as_user` (`None`: without one); returns the error of the
+/// first publish the broker refused.
+async fn append_as(
+    w: &World,
+    who: &str,
+    as_user: Option<&str>,
+    bodies: &[String],
+) -> Result<(), String> {
+    let conn = amqp_delay::connection::connect(&w.url(who), "trust forger")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    let stream = w.settings.layout().unwrap().control_stream();
+    let mut props = BasicProperties::default().with_delivery_mode(2);
+    if let Some(u) = as_user {
+        props = props.with_user_id(u.into());
+    }
+    let mut r = Ok(());
+    for body in bodies {
+        let sent = async {
+            ch.basic_publish(
+                "".into(),
+                stream.as_str().into(),
+                Default::default(),
+                body.as_bytes(),
+                props.clone(),
+            )
+            .await?
+            .await
+        }
+        .await;
+        if let Err(e) = sent {
+            r = Err(e.to_string());
+            break;
+        }
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    r
+}
+
+/// A cancel stops only its writer's messages (an admin's stops any); a record without a writer,
+/// or a checkpoint by a publisher, changes nothing; and the broker refuses a forged writer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_stops_only_its_writers_messages_and_forged_checkpoints_hide_nothing() {
+    let w = world().await;
+    let q = w.q.clone();
+    cli_as(
+        "the admin's declare --queue Q --worker",
+        &w.cfg,
+        &w.url("adm"),
+        &["declare", "--queue", &q, "--worker"],
+    )
+    .await;
+    let alice = Publisher::connect(&w.as_role("alice")).await.unwrap();
+    let mut due = 0;
+    for id in ["a-keep", "a-cancel", "a-admin"] {
+        let s = alice
+            .schedule(Message::new(q.clone(), 1_000, id).with_id(id))
+            .await
+            .unwrap();
+        due = due.max(s.due_at_ms);
+    }
+    alice.cancel("a-cancel", Some(due)).await.unwrap();
+    cli_as(
+        "an admin's cancel",
+        &w.cfg,
+        &w.url("adm"),
+        &["cancel", "--id", "a-admin"],
+    )
+    .await;
+    // mallory, a publisher too, cancels alice's message: the command succeeds, as it must (a
+    // canceller cannot know whose id it names), and stops nothing of alice's
+    cli_as(
+        "mallory's cancel",
+        &w.cfg,
+        &w.url("mallory"),
+        &["cancel", "--id", "a-keep"],
+    )
+    .await;
+    // the broker checks user_id: mallory cannot write as alice
+    let forged = append_as(
+        &w,
+        "mallory",
+        Some(&w.user("alice")),
+        &[r#"{"type":"barrier","nonce":"x"}"#.into()],
+    )
+    .await;
+    assert!(
+        forged
+            .as_ref()
+            .is_err_and(|e| e.contains("PRECONDITION_FAILED")),
+        "the broker took a user_id that is not the connection's: {forged:?}"
+    );
+    // a tombstone without user_id, then a complete, empty checkpoint after many records: a
+    // follower that believed it would start there and forget alice's cancel
+    let far = u64::MAX;
+    let mut junk = vec![format!(
+        r#"{{"type":"cancel","id":"a-keep","until_ms":{far}}}"#
+    )];
+    append_as(&w, "mallory", None, &junk).await.unwrap();
+    junk = (0..30)
+        .map(|i| format!(r#"{{"type":"barrier","nonce":"j{i}"}}"#))
+        .collect();
+    junk.push(r#"{"type":"checkpoint_begin","nonce":"forged"}"#.into());
+    junk.push(format!(
+        r#"{{"type":"checkpoint","nonce":"forged","part":0,"parts":1,"items":[],"by":"{}"}}"#,
+        w.user("alice")
+    ));
+    junk.extend((0..5).map(|i| format!(r#"{{"type":"barrier","nonce":"k{i}"}}"#)));
+    append_as(&w, "mallory", Some(&w.user("mallory")), &junk)
+        .await
+        .unwrap();
+
+    let layout = w.settings.layout().unwrap();
+    let alice_user = w.user("alice");
+    let owner = Some(alice_user.as_str());
+    let opts = |peers: Vec<String>| {
+        let mut o = FollowOptions::new(Duration::from_millis(500), 60_000);
+        o.checkpoint_every = 10;
+        o.trust = TrustSettings {
+            admins: vec![w.user("adm")],
+            peers,
+        };
+        o
+    };
+    // what the attack did: a reader that trusts mallory starts from her checkpoint (the
+    // node's administrator reads here, so that its own checkpoint counts for no one below)
+    let root = amqp_delay::connection::connect(&w.root, "trust root")
+        .await
+        .unwrap();
+    let fooled = Cancellations::follow_with(&root, &layout, opts(vec![w.user("mallory")]))
+        .await
+        .unwrap();
+    assert!(
+        !fooled.is_cancelled("a-cancel", owner),
+        "the forged checkpoint was not where the read began: the scenario proves nothing"
+    );
+    drop(fooled);
+    // the worker's user trusts only itself and the admin
+    let wrk = amqp_delay::connection::connect(&w.url("wrk"), "trust wrk")
+        .await
+        .unwrap();
+    let follower = Cancellations::follow_with(&wrk, &layout, opts(vec![]))
+        .await
+        .unwrap();
+    assert!(
+        follower.is_cancelled("a-cancel", owner),
+        "alice's cancel was lost"
+    );
+    assert!(
+        follower.is_cancelled("a-admin", owner),
+        "the admin's cancel was lost"
+    );
+    assert!(
+        !follower.is_cancelled("a-keep", owner),
+        "mallory cancelled alice's message"
+    );
+    assert!(follower.is_cancelled("a-keep", Some(&w.user("mallory"))));
+    drop(follower);
+    let _ = wrk.close(200, "bye".into()).await;
+
+    // and the worker runs what alice did not cancel, nothing else
+    let h = Scripted::new(|_| Outcome::Success);
+    let log = h.log.clone();
+    let worker = Worker::new(w.as_role("wrk")).subscribe(q.clone(), h);
+    let counters = worker.counters();
+    let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run(async {
+        let _ = stop_rx.await;
+    }));
+    let settled = wait_until(Duration::from_secs(30), || {
+        counters
+            .cancelled
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 2
+            && !log.lock().unwrap().is_empty()
+    })
+    .await;
+    let _ = stop.send(());
+    run.await.unwrap().expect("the worker ran without errors");
+    let ran: Vec<String> = log.lock().unwrap().iter().map(|r| r.0.clone()).collect();
+    assert!(settled, "not all settled: ran {ran:?}");
+    assert_eq!(ran, ["a-keep"], "what ran");
+    alice.close().await;
+    let _ = root.close(200, "bye".into()).await;
+}
+
+/// The gateway's due stage publishes to the target only what a gateway wrote: a publisher
+/// writing into the due queue (with a routing key and `x-delay-user-id` of its choosing) gets
+/// its message parked, not delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_due_stage_takes_only_what_a_gateway_wrote() {
+    let w = world().await;
+    let root = amqp_delay::connection::connect(&w.root, "trust root")
+        .await
+        .unwrap();
+    let out = format!("{}-out", w.p);
+    let ch = root.create_channel().await.unwrap();
+    ch.exchange_declare(
+        w.target.as_str().into(),
+        lapin::ExchangeKind::Direct,
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_declare(
+        out.as_str().into(),
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        out.as_str().into(),
+        w.target.as_str().into(),
+        "k".into(),
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let (ingress, target) = (w.ingress.clone(), w.target.clone());
+    cli_as(
+        "the admin's gateway --declare-only",
+        &w.cfg,
+        &w.url("adm"),
+        &["gateway", "--declare-only"],
+    )
+    .await;
+    let gw_settings = w.as_role("gw");
+    let mut gw = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .arg("--config")
+        .arg(&w.cfg)
+        .args(["--url", &gw_settings.url, "gateway"])
+        .args(["--ingress", &ingress, "--target", &target])
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pair = amqp_delay::gateway::Gateway::new(Settings {
+        gateway: amqp_delay::settings::GatewaySettings::from_flags(
+            std::slice::from_ref(&ingress),
+            std::slice::from_ref(&target),
+        )
+        .unwrap(),
+        ..gw_settings.clone()
+    })
+    .unwrap()
+    .pairs()[0]
+        .clone();
+    let consuming = wait_until_async(Duration::from_secs(15), || async {
+        amqp_delay::broker::queue_state(&root, &pair.due_queue)
+            .await
+            .unwrap()
+            .is_some_and(|s| s.consumers > 0)
+    })
+    .await;
+    assert!(consuming, "the gateway did not start");
+
+    // mallory writes straight into the due queue, as the gateway's copy would look
+    let mallory = amqp_delay::connection::connect(&w.url("mallory"), "trust mallory")
+        .await
+        .unwrap();
+    let mch = mallory.create_channel().await.unwrap();
+    let mut h = FieldTable::default();
+    let text = |s: &str| AMQPValue::LongString(LongString::from(s));
+    h.insert("x-delay-routing-key".into(), text("k"));
+    h.insert("x-delay-user-id".into(), text(&w.user("alice")));
+    h.insert("x-delay-owner".into(), text(&w.user("alice")));
+    h.insert(
+        "x-delay-due-at".into(),
+        AMQPValue::LongLongInt(now_ms() as i64),
+    );
+    mch.basic_publish(
+        "".into(),
+        pair.due_queue.as_str().into(),
+        Default::default(),
+        b"forged",
+        BasicProperties::default()
+            .with_message_id("forged".into())
+            .with_headers(h),
+    )
+    .await
+    .unwrap();
+    // and an application's own message through the ingress, which arrives
+    let mut h = FieldTable::default();
+    h.insert("x-delay".into(), AMQPValue::LongInt(50));
+    ch.basic_publish(
+        ingress.as_str().into(),
+        "k".into(),
+        Default::default(),
+        b"via gateway",
+        BasicProperties::default().with_headers(h),
+    )
+    .await
+    .unwrap();
+    let parked_q = w.settings.layout().unwrap().parked_queue(&pair.due_queue);
+    let parked = collect(
+        &root,
+        &parked_q,
+        1,
+        Duration::from_secs(15),
+        Duration::from_millis(200),
+    )
+    .await;
+    let got = collect(
+        &root,
+        &out,
+        2,
+        Duration::from_secs(5),
+        Duration::from_millis(500),
+    )
+    .await;
+    gw.start_kill().ok();
+    let gw_out = gw.wait_with_output().await.unwrap();
+    let bodies: Vec<&[u8]> = got.iter().map(|r| r.body.as_slice()).collect();
+    assert_eq!(
+        bodies,
+        [b"via gateway".as_slice()],
+        "the target got:\n{}",
+        String::from_utf8_lossy(&gw_out.stderr)
+    );
+    assert_eq!(parked.len(), 1, "the forged message was not parked");
+    let reason = parked[0]
+        .text_header("x-delay-parked-reason")
+        .unwrap_or_default();
+    assert!(reason.contains("not written by a gateway"), "{reason}");
+    // the teardown of the cleanup needs the queues empty of nothing: delete what we added
+    let _ = ch
+        .queue_delete(parked_q.as_str().into(), Default::default())
+        .await;
+    let _ = mallory.close(200, "bye".into()).await;
+    let _ = root.close(200, "bye".into()).await;
+}
