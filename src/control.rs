@@ -111,12 +111,7 @@ impl LogRecord for Record {
 
 /// `layout`'s control stream.
 pub(crate) fn log(layout: &Layout) -> StreamLog<Record> {
-    StreamLog::new(
-        KIND,
-        layout.control_stream(),
-        layout.prefix(),
-        MAX_RECORD_BYTES,
-    )
+    StreamLog::new(KIND, layout.control_stream(), layout, MAX_RECORD_BYTES)
 }
 
 /// Declares the control stream (idempotent).

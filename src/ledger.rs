@@ -91,7 +91,7 @@ fn ahead_ms(layout: &Layout) -> u64 {
 /// `layout`'s ledger stream: its records at most [`crate::tally::max_record_bytes`] long.
 pub(crate) fn log(layout: &Layout) -> StreamLog<Entry> {
     let max_bytes = crate::tally::max_record_bytes(ahead_ms(layout));
-    StreamLog::new(KIND, layout.ledger_stream(), layout.prefix(), max_bytes)
+    StreamLog::new(KIND, layout.ledger_stream(), layout, max_bytes)
 }
 
 /// Declares the ledger stream (idempotent), kept as long as the control stream: the longest

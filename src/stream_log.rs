@@ -101,6 +101,9 @@ pub(crate) struct StreamLog<R> {
     kind: &'static str,
     name: String,
     prefix: String,
+    /// The exchange appends go through: the topology's stream exchange, or the default
+    /// exchange for a topology declared before it had one ([`StreamLog::resolve`]).
+    exchange: String,
     /// The largest record worth decoding: what the stream's largest record of ours can be.
     max_record_bytes: usize,
     /// The `user_id` on what it appends on a channel ([`StreamLog::append_on`]); an append on
@@ -127,6 +130,7 @@ impl<R> Clone for StreamLog<R> {
             kind: self.kind,
             name: self.name.clone(),
             prefix: self.prefix.clone(),
+            exchange: self.exchange.clone(),
             max_record_bytes: self.max_record_bytes,
             writer: self.writer.clone(),
             records: PhantomData,
@@ -135,18 +139,19 @@ impl<R> Clone for StreamLog<R> {
 }
 
 impl<R: LogRecord> StreamLog<R> {
-    /// The stream `name` of the topology under `prefix`, called `kind` in errors, whose
-    /// records (ours) are at most `max_record_bytes` long: readers skip longer ones undecoded.
+    /// The stream `name` of `layout`'s topology, called `kind` in errors, whose records
+    /// (ours) are at most `max_record_bytes` long: readers skip longer ones undecoded.
     pub(crate) fn new(
         kind: &'static str,
         name: String,
-        prefix: &str,
+        layout: &crate::layout::Layout,
         max_record_bytes: usize,
     ) -> Self {
         StreamLog {
             kind,
             name,
-            prefix: prefix.to_string(),
+            prefix: layout.prefix().to_string(),
+            exchange: layout.stream_exchange(),
             max_record_bytes,
             writer: None,
             records: PhantomData,
@@ -171,6 +176,25 @@ impl<R: LogRecord> StreamLog<R> {
         &self.name
     }
 
+    /// The exchange its appends go through (with [`StreamLog::name`] as the routing key).
+    pub(crate) fn exchange(&self) -> &str {
+        &self.exchange
+    }
+
+    /// The same log, appending through the default exchange when the topology has no stream
+    /// exchange yet (declared by a version before it; `declare` adds it): a publish to a
+    /// missing exchange would close the channel.
+    pub(crate) async fn resolve(mut self, conn: &Connection) -> Result<Self> {
+        if !self.exchange.is_empty() && !broker::exchange_exists(conn, &self.exchange).await? {
+            tracing::info!(
+                exchange = %self.exchange,
+                "the topology has no stream exchange (declared by an earlier version): appending through the default exchange until `delay-publisher declare` adds it"
+            );
+            self.exchange = String::new();
+        }
+        Ok(self)
+    }
+
     /// The error for the stream's missing: the topology is not (fully) declared.
     pub(crate) fn missing(&self) -> Error {
         Error::NotDeclared {
@@ -193,14 +217,24 @@ impl<R: LogRecord> StreamLog<R> {
         serde_json::to_vec(record).expect("records serialise")
     }
 
-    /// Declares the stream (idempotent): records kept for `max_age_secs`.
+    /// Declares the stream (idempotent): records kept for `max_age_secs`, appended through
+    /// the stream exchange (declared too) with the stream's name as the key.
     pub(crate) async fn declare(&self, conn: &Connection, max_age_secs: u64) -> Result<()> {
         let mut args = FieldTable::default();
         args.insert("x-queue-type".into(), broker::long_string("stream"));
         let max_age = format!("{max_age_secs}s");
         args.insert("x-max-age".into(), broker::long_string(&max_age));
         let ch = broker::open(conn).await?;
-        let r = broker::declare_queue(&ch, &self.name, args).await;
+        let r = async {
+            broker::declare_queue(&ch, &self.name, args).await?;
+            if self.exchange.is_empty() {
+                return Ok(());
+            }
+            let direct = lapin::ExchangeKind::Direct;
+            broker::declare_exchange(&ch, &self.exchange, direct, FieldTable::default()).await?;
+            broker::bind_queue(&ch, &self.name, &self.exchange, &self.name).await
+        }
+        .await;
         broker::close(&ch, "declared").await;
         r
     }
@@ -212,8 +246,9 @@ impl<R: LogRecord> StreamLog<R> {
 
     /// Appends `record` on a confirm channel of its own (see [`StreamLog::append_on`]).
     pub(crate) async fn append(&self, conn: &Connection, record: &R) -> Result<()> {
+        let log = self.clone().resolve(conn).await?;
+        let log = log.writing_as(crate::connection::user_of(conn));
         let ch = SharedChannel::new(broker::open(conn).await?);
-        let log = self.clone().writing_as(crate::connection::user_of(conn));
         let r = match ch
             .confirm_select(ConfirmSelectOptions::default())
             .await
@@ -240,7 +275,7 @@ impl<R: LogRecord> StreamLog<R> {
         let appended = async {
             let confirm = ch
                 .basic_publish(
-                    "".into(),
+                    self.exchange.as_str().into(),
                     stream.into(),
                     BasicPublishOptions {
                         mandatory: true,
@@ -530,6 +565,10 @@ impl Credit {
 mod tests {
     use super::*;
 
+    fn layout_p() -> crate::layout::Layout {
+        crate::layout::Layout::new("p", &Default::default()).unwrap()
+    }
+
     #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
     #[serde(tag = "type", rename_all = "snake_case")]
     enum Test {
@@ -551,7 +590,7 @@ mod tests {
 
     #[test]
     fn a_missing_stream_is_named_and_so_is_a_returned_append() {
-        let log = StreamLog::<Test>::new("ledger stream", "p.ledger".into(), "p", 100);
+        let log = StreamLog::<Test>::new("ledger stream", "p.ledger".into(), &layout_p(), 100);
         let text = log.missing().to_string();
         assert!(
             text.contains("the ledger stream 'p.ledger' is missing"),
@@ -575,7 +614,7 @@ mod tests {
 
     #[test]
     fn records_travel_as_tagged_json_and_unknown_kinds_do_not_decode() {
-        let log = StreamLog::<Test>::new("control stream", "p.control".into(), "p", 100);
+        let log = StreamLog::<Test>::new("control stream", "p.control".into(), &layout_p(), 100);
         let body = log.encode(&Test::barrier("n".into()));
         assert_eq!(body, br#"{"type":"barrier","nonce":"n"}"#);
         let back: Test = serde_json::from_slice(&body).unwrap();

@@ -62,6 +62,14 @@ impl Topology {
         let parked = l.unroutable_queue();
         broker::declare_queue_spread(conn, &parked, self.parked_args()).await?;
         bind_queue(&ch, &parked, &l.parking_exchange(), "").await?;
+        // destinations' parking queues are bound to it as they are declared
+        declare_exchange(
+            &ch,
+            &l.park_exchange(),
+            ExchangeKind::Direct,
+            FieldTable::default(),
+        )
+        .await?;
 
         let mut ae = FieldTable::default();
         ae.insert(
@@ -147,10 +155,30 @@ impl Topology {
                 "parking queue name for '{queue}' would be longer than 255 bytes"
             )));
         }
-        if broker::queue_state(conn, &name).await?.is_some() {
-            return Ok(());
+        if broker::queue_state(conn, &name).await?.is_none() {
+            broker::declare_queue_spread(conn, &name, self.parked_args()).await?;
         }
-        broker::declare_queue_spread(conn, &name, self.parked_args()).await
+        // a worker parks through the park exchange (declared by `declare`; an older topology
+        // gets it here), with the destination's name as the key. A worker or gateway with
+        // least privilege may not bind: an admin's `declare --queue Q --worker` or `gateway
+        // --declare-only` did
+        let ch = open(conn).await?;
+        let park = self.layout.park_exchange();
+        let bound = async {
+            declare_exchange(&ch, &park, ExchangeKind::Direct, FieldTable::default()).await?;
+            bind_queue(&ch, &name, &park, queue).await
+        }
+        .await;
+        broker::close(&ch, "declared").await;
+        match bound {
+            Err(Error::Amqp { source, .. })
+                if broker::is_reply(&source, broker::ACCESS_REFUSED) =>
+            {
+                tracing::debug!(queue = %name, "not allowed to bind the parking queue; relying on an admin's declare");
+                Ok(())
+            }
+            other => other,
+        }
     }
 
     /// Declares the batch and hold markers of destination `queue`: publishers then send it
@@ -244,6 +272,8 @@ impl Topology {
         }));
         exchanges.push(l.delivery_exchange());
         exchanges.push(l.parking_exchange());
+        exchanges.push(l.stream_exchange());
+        exchanges.push(l.park_exchange());
         exchanges.push(l.layout_marker());
         exchanges.push(l.signature_exchange());
         (queues, exchanges)

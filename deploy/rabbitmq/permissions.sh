@@ -75,10 +75,10 @@ Q="$(alt ${QUEUES[@]+"${QUEUES[@]}"})"
 I="$(alt ${INGRESSES[@]+"${INGRESSES[@]}"})"
 T="$(alt ${TARGETS[@]+"${TARGETS[@]}"})"
 
-# admin: everything under the prefix, the destination queues and the gateway ingresses; write
-# on amq.default too, to record batch markers and gateway pairs in the control stream
+# admin: everything under the prefix, the destination queues and the gateway ingresses (the
+# control stream's records go through the stream exchange P.streams; no role needs amq.default,
+# which writes into any queue of the vhost)
 ADMIN="^(${P}\\..*${Q:+|${Q}}${I:+|${I}})\$"
-ADMIN_WRITE="^(${P}\\..*${Q:+|${Q}}${I:+|${I}}|amq\\.default)\$"
 
 run() {
     if [[ ${APPLY} -eq 1 ]]; then
@@ -96,15 +96,15 @@ run() {
     fi
 }
 
-run set_permissions -p "${VHOST}" "${USER_PREFIX}-admin" "${ADMIN}" "${ADMIN_WRITE}" "${ADMIN}"
-run set_permissions -p "${VHOST}" "${USER_PREFIX}-publisher" '^$' "^(${TIERS}|amq\\.default)\$" '^$'
+run set_permissions -p "${VHOST}" "${USER_PREFIX}-admin" "${ADMIN}" "${ADMIN}" "${ADMIN}"
+run set_permissions -p "${VHOST}" "${USER_PREFIX}-publisher" '^$' "^(${TIERS}|${P}\\.streams)\$" '^$'
 if [[ -n "${Q}" ]]; then
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-worker" '^$' \
-        "^(amq\\.default|${TIERS})\$" "^(${Q}|${P}\\.(control|ledger))\$"
+        "^(${TIERS}|${P}\\.(streams|park))\$" "^(${Q}|${P}\\.(control|ledger))\$"
 fi
 if [[ -n "${I}" ]]; then
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-gateway" '^$' \
-        "^(amq\\.default|${I}|${T}|${P}\\.(gw\\..*|parking)|${TIERS})\$" \
+        "^(${I}|${T}|${P}\\.(gw\\..*|parking|streams|park)|${TIERS})\$" \
         "^(${I}|${P}\\.gw\\..*|${P}\\.(control|ledger))\$"
 fi
 run set_permissions -p "${VHOST}" "${USER_PREFIX}-keda" '^$' '^$' '^$'

@@ -52,6 +52,17 @@ impl Layout {
     pub fn parking_exchange(&self) -> String {
         format!("{}.parking", self.prefix)
     }
+    /// Direct exchange in front of the streams (the control and ledger streams, each bound
+    /// with its own name as the key): appends go through it, so that no role needs the
+    /// default exchange, which writes into any queue of the vhost.
+    pub fn stream_exchange(&self) -> String {
+        format!("{}.streams", self.prefix)
+    }
+    /// Direct exchange in front of the destinations' parking queues (each bound with its
+    /// destination's name as the key): where a worker parks, without the default exchange.
+    pub fn park_exchange(&self) -> String {
+        format!("{}.park", self.prefix)
+    }
     /// Queue holding messages whose destination did not exist at delivery time (the parking
     /// exchange's queue).
     pub fn unroutable_queue(&self) -> String {

@@ -158,7 +158,7 @@ impl Inner {
                 .with_content_type("application/json".into()),
         );
         let written = self
-            .publish_confirmed("", stream, &log.encode(&entry), props)
+            .publish_confirmed(&self.streams_exchange, stream, &log.encode(&entry), props)
             .await;
         match written.map_err(|e| log.or_missing(e)) {
             Ok(()) => {}

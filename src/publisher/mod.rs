@@ -78,6 +78,9 @@ struct Inner {
     user: Option<lapin::types::ShortString>,
     /// `[trust]`: whose ledger snapshots its counts start from.
     trust: crate::settings::TrustSettings,
+    /// Where its stream records go: the stream exchange, or the default exchange in a
+    /// topology declared before it had one ([`crate::stream_log`]).
+    streams_exchange: String,
 }
 
 /// What the publisher knows of a destination, refreshed every `publisher.binding_cache`.
@@ -245,7 +248,12 @@ impl Publisher {
             .inner
             .signed(BasicProperties::default().with_delivery_mode(2));
         self.inner
-            .publish_confirmed("", log.name(), &log.encode(record), props)
+            .publish_confirmed(
+                &self.inner.streams_exchange,
+                log.name(),
+                &log.encode(record),
+                props,
+            )
             .await
             .map_err(|e| log.or_missing(e))
     }
@@ -288,11 +296,17 @@ impl Publisher {
                 "the topology has no ledger stream (declared by an earlier version): `stats` counts broker messages only until `delay-publisher declare` adds it"
             );
         }
+        let streams_exchange = crate::control::log(&layout)
+            .resolve(&conn)
+            .await?
+            .exchange()
+            .to_string();
         let channel = open_confirm_channel(&conn).await?;
         let user = crate::connection::user_of(&conn).map(|u| u.as_str().into());
         let inner = Arc::new(Inner {
             user,
             trust: all.trust.clone(),
+            streams_exchange,
             conn: tokio::sync::RwLock::new(conn),
             url,
             channel: tokio::sync::RwLock::new(channel),

@@ -23,16 +23,15 @@ fn the_permission_script_prints_the_documented_sets() {
     let tiers = r"p\.(level\d+|fixed\..+|overflow\d+|deliver)";
     // the shapes of tests/it/permissions.rs, which proves them on a real broker
     for line in [
-        // the admin records batch markers and gateway pairs in the control stream: write on
-        // amq.default
-        r"set_permissions -p / p-admin '^(p\..*|q|i)$' '^(p\..*|q|i|amq\.default)$' '^(p\..*|q|i)$'"
-            .to_string(),
-        format!("set_permissions -p / p-publisher '^$' '^({tiers}|amq\\.default)$' '^$'"),
+        // no role has amq.default (it writes into any queue of the vhost): the streams and the
+        // parking queues have exchanges of their own
+        r"set_permissions -p / p-admin '^(p\..*|q|i)$' '^(p\..*|q|i)$' '^(p\..*|q|i)$'".to_string(),
+        format!("set_permissions -p / p-publisher '^$' '^({tiers}|p\\.streams)$' '^$'"),
         format!(
-            "set_permissions -p / p-worker '^$' '^(amq\\.default|{tiers})$' '^(q|p\\.(control|ledger))$'"
+            "set_permissions -p / p-worker '^$' '^({tiers}|p\\.(streams|park))$' '^(q|p\\.(control|ledger))$'"
         ),
         format!(
-            "set_permissions -p / p-gateway '^$' '^(amq\\.default|i|t|p\\.(gw\\..*|parking)|{tiers})$' '^(i|p\\.gw\\..*|p\\.(control|ledger))$'"
+            "set_permissions -p / p-gateway '^$' '^(i|t|p\\.(gw\\..*|parking|streams|park)|{tiers})$' '^(i|p\\.gw\\..*|p\\.(control|ledger))$'"
         ),
     ] {
         assert!(

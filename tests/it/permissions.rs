@@ -140,13 +140,8 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     let (ingress, target) = (format!("{p}-delayed"), format!("{p}-target"));
     // the sets the README documents, exactly
     let admin_set = format!(r"^({p}\..*|{q}|{ingress})$");
-    user(
-        &format!("{p}-adm"),
-        &admin_set,
-        &format!(r"^({p}\..*|{q}|{ingress}|amq\.default)$"),
-        &admin_set,
-    );
-    let publisher_write = format!(r"^({tiers}|amq\.default)$");
+    user(&format!("{p}-adm"), &admin_set, &admin_set, &admin_set);
+    let publisher_write = format!(r"^({tiers}|{p}\.streams)$");
     user(&format!("{p}-pub"), "^$", &publisher_write, "^$");
     // a publisher that may also have a queue of its own (configure and read on it)
     user(
@@ -158,13 +153,13 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     user(
         &format!("{p}-wrk"),
         "^$",
-        &format!("^(amq\\.default|{tiers})$"),
+        &format!(r"^({tiers}|{p}\.(streams|park))$"),
         &format!(r"^({q}|{p}\.(control|ledger))$"),
     );
     user(
         &format!("{p}-gw"),
         "^$",
-        &format!(r"^(amq\.default|{ingress}|{target}|{p}\.(gw\..*|parking)|{tiers})$"),
+        &format!(r"^({ingress}|{target}|{p}\.(gw\..*|parking|streams|park)|{tiers})$"),
         &format!(r"^({ingress}|{p}\.gw\..*|{p}\.(control|ledger))$"),
     );
     // the node's own administrator stands for the application, which owns the target exchange

@@ -63,9 +63,8 @@ async fn world() -> World {
     let tiers = format!(r"{p}\.(level\d+|fixed\..+|overflow\d+|deliver)");
     let (ingress, target) = (format!("{p}-delayed"), format!("{p}-target"));
     let admin_set = format!(r"^({p}\..*|{q}|{ingress})$");
-    let admin_write = format!(r"^({p}\..*|{q}|{ingress}|amq\.default)$");
-    user(&format!("{p}-adm"), &admin_set, &admin_write, &admin_set);
-    let publisher_write = format!(r"^({tiers}|amq\.default)$");
+    user(&format!("{p}-adm"), &admin_set, &admin_set, &admin_set);
+    let publisher_write = format!(r"^({tiers}|{p}\.streams)$");
     for who in ["alice", "mallory"] {
         user(&format!("{p}-{who}"), "^$", &publisher_write, "^$");
     }
@@ -73,13 +72,13 @@ async fn world() -> World {
     user(
         &format!("{p}-wrk"),
         "^$",
-        &format!("^(amq\\.default|{tiers})$"),
+        &format!(r"^({tiers}|{p}\.(streams|park))$"),
         &format!(r"^({q}|{stream_read})$"),
     );
     user(
         &format!("{p}-gw"),
         "^$",
-        &format!(r"^(amq\.default|{ingress}|{target}|{p}\.(gw\..*|parking)|{tiers})$"),
+        &format!(r"^({ingress}|{target}|{p}\.(gw\..*|parking|streams|park)|{tiers})$"),
         &format!(r"^({ingress}|{p}\.gw\..*|{stream_read})$"),
     );
     let root = url("guest", &port).replace("guest-pw", "guest");
@@ -128,9 +127,9 @@ async fn world() -> World {
     w
 }
 
-/// Appends `bodies` to the control stream as `who` would with its own rights (the default
-/// exchange), each with `user_id` `as_user` (`None`: without one); returns the error of the
-/// first publish the broker refused.
+/// Appends `bodies` to the control stream as `who` would with its own rights (through the
+/// stream exchange), each with `user_id` `as_user` (`None`: without one); returns the error
+/// of the first publish the broker refused.
 async fn append_as(
     w: &World,
     who: &str,
@@ -142,7 +141,8 @@ async fn append_as(
         .unwrap();
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(Default::default()).await.unwrap();
-    let stream = w.settings.layout().unwrap().control_stream();
+    let layout = w.settings.layout().unwrap();
+    let (exchange, stream) = (layout.stream_exchange(), layout.control_stream());
     let mut props = BasicProperties::default().with_delivery_mode(2);
     if let Some(u) = as_user {
         props = props.with_user_id(u.into());
@@ -151,7 +151,7 @@ async fn append_as(
     for body in bodies {
         let sent = async {
             ch.basic_publish(
-                "".into(),
+                exchange.as_str().into(),
                 stream.as_str().into(),
                 Default::default(),
                 body.as_bytes(),
@@ -390,11 +390,34 @@ async fn the_due_stage_takes_only_what_a_gateway_wrote() {
     .await;
     assert!(consuming, "the gateway did not start");
 
-    // mallory writes straight into the due queue, as the gateway's copy would look
+    // mallory may not write straight into a queue (no role has the default exchange) ...
     let mallory = amqp_delay::connection::connect(&w.url("mallory"), "trust mallory")
         .await
         .unwrap();
     let mch = mallory.create_channel().await.unwrap();
+    let direct = mch
+        .basic_publish(
+            "".into(),
+            out.as_str().into(),
+            Default::default(),
+            b"straight in",
+            BasicProperties::default(),
+        )
+        .await;
+    let refused = match direct {
+        Err(e) => e.to_string(),
+        // the refusal closes the channel: the next call says why
+        Ok(_) => mch
+            .basic_qos(1, Default::default())
+            .await
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default(),
+    };
+    assert!(refused.contains("ACCESS_REFUSED"), "{refused}");
+    // ... but it may write the tiers: into the due queue, as the gateway's copy would look
+    let mch = mallory.create_channel().await.unwrap();
+    let layout = w.settings.layout().unwrap();
     let mut h = FieldTable::default();
     let text = |s: &str| AMQPValue::LongString(LongString::from(s));
     h.insert("x-delay-routing-key".into(), text("k"));
@@ -405,8 +428,8 @@ async fn the_due_stage_takes_only_what_a_gateway_wrote() {
         AMQPValue::LongLongInt(now_ms() as i64),
     );
     mch.basic_publish(
-        "".into(),
-        pair.due_queue.as_str().into(),
+        layout.delivery_exchange().as_str().into(),
+        layout.routing_key(&[], &pair.due_queue).as_str().into(),
         Default::default(),
         b"forged",
         BasicProperties::default()
