@@ -14,14 +14,30 @@
 //!   timer fires — one ack with `multiple` for the run, then one ack each for done deliveries
 //!   behind a running one (a slow handler never holds the others' acks for long);
 //! * a delivery given back (`basic.nack`, requeue) is sent at once, and counts as settled;
+//! * once the worker stops ([`Acks::stop`]) a delivery given back is *left*: nothing is sent
+//!   for it, the channel's close returns it to the queue; it ends every run (an ack with
+//!   `multiple` past it would ack it), so what is done behind it is acked one by one;
 //! * frames of one channel are sent one at a time under a lock, so an ack with `multiple` never
 //!   reaches the broker before a nack of a tag it covers (that tag would be acked instead), nor
 //!   after a later one that already covered it (the broker closes the channel on an unknown
-//!   tag).
+//!   tag); a flush under way finishes even when the task that started it is aborted (the
+//!   shutdown grace ran out), so the acks it took out of the books are never dropped.
+//!
+//! Why a stop leaves what it gives back to the close instead of nacking it: the channel of a
+//! quorum queue consumer keeps at most 32 Raft commands (one per `basic.ack` or `basic.nack`
+//! frame) unapplied; past that it *stashes* further settlements and sends them once enough are
+//! applied — and a channel closed meanwhile drops its stash, so the broker returns those
+//! deliveries to the queue although their acks reached it (RabbitMQ 3.10.8 and 4.0.5,
+//! `rabbit_fifo_client`'s `unsent_commands`). A stop that nacked the hundreds of deliveries a
+//! worker holds (`consumer.hold_prefetch`) one by one sent hundreds of frames within a few
+//! milliseconds and then its last acks, which the close dropped: finished messages ran again
+//! (issue 22). Left to the close, they cost no frame at all.
 //!
 //! What a worker dies with (at most [`FLUSH_AFTER`] of done deliveries) is delivered again:
 //! at-least-once, as a worker dying between a handler and its ack always was. A stopping
-//! worker flushes before it closes its channels.
+//! worker flushes before it closes its channels, and a channel that sent many frames lately
+//! (acks one by one behind slow or held deliveries, and so maybe stashed) waits
+//! [`CLOSE_LINGER`] before its close.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -33,6 +49,23 @@ use lapin::options::{BasicAckOptions, BasicNackOptions};
 /// Longest time a done delivery waits for its ack to be sent.
 pub(super) const FLUSH_AFTER: Duration = Duration::from_millis(10);
 
+/// Frames (acks and nacks) one channel sent within the last [`RECENT`] or so, past which its
+/// close waits [`CLOSE_LINGER`]: half the 32 unapplied commands past which the broker stashes
+/// settlements (the module's documentation). Counted before and after the stop alike: the
+/// consumer's cancel is no barrier (the broker answers it before its Raft command; 4.0 sends
+/// the stash then, 3.10 does not), and a worker acking hundreds of deliveries one by one just
+/// before the stop lost a final `multiple` ack of 263 to the close on 3.10.8.
+pub(super) const LINGER_FRAMES: usize = 16;
+
+/// The window of [`LINGER_FRAMES`].
+const RECENT: Duration = Duration::from_millis(100);
+
+/// How long a channel that sent [`LINGER_FRAMES`] frames or more recently stays open before
+/// its close: a broker applies a Raft command in milliseconds, and then sends what it stashed.
+/// Narrows, does not close, the window in which a broker whose log lags drops the last acks
+/// (those deliveries come back: at-least-once).
+pub(super) const CLOSE_LINGER: Duration = Duration::from_millis(250);
+
 enum Slot {
     /// Handed to its task, not settled yet.
     Running,
@@ -40,6 +73,9 @@ enum Slot {
     Done(Acker),
     /// Given back to the broker (nack sent): nothing more to send for it.
     Settled,
+    /// Given back while stopping: nothing sent, the channel's close returns it. Unsettled at
+    /// the broker, so no ack with `multiple` may cover it.
+    Left,
 }
 
 #[derive(Default)]
@@ -47,13 +83,77 @@ struct State {
     slots: BTreeMap<u64, Slot>,
     /// A timer flush is on its way.
     timer: bool,
+    /// The worker stops: deliveries given back are left to the channel's close.
+    stopping: bool,
+    /// Deliveries left so (for the stop's log).
+    left: usize,
+    /// Ack frames sent since the stop.
+    stop_frames: usize,
+    /// Frames sent in the current [`RECENT`] window (since `recent.0`) and the one before.
+    recent: (Option<std::time::Instant>, usize, usize),
+}
+
+impl State {
+    /// Marks `tag` done: whether a flush is due now (the run from the oldest delivery reaches
+    /// `run`, or covers everything in hand).
+    fn done(&mut self, tag: u64, acker: Acker, run: usize) -> bool {
+        self.slots.insert(tag, Slot::Done(acker));
+        let (done, all) = run_from_oldest(&self.slots);
+        done >= run || all
+    }
+
+    /// `tag` is given back: whether a nack is to be sent (then [`State::nacked`]); while
+    /// stopping it is left to the channel's close instead.
+    fn give_back(&mut self, tag: u64) -> bool {
+        if self.stopping {
+            self.slots.insert(tag, Slot::Left);
+            self.left += 1;
+        }
+        !self.stopping
+    }
+
+    /// The nack of `tag` is sent.
+    fn nacked(&mut self, tag: u64) {
+        self.slots.insert(tag, Slot::Settled);
+        drop_settled_front(&mut self.slots);
+        self.sent(1);
+    }
+
+    /// `frames` are (being) sent now.
+    fn sent(&mut self, frames: usize) {
+        if frames == 0 {
+            return;
+        }
+        self.roll();
+        self.recent.1 += frames;
+        if self.stopping {
+            self.stop_frames += frames;
+        }
+    }
+
+    /// Frames sent in the last [`RECENT`] to 2 × [`RECENT`].
+    fn recent_frames(&mut self) -> usize {
+        self.roll();
+        self.recent.1 + self.recent.2
+    }
+
+    fn roll(&mut self) {
+        let now = std::time::Instant::now();
+        match self.recent.0 {
+            Some(start) if now.duration_since(start) < RECENT => {}
+            Some(start) if now.duration_since(start) < RECENT * 2 => {
+                self.recent = (Some(now), 0, self.recent.1);
+            }
+            _ => self.recent = (Some(now), 0, 0),
+        }
+    }
 }
 
 /// The acks of one consumer channel.
 pub(super) struct Acks {
     state: Mutex<State>,
-    /// Held while a frame is sent (see the module's rules).
-    send: tokio::sync::Mutex<()>,
+    /// Held while a frame is sent (see the module's rules), by the flush's own task.
+    send: Arc<tokio::sync::Mutex<()>>,
     /// Done deliveries in a run that are acked without waiting for the timer.
     run: usize,
     queue: String,
@@ -68,10 +168,11 @@ pub(super) struct Settle {
 
 /// What a flush sends, taken out of the state under the send lock.
 struct Flush {
-    /// The newest done delivery of the run from the oldest one in hand (`multiple`).
-    run: Option<(Acker, usize)>,
-    /// Done deliveries behind a running one.
-    single: Vec<Acker>,
+    /// The newest done delivery of the run from the oldest one in hand (`multiple`), its tag
+    /// and the run's length.
+    run: Option<(u64, Acker, usize)>,
+    /// Done deliveries behind a running (or left) one, with their tags.
+    single: Vec<(u64, Acker)>,
 }
 
 impl Acks {
@@ -79,7 +180,7 @@ impl Acks {
     pub(super) fn new(queue: &str, prefetch: u16) -> Arc<Acks> {
         Arc::new(Acks {
             state: Mutex::new(State::default()),
-            send: tokio::sync::Mutex::new(()),
+            send: Arc::new(tokio::sync::Mutex::new(())),
             run: usize::from(prefetch / 4).max(1),
             queue: queue.to_string(),
         })
@@ -106,13 +207,29 @@ impl Acks {
         self.state().slots.len()
     }
 
+    /// The worker stops: from now on a delivery given back is left to the channel's close
+    /// (see the module's documentation). Call before the tasks learn of the stop.
+    pub(super) fn stop(&self) {
+        self.state().stopping = true;
+    }
+
+    /// Deliveries left to the channel's close since [`Acks::stop`], and ack frames sent.
+    pub(super) fn since_stop(&self) -> (usize, usize) {
+        let st = self.state();
+        (st.left, st.stop_frames)
+    }
+
+    /// Whether the channel sent so many frames lately that the broker may still hold some of
+    /// its acks unsent: its close should wait [`CLOSE_LINGER`].
+    pub(super) fn busy(&self) -> bool {
+        self.state().recent_frames() >= LINGER_FRAMES
+    }
+
     /// Marks `tag` done; sends what is due now, or makes sure the timer will.
     async fn done(self: &Arc<Self>, tag: u64, acker: Acker) {
         let now = {
             let mut st = self.state();
-            st.slots.insert(tag, Slot::Done(acker));
-            let (run, all) = run_from_oldest(&st.slots);
-            let now = run >= self.run || all;
+            let now = st.done(tag, acker, self.run);
             if !now && !st.timer {
                 st.timer = true;
                 let me = self.clone();
@@ -128,8 +245,12 @@ impl Acks {
         }
     }
 
-    /// Gives `tag` back to the broker (requeue), at once.
+    /// Gives `tag` back to the broker (requeue), at once; while stopping, leaves it to the
+    /// channel's close.
     async fn give_back(&self, tag: u64, acker: &Acker) -> lapin::Result<bool> {
+        if !self.state().give_back(tag) {
+            return Ok(true);
+        }
         let _turn = self.send.lock().await;
         let r = acker
             .nack(BasicNackOptions {
@@ -137,49 +258,59 @@ impl Acks {
                 ..BasicNackOptions::default()
             })
             .await;
-        let mut st = self.state();
-        st.slots.insert(tag, Slot::Settled);
-        drop_settled_front(&mut st.slots);
+        self.state().nacked(tag);
         r
     }
 
     /// Sends the acks that are due: the run from the oldest delivery in hand, and with
     /// `all` (the timer, a stopping worker) the done deliveries behind a running one too.
+    /// What it takes out of the books is sent by a task of its own, which holds the send lock
+    /// until it is done: aborting the caller (a handler's task when the shutdown grace ends)
+    /// cannot drop those acks, and the stop's last flush waits for them.
     pub(super) async fn flush(&self, all: bool) {
-        let _turn = self.send.lock().await;
+        let turn = self.send.clone().lock_owned().await;
         let f = {
             let mut st = self.state();
             if all {
                 st.timer = false;
             }
-            take(&mut st.slots, all)
+            let f = take(&mut st.slots, all);
+            st.sent(usize::from(f.run.is_some()) + f.single.len());
+            f
         };
-        if let Some((acker, n)) = f.run {
-            match acker.ack(BasicAckOptions { multiple: n > 1 }).await {
-                Ok(true) => tracing::trace!(queue = %self.queue, n, "acked"),
-                Ok(false) => tracing::warn!(
-                    queue = %self.queue,
-                    n,
-                    "not acked (the channel closed); the broker will redeliver them"
-                ),
-                Err(e) => tracing::warn!(
-                    queue = %self.queue,
-                    n,
-                    "ack failed ({e}); the broker will redeliver them"
-                ),
-            }
+        if f.run.is_none() && f.single.is_empty() {
+            return;
         }
-        for acker in f.single {
-            match acker.ack(BasicAckOptions::default()).await {
-                Ok(true) => {}
-                Ok(false) => tracing::warn!(
-                    queue = %self.queue,
-                    "not acked (the channel closed); the broker will redeliver it"
-                ),
-                Err(e) => {
-                    tracing::warn!(queue = %self.queue, "ack failed ({e}); the broker will redeliver it")
-                }
-            }
+        let queue = self.queue.clone();
+        let sending = tokio::spawn(async move {
+            send(&queue, f).await;
+            drop(turn);
+        });
+        let _ = sending.await;
+    }
+}
+
+/// Sends a flush's acks: the run, then the ones behind a running or left delivery.
+async fn send(queue: &str, f: Flush) {
+    if let Some((_, acker, n)) = f.run {
+        match acker.ack(BasicAckOptions { multiple: n > 1 }).await {
+            Ok(true) => tracing::trace!(queue, n, "acked"),
+            Ok(false) => tracing::warn!(
+                queue,
+                n,
+                "not acked (the channel closed); the broker will redeliver them"
+            ),
+            Err(e) => tracing::warn!(queue, n, "ack failed ({e}); the broker will redeliver them"),
+        }
+    }
+    for (_, acker) in f.single {
+        match acker.ack(BasicAckOptions::default()).await {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                queue,
+                "not acked (the channel closed); the broker will redeliver it"
+            ),
+            Err(e) => tracing::warn!(queue, "ack failed ({e}); the broker will redeliver it"),
         }
     }
 }
@@ -202,13 +333,13 @@ impl Settle {
     }
 }
 
-/// Done deliveries in the run from the oldest delivery in hand (settled ones do not end it),
-/// and whether that run covers every delivery in hand.
+/// Done deliveries in the run from the oldest delivery in hand (settled ones do not end it; a
+/// running or left one does), and whether that run covers every delivery in hand.
 fn run_from_oldest(slots: &BTreeMap<u64, Slot>) -> (usize, bool) {
     let mut done = 0;
     for slot in slots.values() {
         match slot {
-            Slot::Running => return (done, false),
+            Slot::Running | Slot::Left => return (done, false),
             Slot::Done(_) => done += 1,
             Slot::Settled => {}
         }
@@ -218,15 +349,17 @@ fn run_from_oldest(slots: &BTreeMap<u64, Slot>) -> (usize, bool) {
 
 /// Takes out of `slots` what a flush sends: the run from the oldest delivery (its newest done
 /// acker, acked with `multiple`, covers the rest), and with `all` every other done delivery.
+/// Running and left deliveries stay (the broker still holds them unsettled): the run ends at
+/// the first one, so `multiple` covers done and settled deliveries only.
 fn take(slots: &mut BTreeMap<u64, Slot>, all: bool) -> Flush {
-    let mut run: Option<(Acker, usize)> = None;
+    let mut run: Option<(u64, Acker, usize)> = None;
     let mut end = None;
     for (&tag, slot) in slots.iter() {
         match slot {
-            Slot::Running => break,
+            Slot::Running | Slot::Left => break,
             Slot::Done(a) => {
-                let n = run.as_ref().map_or(0, |(_, n)| *n) + 1;
-                run = Some((a.clone(), n));
+                let n = run.as_ref().map_or(0, |(_, _, n)| *n) + 1;
+                run = Some((tag, a.clone(), n));
                 end = Some(tag);
             }
             Slot::Settled => end = Some(tag),
@@ -237,9 +370,9 @@ fn take(slots: &mut BTreeMap<u64, Slot>, all: bool) -> Flush {
     }
     let mut single = Vec::new();
     if all {
-        slots.retain(|_, slot| match slot {
+        slots.retain(|&tag, slot| match slot {
             Slot::Done(a) => {
-                single.push(a.clone());
+                single.push((tag, a.clone()));
                 false
             }
             _ => true,
@@ -286,7 +419,7 @@ mod tests {
         let mut s = slots(&[(1, 'd'), (2, 's'), (3, 'd'), (4, 'r'), (5, 'd')]);
         assert_eq!(run_from_oldest(&s), (2, false));
         let f = take(&mut s, false);
-        assert_eq!(f.run.map(|(_, n)| n), Some(2));
+        assert_eq!(f.run.map(|(t, _, n)| (t, n)), Some((3, 2)));
         assert!(f.single.is_empty());
         assert_eq!(s.keys().copied().collect::<Vec<_>>(), vec![4, 5]);
         // the timer also acks what is done behind the running one
@@ -314,6 +447,173 @@ mod tests {
         let f = take(&mut s, true);
         assert!(f.run.is_none() && f.single.is_empty());
         assert_eq!(s.keys().copied().collect::<Vec<_>>(), vec![1, 2, 3]);
+    }
+
+    /// What the broker holds of one channel's deliveries, checking every frame it gets.
+    #[derive(Default)]
+    struct Broker {
+        /// Delivered, not settled yet.
+        unsettled: std::collections::BTreeSet<u64>,
+        acked: Vec<u64>,
+        nacked: Vec<u64>,
+    }
+
+    impl Broker {
+        fn ack(&mut self, tag: u64, multiple: bool, finished: &BTreeSet<u64>) {
+            assert!(self.unsettled.contains(&tag), "ack of {tag}: not unsettled");
+            let covered: Vec<u64> = if multiple {
+                self.unsettled.range(..=tag).copied().collect()
+            } else {
+                vec![tag]
+            };
+            for t in covered {
+                assert!(
+                    finished.contains(&t),
+                    "ack covers {t}, which is not finished"
+                );
+                self.unsettled.remove(&t);
+                self.acked.push(t);
+            }
+        }
+
+        fn nack(&mut self, tag: u64, finished: &BTreeSet<u64>) {
+            assert!(self.unsettled.remove(&tag), "nack of {tag}: not unsettled");
+            assert!(!finished.contains(&tag), "nack of {tag}, which is finished");
+            self.nacked.push(tag);
+        }
+
+        fn flush(&mut self, st: &mut State, all: bool, finished: &BTreeSet<u64>) {
+            let f = take(&mut st.slots, all);
+            if let Some((tag, _, n)) = f.run {
+                self.ack(tag, n > 1, finished);
+            }
+            for (tag, _) in f.single {
+                self.ack(tag, false, finished);
+            }
+        }
+    }
+
+    use proptest::prelude::{Just, Strategy};
+    use std::collections::BTreeSet;
+
+    proptest::proptest! {
+        /// Any interleaving of deliveries finishing, given back (before or after the stop),
+        /// held (running long) and flushes by run, by timer and at the stop: no tag is acked
+        /// or nacked twice, an ack with `multiple` covers finished deliveries only, and after
+        /// the stop's last flush every finished delivery is acked and every other one is
+        /// either nacked or still unsettled for the channel's close to return — none is lost.
+        #[test]
+        fn any_interleaving_acks_each_finished_delivery_once_and_nothing_else(
+            (ends, order) in (1usize..60).prop_flat_map(|n| (
+                proptest::collection::vec((proptest::bool::weighted(0.7), 0u8..4), n),
+                Just((1..=n as u64).collect::<Vec<_>>()).prop_shuffle(),
+            )),
+            stop_at in 0usize..60,
+            run in 1usize..8,
+            held in proptest::collection::btree_set(1u64..60, 0..6),
+            ahead in 0u64..8,
+        ) {
+            let n = ends.len() as u64;
+            let mut st = State::default();
+            let mut broker = Broker::default();
+            let mut finished = BTreeSet::new();
+            let mut given_back = BTreeSet::new();
+            // deliveries arrive in tag order, `ahead` more than needed (a delivery arrives
+            // before it can end)
+            let mut next = 1;
+            // the order in which deliveries end (a permutation of the tags); held ones (a
+            // delivery waiting for its due time, or a slow handler) end last, and are given
+            // back when the stop comes first
+            let mut order = order;
+            order.sort_by_key(|tag| held.contains(tag));
+            for (step, &tag) in order.iter().enumerate() {
+                let upto = tag.max(next - 1 + ahead).min(n);
+                while next <= upto {
+                    st.slots.insert(next, Slot::Running);
+                    broker.unsettled.insert(next);
+                    next += 1;
+                }
+                let (ok, flush) = ends[tag as usize - 1];
+                if step == stop_at {
+                    st.stopping = true;
+                }
+                if ok && !(st.stopping && held.contains(&tag)) {
+                    finished.insert(tag);
+                    if st.done(tag, acker(tag), run) {
+                        broker.flush(&mut st, false, &finished);
+                    }
+                } else {
+                    given_back.insert(tag);
+                    if st.give_back(tag) {
+                        broker.nack(tag, &finished);
+                        st.nacked(tag);
+                    }
+                }
+                match flush {
+                    0 => broker.flush(&mut st, true, &finished), // the timer
+                    1 => broker.flush(&mut st, false, &finished),
+                    _ => {}
+                }
+            }
+            // the stop's last flush
+            broker.flush(&mut st, true, &finished);
+            let mut acked = broker.acked.clone();
+            acked.sort_unstable();
+            proptest::prop_assert_eq!(acked, finished.iter().copied().collect::<Vec<_>>());
+            let mut returned: Vec<u64> = broker.nacked.clone();
+            returned.extend(broker.unsettled.iter().copied());
+            returned.sort_unstable();
+            proptest::prop_assert_eq!(returned, given_back.iter().copied().collect::<Vec<_>>());
+            proptest::prop_assert_eq!(st.left, broker.unsettled.len());
+            // nothing done is left in the books (only what the close returns, and nacked ones
+            // behind it, which nothing is sent for)
+            proptest::prop_assert!(
+                st.slots.values().all(|s| matches!(s, Slot::Left | Slot::Settled))
+            );
+        }
+    }
+
+    #[test]
+    fn a_left_delivery_ends_every_run_and_stays_for_the_close() {
+        let mut st = State {
+            stopping: true,
+            ..State::default()
+        };
+        for tag in 1..=4 {
+            st.slots.insert(tag, Slot::Running);
+        }
+        assert!(st.done(1, acker(1), 1), "a run of one");
+        let f = take(&mut st.slots, false);
+        assert_eq!(f.run.map(|(t, _, n)| (t, n)), Some((1, 1)));
+        assert!(!st.give_back(2), "a stopping worker sends no nack");
+        assert!(!st.done(3, acker(3), 1), "behind a left one: not a run");
+        assert!(!st.done(4, acker(4), 1));
+        let f = take(&mut st.slots, false);
+        assert!(f.run.is_none() && f.single.is_empty());
+        let f = take(&mut st.slots, true);
+        assert!(f.run.is_none());
+        assert_eq!(
+            f.single.iter().map(|(t, _)| *t).collect::<Vec<_>>(),
+            vec![3, 4]
+        );
+        assert_eq!(st.slots.keys().copied().collect::<Vec<_>>(), vec![2]);
+        assert_eq!(st.left, 1);
+    }
+
+    #[test]
+    fn frames_sent_lately_make_the_channel_busy_and_those_since_the_stop_are_counted() {
+        let mut st = State::default();
+        st.sent(LINGER_FRAMES - 1);
+        assert!(st.recent_frames() < LINGER_FRAMES);
+        st.nacked(1);
+        assert_eq!(st.recent_frames(), LINGER_FRAMES, "a nack is a frame too");
+        assert_eq!(st.stop_frames, 0);
+        st.stopping = true;
+        st.sent(2);
+        assert_eq!(st.stop_frames, 2);
+        // two windows later nothing is recent any more
+        st.recent.0 = std::time::Instant::now().checked_sub(RECENT * 2);
+        assert_eq!(st.recent_frames(), 0);
     }
 
     #[tokio::test]

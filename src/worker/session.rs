@@ -332,8 +332,15 @@ impl<'w, H: Handler> Session<'w, H> {
         }
     }
 
-    /// Cancels the consumers and waits up to the shutdown grace for the handlers in flight.
+    /// Cancels the consumers and waits up to the shutdown grace for the handlers in flight;
+    /// what does not run is left unsettled for the channels' close to return to the queues
+    /// (nacked one by one, hundreds of deliveries in hand made the broker drop the last acks:
+    /// see `acks`), then flushes the acks of what finished.
     async fn drain(&mut self, stopping: bool) {
+        // before any task can see `stopping`, so none of them nacks
+        for a in &self.all_acks {
+            a.stop();
+        }
         self.ctx.stopping.store(true, Ordering::Relaxed);
         for (ch, tag) in self.channels.iter().flatten() {
             let _ = ch
@@ -358,13 +365,32 @@ impl<'w, H: Handler> Session<'w, H> {
                 "shutdown grace over: unfinished messages go back to the queue"
             );
             tasks.abort_all();
+            // an aborted task may be settling right now: the last flush comes after it
+            while tasks.join_next().await.is_some() {}
         }
         for a in &self.all_acks {
             a.flush(true).await;
         }
+        // the broker may still hold acks of a busy channel unsent, and drops them if it closes
+        if self.all_acks.iter().any(|a| a.busy()) {
+            tokio::time::sleep(acks::CLOSE_LINGER).await;
+        }
         if stopping {
             let (succeeded, retried, parked, cancelled) = self.worker.counters.summary();
-            tracing::info!(succeeded, retried, parked, cancelled, "worker stopped");
+            let (given_back, ack_frames) = self
+                .all_acks
+                .iter()
+                .map(|a| a.since_stop())
+                .fold((0, 0), |(l, f), (l1, f1)| (l + l1, f + f1));
+            tracing::info!(
+                succeeded,
+                retried,
+                parked,
+                cancelled,
+                given_back,
+                ack_frames,
+                "worker stopped"
+            );
         }
     }
 }
