@@ -272,6 +272,66 @@ async fn a_poison_message_is_parked_and_the_rest_processed() {
     env.cleanup().await;
 }
 
+/// A handler that says "not now" for ever: the worker gives the message back after each
+/// `consumer.requeue_hold`, every return counts toward the quorum queue's delivery limit (20,
+/// which `declare --queue` sets on 3.x too), and the broker then dead-letters it into
+/// `<prefix>.parked` with the reason `delivery_limit`: parked, never dropped (4.x drops a message
+/// at the limit unless its queue dead-letters).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_put_back_for_ever_is_parked_by_the_delivery_limit_not_dropped() {
+    let mut env = Env::new(small_topology()).await;
+    let q = format!("{}-notnow", env.settings.prefix);
+    amqp_delay::Topology::new(env.layout())
+        .declare_destination(&env.conn, &q)
+        .await
+        .unwrap();
+    env.track_queue(&q);
+    let unroutable = env.layout().unroutable_queue();
+    env.settings.consumer.requeue_hold = amqp_delay::time::DurationMs(20);
+    let h = Scripted::new(|_| Outcome::Requeue("not now".into()));
+    let log = h.log.clone();
+    let (stop, run) = spawn_worker(&env, &q, h, retry(20, 2.0, 5));
+    let p = env.publisher().await;
+    p.schedule(Message::new(q.clone(), 1, "later").with_id("later"))
+        .await
+        .unwrap();
+    let parked = collect(
+        &env.conn,
+        &unroutable,
+        1,
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+    )
+    .await;
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    let runs = log.lock().unwrap().len();
+    assert_eq!(parked.len(), 1, "not parked after {runs} runs");
+    assert_eq!(parked[0].body, b"later");
+    // its deaths: the tier hop (expired), then the limit
+    let reasons: Vec<String> = match parked[0].header("x-death") {
+        Some(AMQPValue::FieldArray(deaths)) => deaths
+            .as_slice()
+            .iter()
+            .filter_map(|d| match d {
+                AMQPValue::FieldTable(t) => match t.inner().get("reason") {
+                    Some(AMQPValue::LongString(r)) => {
+                        Some(String::from_utf8_lossy(r.as_bytes()).into_owned())
+                    }
+                    _ => None,
+                },
+                _ => None,
+            })
+            .collect(),
+        other => panic!("no x-death: {other:?}"),
+    };
+    assert!(reasons.iter().any(|r| r == "delivery_limit"), "{reasons:?}");
+    // the limit is the broker's count of returns: one run per delivery, at least 20
+    assert!(runs >= 20, "{runs} runs");
+    p.close().await;
+    env.cleanup().await;
+}
+
 /// A message whose retry cannot be published (its tiers are gone) goes back to its queue, and
 /// the worker waits longer before each return (1 s, 2 s, 4 s, ... from `x-delivery-count`):
 /// every return counts toward the quorum queue's delivery limit (20), so a short outage must
