@@ -35,7 +35,8 @@ pub(crate) enum Cmd {
     },
     /// Schedule one message, or many from a JSONL file
     Send(SendArgs),
-    /// Cancel scheduled messages by id: no worker, gateway or relay runs or forwards them
+    /// Cancel scheduled messages by id: no worker, gateway or relay runs or forwards them.
+    /// Stops only the messages this user scheduled, unless it is in trust.admins
     Cancel(CancelArgs),
     /// Messages not yet due, and the depth of every tier queue and of the parking queue
     Stats {
