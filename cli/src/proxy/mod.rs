@@ -1,0 +1,154 @@
+//! `delay-proxy`: an AMQP 0-9-1 proxy in front of a stock broker, so that applications written
+//! for the delayed-message-exchange plugin switch by changing only their URL. Each client
+//! connection gets an upstream connection of its own, under the client's own credentials
+//! (SASL passes through, never logged); frames pass as sent except:
+//! * `exchange.declare` of type `x-delayed-message` goes to the broker as a declare of its
+//!   `x-delayed-type` (so the broker checks it under the client's permissions); only when the
+//!   broker answers declare-ok does the proxy register the exchange's gateway pair (ingress
+//!   `<prefix>.gw.x.<exchange>` → the exchange) on its own connection, then the client gets
+//!   its declare-ok;
+//! * `basic.publish` to a delayed exchange with a positive `x-delay` goes to the pair's ingress
+//!   (a `delay-publisher gateway --follow-pairs` delays it and publishes it to the exchange with
+//!   its routing key); no, zero or negative `x-delay` goes straight to the exchange;
+//! * `basic.return` naming an ingress names the application's exchange again.
+//!
+//! Publishes are neither added nor dropped, so confirms stay one for one. The pairs are in the
+//! control stream, which every proxy follows: nothing lives only in one proxy's memory.
+
+pub mod conn;
+pub mod frames;
+pub mod registry;
+pub mod rewrite;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use amqp_delay::Settings;
+use amqp_delay::error::{Error, Result};
+use tokio::net::TcpListener;
+
+pub use conn::Limits;
+pub use registry::Registry;
+
+/// A settings error (`why` says what to change).
+pub fn config(why: impl Into<String>) -> Error {
+    Error::from(amqp_delay::settings::SettingsError::Invalid(why.into()))
+}
+
+/// The broker's `host:port` a proxy connects its clients to: the first of the settings'
+/// URLs, which must be plain `amqp://` (TLS towards the broker is not implemented, and an
+/// `amqps://` URL is never downgraded).
+pub fn upstream_of(urls: &str) -> Result<String> {
+    let first = amqp_delay::endpoints::split_urls(urls)
+        .into_iter()
+        .next()
+        .ok_or_else(|| config("the broker URL is empty"))?;
+    let redacted = amqp_delay::endpoints::redact_url(&first);
+    let u = url::Url::parse(&first)
+        .map_err(|e| config(format!("broker URL '{redacted}' is invalid: {e}")))?;
+    match u.scheme() {
+        "amqp" => {}
+        "amqps" => {
+            return Err(config(format!(
+                "broker URL '{redacted}': delay-proxy does not connect to the broker over TLS yet, and never downgrades amqps:// to plain AMQP; give an amqp:// URL of a broker on a trusted network"
+            )));
+        }
+        other => {
+            return Err(config(format!(
+                "broker URL '{redacted}': scheme '{other}' is not amqp://"
+            )));
+        }
+    }
+    let host = u
+        .host_str()
+        .filter(|h| !h.is_empty())
+        .ok_or_else(|| config(format!("broker URL '{redacted}' names no host")))?;
+    Ok(format!("{host}:{}", u.port().unwrap_or(5672)))
+}
+
+/// A running proxy's parts: where it sends clients, what it knows of the pairs, its limits.
+pub struct Proxy {
+    upstream: String,
+    registry: Arc<Registry>,
+    limits: Limits,
+    open: Arc<AtomicUsize>,
+}
+
+impl Proxy {
+    /// The proxy of `settings` (its URL names the broker and the proxy's own user): reads the
+    /// pairs already registered under the prefix, and keeps following them.
+    pub async fn start(settings: Settings, limits: Limits) -> Result<Proxy> {
+        let upstream = upstream_of(&settings.url)?;
+        let registry = Arc::new(Registry::new(settings)?);
+        registry.refresh(true).await?;
+        tokio::spawn(registry.clone().follow());
+        Ok(Proxy {
+            upstream,
+            registry,
+            limits,
+            open: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+
+    /// Client connections open now.
+    pub fn connections(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
+    /// Accepts clients on `listener` until `shutdown` completes (open connections are left to
+    /// end with the process).
+    pub async fn serve(
+        &self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<()> {
+        tokio::pin!(shutdown);
+        loop {
+            let accepted = tokio::select! {
+                () = &mut shutdown => return Ok(()),
+                a = listener.accept() => a,
+            };
+            let (client, peer) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // out of file descriptors, or a client gone before accept: go on
+                    tracing::warn!("accepting a client: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let (upstream, registry, limits, open) = (
+                self.upstream.clone(),
+                self.registry.clone(),
+                self.limits,
+                self.open.clone(),
+            );
+            tokio::spawn(async move {
+                open.fetch_add(1, Ordering::AcqRel);
+                tracing::debug!(%peer, "client connected");
+                match conn::serve(client, &upstream, registry, limits).await {
+                    Ok(()) => tracing::debug!(%peer, "client disconnected"),
+                    Err(e) => tracing::info!(%peer, "client connection ended: {e}"),
+                }
+                open.fetch_sub(1, Ordering::AcqRel);
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_upstream_is_plain_amqp_and_never_a_downgrade() {
+        assert_eq!(upstream_of("amqp://u:p@h:5673/%2f").unwrap(), "h:5673");
+        assert_eq!(upstream_of("amqp://h, amqp://g").unwrap(), "h:5672");
+        let e = upstream_of("amqps://u:secret@h/v").unwrap_err().to_string();
+        assert!(e.contains("never downgrades"), "{e}");
+        assert!(!e.contains("secret"), "{e}");
+        assert!(upstream_of("http://h").is_err());
+        assert!(upstream_of("").is_err());
+    }
+}
