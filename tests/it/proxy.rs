@@ -28,7 +28,7 @@ struct ProxyProc {
 }
 
 impl ProxyProc {
-    fn start(env: &Env, config: &Path) -> ProxyProc {
+    fn start(env: &Env, config: &Path, extra: &[&str]) -> ProxyProc {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
@@ -40,6 +40,7 @@ impl ProxyProc {
             .args(["--url", &env.settings.url])
             .args(["--prefix", &env.settings.prefix])
             .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(extra)
             .env("RUST_LOG", "warn,amqp_delay=info,amqp_delay_cli=debug")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -108,7 +109,7 @@ impl World {
         let objects = GatewayObjects::new(&env, &pairs, &targets);
         let config = write_config(&env, "[gateway]\nfollow = true\n");
         let gw = GatewayProc::start(&env, &config.0, &[], "gw");
-        let proxy = ProxyProc::start(&env, &config.0);
+        let proxy = ProxyProc::start(&env, &config.0, &["--handshake-timeout", "2s"]);
         World {
             env,
             gw,
@@ -433,5 +434,140 @@ async fn pika_body() {
     );
     let report = finish(edges, &[&w.gw]).await;
     assert_eq!(report["published"], 8, "{report}\n{}", w.logs());
+    w.env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_killed_after_the_confirms_loses_nothing() {
+    within(killed_body()).await;
+}
+
+async fn killed_body() {
+    let mut w = World::new(&["jobs"]).await;
+    let x = w.exchange("jobs");
+    let app = w.proxy.connect().await;
+    declare_delayed(&app, &x, "direct").await;
+    let q = w.env.queue("app").await;
+    bind(&w.env.conn, &q, &x, "j").await;
+    let msgs = (0..40)
+        .map(|i| {
+            let d = 400 + 25 * i;
+            (
+                d,
+                format!("job {i}").into_bytes(),
+                with_delay(Some(d), &format!("j{i}")),
+            )
+        })
+        .collect();
+    let sent = publish_all(&app, &x, "j", msgs).await;
+    // SIGKILL right after the last confirm: everything confirmed is the broker's
+    let _ = w.proxy.child.kill();
+    let _ = w.proxy.child.wait();
+    w.served(&x).await;
+    let got = collect(
+        &w.env.conn,
+        &q,
+        sent.len(),
+        Duration::from_secs(20),
+        Duration::from_millis(500),
+    )
+    .await;
+    let logs = w.logs();
+    assert_eq!(got.len(), sent.len(), "{logs}");
+    check(&sent, &got);
+    w.env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declare_the_broker_refuses_registers_no_pair() {
+    within(refused_body()).await;
+}
+
+async fn refused_body() {
+    let w = World::new(&["taken", "typo"]).await;
+    let (taken, typo) = (w.exchange("taken"), w.exchange("typo"));
+    // an exchange of another type under that name: the broker refuses the delayed declare
+    declare_exchange(&w.env.conn, &taken, ExchangeKind::Fanout).await;
+    let app = w.proxy.connect().await;
+    let ch = app.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-delayed-type".into(),
+        AMQPValue::LongString(LongString::from("direct")),
+    );
+    let options = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let kind = ExchangeKind::Custom("x-delayed-message".into());
+    let e = ch
+        .exchange_declare(taken.as_str().into(), kind.clone(), options, args.clone())
+        .await
+        .expect_err("an inequivalent declare must be refused");
+    assert!(e.to_string().contains("PRECONDITION_FAILED"), "{e}");
+    // a real type the broker does not know: refused too (the connection ends)
+    let ch = app.create_channel().await.unwrap();
+    let mut bad = FieldTable::default();
+    bad.insert(
+        "x-delayed-type".into(),
+        AMQPValue::LongString(LongString::from("no-such-type")),
+    );
+    let e = ch
+        .exchange_declare(typo.as_str().into(), kind, options, bad)
+        .await
+        .expect_err("an unknown type must be refused");
+    assert!(
+        e.to_string().contains("COMMAND_INVALID") || e.to_string().contains("no-such-type"),
+        "{e}"
+    );
+    let layout = w.env.layout();
+    for x in [&taken, &typo] {
+        let ingress = layout.proxy_ingress(x);
+        assert!(
+            !amqp_delay::broker::exchange_exists(&w.env.conn, &ingress)
+                .await
+                .unwrap(),
+            "a pair was registered for refused '{x}'"
+        );
+    }
+    let records = amqp_delay::control::read_all(&w.env.conn, &layout)
+        .await
+        .unwrap();
+    assert!(
+        !records
+            .iter()
+            .any(|r| matches!(r, amqp_delay::control::Record::GatewayPair { .. })),
+        "{records:?}"
+    );
+    // the proxy is still serving: a new connection declares fine
+    let again = w.proxy.connect().await;
+    declare_delayed(&again, &typo, "direct").await;
+    let _ = again.close(200, "bye".into()).await;
+    w.env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_finishes_the_handshake_is_disconnected() {
+    within(handshake_body()).await;
+}
+
+async fn handshake_body() {
+    use tokio::io::AsyncReadExt;
+    let w = World::new(&[]).await;
+    // wait until it listens
+    let ready = w.proxy.connect().await;
+    let _ = ready.close(200, "bye".into()).await;
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", w.proxy.port))
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let mut buf = [0u8; 64];
+    // silent: the proxy ends it after --handshake-timeout (2 s)
+    let r = tokio::time::timeout(Duration::from_secs(15), s.read(&mut buf)).await;
+    assert!(
+        matches!(r, Ok(Ok(0)) | Ok(Err(_))),
+        "still open after 15 s: {r:?}"
+    );
+    assert!(start.elapsed() >= Duration::from_secs(1), "closed too soon");
     w.env.cleanup().await;
 }
