@@ -25,14 +25,19 @@ struct ProxyProc {
     child: Child,
     log: std::path::PathBuf,
     port: u16,
+    metrics: u16,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
 }
 
 impl ProxyProc {
     fn start(env: &Env, config: &Path, extra: &[&str]) -> ProxyProc {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port");
+        let (port, metrics) = (free_port(), free_port());
         let log = std::env::temp_dir().join(format!("{}-proxy.log", env.settings.prefix));
         let child = Command::new(env!("CARGO_BIN_EXE_delay-proxy"))
             .arg("--config")
@@ -40,17 +45,31 @@ impl ProxyProc {
             .args(["--url", &env.settings.url])
             .args(["--prefix", &env.settings.prefix])
             .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
             .args(extra)
             .env("RUST_LOG", "warn,amqp_delay=info,amqp_delay_cli=debug")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .expect("starting delay-proxy");
-        ProxyProc { child, log, port }
+        ProxyProc {
+            child,
+            log,
+            port,
+            metrics,
+        }
     }
 
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// A sample of its `/metrics`.
+    fn metric(&self, name: &str) -> f64 {
+        let (status, text) =
+            crate::observe::get(&format!("http://127.0.0.1:{}/metrics", self.metrics));
+        assert_eq!(status, 200, "{text}");
+        crate::observe::sample(&text, name, "")
     }
 
     /// The URL an application uses: the broker's, with the proxy's port.
@@ -300,6 +319,23 @@ async fn lapin_body() {
     for r in &got {
         assert_eq!(r.routing_key, "k");
     }
+
+    // 300, 1200, 60 and 500 ms went to the ingress; the rest straight
+    assert_eq!(
+        w.proxy.metric("amqp_delay_proxy_delayed_publishes_total"),
+        4.0
+    );
+    assert_eq!(
+        w.proxy.metric("amqp_delay_proxy_pairs_registered_total"),
+        1.0
+    );
+    assert_eq!(w.proxy.metric("amqp_delay_proxy_connections"), 1.0);
+    let ready = format!("http://127.0.0.1:{}/readyz", w.proxy.metrics);
+    assert_eq!(
+        crate::observe::get(&ready).0,
+        200,
+        "following the control stream"
+    );
 
     // a mandatory publish nobody's binding matches comes back naming the app's exchange
     let ch = app.create_channel().await.unwrap();

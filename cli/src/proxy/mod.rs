@@ -126,11 +126,14 @@ impl Proxy {
             );
             tokio::spawn(async move {
                 open.fetch_add(1, Ordering::AcqRel);
+                let gauge = &amqp_delay::metrics::global().proxy_connections;
+                gauge.inc();
                 tracing::debug!(%peer, "client connected");
                 match conn::serve(client, &upstream, registry, limits).await {
                     Ok(()) => tracing::debug!(%peer, "client disconnected"),
                     Err(e) => tracing::info!(%peer, "client connection ended: {e}"),
                 }
+                gauge.dec();
                 open.fetch_sub(1, Ordering::AcqRel);
             });
         }

@@ -116,6 +116,7 @@ impl Registry {
         gateway.declare(conn).await?;
         drop(guard);
         self.pairs.insert(&pair.target, &pair.ingress);
+        amqp_delay::metrics::global().proxy_pairs_registered.inc();
         tracing::info!(exchange = %pair.target, ingress = %pair.ingress, "delayed exchange registered");
         Ok(())
     }
@@ -164,11 +165,15 @@ impl Registry {
             let r = match conn {
                 Ok(conn) => {
                     backoff.reset();
+                    // ready (`/readyz`) while the pairs other proxies register reach us
+                    let connected = &amqp_delay::metrics::global().connected;
+                    connected.set(1);
                     let me = self.clone();
                     let r = amqp_delay::gateway::follow::follow_records(&conn, &self.layout, |r| {
                         me.learn(&r)
                     })
                     .await;
+                    connected.set(0);
                     amqp_delay::broker::close_connection(&conn, "bye").await;
                     r
                 }

@@ -176,6 +176,7 @@ fn release(held: Held, raw: &Raw<'_>, max_delay_ms: u64) -> Result<Step, String>
                 exchange: held.ingress.as_str().into(),
                 ..held.publish
             };
+            amqp_delay::metrics::global().proxy_delayed_publishes.inc();
             out = frames::encode_method(
                 raw.channel,
                 AMQPClass::Basic(basic::AMQPMethod::Publish(publish)),
