@@ -607,3 +607,69 @@ async fn handshake_body() {
     assert!(start.elapsed() >= Duration::from_secs(1), "closed too soon");
     w.env.cleanup().await;
 }
+
+/// amqplib in a directory of its own (installed with npm the first time): never skipped.
+fn amqplib() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join("amqp-delay-tests-amqplib");
+    let modules = dir.join("node_modules");
+    if !modules.join("amqplib").exists() {
+        std::fs::create_dir_all(&dir).unwrap();
+        let ok = Command::new("npm")
+            .args(["install", "--no-audit", "--no-fund", "--prefix"])
+            .arg(&dir)
+            .arg("amqplib")
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(
+            ok,
+            "NODE WITH AMQPLIB IS REQUIRED: `npm install amqplib` into {} failed",
+            dir.display()
+        );
+    }
+    modules
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_amqplib_app_of_the_plugin_works_through_the_proxy() {
+    within(amqplib_body()).await;
+}
+
+async fn amqplib_body() {
+    let modules = amqplib();
+    let w = World::new(&["node"]).await;
+    let x = w.exchange("node");
+    let app = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/js/plugin_app.js");
+    let cfg =
+        serde_json::json!({"exchange": x, "queue": format!("{}-node-app", w.env.settings.prefix)});
+    let run = tokio::process::Command::new("node")
+        .arg(app)
+        .arg(cfg.to_string())
+        .env("AMQP_URL", w.proxy.url())
+        .env("NODE_PATH", &modules)
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the Node app did not finish within 60 s")
+        .expect("starting node");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the Node app failed: {}\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        w.logs()
+    );
+    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(
+        report["errors"],
+        serde_json::json!([]),
+        "{report}\n{}",
+        w.logs()
+    );
+    assert_eq!(
+        (report["published"].as_u64(), report["received"].as_u64()),
+        (Some(6), Some(6))
+    );
+    w.env.cleanup().await;
+}
