@@ -113,6 +113,8 @@ pub struct Metrics {
     pub proxy_delayed_publishes: Counter,
     /// `delay-proxy`: gateway pairs it registered after a client's declare.
     pub proxy_pairs_registered: Counter,
+    /// `delay-proxy`: delayed exchanges it knows (its own and those read from the control stream).
+    pub proxy_pairs_known: Gauge,
 }
 
 /// Lateness buckets: 1 ms to 5 min.
@@ -152,6 +154,7 @@ impl Metrics {
             proxy_connections: Gauge::default(),
             proxy_delayed_publishes: Counter::default(),
             proxy_pairs_registered: Counter::default(),
+            proxy_pairs_known: Gauge::default(),
         };
         m.register_publishing();
         m.register_worker();
@@ -176,6 +179,11 @@ impl Metrics {
             "proxy_pairs_registered",
             "delay-proxy: gateway pairs registered after a client's declare was accepted",
             self.proxy_pairs_registered.clone(),
+        );
+        self.registry.register(
+            "proxy_pairs_known",
+            "delay-proxy: delayed exchanges it knows (registered by it or read from the control stream)",
+            self.proxy_pairs_known.clone(),
         );
     }
 

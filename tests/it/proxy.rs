@@ -109,7 +109,7 @@ struct World {
     gw: GatewayProc,
     proxy: ProxyProc,
     _objects: GatewayObjects,
-    _config: ConfigFile,
+    config: ConfigFile,
 }
 
 impl World {
@@ -134,7 +134,7 @@ impl World {
             gw,
             proxy,
             _objects: objects,
-            _config: config,
+            config,
         }
     }
 
@@ -670,6 +670,105 @@ async fn amqplib_body() {
     assert_eq!(
         (report["published"].as_u64(), report["received"].as_u64()),
         (Some(6), Some(6))
+    );
+    w.env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_proxy_learns_the_pairs_another_registered() {
+    within(two_proxies_body()).await;
+}
+
+async fn two_proxies_body() {
+    let mut w = World::new(&["shared"]).await;
+    let x = w.exchange("shared");
+    // the same configuration file (rewriting it would race the gateway's start)
+    let b = ProxyProc::start(&w.env, &w.config.0, &[]);
+    let on_b = b.connect().await;
+    // registered through the first proxy only
+    let on_a = w.proxy.connect().await;
+    declare_delayed(&on_a, &x, "direct").await;
+    let _ = on_a.close(200, "bye".into()).await;
+    let q = w.env.queue("app").await;
+    bind(&w.env.conn, &q, &x, "k").await;
+    let known = wait_until(Duration::from_secs(10), || {
+        b.metric("amqp_delay_proxy_pairs_known") >= 1.0
+    })
+    .await;
+    assert!(known, "the second proxy never read the pair:\n{}", b.log());
+    // the second proxy's client publishes without declaring: still delayed
+    let msgs = vec![
+        (700, b"via b".to_vec(), with_delay(Some(700), "b1")),
+        (0, b"via b now".to_vec(), with_delay(None, "b2")),
+    ];
+    let sent = publish_all(&on_b, &x, "k", msgs).await;
+    let got = collect(
+        &w.env.conn,
+        &q,
+        sent.len(),
+        Duration::from_secs(20),
+        Duration::from_millis(500),
+    )
+    .await;
+    let logs = w.logs();
+    assert_eq!(got.len(), sent.len(), "{logs}");
+    check(&sent, &got);
+    assert_eq!(b.metric("amqp_delay_proxy_delayed_publishes_total"), 1.0);
+    let _ = on_b.close(200, "bye".into()).await;
+    w.env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_longer_than_frame_max_ends_the_connection() {
+    within(oversize_body()).await;
+}
+
+async fn oversize_body() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let w = World::new(&[]).await;
+    let ready = w.proxy.connect().await;
+    let _ = ready.close(200, "bye".into()).await;
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", w.proxy.port))
+        .await
+        .unwrap();
+    s.write_all(b"AMQP\x00\x00\x09\x01").await.unwrap();
+    // a method frame claiming 64 MiB, then a steady stream of bytes: the proxy stops reading
+    // at one frame_max and ends the connection instead of buffering it
+    s.write_all(&[1, 0, 0, 0x04, 0, 0, 0]).await.unwrap();
+    let chunk = vec![0u8; 64 * 1024];
+    let mut written = 0usize;
+    let mut ended = false;
+    for _ in 0..1024 {
+        match tokio::time::timeout(Duration::from_secs(5), s.write_all(&chunk)).await {
+            Ok(Ok(())) => written += chunk.len(),
+            Ok(Err(_)) => {
+                ended = true;
+                break;
+            }
+            Err(_) => panic!("the proxy neither read nor closed (after {written} bytes)"),
+        }
+    }
+    if !ended {
+        // everything was written into socket buffers: the proxy must have closed by now
+        let mut buf = vec![0u8; 4096];
+        let r = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => return true,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        ended = r.unwrap_or(false);
+    }
+    assert!(
+        ended,
+        "the connection was still open after {written} bytes of one frame"
+    );
+    assert!(
+        written < 16 * 1024 * 1024,
+        "{written} bytes were taken for one frame"
     );
     w.env.cleanup().await;
 }

@@ -49,6 +49,9 @@ impl Pairs {
         drop(a);
         let mut b = self.by_ingress.write().unwrap_or_else(|e| e.into_inner());
         b.insert(ingress.into(), exchange.into());
+        let known = i64::try_from(b.len()).unwrap_or(i64::MAX);
+        drop(b);
+        amqp_delay::metrics::global().proxy_pairs_known.set(known);
         new
     }
 
