@@ -37,12 +37,17 @@ fn free_port() -> u16 {
 
 impl ProxyProc {
     fn start(env: &Env, config: &Path, extra: &[&str]) -> ProxyProc {
+        ProxyProc::start_at(env, config, &env.settings.url, extra)
+    }
+
+    /// A proxy whose `--url` is `url`.
+    fn start_at(env: &Env, config: &Path, url: &str, extra: &[&str]) -> ProxyProc {
         let (port, metrics) = (free_port(), free_port());
         let log = std::env::temp_dir().join(format!("{}-proxy.log", env.settings.prefix));
         let child = Command::new(env!("CARGO_BIN_EXE_delay-proxy"))
             .arg("--config")
             .arg(config)
-            .args(["--url", &env.settings.url])
+            .args(["--url", url])
             .args(["--prefix", &env.settings.prefix])
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
@@ -770,5 +775,54 @@ async fn oversize_body() {
         written < 16 * 1024 * 1024,
         "{written} bytes were taken for one frame"
     );
+    w.env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pair_removed_behind_the_proxy_is_declared_again_and_dead_nodes_are_skipped() {
+    within(redeclare_body()).await;
+}
+
+async fn redeclare_body() {
+    let mut w = World::new(&["again"]).await;
+    let x = w.exchange("again");
+    // the first node of the list answers nothing: clients go to the next
+    let url = format!("amqp://guest:guest@127.0.0.1:1/%2f,{}", w.env.settings.url);
+    let proxy = ProxyProc::start_at(&w.env, &w.config.0, &url, &[]);
+    let app = proxy.connect().await;
+    declare_delayed(&app, &x, "direct").await;
+    // someone removes the ingress (a teardown, an admin): the next declare makes it again
+    let ingress = w.env.layout().proxy_ingress(&x);
+    let ch = w.env.conn.create_channel().await.unwrap();
+    ch.exchange_delete(ingress.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    declare_delayed(&app, &x, "direct").await;
+    assert!(
+        amqp_delay::broker::exchange_exists(&w.env.conn, &ingress)
+            .await
+            .unwrap(),
+        "{}",
+        proxy.log()
+    );
+    let q = w.env.queue("app").await;
+    bind(&w.env.conn, &q, &x, "k").await;
+    let sent = publish_all(
+        &app,
+        &x,
+        "k",
+        vec![(400, b"again".to_vec(), with_delay(Some(400), "a"))],
+    )
+    .await;
+    let got = collect(
+        &w.env.conn,
+        &q,
+        1,
+        Duration::from_secs(20),
+        Duration::from_millis(300),
+    )
+    .await;
+    check(&sent, &got);
+    let _ = app.close(200, "bye".into()).await;
     w.env.cleanup().await;
 }

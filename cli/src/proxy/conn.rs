@@ -111,19 +111,27 @@ impl<R: AsyncRead + Unpin> Frames<R> {
     }
 }
 
+/// The first of `upstreams` that accepts a TCP connection within `limit` (each).
+async fn connect_upstream(upstreams: &[String], limit: Duration) -> Result<TcpStream, String> {
+    let mut last = String::from("no broker address");
+    for addr in upstreams {
+        match tokio::time::timeout(limit, TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => return Ok(s),
+            Ok(Err(e)) => last = format!("connecting to the broker at {addr}: {e}"),
+            Err(_) => last = format!("connecting to the broker at {addr}: timed out"),
+        }
+    }
+    Err(last)
+}
+
 /// Proxies one client connection until either side closes it or a limit ends it.
 pub async fn serve(
     client: TcpStream,
-    upstream: &str,
+    upstreams: &[String],
     registry: Arc<Registry>,
     limits: Limits,
 ) -> Result<(), String> {
-    let connecting = tokio::time::timeout(limits.handshake, TcpStream::connect(upstream));
-    let broker = match connecting.await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => return Err(format!("connecting to the broker at {upstream}: {e}")),
-        Err(_) => return Err(format!("connecting to the broker at {upstream}: timed out")),
-    };
+    let broker = connect_upstream(upstreams, limits.handshake).await?;
     for s in [&client, &broker] {
         let _ = s.set_nodelay(true);
     }

@@ -36,16 +36,21 @@ pub fn config(why: impl Into<String>) -> Error {
     Error::from(amqp_delay::settings::SettingsError::Invalid(why.into()))
 }
 
-/// The broker's `host:port` a proxy connects its clients to: the first of the settings'
-/// URLs, which must be plain `amqp://` (TLS towards the broker is not implemented, and an
-/// `amqps://` URL is never downgraded).
-pub fn upstream_of(urls: &str) -> Result<String> {
-    let first = amqp_delay::endpoints::split_urls(urls)
-        .into_iter()
-        .next()
-        .ok_or_else(|| config("the broker URL is empty"))?;
-    let redacted = amqp_delay::endpoints::redact_url(&first);
-    let u = url::Url::parse(&first)
+/// The brokers' `host:port` a proxy connects its clients to, in the order of the settings'
+/// URLs (cluster nodes: a client goes to the first that answers). Each must be plain
+/// `amqp://`: TLS towards the broker is not implemented, and an `amqps://` URL is never
+/// downgraded.
+pub fn upstreams_of(urls: &str) -> Result<Vec<String>> {
+    let list = amqp_delay::endpoints::split_urls(urls);
+    if list.is_empty() {
+        return Err(config("the broker URL is empty"));
+    }
+    list.iter().map(|u| upstream_of(u)).collect()
+}
+
+fn upstream_of(url: &str) -> Result<String> {
+    let redacted = amqp_delay::endpoints::redact_url(url);
+    let u = url::Url::parse(url)
         .map_err(|e| config(format!("broker URL '{redacted}' is invalid: {e}")))?;
     match u.scheme() {
         "amqp" => {}
@@ -69,7 +74,7 @@ pub fn upstream_of(urls: &str) -> Result<String> {
 
 /// A running proxy's parts: where it sends clients, what it knows of the pairs, its limits.
 pub struct Proxy {
-    upstream: String,
+    upstreams: Arc<Vec<String>>,
     registry: Arc<Registry>,
     limits: Limits,
     open: Arc<AtomicUsize>,
@@ -79,12 +84,12 @@ impl Proxy {
     /// The proxy of `settings` (its URL names the broker and the proxy's own user): reads the
     /// pairs already registered under the prefix, and keeps following them.
     pub async fn start(settings: Settings, limits: Limits) -> Result<Proxy> {
-        let upstream = upstream_of(&settings.url)?;
+        let upstreams = Arc::new(upstreams_of(&settings.url)?);
         let registry = Arc::new(Registry::new(settings)?);
         registry.refresh(true).await?;
         tokio::spawn(registry.clone().follow());
         Ok(Proxy {
-            upstream,
+            upstreams,
             registry,
             limits,
             open: Arc::new(AtomicUsize::new(0)),
@@ -118,8 +123,8 @@ impl Proxy {
                     continue;
                 }
             };
-            let (upstream, registry, limits, open) = (
-                self.upstream.clone(),
+            let (upstreams, registry, limits, open) = (
+                self.upstreams.clone(),
                 self.registry.clone(),
                 self.limits,
                 self.open.clone(),
@@ -129,7 +134,7 @@ impl Proxy {
                 let gauge = &amqp_delay::metrics::global().proxy_connections;
                 gauge.inc();
                 tracing::debug!(%peer, "client connected");
-                match conn::serve(client, &upstream, registry, limits).await {
+                match conn::serve(client, &upstreams, registry, limits).await {
                     Ok(()) => tracing::debug!(%peer, "client disconnected"),
                     Err(e) => tracing::info!(%peer, "client connection ended: {e}"),
                 }
@@ -146,12 +151,17 @@ mod tests {
 
     #[test]
     fn the_upstream_is_plain_amqp_and_never_a_downgrade() {
-        assert_eq!(upstream_of("amqp://u:p@h:5673/%2f").unwrap(), "h:5673");
-        assert_eq!(upstream_of("amqp://h, amqp://g").unwrap(), "h:5672");
-        let e = upstream_of("amqps://u:secret@h/v").unwrap_err().to_string();
+        assert_eq!(upstreams_of("amqp://u:p@h:5673/%2f").unwrap(), ["h:5673"]);
+        assert_eq!(
+            upstreams_of("amqp://h, amqp://g:1").unwrap(),
+            ["h:5672", "g:1"]
+        );
+        let e = upstreams_of("amqp://h,amqps://u:secret@h/v")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("never downgrades"), "{e}");
         assert!(!e.contains("secret"), "{e}");
-        assert!(upstream_of("http://h").is_err());
-        assert!(upstream_of("").is_err());
+        assert!(upstreams_of("http://h").is_err());
+        assert!(upstreams_of("").is_err());
     }
 }

@@ -83,12 +83,10 @@ impl Registry {
         Ok(guard)
     }
 
-    /// Makes sure delayed exchange `exchange` has its pair (declared once, then known): called
-    /// only after the broker accepted the client's own declare of `exchange`.
+    /// Makes sure delayed exchange `exchange` has its pair (declared the first time; later only
+    /// its ingress checked, and declared again when it is gone): called only after the broker
+    /// accepted the client's own declare of `exchange`.
     pub async fn ensure(self: &Arc<Self>, exchange: &str) -> Result<()> {
-        if self.pairs.ingress_of(exchange).is_some() {
-            return Ok(());
-        }
         // The gateway's declare is not `Send` for every lifetime (a closure over the tiers), so
         // it cannot run in a connection's task: it runs on a blocking thread of the runtime.
         let (me, exchange) = (self.clone(), exchange.to_string());
@@ -99,10 +97,17 @@ impl Registry {
     }
 
     async fn register(&self, exchange: &str) -> Result<()> {
-        if self.pairs.ingress_of(exchange).is_some() {
-            return Ok(());
-        }
         let pair = self.pair_for(exchange).map_err(Error::Invalid)?;
+        // known, and its ingress still there (a teardown may have removed it since): one
+        // passive check rather than the whole declare and a record for every client's declare
+        if self.pairs.ingress_of(exchange).is_some() {
+            let guard = self.connected().await?;
+            if let Some(conn) = guard.as_ref()
+                && amqp_delay::broker::exchange_exists(conn, &pair.ingress).await?
+            {
+                return Ok(());
+            }
+        }
         let mut settings = self.settings.clone();
         settings.gateway.pairs = vec![PairConfig {
             ingress: pair.ingress.clone(),
