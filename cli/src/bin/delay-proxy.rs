@@ -26,6 +26,12 @@ struct Cli {
     /// A connection without a byte in either direction for this long is closed (heartbeats count)
     #[arg(long, default_value = "10m")]
     idle_timeout: DurationMs,
+    /// PEM certificate chain of the proxy: clients must then connect with TLS (amqps://)
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// PEM private key of --tls-cert
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
 }
 
 #[tokio::main]
@@ -40,7 +46,14 @@ async fn main() {
         handshake: args.handshake_timeout.as_duration(),
         idle: args.idle_timeout.as_duration(),
     };
-    if let Err(e) = run(settings, &args.listen, limits).await {
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => match amqp_delay_cli::proxy::tls::acceptor(cert, key) {
+            Ok(a) => Some(a),
+            Err(e) => cli::fail(&e, EXIT_USAGE),
+        },
+        _ => None,
+    };
+    if let Err(e) = run(settings, &args.listen, limits, tls).await {
         cli::fail_with(&e);
     }
 }
@@ -49,12 +62,13 @@ async fn run(
     settings: amqp_delay::Settings,
     listen: &str,
     limits: Limits,
+    tls: Option<futures_rustls::TlsAcceptor>,
 ) -> amqp_delay::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| amqp_delay_cli::proxy::config(format!("listening on {listen}: {e}")))?;
     cli::start_metrics(&settings).await?;
-    let proxy = Proxy::start(settings, limits).await?;
-    tracing::info!(%listen, "delay-proxy listening");
+    let proxy = Proxy::start(settings, limits, tls).await?;
+    tracing::info!(%listen, tls = proxy.tls(), "delay-proxy listening");
     proxy.serve(listener, cli::shutdown_signal()).await
 }

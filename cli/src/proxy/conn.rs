@@ -125,17 +125,15 @@ async fn connect_upstream(upstreams: &[String], limit: Duration) -> Result<TcpSt
 }
 
 /// Proxies one client connection until either side closes it or a limit ends it.
-pub async fn serve(
-    client: TcpStream,
+pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
+    client: S,
     upstreams: &[String],
     registry: Arc<Registry>,
     limits: Limits,
 ) -> Result<(), String> {
     let broker = connect_upstream(upstreams, limits.handshake).await?;
-    for s in [&client, &broker] {
-        let _ = s.set_nodelay(true);
-    }
-    let (cr, cw) = client.into_split();
+    let _ = broker.set_nodelay(true);
+    let (cr, cw) = tokio::io::split(client);
     let (br, bw) = broker.into_split();
     let shared = Arc::new(Shared::default());
     let epoch = tokio::time::Instant::now();

@@ -19,6 +19,7 @@ pub mod conn;
 pub mod frames;
 pub mod registry;
 pub mod rewrite;
+pub mod tls;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -75,6 +76,7 @@ fn upstream_of(url: &str) -> Result<String> {
 /// A running proxy's parts: where it sends clients, what it knows of the pairs, its limits.
 pub struct Proxy {
     upstreams: Arc<Vec<String>>,
+    tls: Option<futures_rustls::TlsAcceptor>,
     registry: Arc<Registry>,
     limits: Limits,
     open: Arc<AtomicUsize>,
@@ -83,17 +85,28 @@ pub struct Proxy {
 impl Proxy {
     /// The proxy of `settings` (its URL names the broker and the proxy's own user): reads the
     /// pairs already registered under the prefix, and keeps following them.
-    pub async fn start(settings: Settings, limits: Limits) -> Result<Proxy> {
+    /// With `tls`, clients must speak TLS.
+    pub async fn start(
+        settings: Settings,
+        limits: Limits,
+        tls: Option<futures_rustls::TlsAcceptor>,
+    ) -> Result<Proxy> {
         let upstreams = Arc::new(upstreams_of(&settings.url)?);
         let registry = Arc::new(Registry::new(settings)?);
         registry.refresh(true).await?;
         tokio::spawn(registry.clone().follow());
         Ok(Proxy {
             upstreams,
+            tls,
             registry,
             limits,
             open: Arc::new(AtomicUsize::new(0)),
         })
+    }
+
+    /// Whether clients must speak TLS.
+    pub fn tls(&self) -> bool {
+        self.tls.is_some()
     }
 
     /// Client connections open now.
@@ -123,18 +136,20 @@ impl Proxy {
                     continue;
                 }
             };
-            let (upstreams, registry, limits, open) = (
+            let _ = client.set_nodelay(true);
+            let (upstreams, registry, limits, open, tls) = (
                 self.upstreams.clone(),
                 self.registry.clone(),
                 self.limits,
                 self.open.clone(),
+                self.tls.clone(),
             );
             tokio::spawn(async move {
                 open.fetch_add(1, Ordering::AcqRel);
                 let gauge = &amqp_delay::metrics::global().proxy_connections;
                 gauge.inc();
                 tracing::debug!(%peer, "client connected");
-                match conn::serve(client, &upstreams, registry, limits).await {
+                match one_client(client, tls, &upstreams, registry, limits).await {
                     Ok(()) => tracing::debug!(%peer, "client disconnected"),
                     Err(e) => tracing::info!(%peer, "client connection ended: {e}"),
                 }
@@ -142,6 +157,27 @@ impl Proxy {
                 open.fetch_sub(1, Ordering::AcqRel);
             });
         }
+    }
+}
+
+/// One client, after its TLS handshake when the proxy has a certificate.
+async fn one_client(
+    client: tokio::net::TcpStream,
+    tls: Option<futures_rustls::TlsAcceptor>,
+    upstreams: &[String],
+    registry: Arc<Registry>,
+    limits: Limits,
+) -> std::result::Result<(), String> {
+    let Some(acceptor) = tls else {
+        return conn::serve(client, upstreams, registry, limits).await;
+    };
+    match tokio::time::timeout(limits.handshake, tls::accept(&acceptor, client)).await {
+        Ok(Ok(s)) => conn::serve(s, upstreams, registry, limits).await,
+        Ok(Err(e)) => Err(format!("TLS handshake: {e}")),
+        Err(_) => Err(format!(
+            "TLS handshake: not finished within {:?}",
+            limits.handshake
+        )),
     }
 }
 

@@ -22,6 +22,7 @@ use crate::harness::*;
 
 mod apps;
 mod limits;
+mod tls;
 
 /// A `delay-proxy` process on a free port; killed when dropped.
 struct ProxyProc {

@@ -1,0 +1,151 @@
+//! TLS towards the proxy's clients: a certificate of a private CA (made here with openssl),
+//! lapin over amqps:// verifying it, and no plain AMQP on that port.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use amqp_delay::connection::Connector;
+use amqp_delay::settings::TlsSettings;
+
+use super::*;
+
+/// A CA and a certificate for localhost / 127.0.0.1 signed by it, in `dir`.
+fn make_certs(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    std::fs::create_dir_all(dir).unwrap();
+    let (ca, ca_key) = (dir.join("ca.pem"), dir.join("ca.key"));
+    let (cert, key, csr) = (
+        dir.join("proxy.pem"),
+        dir.join("proxy.key"),
+        dir.join("proxy.csr"),
+    );
+    let ext = dir.join("san.ext");
+    std::fs::write(&ext, "subjectAltName=DNS:localhost,IP:127.0.0.1\n").unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .output()
+            .expect("openssl is required");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let p = |x: &PathBuf| x.to_str().unwrap().to_string();
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=proxy-test-ca",
+        "-keyout",
+        &p(&ca_key),
+        "-out",
+        &p(&ca),
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=localhost",
+        "-keyout",
+        &p(&key),
+        "-out",
+        &p(&csr),
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        &p(&csr),
+        "-CA",
+        &p(&ca),
+        "-CAkey",
+        &p(&ca_key),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        &p(&ext),
+        "-out",
+        &p(&cert),
+    ]);
+    (ca, cert, key)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_connect_with_tls_and_never_in_plain() {
+    within(tls_body()).await;
+}
+
+async fn tls_body() {
+    let mut w = World::new(&["tls"]).await;
+    let dir = std::env::temp_dir().join(format!("{}-proxy-tls", w.env.settings.prefix));
+    let (ca, cert, key) = make_certs(&dir);
+    let proxy = ProxyProc::start(
+        &w.env,
+        &w.config.0,
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    let url = format!("amqps://guest:guest@localhost:{}/%2f", proxy.port);
+    let tls = TlsSettings {
+        ca_file: Some(ca.clone()),
+        ..TlsSettings::default()
+    };
+    let connector = Connector::with_tls(&url, &tls).unwrap();
+    let mut app = None;
+    for _ in 0..100 {
+        if let Ok(c) = connector.connect("proxy tls test").await {
+            app = Some(c);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let app =
+        app.unwrap_or_else(|| panic!("no TLS connection through the proxy:\n{}", proxy.log()));
+    let x = w.exchange("tls");
+    declare_delayed(&app, &x, "direct").await;
+    let q = w.env.queue("app").await;
+    bind(&w.env.conn, &q, &x, "k").await;
+    let sent = publish_all(
+        &app,
+        &x,
+        "k",
+        vec![(300, b"over tls".to_vec(), with_delay(Some(300), "t"))],
+    )
+    .await;
+    let got = collect(
+        &app,
+        &q,
+        1,
+        Duration::from_secs(20),
+        Duration::from_millis(300),
+    )
+    .await;
+    check(&sent, &got);
+    let _ = app.close(200, "bye".into()).await;
+
+    // without verification material the proxy's certificate is refused; plain AMQP gets nothing
+    let untrusted = Connector::with_tls(&url, &TlsSettings::default()).unwrap();
+    assert!(untrusted.connect("untrusted").await.is_err());
+    let plain = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port);
+    assert!(
+        amqp_delay::connection::connect(&plain, "plain")
+            .await
+            .is_err()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    w.env.cleanup().await;
+}
