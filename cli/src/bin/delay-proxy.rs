@@ -12,7 +12,7 @@ use clap::Parser;
     name = "delay-proxy",
     version,
     about = "An AMQP 0-9-1 proxy that gives x-delayed-message exchanges to applications of the delayed-message-exchange plugin on a stock broker",
-    after_help = "Clients connect to --listen with their own credentials; the broker is the host and port of --url (plain amqp://), whose user is the proxy's own: it registers the gateway pairs. Run `delay-publisher gateway --follow-pairs` with the same --prefix to deliver the delayed messages."
+    after_help = "Clients connect to --listen with their own credentials; the broker is the first node of --url that answers (amqp://, or amqps:// verified with the [tls] settings), whose user is the proxy's own: it registers the gateway pairs. Run `delay-publisher gateway --follow-pairs` with the same --prefix to deliver the delayed messages."
 )]
 struct Cli {
     #[command(flatten)]

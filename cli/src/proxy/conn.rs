@@ -111,14 +111,41 @@ impl<R: AsyncRead + Unpin> Frames<R> {
     }
 }
 
-/// The first of `upstreams` that accepts a TCP connection within `limit` (each).
-async fn connect_upstream(upstreams: &[String], limit: Duration) -> Result<TcpStream, String> {
+/// The broker nodes clients go to, and the TLS connector of the `amqps://` ones.
+#[derive(Clone)]
+pub struct Upstreams {
+    /// In the order of the settings' URLs.
+    pub nodes: Arc<Vec<super::Upstream>>,
+    /// Present when a node is `amqps://`.
+    pub tls: Option<futures_rustls::TlsConnector>,
+}
+
+/// A connection to the broker.
+enum Broker {
+    Plain(TcpStream),
+    Tls(Box<super::tls::BrokerTls>),
+}
+
+/// The first node that accepts a connection (and, for `amqps://`, completes a verified TLS
+/// handshake) within `limit` each.
+async fn connect_upstream(up: &Upstreams, limit: Duration) -> Result<Broker, String> {
     let mut last = String::from("no broker address");
-    for addr in upstreams {
-        match tokio::time::timeout(limit, TcpStream::connect(addr)).await {
-            Ok(Ok(s)) => return Ok(s),
-            Ok(Err(e)) => last = format!("connecting to the broker at {addr}: {e}"),
-            Err(_) => last = format!("connecting to the broker at {addr}: timed out"),
+    for node in up.nodes.iter() {
+        let attempt = async {
+            let tcp = TcpStream::connect(&node.addr).await?;
+            let _ = tcp.set_nodelay(true);
+            match (&node.tls_host, &up.tls) {
+                (None, _) => Ok(Broker::Plain(tcp)),
+                (Some(host), Some(tls)) => Ok(Broker::Tls(Box::new(
+                    super::tls::connect(tls, tcp, host).await?,
+                ))),
+                (Some(_), None) => Err(std::io::Error::other("no TLS configuration")),
+            }
+        };
+        match tokio::time::timeout(limit, attempt).await {
+            Ok(Ok(b)) => return Ok(b),
+            Ok(Err(e)) => last = format!("connecting to the broker at {}: {e}", node.addr),
+            Err(_) => last = format!("connecting to the broker at {}: timed out", node.addr),
         }
     }
     Err(last)
@@ -127,14 +154,29 @@ async fn connect_upstream(upstreams: &[String], limit: Duration) -> Result<TcpSt
 /// Proxies one client connection until either side closes it or a limit ends it.
 pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
     client: S,
-    upstreams: &[String],
+    upstreams: &Upstreams,
     registry: Arc<Registry>,
     limits: Limits,
 ) -> Result<(), String> {
-    let broker = connect_upstream(upstreams, limits.handshake).await?;
-    let _ = broker.set_nodelay(true);
+    match connect_upstream(upstreams, limits.handshake).await? {
+        Broker::Plain(b) => pump(client, b, registry, limits).await,
+        Broker::Tls(b) => pump(client, *b, registry, limits).await,
+    }
+}
+
+/// The two pumps and the watchdog of a connection.
+async fn pump<S, B>(
+    client: S,
+    broker: B,
+    registry: Arc<Registry>,
+    limits: Limits,
+) -> Result<(), String>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    B: AsyncRead + AsyncWrite + Unpin,
+{
     let (cr, cw) = tokio::io::split(client);
-    let (br, bw) = broker.into_split();
+    let (br, bw) = tokio::io::split(broker);
     let shared = Arc::new(Shared::default());
     let epoch = tokio::time::Instant::now();
     tokio::select! {

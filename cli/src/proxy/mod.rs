@@ -37,11 +37,18 @@ pub fn config(why: impl Into<String>) -> Error {
     Error::from(amqp_delay::settings::SettingsError::Invalid(why.into()))
 }
 
-/// The brokers' `host:port` a proxy connects its clients to, in the order of the settings'
-/// URLs (cluster nodes: a client goes to the first that answers). Each must be plain
-/// `amqp://`: TLS towards the broker is not implemented, and an `amqps://` URL is never
-/// downgraded.
-pub fn upstreams_of(urls: &str) -> Result<Vec<String>> {
+/// A broker node clients are sent to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    /// `host:port`.
+    pub addr: String,
+    /// The host its certificate must name, for an `amqps://` URL.
+    pub tls_host: Option<String>,
+}
+
+/// The broker nodes a proxy connects its clients to, in the order of the settings' URLs (a
+/// client goes to the first that answers). `amqps://` ones are reached with TLS, verified.
+pub fn upstreams_of(urls: &str) -> Result<Vec<Upstream>> {
     let list = amqp_delay::endpoints::split_urls(urls);
     if list.is_empty() {
         return Err(config("the broker URL is empty"));
@@ -49,34 +56,35 @@ pub fn upstreams_of(urls: &str) -> Result<Vec<String>> {
     list.iter().map(|u| upstream_of(u)).collect()
 }
 
-fn upstream_of(url: &str) -> Result<String> {
+fn upstream_of(url: &str) -> Result<Upstream> {
     let redacted = amqp_delay::endpoints::redact_url(url);
     let u = url::Url::parse(url)
         .map_err(|e| config(format!("broker URL '{redacted}' is invalid: {e}")))?;
-    match u.scheme() {
-        "amqp" => {}
-        "amqps" => {
-            return Err(config(format!(
-                "broker URL '{redacted}': delay-proxy does not connect to the broker over TLS yet, and never downgrades amqps:// to plain AMQP; give an amqp:// URL of a broker on a trusted network"
-            )));
-        }
+    let (tls, port) = match u.scheme() {
+        "amqp" => (false, 5672),
+        "amqps" => (true, 5671),
         other => {
             return Err(config(format!(
-                "broker URL '{redacted}': scheme '{other}' is not amqp://"
+                "broker URL '{redacted}': scheme '{other}' is neither amqp:// nor amqps://"
             )));
         }
-    }
+    };
     let host = u
         .host_str()
         .filter(|h| !h.is_empty())
         .ok_or_else(|| config(format!("broker URL '{redacted}' names no host")))?;
-    Ok(format!("{host}:{}", u.port().unwrap_or(5672)))
+    // an IPv6 literal comes bracketed, as `connect` wants it
+    Ok(Upstream {
+        addr: format!("{host}:{}", u.port().unwrap_or(port)),
+        tls_host: tls.then(|| host.trim_matches(['[', ']']).to_string()),
+    })
 }
 
 /// A running proxy's parts: where it sends clients, what it knows of the pairs, its limits.
 pub struct Proxy {
-    upstreams: Arc<Vec<String>>,
+    upstreams: Arc<Vec<Upstream>>,
     tls: Option<futures_rustls::TlsAcceptor>,
+    upstream_tls: Option<futures_rustls::TlsConnector>,
     registry: Arc<Registry>,
     limits: Limits,
     open: Arc<AtomicUsize>,
@@ -92,12 +100,18 @@ impl Proxy {
         tls: Option<futures_rustls::TlsAcceptor>,
     ) -> Result<Proxy> {
         let upstreams = Arc::new(upstreams_of(&settings.url)?);
+        let upstream_tls = if upstreams.iter().any(|u| u.tls_host.is_some()) {
+            Some(tls::connector(&settings.tls)?)
+        } else {
+            None
+        };
         let registry = Arc::new(Registry::new(settings)?);
         registry.refresh(true).await?;
         tokio::spawn(registry.clone().follow());
         Ok(Proxy {
             upstreams,
             tls,
+            upstream_tls,
             registry,
             limits,
             open: Arc::new(AtomicUsize::new(0)),
@@ -137,8 +151,11 @@ impl Proxy {
                 }
             };
             let _ = client.set_nodelay(true);
-            let (upstreams, registry, limits, open, tls) = (
-                self.upstreams.clone(),
+            let upstream = conn::Upstreams {
+                nodes: self.upstreams.clone(),
+                tls: self.upstream_tls.clone(),
+            };
+            let (registry, limits, open, tls) = (
                 self.registry.clone(),
                 self.limits,
                 self.open.clone(),
@@ -149,7 +166,7 @@ impl Proxy {
                 let gauge = &amqp_delay::metrics::global().proxy_connections;
                 gauge.inc();
                 tracing::debug!(%peer, "client connected");
-                match one_client(client, tls, &upstreams, registry, limits).await {
+                match one_client(client, tls, &upstream, registry, limits).await {
                     Ok(()) => tracing::debug!(%peer, "client disconnected"),
                     Err(e) => tracing::info!(%peer, "client connection ended: {e}"),
                 }
@@ -164,7 +181,7 @@ impl Proxy {
 async fn one_client(
     client: tokio::net::TcpStream,
     tls: Option<futures_rustls::TlsAcceptor>,
-    upstreams: &[String],
+    upstreams: &conn::Upstreams,
     registry: Arc<Registry>,
     limits: Limits,
 ) -> std::result::Result<(), String> {
@@ -186,18 +203,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_upstream_is_plain_amqp_and_never_a_downgrade() {
-        assert_eq!(upstreams_of("amqp://u:p@h:5673/%2f").unwrap(), ["h:5673"]);
+    fn the_upstreams_are_the_urls_nodes_tls_ones_named_for_verification() {
+        let up = |a: &str, t: Option<&str>| Upstream {
+            addr: a.into(),
+            tls_host: t.map(String::from),
+        };
         assert_eq!(
-            upstreams_of("amqp://h, amqp://g:1").unwrap(),
-            ["h:5672", "g:1"]
+            upstreams_of("amqp://u:p@h:5673/%2f").unwrap(),
+            [up("h:5673", None)]
         );
-        let e = upstreams_of("amqp://h,amqps://u:secret@h/v")
+        assert_eq!(
+            upstreams_of("amqp://h, amqps://u:secret@g/v").unwrap(),
+            [up("h:5672", None), up("g:5671", Some("g"))]
+        );
+        let e = upstreams_of("amqp://h,http://u:secret@h/v")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("never downgrades"), "{e}");
+        assert!(e.contains("neither"), "{e}");
         assert!(!e.contains("secret"), "{e}");
-        assert!(upstreams_of("http://h").is_err());
         assert!(upstreams_of("").is_err());
     }
 }

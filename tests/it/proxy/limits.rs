@@ -254,7 +254,7 @@ async fn redeclare_body() {
     let x = w.exchange("again");
     // the first node of the list answers nothing: clients go to the next
     let url = format!("amqp://guest:guest@127.0.0.1:1/%2f,{}", w.env.settings.url);
-    let proxy = ProxyProc::start_at(&w.env, &w.config.0, &url, &[]);
+    let proxy = ProxyProc::start_at(&w.env, &w.config.0, &url, &[], &[]);
     let app = proxy.connect().await;
     declare_delayed(&app, &x, "direct").await;
     // someone removes the ingress (a teardown, an admin): the next declare makes it again

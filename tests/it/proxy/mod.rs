@@ -41,11 +41,17 @@ fn free_port() -> u16 {
 
 impl ProxyProc {
     fn start(env: &Env, config: &Path, extra: &[&str]) -> ProxyProc {
-        ProxyProc::start_at(env, config, &env.settings.url, extra)
+        ProxyProc::start_at(env, config, &env.settings.url, extra, &[])
     }
 
-    /// A proxy whose `--url` is `url`.
-    fn start_at(env: &Env, config: &Path, url: &str, extra: &[&str]) -> ProxyProc {
+    /// A proxy whose `--url` is `url`, with `envs` set.
+    fn start_at(
+        env: &Env,
+        config: &Path,
+        url: &str,
+        extra: &[&str],
+        envs: &[(&str, &str)],
+    ) -> ProxyProc {
         let (port, metrics) = (free_port(), free_port());
         let log = std::env::temp_dir().join(format!("{}-proxy.log", env.settings.prefix));
         let child = Command::new(env!("CARGO_BIN_EXE_delay-proxy"))
@@ -57,6 +63,7 @@ impl ProxyProc {
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
             .args(extra)
             .env("RUST_LOG", "warn,amqp_delay=info,amqp_delay_cli=debug")
+            .envs(envs.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
