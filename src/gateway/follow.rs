@@ -97,14 +97,9 @@ pub(super) async fn serve(gateway: Gateway, shutdown: impl Future<Output = ()>) 
     let (stop, stopped) = watch::channel(false);
     let mut workers = JoinSet::new();
     let mut served: HashSet<String> = gateway.pairs.iter().map(|p| p.ingress.clone()).collect();
-    let start = |workers: &mut JoinSet<(String, Result<()>)>, g: Gateway| {
+    let start = |workers: &mut JoinSet<(Vec<String>, Result<()>)>, g: Gateway| {
         let mut stopped = stopped.clone();
-        let name = g
-            .pairs
-            .iter()
-            .map(|p| p.ingress.as_str())
-            .collect::<Vec<_>>()
-            .join(", ");
+        let ingresses: Vec<String> = g.pairs.iter().map(|p| p.ingress.clone()).collect();
         workers.spawn(async move {
             let r = g
                 .worker()
@@ -112,7 +107,7 @@ pub(super) async fn serve(gateway: Gateway, shutdown: impl Future<Output = ()>) 
                     let _ = stopped.wait_for(|s| *s).await;
                 })
                 .await;
-            (name, r)
+            (ingresses, r)
         });
     };
     if !gateway.pairs.is_empty() {
@@ -131,8 +126,18 @@ pub(super) async fn serve(gateway: Gateway, shutdown: impl Future<Output = ()>) 
                 }
             }
             Some(done) = workers.join_next() => match done {
-                Ok((name, Err(e))) => tracing::error!(pairs = %name, "a gateway worker stopped: {}", crate::error::chain(&e)),
-                Ok((name, Ok(()))) => tracing::warn!(pairs = %name, "a gateway worker stopped"),
+                // served again when a record names its pair again (re-registered after a
+                // teardown, or read again after the follower reconnects)
+                Ok((ingresses, r)) => {
+                    let pairs = ingresses.join(", ");
+                    match r {
+                        Err(e) => tracing::error!(%pairs, "a gateway worker stopped: {}", crate::error::chain(&e)),
+                        Ok(()) => tracing::warn!(%pairs, "a gateway worker stopped"),
+                    }
+                    for i in &ingresses {
+                        served.remove(i);
+                    }
+                }
                 Err(e) => tracing::error!("a gateway worker failed: {e}"),
             },
         }
