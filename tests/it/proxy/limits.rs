@@ -292,3 +292,36 @@ async fn redeclare_body() {
     let _ = app.close(200, "bye".into()).await;
     w.env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_is_cut_off_and_a_version_mismatch_gets_the_brokers_answer() {
+    within(garbage_body()).await;
+}
+
+async fn garbage_body() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let w = World::new(&[]).await;
+    let ready = w.proxy.connect().await;
+    let _ = ready.close(200, "bye".into()).await;
+    let read_all = |mut s: tokio::net::TcpStream| async move {
+        let mut got = Vec::new();
+        let r = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got)).await;
+        assert!(r.is_ok(), "the connection stayed open");
+        got
+    };
+    // not AMQP at all: closed, nothing sent to the client
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", w.proxy.port))
+        .await
+        .unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_all(s).await, b"");
+    // a protocol version the broker does not speak: its own header comes back, as sent
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", w.proxy.port))
+        .await
+        .unwrap();
+    s.write_all(b"AMQP\x00\x00\x09\x02").await.unwrap();
+    assert_eq!(read_all(s).await, b"AMQP\x00\x00\x09\x01");
+    w.env.cleanup().await;
+}
