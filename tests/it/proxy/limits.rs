@@ -325,3 +325,38 @@ async fn garbage_body() {
     assert_eq!(read_all(s).await, b"AMQP\x00\x00\x09\x01");
     w.env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_connection_is_closed_and_heartbeats_keep_one_open() {
+    within(idle_body()).await;
+}
+
+async fn idle_body() {
+    let w = World::new(&[]).await;
+    let proxy = ProxyProc::start(&w.env, &w.config.0, &["--idle-timeout", "3s"]);
+    let base = proxy.url();
+    let silent = connect_until(&format!("{base}?heartbeat=0"), &proxy).await;
+    let beating = connect_until(&format!("{base}?heartbeat=1"), &proxy).await;
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    assert!(
+        !silent.status().connected(),
+        "a silent connection outlived --idle-timeout"
+    );
+    assert!(
+        beating.status().connected(),
+        "heartbeats did not keep a connection open:\n{}",
+        proxy.log()
+    );
+    let _ = beating.close(200, "bye".into()).await;
+    w.env.cleanup().await;
+}
+
+async fn connect_until(url: &str, proxy: &ProxyProc) -> lapin::Connection {
+    for _ in 0..100 {
+        if let Ok(c) = amqp_delay::connection::connect(url, "idle test").await {
+            return c;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no connection through the proxy:\n{}", proxy.log())
+}
