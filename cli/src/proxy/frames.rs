@@ -6,6 +6,7 @@
 use amq_protocol::frame::parsing::{parse_content_header, parse_frame_type, parse_raw_frame};
 use amq_protocol::frame::{AMQPContentHeader, AMQPFrame, AMQPFrameType, WriteContext, gen_frame};
 use amq_protocol::protocol::{AMQPClass, parse_class};
+use amq_protocol::types::parsing::parse_id;
 
 /// The AMQP protocol header a client opens with (`AMQP\0\0\x09\x01`).
 pub const PROTOCOL_HEADER_LEN: usize = 8;
@@ -75,6 +76,18 @@ pub fn split(buf: &[u8]) -> Split<'_> {
     }
 }
 
+/// A method's class and method ids (AMQP 0-9-1's numbers: `(60, 40)` is `basic.publish`).
+pub type MethodId = (u16, u16);
+
+/// The class and method ids a method frame's payload starts with, without parsing the rest:
+/// the proxy parses only the methods it may rewrite or waits for, and passes every other one
+/// (a broker's extension too) as it came.
+pub fn method_id(payload: &[u8]) -> Option<MethodId> {
+    let (rest, class) = parse_id(payload).ok()?;
+    let (_, method) = parse_id(rest).ok()?;
+    Some((class, method))
+}
+
 /// The method a method frame's payload carries.
 pub fn method(payload: &[u8]) -> Result<AMQPClass, String> {
     match parse_class(payload) {
@@ -141,6 +154,20 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn method_ids_are_read_without_parsing_the_method() {
+        let f = publish_frame("x");
+        let Split::Frame(raw) = split(&f) else {
+            panic!("no frame")
+        };
+        let p = basic::Publish::default();
+        assert_eq!(
+            method_id(raw.payload),
+            Some((p.get_amqp_class_id(), p.get_amqp_method_id()))
+        );
+        assert_eq!(method_id(&[0, 60, 0]), None);
     }
 
     #[test]

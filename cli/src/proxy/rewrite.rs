@@ -66,6 +66,19 @@ impl Pairs {
     }
 }
 
+/// The methods of a client the proxy parses (every other passes unparsed): `basic.publish`,
+/// `exchange.declare`, `connection.tune-ok`.
+const CLIENT_METHODS: [frames::MethodId; 3] = [(60, 40), (40, 10), (10, 31)];
+/// The methods of the broker the proxy parses: `basic.return`, `exchange.declare-ok`,
+/// `channel.close`, `connection.close`, `connection.open-ok`.
+const SERVER_METHODS: [frames::MethodId; 5] = [(60, 50), (40, 11), (20, 40), (10, 50), (10, 41)];
+
+/// Whether `raw` is a method frame of one of `methods`.
+fn is_one_of(raw: &Raw<'_>, methods: &[frames::MethodId]) -> bool {
+    raw.kind == AMQPFrameType::Method
+        && frames::method_id(raw.payload).is_some_and(|id| methods.contains(&id))
+}
+
 /// What to do with a frame.
 #[derive(Debug, PartialEq)]
 pub enum Step {
@@ -130,7 +143,7 @@ impl ClientSide {
         if let Some(held) = self.held.remove(&raw.channel) {
             return release(held, raw, max_delay_ms);
         }
-        if raw.kind != AMQPFrameType::Method {
+        if !is_one_of(raw, &CLIENT_METHODS) {
             return Ok(Step::Pass);
         }
         match frames::method(raw.payload)? {
@@ -239,7 +252,7 @@ fn real_type(args: &FieldTable) -> Option<String> {
 /// What to do with the broker's frame `raw`: a return naming an ingress names the
 /// application's exchange again; the answers the proxy waits for are named.
 pub fn server_frame(raw: &Raw<'_>, pairs: &Pairs) -> Result<Step, String> {
-    if raw.kind != AMQPFrameType::Method {
+    if !is_one_of(raw, &SERVER_METHODS) {
         return Ok(Step::Pass);
     }
     Ok(match frames::method(raw.payload)? {

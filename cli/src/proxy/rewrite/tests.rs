@@ -271,3 +271,33 @@ fn tune_ok_gives_the_frame_max_and_closes_are_well_formed() {
     bad[13] = 0xff; // the exchange name's length, past the payload
     assert!(with_raw(&bad, |r| side.frame(r, &pairs(), 1)).is_err());
 }
+
+#[test]
+fn the_parsed_methods_are_the_ones_named_and_others_pass_unparsed() {
+    let ids = |m: AMQPClass| (m.get_amqp_class_id(), m.get_amqp_method_id());
+    let publish_m = AMQPClass::Basic(basic::AMQPMethod::Publish(Default::default()));
+    let declare = AMQPClass::Exchange(exchange::AMQPMethod::Declare(Default::default()));
+    let tune_ok = AMQPClass::Connection(connection::AMQPMethod::TuneOk(Default::default()));
+    assert_eq!(CLIENT_METHODS, [ids(publish_m), ids(declare), ids(tune_ok)]);
+    let ret = AMQPClass::Basic(basic::AMQPMethod::Return(Default::default()));
+    let ok = AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(Default::default()));
+    let ch_close = AMQPClass::Channel(channel::AMQPMethod::Close(Default::default()));
+    let close = AMQPClass::Connection(connection::AMQPMethod::Close(Default::default()));
+    let open_ok = AMQPClass::Connection(connection::AMQPMethod::OpenOk(Default::default()));
+    assert_eq!(
+        SERVER_METHODS,
+        [ids(ret), ids(ok), ids(ch_close), ids(close), ids(open_ok)]
+    );
+    // a method amq-protocol does not know (a broker extension) passes as it came
+    let mut unknown = publish("orders");
+    unknown[7..11].copy_from_slice(&[0x0f, 0xff, 0, 1]);
+    assert_eq!(
+        with_raw(&unknown, |r| server_frame(r, &pairs())).unwrap(),
+        Step::Pass
+    );
+    let mut side = ClientSide::default();
+    assert_eq!(
+        with_raw(&unknown, |r| side.frame(r, &pairs(), 1)).unwrap(),
+        Step::Pass
+    );
+}
