@@ -253,7 +253,11 @@ async fn redeclare_body() {
     let mut w = World::new(&["again"]).await;
     let x = w.exchange("again");
     // the first node of the list answers nothing: clients go to the next
-    let url = format!("amqp://guest:guest@127.0.0.1:1/%2f,{}", w.env.settings.url);
+    let url = format!(
+        "{},{}",
+        proxied_url("amqp", "127.0.0.1", 1),
+        w.env.settings.url
+    );
     let proxy = ProxyProc::start_at(&w.env, &w.config.0, &url, &[], &[]);
     let app = proxy.connect().await;
     declare_delayed(&app, &x, "direct").await;

@@ -24,6 +24,31 @@ mod apps;
 mod limits;
 mod tls;
 
+/// The broker's URL (its user and vhost) with `scheme`, `host` and `port` instead: what an
+/// application behind a proxy uses.
+fn proxied_url(scheme: &str, host: &str, port: u16) -> String {
+    let first = amqp_delay::endpoints::split_urls(&broker_url())
+        .into_iter()
+        .next()
+        .expect("a broker URL");
+    let u = url::Url::parse(&first).expect("the broker URL parses");
+    let vhost = match u.path() {
+        "" | "/" => "/%2f".to_string(),
+        p => p.to_string(),
+    };
+    format!("{scheme}://{}@{host}:{port}{vhost}", credentials())
+}
+
+/// `user:password` of the broker's URL.
+fn credentials() -> String {
+    let first = amqp_delay::endpoints::split_urls(&broker_url())
+        .into_iter()
+        .next()
+        .expect("a broker URL");
+    let u = url::Url::parse(&first).expect("the broker URL parses");
+    format!("{}:{}", u.username(), u.password().unwrap_or_default())
+}
+
 /// A `delay-proxy` process on a free port; killed when dropped.
 struct ProxyProc {
     child: Child,
@@ -90,7 +115,7 @@ impl ProxyProc {
 
     /// The URL an application uses: the broker's, with the proxy's port.
     fn url(&self) -> String {
-        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+        proxied_url("amqp", "127.0.0.1", self.port)
     }
 
     /// Connects through the proxy, waiting for it to listen.
@@ -383,7 +408,7 @@ async fn lapin_body() {
 
     let _ = app.close(200, "bye".into()).await;
     assert!(
-        !w.proxy.log().contains("guest:guest"),
+        !w.proxy.log().contains(&credentials()),
         "the proxy logged credentials"
     );
     w.env.cleanup().await;

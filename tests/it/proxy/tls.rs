@@ -100,7 +100,7 @@ async fn tls_body() {
             key.to_str().unwrap(),
         ],
     );
-    let url = format!("amqps://guest:guest@localhost:{}/%2f", proxy.port);
+    let url = proxied_url("amqps", "localhost", proxy.port);
     let tls = TlsSettings {
         ca_file: Some(ca.clone()),
         ..TlsSettings::default()
@@ -141,7 +141,7 @@ async fn tls_body() {
     // without verification material the proxy's certificate is refused; plain AMQP gets nothing
     let untrusted = Connector::with_tls(&url, &TlsSettings::default()).unwrap();
     assert!(untrusted.connect("untrusted").await.is_err());
-    let plain = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port);
+    let plain = proxied_url("amqp", "127.0.0.1", proxy.port);
     assert!(
         amqp_delay::connection::connect(&plain, "plain")
             .await
@@ -171,7 +171,7 @@ async fn upstream_tls_body() {
             key.to_str().unwrap(),
         ],
     );
-    let tls_url = format!("amqps://guest:guest@localhost:{}/%2f", front.port);
+    let tls_url = proxied_url("amqps", "localhost", front.port);
     let ca_text = ca.to_str().unwrap();
     let chained = ProxyProc::start_at(
         &w.env,
