@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # Multi-stage build of the amqp-delay binaries: a Rust build stage, then a small runtime image
-# with delay-publisher and delay-consumer only, running as an unprivileged numeric user (so
+# with delay-publisher, delay-consumer and delay-proxy only, running as an unprivileged numeric user (so
 # Kubernetes' runAsNonRoot can check it). TLS (rustls, with the system's CA certificates) is
 # always built in.
 #
@@ -22,9 +22,9 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     CARGO_PROFILE_RELEASE_STRIP=symbols \
-    cargo build --release --locked --bin delay-publisher --bin delay-consumer \
+    cargo build --release --locked --bin delay-publisher --bin delay-consumer --bin delay-proxy \
     && mkdir -p /out \
-    && cp target/release/delay-publisher target/release/delay-consumer /out/
+    && cp target/release/delay-publisher target/release/delay-consumer target/release/delay-proxy /out/
 
 # ---- runtime ----------------------------------------------------------------
 # Debian slim rather than distroless: `delay-consumer --exec` runs commands, which need a
@@ -37,11 +37,11 @@ RUN apt-get update \
     && groupadd --system --gid 10001 amqp-delay \
     && useradd --system --uid 10001 --gid 10001 --no-create-home \
         --shell /usr/sbin/nologin amqp-delay
-COPY --from=builder /out/delay-publisher /out/delay-consumer /usr/local/bin/
+COPY --from=builder /out/delay-publisher /out/delay-consumer /out/delay-proxy /usr/local/bin/
 # Numeric, so that a runtime can verify "not root" without reading /etc/passwd.
 USER 10001:10001
-# Metrics and health on the port used throughout deploy/: the worker, relay and gateway serve
-# /metrics, /healthz and /readyz there (the publisher's one-shot commands serve nothing).
+# Metrics and health on the port used throughout deploy/: the worker, relay, gateway and proxy
+# serve /metrics, /healthz and /readyz there (the publisher's one-shot commands serve nothing).
 ENV AMQP_DELAY_METRICS_ADDR=0.0.0.0:9464
 EXPOSE 9464
 CMD ["delay-publisher", "--help"]

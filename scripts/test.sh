@@ -18,8 +18,8 @@
 #        e) otherwise                                     -> explain what to install, exit 1
 #      and then waits (up to $BROKER_WAIT_SECS, default 120 s) until the broker
 #      really answers the AMQP protocol header, not just until a process exists.
-#   2. Makes sure Python 3 can `import pika` (the integration tests drive a
-#      Python AMQP client as an independent peer).
+#   2. Makes sure Python 3 can `import pika` and Node has `amqplib` (the integration tests
+#      drive Python and Node AMQP clients as independent peers).
 #   3. Runs `cargo test "$@"` (unit, integration and doc tests, and the fault suite,
 #      tests/fault, which starts its own 3-node cluster with scripts/cluster.sh) with
 #      AMQP_URL exported: the suites on the machine's RabbitMQ (Debian 12's 3.10.8).
@@ -345,6 +345,28 @@ ensure_pika() {
     python3 -c 'import pika' || die "python3 cannot import pika; install it (pip install pika) and retry"
 }
 
+# The proxy tests (tests/it/proxy/apps.rs) drive a Node app with amqplib, installed into
+# the directory they use (outside the clone) so that the test run itself needs no registry.
+ensure_amqplib() {
+    if ! have node || ! have npm; then
+        if is_root && have apt-get; then
+            log "node or npm is missing; installing nodejs and npm with apt-get"
+            apt_update_once
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm
+        else
+            die "node and npm are required by the proxy tests; please install Node.js and npm"
+        fi
+    fi
+    local dir="${TMPDIR:-/tmp}/amqp-delay-tests-amqplib"
+    if [ -d "${dir}/node_modules/amqplib" ]; then
+        return 0
+    fi
+    log "installing the Node package 'amqplib' into ${dir}"
+    mkdir -p "${dir}"
+    npm install --silent --no-audit --no-fund --prefix "${dir}" amqplib \
+        || die "npm could not install amqplib into ${dir}"
+}
+
 # --- main --------------------------------------------------------------------
 
 TEST_BROKERS="${TEST_BROKERS:-3.10 4}"
@@ -373,6 +395,7 @@ if ((RUN_4)) && ! is_root; then
 fi
 
 ensure_pika
+ensure_amqplib
 
 # The fault suite's cluster and the TLS test node are throwaway: stop them however the
 # tests end (both scripts are safe to run when nothing is up, and never touch the main broker).

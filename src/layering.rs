@@ -48,6 +48,7 @@ const TOOL_LAYERS: &[(&str, u8)] = &[
     ("admin", 2),
     ("bulk", 2),
     ("observe", 2),
+    ("proxy", 2),
     ("cli", 3),
 ];
 
@@ -71,6 +72,7 @@ const LAPIN_FREE: &[&str] = &["time", "layout", "planner", "retry"];
 const PURE_FILES: &[&str] = &[
     "src/gateway/x_delay.rs",
     "cli/src/jsonl.rs",
+    "cli/src/proxy/frames.rs",
     "cli/src/bin/delay-bench/hops.rs",
     "cli/src/bin/delay-bench/search.rs",
 ];

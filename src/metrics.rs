@@ -107,6 +107,14 @@ pub struct Metrics {
     pub messages_pending: Family<DueLabel, Gauge>,
     /// 1 while connected and consuming, 0 while (re)connecting.
     pub connected: Gauge,
+    /// `delay-proxy`: client connections open now.
+    pub proxy_connections: Gauge,
+    /// `delay-proxy`: publishes sent to a pair's ingress (a positive or unreadable `x-delay`).
+    pub proxy_delayed_publishes: Counter,
+    /// `delay-proxy`: gateway pairs it registered after a client's declare.
+    pub proxy_pairs_registered: Counter,
+    /// `delay-proxy`: delayed exchanges it knows (its own and those read from the control stream).
+    pub proxy_pairs_known: Gauge,
 }
 
 /// Lateness buckets: 1 ms to 5 min.
@@ -143,11 +151,40 @@ impl Metrics {
             tier_dead_lettered: Family::default(),
             messages_pending: Family::default(),
             connected: Gauge::default(),
+            proxy_connections: Gauge::default(),
+            proxy_delayed_publishes: Counter::default(),
+            proxy_pairs_registered: Counter::default(),
+            proxy_pairs_known: Gauge::default(),
         };
         m.register_publishing();
         m.register_worker();
         m.register_state();
+        m.register_proxy();
         m
+    }
+
+    /// What `delay-proxy` counts.
+    fn register_proxy(&mut self) {
+        self.registry.register(
+            "proxy_connections",
+            "delay-proxy: client connections open now",
+            self.proxy_connections.clone(),
+        );
+        self.registry.register(
+            "proxy_delayed_publishes",
+            "delay-proxy: publishes sent to a gateway pair's ingress (a positive or unreadable x-delay)",
+            self.proxy_delayed_publishes.clone(),
+        );
+        self.registry.register(
+            "proxy_pairs_registered",
+            "delay-proxy: gateway pairs registered after a client's declare was accepted",
+            self.proxy_pairs_registered.clone(),
+        );
+        self.registry.register(
+            "proxy_pairs_known",
+            "delay-proxy: delayed exchanges it knows (registered by it or read from the control stream)",
+            self.proxy_pairs_known.clone(),
+        );
     }
 
     /// What publishers count: messages scheduled, broker messages, nacks and returns.

@@ -625,9 +625,9 @@ impl Settings {
                 c.io_concurrency, g.max_held
             ));
         }
-        if g.pairs.is_empty() {
+        if g.pairs.is_empty() && !g.follow {
             return Err(
-                "the gateway has no pair: give --ingress EXCHANGE --target EXCHANGE, or [[gateway.pairs]] in --config".into(),
+                "the gateway has no pair: give --ingress EXCHANGE --target EXCHANGE, or [[gateway.pairs]] in --config, or follow the pairs registered at run time (--follow-pairs)".into(),
             );
         }
         Ok(())

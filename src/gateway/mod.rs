@@ -38,6 +38,7 @@
 //! not the application's. The value, validated by the broker when the application published it,
 //! is delivered in the header `x-delay-user-id` instead.
 
+pub mod follow;
 pub mod x_delay;
 
 use std::future::Future;
@@ -556,6 +557,9 @@ impl Gateway {
                 parked = %p.parked_queue,
                 "gateway pair ready"
             );
+        }
+        if self.settings.gateway.follow {
+            return follow::serve(self, shutdown).await;
         }
         self.worker().run(shutdown).await
     }

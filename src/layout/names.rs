@@ -81,6 +81,11 @@ impl Layout {
     pub fn gateway_ingress_queue(&self, ingress: &str) -> String {
         format!("{}.gw.in.{ingress}", self.prefix)
     }
+    /// The ingress exchange `delay-proxy` registers for an application's delayed exchange
+    /// `exchange` (its pair's target): what a proxied publish with a positive `x-delay` goes to.
+    pub fn proxy_ingress(&self, exchange: &str) -> String {
+        format!("{}.gw.x.{exchange}", self.prefix)
+    }
     /// Destination queue of gateway ingress `ingress`'s messages while they wait.
     pub fn gateway_due_queue(&self, ingress: &str) -> String {
         format!("{}.gw.due.{ingress}", self.prefix)

@@ -20,6 +20,9 @@ pub struct GatewaySettings {
     /// How many messages the gateway holds at once, each in a prefetch slot of its own (on top
     /// of `consumer.io_concurrency`); past that, short delays go through the tiers too.
     pub max_held: usize,
+    /// Also serve every pair registered under the prefix at run time (the control stream's
+    /// gateway pair records, e.g. those `delay-proxy` appends), without a restart.
+    pub follow: bool,
 }
 
 impl Default for GatewaySettings {
@@ -29,6 +32,7 @@ impl Default for GatewaySettings {
             batch_linger: DurationMs(100),
             hold: DurationMs(100),
             max_held: 1536,
+            follow: false,
         }
     }
 }

@@ -22,7 +22,7 @@ use lapin::{Connection, ExchangeKind};
 const APP: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/py/plugin_app.py");
 
 /// The tests need Python 3 with pika (installed by ./scripts/test.sh): fail, never skip.
-fn require_pika() {
+pub fn require_pika() {
     let ok = Command::new("python3")
         .args(["-c", "import pika"])
         .stdout(Stdio::null())
@@ -184,11 +184,16 @@ pub async fn wait_for_consumers(conn: &Connection, pairs: &[Pair], n: u32, gws: 
 
 /// Starts the Python app; `finish` waits for its JSON report.
 fn start_app(mode: &str, cfg: serde_json::Value) -> tokio::process::Child {
+    start_app_at(mode, cfg, &broker_url())
+}
+
+/// Starts the Python app connected to `url`.
+pub fn start_app_at(mode: &str, cfg: serde_json::Value, url: &str) -> tokio::process::Child {
     tokio::process::Command::new("python3")
         .arg(APP)
         .arg(mode)
         .arg(cfg.to_string())
-        .env("AMQP_URL", broker_url())
+        .env("AMQP_URL", url)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
@@ -196,7 +201,7 @@ fn start_app(mode: &str, cfg: serde_json::Value) -> tokio::process::Child {
         .expect("starting python3")
 }
 
-async fn finish(app: tokio::process::Child, gws: &[&GatewayProc]) -> serde_json::Value {
+pub async fn finish(app: tokio::process::Child, gws: &[&GatewayProc]) -> serde_json::Value {
     let out = tokio::time::timeout(Duration::from_secs(40), app.wait_with_output())
         .await
         .expect("the Python app did not finish within 40 s")
@@ -274,7 +279,7 @@ pub async fn one_pair(env: &Env) -> (String, String, GatewayObjects) {
 }
 
 /// A hung broker operation fails the test instead of hanging it.
-async fn within(test: impl std::future::Future<Output = ()>) {
+pub async fn within(test: impl std::future::Future<Output = ()>) {
     tokio::time::timeout(Duration::from_secs(90), test)
         .await
         .expect("the test did not finish within 90 s (broker unresponsive?)");
@@ -286,7 +291,7 @@ fn text(s: &str) -> AMQPValue {
 
 /// The plugin's delivered form of an ingress message: `x-delay` → minus the delay when
 /// positive; `user_id` moved into `x-delay-user-id` (documented limit).
-fn expected_headers(original: &Received) -> Option<FieldTable> {
+pub fn expected_headers(original: &Received) -> Option<FieldTable> {
     let mut h = original.properties.headers().clone();
     if let Some(n) = original
         .int_header("x-delay")

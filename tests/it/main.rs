@@ -14,6 +14,7 @@ mod harness;
 mod hostile;
 mod observe;
 mod permissions;
+mod proxy;
 mod security;
 mod trust;
 mod wheel;

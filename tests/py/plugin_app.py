@@ -9,7 +9,8 @@ the report; this script exits non-zero only when it crashes.
     python3 plugin_app.py MODE CONFIG_JSON       (AMQP_URL from the environment)
 
 Modes: routing (direct and topic targets, properties, headers, bodies), edges (x-delay edge
-values and an unroutable key), stream (many messages over a few seconds, random delays or
+values and an unroutable key; both declare their x-delayed-message exchanges with
+`"declare": true`, for tests/it/proxy.rs), stream (many messages over a few seconds, random delays or
 `delay` for all; for the crash and the full-tier tests).
 """
 
@@ -143,11 +144,26 @@ def check(app, sent, errors):
     return duplicates
 
 
+def declare_delayed(app, cfg, exchanges):
+    """With `"declare": true` (through delay-proxy), the app declares its exchanges itself, as the
+    plugin's README does: type x-delayed-message with the real type in x-delayed-type."""
+    if not cfg.get("declare"):
+        return
+    for name, kind in exchanges:
+        app.ch.exchange_declare(
+            exchange=name,
+            exchange_type="x-delayed-message",
+            durable=True,
+            arguments={"x-delayed-type": kind},
+        )
+
+
 def routing(cfg):
     d_in, d_x = cfg["direct"]["ingress"], cfg["direct"]["target"]
     t_in, t_x = cfg["topic"]["ingress"], cfg["topic"]["target"]
     p = cfg["prefix"]
     app = App()
+    declare_delayed(app, cfg, [(d_in, "direct"), (t_in, "topic")])
     q_alpha, q_beta, q_eu, q_pay = (f"{p}-app-{n}" for n in ("alpha", "beta", "eu", "pay"))
     app.queue(q_alpha, [(d_x, "alpha")])
     app.queue(q_beta, [(d_x, "beta")])
@@ -260,6 +276,7 @@ def routing(cfg):
 def edges(cfg):
     x_in, x_t, p = cfg["ingress"], cfg["target"], cfg["prefix"]
     app = App()
+    declare_delayed(app, cfg, [(x_in, "direct")])
     q = f"{p}-app-edge"
     app.queue(q, [(x_t, "edge")])
     quick = 1000  # "without delay": well under any real delay in this test

@@ -137,4 +137,8 @@ pub(crate) struct GatewayArgs {
     /// gateway runs with least privilege (see README, "Security")
     #[arg(long)]
     pub(crate) declare_only: bool,
+    /// Also serve every pair registered under the prefix while running (the control stream's
+    /// records, e.g. delay-proxy's): `gateway.follow = true`
+    #[arg(long)]
+    pub(crate) follow_pairs: bool,
 }

@@ -86,6 +86,7 @@ async fn gateway(mut settings: Settings, a: GatewayArgs) -> amqp_delay::Result<i
             .map_err(Error::Invalid)?
             .pairs;
     }
+    settings.gateway.follow |= a.follow_pairs;
     let gateway = Gateway::new(settings.clone())?;
     if !a.declare_only {
         cli::start_metrics(&settings).await?;

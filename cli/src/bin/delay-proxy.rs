@@ -1,0 +1,74 @@
+//! `delay-proxy`: an AMQP proxy in front of a stock RabbitMQ, so that applications written for
+//! the delayed-message-exchange plugin switch by changing only their URL (see
+//! docs/MIGRATING.md, "Change only the URL"). Thin: the work is in `amqp_delay_cli::proxy`.
+
+use amqp_delay::time::DurationMs;
+use amqp_delay_cli::cli::{self, EXIT_USAGE, GlobalArgs};
+use amqp_delay_cli::proxy::{Limits, Proxy};
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(
+    name = "delay-proxy",
+    version,
+    about = "An AMQP 0-9-1 proxy that gives x-delayed-message exchanges to applications of the delayed-message-exchange plugin on a stock broker",
+    after_help = "Clients connect to --listen with their own credentials; the broker is the first node of --url that answers (amqp://, or amqps:// verified with the [tls] settings), whose user is the proxy's own: it registers the gateway pairs. Run `delay-publisher gateway --follow-pairs` with the same --prefix to deliver the delayed messages."
+)]
+struct Cli {
+    #[command(flatten)]
+    global: GlobalArgs,
+    /// Address clients connect to
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:5673")]
+    listen: String,
+    /// A client that has not finished the AMQP handshake after this is disconnected
+    #[arg(long, default_value = "10s")]
+    handshake_timeout: DurationMs,
+    /// A connection without a byte in either direction for this long is closed (heartbeats count)
+    #[arg(long, default_value = "10m")]
+    idle_timeout: DurationMs,
+    /// PEM certificate chain of the proxy: clients must then connect with TLS (amqps://)
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// PEM private key of --tls-cert
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Cli::parse();
+    cli::init_logging_as(args.global.log_format);
+    let settings = match args.global.settings() {
+        Ok(s) => s,
+        Err(e) => cli::fail(&e, EXIT_USAGE),
+    };
+    let limits = Limits {
+        handshake: args.handshake_timeout.as_duration(),
+        idle: args.idle_timeout.as_duration(),
+    };
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => match amqp_delay_cli::proxy::tls::acceptor(cert, key) {
+            Ok(a) => Some(a),
+            Err(e) => cli::fail(&e, EXIT_USAGE),
+        },
+        _ => None,
+    };
+    if let Err(e) = run(settings, &args.listen, limits, tls).await {
+        cli::fail_with(&e);
+    }
+}
+
+async fn run(
+    settings: amqp_delay::Settings,
+    listen: &str,
+    limits: Limits,
+    tls: Option<futures_rustls::TlsAcceptor>,
+) -> amqp_delay::Result<()> {
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| amqp_delay_cli::proxy::config(format!("listening on {listen}: {e}")))?;
+    cli::start_metrics(&settings).await?;
+    let proxy = Proxy::start(settings, limits, tls).await?;
+    tracing::info!(%listen, tls = proxy.tls(), "delay-proxy listening");
+    proxy.serve(listener, cli::shutdown_signal()).await
+}

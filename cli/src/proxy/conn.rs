@@ -1,0 +1,395 @@
+//! One client connection: an upstream TCP connection of its own to the broker, and a pump per
+//! direction. Each pump reads whole frames into a buffer of at most one frame (the negotiated
+//! `frame_max`) and writes what it read before it reads again, so a slow reader on one side
+//! stops the other side's reads (TCP backpressure) and no connection grows the proxy's memory.
+//! Bytes pass as they arrived except the frames [`rewrite`] changes.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+
+use super::Registry;
+use super::frames::{self, HANDSHAKE_FRAME_MAX, Split};
+use super::rewrite::{self, ClientSide, DelayedDeclare, Step};
+
+/// The largest frame accepted when the client's `tune-ok` leaves `frame_max` unlimited (0).
+const UNLIMITED_FRAME_MAX: u32 = 1 << 20;
+/// How long a client waits for its delayed exchange's declare and registration, at most.
+const DECLARE_TIMEOUT: Duration = Duration::from_secs(30);
+/// AMQP's `internal-error` reply code.
+const INTERNAL_ERROR: u16 = 541;
+
+/// The time limits of a connection.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// From accepting the client until the broker's `connection.open-ok`.
+    pub handshake: Duration,
+    /// No byte in either direction for this long ends the connection (heartbeats count).
+    pub idle: Duration,
+}
+
+/// What both pumps of a connection share.
+#[derive(Default)]
+struct Shared {
+    /// The client's `frame_max` (0 until its `tune-ok`).
+    frame_max: AtomicU32,
+    opened: AtomicBool,
+    /// When a byte last arrived from either side, ms since the connection started.
+    last_io_ms: AtomicU64,
+    /// The delayed declare sent to the broker, waiting for its answer.
+    declare: Mutex<Option<Pending>>,
+}
+
+struct Pending {
+    channel: u16,
+    exchange: String,
+    nowait: bool,
+    done: oneshot::Sender<()>,
+}
+
+impl Shared {
+    /// The longest frame either side may send now, with its 8 bytes of framing.
+    fn max_frame_bytes(&self) -> usize {
+        let n = match self.frame_max.load(Ordering::Acquire) {
+            0 if !self.opened.load(Ordering::Acquire) => HANDSHAKE_FRAME_MAX,
+            0 => UNLIMITED_FRAME_MAX,
+            n => n.max(HANDSHAKE_FRAME_MAX),
+        };
+        n as usize + 8
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, Option<Pending>> {
+        self.declare.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Whole frames from one side, one buffer each.
+struct Frames<R> {
+    r: R,
+    buf: Vec<u8>,
+    start: usize,
+}
+
+impl<R: AsyncRead + Unpin> Frames<R> {
+    fn new(r: R) -> Self {
+        Frames {
+            r,
+            buf: Vec::with_capacity(16 * 1024),
+            start: 0,
+        }
+    }
+
+    /// Reads more (after the frames at the front were handled); false at the end of input.
+    async fn read_more(
+        &mut self,
+        shared: &Shared,
+        epoch: tokio::time::Instant,
+    ) -> Result<bool, String> {
+        if self.start > 0 {
+            self.buf.drain(..self.start);
+            self.start = 0;
+        }
+        let max = shared.max_frame_bytes();
+        if self.buf.len() >= max {
+            return Err(format!(
+                "a frame is longer than the negotiated frame_max ({max} bytes with framing)"
+            ));
+        }
+        self.buf.reserve((max - self.buf.len()).min(64 * 1024));
+        let n = self
+            .r
+            .read_buf(&mut self.buf)
+            .await
+            .map_err(|e| format!("reading: {e}"))?;
+        let ms = u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        shared.last_io_ms.store(ms, Ordering::Release);
+        Ok(n > 0)
+    }
+}
+
+/// The broker nodes clients go to, and the TLS connector of the `amqps://` ones.
+#[derive(Clone)]
+pub struct Upstreams {
+    /// In the order of the settings' URLs.
+    pub nodes: Arc<Vec<super::Upstream>>,
+    /// Present when a node is `amqps://`.
+    pub tls: Option<futures_rustls::TlsConnector>,
+}
+
+/// A connection to the broker.
+enum Broker {
+    Plain(TcpStream),
+    Tls(Box<super::tls::BrokerTls>),
+}
+
+/// The first node that accepts a connection (and, for `amqps://`, completes a verified TLS
+/// handshake) within `limit` each.
+async fn connect_upstream(up: &Upstreams, limit: Duration) -> Result<Broker, String> {
+    let mut last = String::from("no broker address");
+    for node in up.nodes.iter() {
+        let attempt = async {
+            let tcp = TcpStream::connect(&node.addr).await?;
+            let _ = tcp.set_nodelay(true);
+            match (&node.tls_host, &up.tls) {
+                (None, _) => Ok(Broker::Plain(tcp)),
+                (Some(host), Some(tls)) => Ok(Broker::Tls(Box::new(
+                    super::tls::connect(tls, tcp, host).await?,
+                ))),
+                (Some(_), None) => Err(std::io::Error::other("no TLS configuration")),
+            }
+        };
+        match tokio::time::timeout(limit, attempt).await {
+            Ok(Ok(b)) => return Ok(b),
+            Ok(Err(e)) => last = format!("connecting to the broker at {}: {e}", node.addr),
+            Err(_) => last = format!("connecting to the broker at {}: timed out", node.addr),
+        }
+    }
+    Err(last)
+}
+
+/// Proxies one client connection until either side closes it or a limit ends it.
+pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
+    client: S,
+    upstreams: &Upstreams,
+    registry: Arc<Registry>,
+    limits: Limits,
+) -> Result<(), String> {
+    match connect_upstream(upstreams, limits.handshake).await? {
+        Broker::Plain(b) => pump(client, b, registry, limits).await,
+        Broker::Tls(b) => pump(client, *b, registry, limits).await,
+    }
+}
+
+/// The two pumps and the watchdog of a connection.
+async fn pump<S, B>(
+    client: S,
+    broker: B,
+    registry: Arc<Registry>,
+    limits: Limits,
+) -> Result<(), String>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    B: AsyncRead + AsyncWrite + Unpin,
+{
+    let (cr, cw) = tokio::io::split(client);
+    let (br, bw) = tokio::io::split(broker);
+    let shared = Arc::new(Shared::default());
+    let epoch = tokio::time::Instant::now();
+    tokio::select! {
+        r = client_to_broker(Frames::new(cr), bw, &shared, &registry, epoch) => r,
+        r = broker_to_client(Frames::new(br), cw, &shared, &registry, epoch) => r,
+        r = watchdog(&shared, limits, epoch) => r,
+    }
+}
+
+async fn write<W: AsyncWrite + Unpin>(w: &mut W, out: &mut Vec<u8>) -> Result<(), String> {
+    if !out.is_empty() {
+        w.write_all(out)
+            .await
+            .map_err(|e| format!("writing: {e}"))?;
+        out.clear();
+    }
+    Ok(())
+}
+
+/// The client's frames to the broker.
+async fn client_to_broker<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+    mut rd: Frames<R>,
+    mut w: W,
+    shared: &Shared,
+    registry: &Registry,
+    epoch: tokio::time::Instant,
+) -> Result<(), String> {
+    let mut side = ClientSide::default();
+    let mut out = Vec::new();
+    loop {
+        loop {
+            let step = match frames::split(&rd.buf[rd.start..]) {
+                Split::Frame(raw) => {
+                    let mut step = side.frame(&raw, registry.pairs(), registry.max_delay_ms())?;
+                    if let Some(n) = side.frame_max.take() {
+                        shared.frame_max.store(n, Ordering::Release);
+                    }
+                    if let Step::Declare(d) = &step
+                        && let Err(e) = registry.pair_for(&d.exchange)
+                    {
+                        // sent as the client wrote it: a stock broker refuses the type
+                        tracing::warn!(exchange = %d.exchange, "a delayed exchange cannot be proxied: {e}");
+                        step = Step::Pass;
+                    }
+                    // a passive declare too: it leaves at the next write, after the lookup
+                    if matches!(step, Step::Pass | Step::Lookup(_)) {
+                        out.extend_from_slice(raw.bytes);
+                    }
+                    rd.start += raw.len;
+                    step
+                }
+                Split::ProtocolHeader(n) => {
+                    out.extend_from_slice(&rd.buf[rd.start..rd.start + n]);
+                    rd.start += n;
+                    continue;
+                }
+                Split::Incomplete => break,
+                Split::Invalid(e) => return Err(format!("from the client: {e}")),
+            };
+            match step {
+                Step::Bytes(b) => out.extend_from_slice(&b),
+                Step::Declare(d) => {
+                    write(&mut w, &mut out).await?;
+                    declare(&mut w, d, shared).await?;
+                }
+                Step::Lookup(x) => {
+                    // a passive declare: pairs another proxy registered are known before it
+                    // returns (the frame is already in `out`, sent at the next write)
+                    if registry.pairs().ingress_of(&x).is_none()
+                        && let Err(e) = registry.refresh(false).await
+                    {
+                        tracing::warn!(
+                            "reading the control stream: {}",
+                            amqp_delay::error::chain(&e)
+                        );
+                    }
+                }
+                _ => {}
+            }
+        }
+        write(&mut w, &mut out).await?;
+        if !rd.read_more(shared, epoch).await? {
+            return Ok(());
+        }
+    }
+}
+
+/// Sends the rewritten declare and waits until the other pump saw the broker's answer (and
+/// registered the pair when it was declare-ok).
+async fn declare<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    d: DelayedDeclare,
+    shared: &Shared,
+) -> Result<(), String> {
+    let mut bytes = d.bytes;
+    let (done, answered) = oneshot::channel();
+    *shared.pending() = Some(Pending {
+        channel: d.channel,
+        exchange: d.exchange,
+        nowait: d.nowait,
+        done,
+    });
+    write(w, &mut bytes).await?;
+    match tokio::time::timeout(DECLARE_TIMEOUT, answered).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(_)) => Err("the connection ended while a delayed exchange was declared".into()),
+        Err(_) => Err(format!(
+            "the broker did not answer a declare within {DECLARE_TIMEOUT:?}"
+        )),
+    }
+}
+
+/// The broker's frames to the client.
+async fn broker_to_client<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+    mut rd: Frames<R>,
+    mut w: W,
+    shared: &Shared,
+    registry: &Arc<Registry>,
+    epoch: tokio::time::Instant,
+) -> Result<(), String> {
+    let mut out = Vec::new();
+    loop {
+        loop {
+            let (step, frame) = match frames::split(&rd.buf[rd.start..]) {
+                Split::Frame(raw) => {
+                    let step = rewrite::server_frame(&raw, registry.pairs())?;
+                    rd.start += raw.len;
+                    (step, rd.start - raw.len..rd.start)
+                }
+                Split::ProtocolHeader(n) => {
+                    rd.start += n;
+                    (Step::Pass, rd.start - n..rd.start)
+                }
+                Split::Incomplete => break,
+                Split::Invalid(e) => return Err(format!("from the broker: {e}")),
+            };
+            let bytes = &rd.buf[frame];
+            match step {
+                Step::Bytes(b) => out.extend_from_slice(&b),
+                Step::DeclareOk(ch) => {
+                    let pending = take_pending(shared, Some(ch));
+                    let Some(p) = pending else {
+                        out.extend_from_slice(bytes);
+                        continue;
+                    };
+                    write(&mut w, &mut out).await?;
+                    if let Err(e) = registry.ensure(&p.exchange).await {
+                        let text = format!(
+                            "delay-proxy could not register delayed exchange '{}': {}",
+                            p.exchange,
+                            amqp_delay::error::chain(&e)
+                        );
+                        tracing::error!("{text}");
+                        out.extend_from_slice(&rewrite::close_connection(INTERNAL_ERROR, &text)?);
+                        write(&mut w, &mut out).await?;
+                        return Err(text);
+                    }
+                    if !p.nowait {
+                        out.extend_from_slice(bytes);
+                    }
+                    let _ = p.done.send(());
+                }
+                Step::Closed(ch) => {
+                    // refused (or the connection closed): the client reads on, no pair
+                    if let Some(p) = take_pending(shared, (ch != 0).then_some(ch)) {
+                        let _ = p.done.send(());
+                    }
+                    out.extend_from_slice(bytes);
+                }
+                Step::Opened => {
+                    shared.opened.store(true, Ordering::Release);
+                    out.extend_from_slice(bytes);
+                }
+                _ => out.extend_from_slice(bytes),
+            }
+        }
+        write(&mut w, &mut out).await?;
+        if !rd.read_more(shared, epoch).await? {
+            return Ok(());
+        }
+    }
+}
+
+/// The pending declare, when it was sent on `channel` (any channel for `None`).
+fn take_pending(shared: &Shared, channel: Option<u16>) -> Option<Pending> {
+    let mut p = shared.pending();
+    if p.as_ref()
+        .is_some_and(|p| channel.is_none_or(|c| c == p.channel))
+    {
+        p.take()
+    } else {
+        None
+    }
+}
+
+/// Ends the connection when the handshake or an idle spell lasts too long.
+async fn watchdog(
+    shared: &Shared,
+    limits: Limits,
+    epoch: tokio::time::Instant,
+) -> Result<(), String> {
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = epoch.elapsed();
+        if !shared.opened.load(Ordering::Acquire) && now > limits.handshake {
+            return Err(format!(
+                "the AMQP handshake did not finish within {:?}",
+                limits.handshake
+            ));
+        }
+        let last = Duration::from_millis(shared.last_io_ms.load(Ordering::Acquire));
+        if now.saturating_sub(last) > limits.idle {
+            return Err(format!("idle for {:?}", limits.idle));
+        }
+    }
+}

@@ -1,0 +1,226 @@
+//! `delay-proxy`: an AMQP 0-9-1 proxy in front of a stock broker, so that applications written
+//! for the delayed-message-exchange plugin switch by changing only their URL. Each client
+//! connection gets an upstream connection of its own, under the client's own credentials
+//! (SASL passes through, never logged); frames pass as sent except:
+//! * `exchange.declare` of type `x-delayed-message` goes to the broker as a declare of its
+//!   `x-delayed-type` (so the broker checks it under the client's permissions); only when the
+//!   broker answers declare-ok does the proxy register the exchange's gateway pair (ingress
+//!   `<prefix>.gw.x.<exchange>` → the exchange) on its own connection, then the client gets
+//!   its declare-ok;
+//! * `basic.publish` to a delayed exchange with a positive `x-delay` goes to the pair's ingress
+//!   (a `delay-publisher gateway --follow-pairs` delays it and publishes it to the exchange with
+//!   its routing key); no, zero or negative `x-delay` goes straight to the exchange;
+//! * `basic.return` naming an ingress names the application's exchange again.
+//!
+//! Publishes are neither added nor dropped, so confirms stay one for one. The pairs are in the
+//! control stream, which every proxy follows: nothing lives only in one proxy's memory.
+
+pub mod conn;
+pub mod frames;
+pub mod registry;
+pub mod rewrite;
+pub mod tls;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use amqp_delay::Settings;
+use amqp_delay::error::{Error, Result};
+use tokio::net::TcpListener;
+
+pub use conn::Limits;
+pub use registry::Registry;
+
+/// A settings error (`why` says what to change).
+pub fn config(why: impl Into<String>) -> Error {
+    Error::from(amqp_delay::settings::SettingsError::Invalid(why.into()))
+}
+
+/// A broker node clients are sent to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    /// `host:port`.
+    pub addr: String,
+    /// The host its certificate must name, for an `amqps://` URL.
+    pub tls_host: Option<String>,
+}
+
+/// The broker nodes a proxy connects its clients to, in the order of the settings' URLs (a
+/// client goes to the first that answers). `amqps://` ones are reached with TLS, verified.
+pub fn upstreams_of(urls: &str) -> Result<Vec<Upstream>> {
+    let list = amqp_delay::endpoints::split_urls(urls);
+    if list.is_empty() {
+        return Err(config("the broker URL is empty"));
+    }
+    list.iter().map(|u| upstream_of(u)).collect()
+}
+
+fn upstream_of(url: &str) -> Result<Upstream> {
+    let redacted = amqp_delay::endpoints::redact_url(url);
+    let u = url::Url::parse(url)
+        .map_err(|e| config(format!("broker URL '{redacted}' is invalid: {e}")))?;
+    let (tls, port) = match u.scheme() {
+        "amqp" => (false, 5672),
+        "amqps" => (true, 5671),
+        other => {
+            return Err(config(format!(
+                "broker URL '{redacted}': scheme '{other}' is neither amqp:// nor amqps://"
+            )));
+        }
+    };
+    let host = u
+        .host_str()
+        .filter(|h| !h.is_empty())
+        .ok_or_else(|| config(format!("broker URL '{redacted}' names no host")))?;
+    // an IPv6 literal comes bracketed, as `connect` wants it
+    Ok(Upstream {
+        addr: format!("{host}:{}", u.port().unwrap_or(port)),
+        tls_host: tls.then(|| host.trim_matches(['[', ']']).to_string()),
+    })
+}
+
+/// A running proxy's parts: where it sends clients, what it knows of the pairs, its limits.
+pub struct Proxy {
+    upstreams: Arc<Vec<Upstream>>,
+    tls: Option<futures_rustls::TlsAcceptor>,
+    upstream_tls: Option<futures_rustls::TlsConnector>,
+    registry: Arc<Registry>,
+    limits: Limits,
+    open: Arc<AtomicUsize>,
+}
+
+impl Proxy {
+    /// The proxy of `settings` (its URL names the broker and the proxy's own user): reads the
+    /// pairs already registered under the prefix, and keeps following them.
+    /// With `tls`, clients must speak TLS.
+    pub async fn start(
+        settings: Settings,
+        limits: Limits,
+        tls: Option<futures_rustls::TlsAcceptor>,
+    ) -> Result<Proxy> {
+        let upstreams = Arc::new(upstreams_of(&settings.url)?);
+        let upstream_tls = if upstreams.iter().any(|u| u.tls_host.is_some()) {
+            Some(tls::connector(&settings.tls)?)
+        } else {
+            None
+        };
+        let registry = Arc::new(Registry::new(settings)?);
+        registry.refresh(true).await?;
+        tokio::spawn(registry.clone().follow());
+        Ok(Proxy {
+            upstreams,
+            tls,
+            upstream_tls,
+            registry,
+            limits,
+            open: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+
+    /// Whether clients must speak TLS.
+    pub fn tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// Client connections open now.
+    pub fn connections(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
+    /// Accepts clients on `listener` until `shutdown` completes (open connections are left to
+    /// end with the process).
+    pub async fn serve(
+        &self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<()> {
+        tokio::pin!(shutdown);
+        loop {
+            let accepted = tokio::select! {
+                () = &mut shutdown => return Ok(()),
+                a = listener.accept() => a,
+            };
+            let (client, peer) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // out of file descriptors, or a client gone before accept: go on
+                    tracing::warn!("accepting a client: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = client.set_nodelay(true);
+            let upstream = conn::Upstreams {
+                nodes: self.upstreams.clone(),
+                tls: self.upstream_tls.clone(),
+            };
+            let (registry, limits, open, tls) = (
+                self.registry.clone(),
+                self.limits,
+                self.open.clone(),
+                self.tls.clone(),
+            );
+            tokio::spawn(async move {
+                open.fetch_add(1, Ordering::AcqRel);
+                let gauge = &amqp_delay::metrics::global().proxy_connections;
+                gauge.inc();
+                tracing::debug!(%peer, "client connected");
+                match one_client(client, tls, &upstream, registry, limits).await {
+                    Ok(()) => tracing::debug!(%peer, "client disconnected"),
+                    Err(e) => tracing::info!(%peer, "client connection ended: {e}"),
+                }
+                gauge.dec();
+                open.fetch_sub(1, Ordering::AcqRel);
+            });
+        }
+    }
+}
+
+/// One client, after its TLS handshake when the proxy has a certificate.
+async fn one_client(
+    client: tokio::net::TcpStream,
+    tls: Option<futures_rustls::TlsAcceptor>,
+    upstreams: &conn::Upstreams,
+    registry: Arc<Registry>,
+    limits: Limits,
+) -> std::result::Result<(), String> {
+    let Some(acceptor) = tls else {
+        return conn::serve(client, upstreams, registry, limits).await;
+    };
+    match tokio::time::timeout(limits.handshake, tls::accept(&acceptor, client)).await {
+        Ok(Ok(s)) => conn::serve(s, upstreams, registry, limits).await,
+        Ok(Err(e)) => Err(format!("TLS handshake: {e}")),
+        Err(_) => Err(format!(
+            "TLS handshake: not finished within {:?}",
+            limits.handshake
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_upstreams_are_the_urls_nodes_tls_ones_named_for_verification() {
+        let up = |a: &str, t: Option<&str>| Upstream {
+            addr: a.into(),
+            tls_host: t.map(String::from),
+        };
+        assert_eq!(
+            upstreams_of("amqp://u:p@h:5673/%2f").unwrap(),
+            [up("h:5673", None)]
+        );
+        assert_eq!(
+            upstreams_of("amqp://h, amqps://u:secret@g/v").unwrap(),
+            [up("h:5672", None), up("g:5671", Some("g"))]
+        );
+        let e = upstreams_of("amqp://h,http://u:secret@h/v")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("neither"), "{e}");
+        assert!(!e.contains("secret"), "{e}");
+        assert!(upstreams_of("").is_err());
+    }
+}

@@ -1,0 +1,196 @@
+//! The proxy's own side of the broker: its connection (the settings' URL and user, never a
+//! client's), the gateway pairs it registers for the delayed exchanges clients declare — with
+//! the gateway's own declare, as `delay-publisher gateway --declare-only` does: ingress
+//! exchange, queues, binding, the control stream's `GatewayPair` record — and the pairs it
+//! knows, read from the control stream, so that nothing lives only in one proxy's memory.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use amqp_delay::connection::{Backoff, Connector};
+use amqp_delay::control;
+use amqp_delay::error::{Error, Result};
+use amqp_delay::gateway::{Gateway, Pair};
+use amqp_delay::settings::PairConfig;
+use amqp_delay::{Layout, Settings};
+use lapin::Connection;
+use tokio::sync::Mutex;
+
+use super::rewrite::Pairs;
+
+/// A refresh from the control stream asked for by a client's passive declare runs at most this
+/// often (each read appends a barrier).
+const REFRESH_EVERY: Duration = Duration::from_secs(2);
+
+/// The proxy's registrations and what it knows of every pair under its prefix.
+pub struct Registry {
+    settings: Settings,
+    layout: Layout,
+    pairs: Pairs,
+    conn: Mutex<Option<Connection>>,
+    refreshed: Mutex<Option<Instant>>,
+}
+
+impl Registry {
+    /// The registry of `settings`' prefix (no I/O).
+    pub fn new(settings: Settings) -> Result<Registry> {
+        let layout = settings
+            .layout()
+            .map_err(amqp_delay::settings::SettingsError::from)?;
+        Ok(Registry {
+            settings,
+            layout,
+            pairs: Pairs::default(),
+            conn: Mutex::new(None),
+            refreshed: Mutex::new(None),
+        })
+    }
+
+    /// The delayed exchanges known.
+    pub fn pairs(&self) -> &Pairs {
+        &self.pairs
+    }
+
+    /// The longest delay the tiers take.
+    pub fn max_delay_ms(&self) -> u64 {
+        self.layout.max_delay_ms()
+    }
+
+    /// The pair a delayed exchange `exchange` gets, or why it cannot have one (a name too long
+    /// for its queues, a character a destination may not have).
+    pub fn pair_for(&self, exchange: &str) -> std::result::Result<Pair, String> {
+        if exchange.is_empty() || exchange.starts_with("amq.") {
+            return Err(format!(
+                "exchange '{exchange}' is the broker's; it cannot be a delayed exchange"
+            ));
+        }
+        let cfg = PairConfig {
+            ingress: self.layout.proxy_ingress(exchange),
+            target: exchange.to_string(),
+        };
+        Pair::new(&self.layout, &cfg)
+    }
+
+    /// The proxy's connection, made again when it was lost (held while the guard lives).
+    async fn connected(&self) -> Result<tokio::sync::MutexGuard<'_, Option<Connection>>> {
+        let mut guard = self.conn.lock().await;
+        if !guard.as_ref().is_some_and(|c| c.status().connected()) {
+            let conn = Connector::new(&self.settings)?
+                .connect("amqp-delay proxy")
+                .await?;
+            *guard = Some(conn);
+        }
+        Ok(guard)
+    }
+
+    /// Makes sure delayed exchange `exchange` has its pair (declared the first time; later only
+    /// its ingress checked, and declared again when it is gone): called only after the broker
+    /// accepted the client's own declare of `exchange`.
+    pub async fn ensure(self: &Arc<Self>, exchange: &str) -> Result<()> {
+        // The gateway's declare is not `Send` for every lifetime (a closure over the tiers), so
+        // it cannot run in a connection's task: it runs on a blocking thread of the runtime.
+        let (me, exchange) = (self.clone(), exchange.to_string());
+        let runtime = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || runtime.block_on(me.register(&exchange)))
+            .await
+            .map_err(|e| super::config(format!("registering a delayed exchange: {e}")))?
+    }
+
+    async fn register(&self, exchange: &str) -> Result<()> {
+        let pair = self.pair_for(exchange).map_err(Error::Invalid)?;
+        // known, and its ingress still there (a teardown may have removed it since): one
+        // passive check rather than the whole declare and a record for every client's declare
+        if self.pairs.ingress_of(exchange).is_some() {
+            let guard = self.connected().await?;
+            if let Some(conn) = guard.as_ref()
+                && amqp_delay::broker::exchange_exists(conn, &pair.ingress).await?
+            {
+                return Ok(());
+            }
+        }
+        let mut settings = self.settings.clone();
+        settings.gateway.pairs = vec![PairConfig {
+            ingress: pair.ingress.clone(),
+            target: pair.target.clone(),
+        }];
+        let gateway = Gateway::new(settings)?;
+        let guard = self.connected().await?;
+        let conn = guard
+            .as_ref()
+            .ok_or_else(|| super::config("no broker connection"))?;
+        gateway.declare(conn).await?;
+        drop(guard);
+        self.pairs.insert(&pair.target, &pair.ingress);
+        amqp_delay::metrics::global().proxy_pairs_registered.inc();
+        tracing::info!(exchange = %pair.target, ingress = %pair.ingress, "delayed exchange registered");
+        Ok(())
+    }
+
+    /// Reads the pairs registered under the prefix (by any proxy) from the control stream, at
+    /// most every [`REFRESH_EVERY`] unless `always`.
+    pub async fn refresh(&self, always: bool) -> Result<()> {
+        let mut last = self.refreshed.lock().await;
+        if !always && last.is_some_and(|t| t.elapsed() < REFRESH_EVERY) {
+            return Ok(());
+        }
+        let guard = self.connected().await?;
+        let conn = guard
+            .as_ref()
+            .ok_or_else(|| super::config("no broker connection"))?;
+        let records = control::read_all(conn, &self.layout).await?;
+        drop(guard);
+        *last = Some(Instant::now());
+        drop(last);
+        for r in &records {
+            self.learn(r);
+        }
+        Ok(())
+    }
+
+    /// Remembers a record's pair when it is a proxy's (its ingress named after its target):
+    /// the one place a filter on the record's writer goes.
+    fn learn(&self, r: &control::Record) {
+        if let control::Record::GatewayPair { ingress, target } = r
+            && *ingress == self.layout.proxy_ingress(target)
+            && self.pairs.insert(target, ingress)
+        {
+            tracing::debug!(exchange = %target, %ingress, "delayed exchange known from the control stream");
+        }
+    }
+
+    /// Keeps the pairs known current from the control stream, for ever (reconnecting with
+    /// backoff): pairs other proxies register become known here too.
+    pub async fn follow(self: Arc<Self>) {
+        let mut backoff = Backoff::default();
+        loop {
+            let conn = match Connector::new(&self.settings) {
+                Ok(c) => c.connect("amqp-delay proxy follower").await,
+                Err(e) => Err(e),
+            };
+            let r = match conn {
+                Ok(conn) => {
+                    backoff.reset();
+                    // ready (`/readyz`) while the pairs other proxies register reach us
+                    let connected = &amqp_delay::metrics::global().connected;
+                    connected.set(1);
+                    let me = self.clone();
+                    let r = amqp_delay::gateway::follow::follow_records(&conn, &self.layout, |r| {
+                        me.learn(&r)
+                    })
+                    .await;
+                    connected.set(0);
+                    amqp_delay::broker::close_connection(&conn, "bye").await;
+                    r
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = r {
+                tracing::warn!(
+                    "following the control stream: {}",
+                    amqp_delay::error::chain(&e)
+                );
+            }
+            tokio::time::sleep(backoff.next_pause()).await;
+        }
+    }
+}
