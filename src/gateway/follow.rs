@@ -19,22 +19,37 @@ use crate::connection::{Backoff, Connector};
 use crate::control;
 use crate::error::Result;
 use crate::layout::Layout;
-use crate::settings::PairConfig;
+use crate::settings::{PairConfig, TrustSettings};
+use crate::trust::Trust;
 
 /// Reads the control stream of `layout` from its first record and gives every record to
-/// `each`, following what is appended, until the stream or the connection ends (an error).
+/// `each`, following what is appended, until the stream or the connection ends (an error). A
+/// gateway pair or batch marker counts only from a writer `trust` (with the connection's own
+/// user) lets name one ([`crate::trust::Trust::may_compact`]: own user, admins, peers); others'
+/// are skipped and counted.
 pub async fn follow_records(
     conn: &Connection,
     layout: &Layout,
+    trust: &TrustSettings,
     mut each: impl FnMut(control::Record),
 ) -> Result<()> {
+    let trust = Trust::new(crate::connection::user_of(conn), trust);
     let log = control::log(layout);
     let mut reader = log.open_reader(conn, broker::long_string("first")).await?;
     let ended = loop {
         match reader.next().await {
-            Some(Ok((_, Some(record)))) => each(record),
-            // garbage, or a record of a newer version: skipped (and counted) by the reader
-            Some(Ok((_, None))) => {}
+            Some(Ok(read)) => match read.record {
+                Some(
+                    r @ (control::Record::GatewayPair { .. } | control::Record::BatchMarker { .. }),
+                ) if !trust.may_compact(read.by.as_deref()) => {
+                    let by = read.by.as_deref().unwrap_or("no user_id");
+                    let why = format!("{r:?} by '{by}', no admin or peer");
+                    crate::stream_log::skipped(control::KIND, "untrusted", &why);
+                }
+                Some(record) => each(record),
+                // garbage, or a record of a newer version: skipped (and counted) by the reader
+                None => {}
+            },
             Some(Err(e)) => break Err(e),
             None => break Err(log.missing()),
         }
@@ -43,8 +58,8 @@ pub async fn follow_records(
     ended
 }
 
-/// The pair a record registers, if the gateway serves it: the one place a filter on the
-/// record's writer goes.
+/// The pair a record registers, if the gateway serves it (its writer was checked by
+/// [`follow_records`]).
 fn pair_of(layout: &Layout, record: control::Record) -> Option<Pair> {
     let control::Record::GatewayPair { ingress, target } = record else {
         return None;
@@ -68,7 +83,8 @@ async fn find_pairs(gateway: Gateway, found: mpsc::UnboundedSender<Pair>) {
                 Ok(conn) => {
                     backoff.reset();
                     let layout = &gateway.layout;
-                    let r = follow_records(&conn, layout, |r| {
+                    let trust = &gateway.settings.trust;
+                    let r = follow_records(&conn, layout, trust, |r| {
                         if let Some(p) = pair_of(layout, r) {
                             let _ = found.send(p);
                         }

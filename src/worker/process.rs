@@ -553,7 +553,7 @@ async fn park(d: &Delivery, reason: &str, kind: &str, ctx: &TaskCtx) -> Result<(
         {
             // a parking queue declared before it had a binding there (an earlier version's
             // `declare --queue`): through the default exchange, as it was
-            Err(crate::Error::Returned { .. }) => {
+            Err(crate::error::Error::Returned { .. }) => {
                 publisher
                     .publish_confirmed("", &target, &d.body, props)
                     .await

@@ -137,7 +137,7 @@ impl Registry {
         let conn = guard
             .as_ref()
             .ok_or_else(|| super::config("no broker connection"))?;
-        let records = control::read_all(conn, &self.layout).await?;
+        let records = control::read_all(conn, &self.layout, &self.settings.trust).await?;
         drop(guard);
         *last = Some(Instant::now());
         drop(last);
@@ -174,9 +174,13 @@ impl Registry {
                     let connected = &amqp_delay::metrics::global().connected;
                     connected.set(1);
                     let me = self.clone();
-                    let r = amqp_delay::gateway::follow::follow_records(&conn, &self.layout, |r| {
-                        me.learn(&r)
-                    })
+                    let trust = &self.settings.trust;
+                    let r = amqp_delay::gateway::follow::follow_records(
+                        &conn,
+                        &self.layout,
+                        trust,
+                        |r| me.learn(&r),
+                    )
                     .await;
                     connected.set(0);
                     amqp_delay::broker::close_connection(&conn, "bye").await;

@@ -103,7 +103,7 @@ async fn refused_body() {
             "a pair was registered for refused '{x}'"
         );
     }
-    let records = amqp_delay::control::read_all(&w.env.conn, &layout)
+    let records = amqp_delay::control::read_all(&w.env.conn, &layout, &Default::default())
         .await
         .unwrap();
     assert!(
