@@ -363,10 +363,21 @@ pub async fn collect(
 /// Waits until `queue` exists and answers (it may be declared by the process under test).
 pub async fn wait_for_queue(conn: &Connection, queue: &str, timeout: Duration) {
     let start = Instant::now();
+    let mut absent = false;
     loop {
         match amqp_delay::broker::queue_state(conn, queue).await {
-            Ok(Some(_)) => return,
+            Ok(Some(_)) => {
+                // a quorum queue declared a moment ago (by the process under test) exists
+                // before its Raft member runs: RabbitMQ 3.10 answered a consume then with
+                // INTERNAL_ERROR (`noproc` in rabbit_quorum_queue:consume), closing the
+                // connection
+                if absent {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+                return;
+            }
             Ok(None) if start.elapsed() < timeout => {
+                absent = true;
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             other => panic!("queue {queue} did not appear: {other:?}"),
