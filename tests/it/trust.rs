@@ -395,26 +395,22 @@ async fn the_due_stage_takes_only_what_a_gateway_wrote() {
         .await
         .unwrap();
     let mch = mallory.create_channel().await.unwrap();
-    let direct = mch
-        .basic_publish(
+    mch.confirm_select(Default::default()).await.unwrap();
+    // the refusal closes the channel, which fails the publish's confirm with the reason
+    let direct = async {
+        mch.basic_publish(
             "".into(),
             out.as_str().into(),
             Default::default(),
             b"straight in",
             BasicProperties::default(),
         )
-        .await;
-    let refused = match direct {
-        Err(e) => e.to_string(),
-        // the refusal closes the channel: the next call says why
-        Ok(_) => mch
-            .basic_qos(1, Default::default())
-            .await
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default(),
-    };
-    assert!(refused.contains("ACCESS_REFUSED"), "{refused}");
+        .await?
+        .await
+    }
+    .await;
+    let refused = direct.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(refused.contains("ACCESS_REFUSED"), "{refused:?}");
     // ... but it may write the tiers: into the due queue, as the gateway's copy would look
     let mch = mallory.create_channel().await.unwrap();
     let layout = w.settings.layout().unwrap();
