@@ -22,6 +22,11 @@ use crate::layout::Layout;
 use crate::settings::{PairConfig, TrustSettings};
 use crate::trust::Trust;
 
+/// How long a follow of the control stream must have lasted for the next one to start without
+/// backing off: one that ends at once (a topology not declared yet) would otherwise be retried
+/// and logged several times a second.
+pub const FOLLOWED_LONG: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Reads the control stream of `layout` from its first record and gives every record to
 /// `each`, following what is appended, until the stream or the connection ends (an error). A
 /// gateway pair or batch marker counts only from a writer `trust` (with the connection's own
@@ -81,7 +86,7 @@ async fn find_pairs(gateway: Gateway, found: mpsc::UnboundedSender<Pair>) {
         let r = match Connector::new(&gateway.settings) {
             Ok(c) => match c.connect("amqp-delay gateway follower").await {
                 Ok(conn) => {
-                    backoff.reset();
+                    let followed = std::time::Instant::now();
                     let layout = &gateway.layout;
                     let trust = &gateway.settings.trust;
                     let r = follow_records(&conn, layout, trust, |r| {
@@ -91,6 +96,10 @@ async fn find_pairs(gateway: Gateway, found: mpsc::UnboundedSender<Pair>) {
                     })
                     .await;
                     broker::close_connection(&conn, "bye").await;
+                    // a follow that fails at once (the topology not declared yet) backs off
+                    if followed.elapsed() >= FOLLOWED_LONG {
+                        backoff.reset();
+                    }
                     r
                 }
                 Err(e) => Err(e),

@@ -169,7 +169,7 @@ impl Registry {
             };
             let r = match conn {
                 Ok(conn) => {
-                    backoff.reset();
+                    let followed = std::time::Instant::now();
                     // ready (`/readyz`) while the pairs other proxies register reach us
                     let connected = &amqp_delay::metrics::global().connected;
                     connected.set(1);
@@ -184,6 +184,11 @@ impl Registry {
                     .await;
                     connected.set(0);
                     amqp_delay::broker::close_connection(&conn, "bye").await;
+                    // a follow that fails at once (the topology not declared yet) backs off,
+                    // instead of warning several times a second
+                    if followed.elapsed() >= amqp_delay::gateway::follow::FOLLOWED_LONG {
+                        backoff.reset();
+                    }
                     r
                 }
                 Err(e) => Err(e),
