@@ -286,6 +286,8 @@ async fn a_message_put_back_for_ever_is_parked_by_the_delivery_limit_not_dropped
         .await
         .unwrap();
     env.track_queue(&q);
+    // the worker declares the destination's parking queue: deleted with the rest
+    env.parked_queue(&q);
     let unroutable = env.layout().unroutable_queue();
     env.settings.consumer.requeue_hold = amqp_delay::time::DurationMs(20);
     let h = Scripted::new(|_| Outcome::Requeue("not now".into()));
