@@ -52,24 +52,7 @@ impl Topology {
 
         // Parking first: the delivery exchange's alternate exchange must exist before anything
         // can be delivered.
-        declare_exchange(
-            &ch,
-            &l.parking_exchange(),
-            ExchangeKind::Fanout,
-            FieldTable::default(),
-        )
-        .await?;
-        let parked = l.unroutable_queue();
-        broker::declare_queue_spread(conn, &parked, self.parked_args()).await?;
-        bind_queue(&ch, &parked, &l.parking_exchange(), "").await?;
-        // destinations' parking queues are bound to it as they are declared
-        declare_exchange(
-            &ch,
-            &l.park_exchange(),
-            ExchangeKind::Direct,
-            FieldTable::default(),
-        )
-        .await?;
+        self.declare_parking_exchanges(conn, &ch).await?;
 
         let mut ae = FieldTable::default();
         ae.insert(
@@ -119,6 +102,19 @@ impl Topology {
         }
         broker::close(&ch, "declared").await;
         Ok(())
+    }
+
+    /// The parking exchange (the delivery exchange's alternate) with the unroutable queue, and
+    /// the park exchange the destinations' parking queues are bound to as they are declared.
+    async fn declare_parking_exchanges(&self, conn: &Connection, ch: &Channel) -> Result<()> {
+        let l = &self.layout;
+        let fanout = FieldTable::default();
+        declare_exchange(ch, &l.parking_exchange(), ExchangeKind::Fanout, fanout).await?;
+        let parked = l.unroutable_queue();
+        broker::declare_queue_spread(conn, &parked, self.parked_args()).await?;
+        bind_queue(ch, &parked, &l.parking_exchange(), "").await?;
+        let direct = FieldTable::default();
+        declare_exchange(ch, &l.park_exchange(), ExchangeKind::Direct, direct).await
     }
 
     /// Makes sure destination queue `queue` exists (creating it durable, of the tiers' queue type,
