@@ -16,6 +16,8 @@ async fn pika_body() {
     let w = World::new(&["direct", "topic"]).await;
     let (d_x, t_x) = (w.exchange("direct"), w.exchange("topic"));
     let p = w.env.settings.prefix.clone();
+    // the proxy listens before the app connects (pika tries once: it failed once in CI)
+    let _ = w.proxy.connect().await.close(200, "bye".into()).await;
     // the app declares both exchanges itself; the gateway starts serving each pair once the
     // proxy registered it (what arrives before waits in the ingress queue)
     let app = start_app_at(
@@ -73,6 +75,7 @@ async fn amqplib_body() {
     let modules = amqplib();
     let w = World::new(&["node"]).await;
     let x = w.exchange("node");
+    let _ = w.proxy.connect().await.close(200, "bye".into()).await;
     let app = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/js/plugin_app.js");
     let cfg =
         serde_json::json!({"exchange": x, "queue": format!("{}-node-app", w.env.settings.prefix)});
