@@ -44,6 +44,15 @@ pub enum Record {
         /// Target exchange.
         target: String,
     },
+    /// A gateway pair ended: `delay-proxy` deleted its ingress exchange and queues after a
+    /// client deleted its target (an `x-delayed-message` exchange). Gateways stop serving it;
+    /// a later [`Record::GatewayPair`] of the same names registers it again.
+    GatewayPairEnded {
+        /// Ingress exchange.
+        ingress: String,
+        /// Target exchange.
+        target: String,
+    },
     /// A worker declared the batch marker of `queue` (so `teardown` removes it).
     BatchMarker {
         /// The destination queue.
@@ -128,7 +137,8 @@ pub async fn append(conn: &Connection, layout: &Layout, record: &Record) -> Resu
 }
 
 /// The gateway pairs and batch markers in the stream, oldest first, each once (what
-/// `teardown` needs; tombstones, barriers and checkpoints left out), at most [`MAX_NAMED`],
+/// `teardown` needs; tombstones, barriers and checkpoints left out), at most [`MAX_NAMED`]; a
+/// pair as its latest record says (registered, or ended by [`Record::GatewayPairEnded`]),
 /// of writers `trust` lets name them (with the connection's own user: [`Trust::may_compact`]).
 /// `Ok(vec![])` when the stream does not exist. Gives up only when no record arrives for a
 /// while ([`crate::stream_log::READ_STALL`]).
@@ -148,7 +158,7 @@ pub async fn read_all(
     let read = reader
         .read_to_barrier(&nonce, |read| match read.record {
             Some(r) if trust.may_compact(read.by.as_deref()) => named.take(r),
-            Some(r @ (Record::GatewayPair { .. } | Record::BatchMarker { .. })) => {
+            Some(r) if r.is_named() => {
                 let by = read.by.as_deref().unwrap_or("no user_id");
                 skipped(KIND, "untrusted", &format!("{r:?} by '{by}', no admin"));
             }
@@ -161,18 +171,47 @@ pub async fn read_all(
     read.map(|_| named.out)
 }
 
-/// The gateway pairs and batch markers of a read, each once, at most [`MAX_NAMED`].
+impl Record {
+    /// A record naming objects of the topology (a gateway pair, its end, a batch marker): only
+    /// trusted writers' count ([`Trust::may_compact`]).
+    pub fn is_named(&self) -> bool {
+        matches!(
+            self,
+            Record::GatewayPair { .. }
+                | Record::GatewayPairEnded { .. }
+                | Record::BatchMarker { .. }
+        )
+    }
+
+    /// What a named record is about: a pair's ingress and target (registered or ended alike),
+    /// a marker's queue.
+    fn name(&self) -> Option<(&str, &str)> {
+        match self {
+            Record::GatewayPair { ingress, target }
+            | Record::GatewayPairEnded { ingress, target } => Some((ingress, target)),
+            Record::BatchMarker { queue } => Some(("", queue)),
+            _ => None,
+        }
+    }
+}
+
+/// The gateway pairs and batch markers of a read, each once (a pair as its latest record
+/// says), at most [`MAX_NAMED`].
 #[derive(Default)]
 struct Named {
-    seen: std::collections::HashSet<Record>,
+    /// Where each name's record is in `out`.
+    seen: std::collections::HashMap<(String, String, bool), usize>,
     out: Vec<Record>,
 }
 
 impl Named {
     fn take(&mut self, r: Record) {
-        if !matches!(r, Record::GatewayPair { .. } | Record::BatchMarker { .. })
-            || self.seen.contains(&r)
-        {
+        let Some((a, b)) = r.name() else { return };
+        let marker = matches!(r, Record::BatchMarker { .. });
+        let key = (a.to_string(), b.to_string(), marker);
+        if let Some(&i) = self.seen.get(&key) {
+            // registered again after it ended, or ended: the latest record counts
+            self.out[i] = r;
             return;
         }
         if self.out.len() >= MAX_NAMED {
@@ -183,7 +222,7 @@ impl Named {
             );
             return;
         }
-        self.seen.insert(r.clone());
+        self.seen.insert(key, self.out.len());
         self.out.push(r);
     }
 }
@@ -220,7 +259,20 @@ mod tests {
         n.take(Record::barrier("b".into()));
         n.take(Record::Cancels { items: vec![] });
         n.take(marker.clone());
-        assert_eq!(n.out, vec![marker]);
+        assert_eq!(n.out, vec![marker.clone()]);
+        let pair = Record::GatewayPair {
+            ingress: "i".into(),
+            target: "t".into(),
+        };
+        let ended = Record::GatewayPairEnded {
+            ingress: "i".into(),
+            target: "t".into(),
+        };
+        n.take(pair.clone());
+        n.take(ended.clone());
+        assert_eq!(n.out, vec![marker.clone(), ended]);
+        n.take(pair.clone());
+        assert_eq!(n.out, vec![marker, pair], "registered again");
         for i in 0..MAX_NAMED + 5 {
             n.take(Record::BatchMarker {
                 queue: format!("q{i}"),

@@ -113,6 +113,8 @@ pub struct Metrics {
     pub proxy_delayed_publishes: Counter,
     /// `delay-proxy`: gateway pairs it registered after a client's declare.
     pub proxy_pairs_registered: Counter,
+    /// `delay-proxy`: gateway pairs it ended after a client's delete of their exchange.
+    pub proxy_pairs_ended: Counter,
     /// `delay-proxy`: delayed exchanges it knows (its own and those read from the control stream).
     pub proxy_pairs_known: Gauge,
 }
@@ -154,6 +156,7 @@ impl Metrics {
             proxy_connections: Gauge::default(),
             proxy_delayed_publishes: Counter::default(),
             proxy_pairs_registered: Counter::default(),
+            proxy_pairs_ended: Counter::default(),
             proxy_pairs_known: Gauge::default(),
         };
         m.register_publishing();
@@ -179,6 +182,11 @@ impl Metrics {
             "proxy_pairs_registered",
             "delay-proxy: gateway pairs registered after a client's declare was accepted",
             self.proxy_pairs_registered.clone(),
+        );
+        self.registry.register(
+            "proxy_pairs_ended",
+            "delay-proxy: gateway pairs ended after a client's delete of their exchange was accepted",
+            self.proxy_pairs_ended.clone(),
         );
         self.registry.register(
             "proxy_pairs_known",

@@ -388,7 +388,9 @@ impl State {
                     }
                 }
             }
-            Record::GatewayPair { .. } | Record::BatchMarker { .. } => {}
+            Record::GatewayPair { .. }
+            | Record::GatewayPairEnded { .. }
+            | Record::BatchMarker { .. } => {}
         }
         if now.saturating_sub(self.last_prune) >= 1_000 {
             self.prune(now);

@@ -122,11 +122,14 @@ impl Pair {
 }
 
 /// The pairs declared under `layout`'s prefix by any gateway, from the control stream's
-/// `records`, each once, in the order they were first declared.
+/// `records`, each once, in the order they were first declared; ended ones too (a teardown
+/// deletes what is left of them, such as a parking queue that still held messages).
 pub fn registered_pairs(layout: &Layout, records: &[control::Record]) -> Vec<Pair> {
     let mut out: Vec<Pair> = Vec::new();
     for r in records {
-        if let control::Record::GatewayPair { ingress, target } = r {
+        if let control::Record::GatewayPair { ingress, target }
+        | control::Record::GatewayPairEnded { ingress, target } = r
+        {
             let (ingress, target) = (ingress.clone(), target.clone());
             if out.iter().any(|p| p.ingress == ingress) {
                 continue;
@@ -138,6 +141,42 @@ pub fn registered_pairs(layout: &Layout, records: &[control::Record]) -> Vec<Pai
         }
     }
     out
+}
+
+/// Ends `pair` (its target was deleted): deletes its ingress exchange first (nothing enters
+/// any more), then its ingress and due queues (messages in them are lost), and its parking
+/// queues only when they hold nothing (a teardown removes them later: the pair stays in the
+/// control stream, ended). Missing objects are ignored.
+pub async fn end_pair(conn: &Connection, pair: &Pair) -> Result<()> {
+    let ch = broker::open(conn).await?;
+    ch.exchange_delete(
+        pair.ingress.as_str().into(),
+        ExchangeDeleteOptions::default(),
+    )
+    .await
+    .context(|| format!("deleting exchange '{}'", pair.ingress))?;
+    for q in [&pair.ingress_queue, &pair.due_queue] {
+        ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .context(|| format!("deleting queue '{q}'"))?;
+    }
+    broker::close(&ch, "deleted").await;
+    for q in [&pair.parked_queue, &pair.ingress_parked_queue] {
+        match broker::queue_state(conn, q).await? {
+            Some(s) if s.ready > 0 => {
+                tracing::warn!(queue = %q, parked = s.ready, "a deleted delayed exchange's parking queue holds messages: left for you to read (teardown removes it)");
+            }
+            Some(_) => {
+                let ch = broker::open(conn).await?;
+                ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                    .await
+                    .context(|| format!("deleting queue '{q}'"))?;
+                broker::close(&ch, "deleted").await;
+            }
+            None => {}
+        }
+    }
+    Ok(())
 }
 
 /// Deletes the ingress exchanges and every queue of `pairs` (messages in them are lost);

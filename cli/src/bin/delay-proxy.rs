@@ -26,6 +26,9 @@ struct Cli {
     /// A connection without a byte in either direction for this long is closed (heartbeats count)
     #[arg(long, default_value = "10m")]
     idle_timeout: DurationMs,
+    /// On SIGTERM or Ctrl-C: stop listening, send every client connection.close 320 (as a broker that shuts down does; clients reconnect), and wait this long for them to close
+    #[arg(long, default_value = "10s")]
+    drain_timeout: DurationMs,
     /// PEM certificate chain of the proxy: clients must then connect with TLS (amqps://)
     #[arg(long, value_name = "FILE", requires = "tls_key")]
     tls_cert: Option<std::path::PathBuf>,
@@ -34,7 +37,7 @@ struct Cli {
     tls_key: Option<std::path::PathBuf>,
 }
 
-#[tokio::main]
+#[tokio::main(flavor = "current_thread")]
 async fn main() {
     let args = Cli::parse();
     cli::init_logging_as(args.global.log_format);
@@ -45,6 +48,7 @@ async fn main() {
     let limits = Limits {
         handshake: args.handshake_timeout.as_duration(),
         idle: args.idle_timeout.as_duration(),
+        drain: args.drain_timeout.as_duration(),
     };
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => match amqp_delay_cli::proxy::tls::acceptor(cert, key) {

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
 use super::Registry;
 use super::frames::{self, HANDSHAKE_FRAME_MAX, Split};
@@ -22,6 +22,10 @@ const UNLIMITED_FRAME_MAX: u32 = 1 << 20;
 const DECLARE_TIMEOUT: Duration = Duration::from_secs(30);
 /// AMQP's `internal-error` reply code.
 const INTERNAL_ERROR: u16 = 541;
+/// AMQP's `connection-forced` reply code: what a broker that shuts down sends its clients.
+const CONNECTION_FORCED: u16 = 320;
+/// `connection.close-ok`.
+const CLOSE_OK: frames::MethodId = (10, 51);
 
 /// The time limits of a connection.
 #[derive(Debug, Clone, Copy)]
@@ -30,6 +34,8 @@ pub struct Limits {
     pub handshake: Duration,
     /// No byte in either direction for this long ends the connection (heartbeats count).
     pub idle: Duration,
+    /// On shutdown, how long clients get to answer the proxy's `connection.close`.
+    pub drain: Duration,
 }
 
 /// What both pumps of a connection share.
@@ -38,9 +44,12 @@ struct Shared {
     /// The client's `frame_max` (0 until its `tune-ok`).
     frame_max: AtomicU32,
     opened: AtomicBool,
+    /// The proxy asked the client to close (it shuts down): the client's close-ok ends the
+    /// connection.
+    closing: AtomicBool,
     /// When a byte last arrived from either side, ms since the connection started.
     last_io_ms: AtomicU64,
-    /// The delayed declare sent to the broker, waiting for its answer.
+    /// The delayed declare (or delete) sent to the broker, waiting for its answer.
     declare: Mutex<Option<Pending>>,
 }
 
@@ -48,6 +57,8 @@ struct Pending {
     channel: u16,
     exchange: String,
     nowait: bool,
+    /// A delete (the pair ends at its delete-ok), else a declare (registered at declare-ok).
+    delete: bool,
     done: oneshot::Sender<()>,
 }
 
@@ -151,16 +162,19 @@ async fn connect_upstream(up: &Upstreams, limit: Duration) -> Result<Broker, Str
     Err(last)
 }
 
-/// Proxies one client connection until either side closes it or a limit ends it.
+/// Proxies one client connection until either side closes it or a limit ends it; once
+/// `closing` turns true (the proxy shuts down), asks the client to close, as a broker that
+/// shuts down does.
 pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
     client: S,
     upstreams: &Upstreams,
     registry: Arc<Registry>,
     limits: Limits,
+    closing: watch::Receiver<bool>,
 ) -> Result<(), String> {
     match connect_upstream(upstreams, limits.handshake).await? {
-        Broker::Plain(b) => pump(client, b, registry, limits).await,
-        Broker::Tls(b) => pump(client, *b, registry, limits).await,
+        Broker::Plain(b) => pump(client, b, registry, limits, closing).await,
+        Broker::Tls(b) => pump(client, *b, registry, limits, closing).await,
     }
 }
 
@@ -170,6 +184,7 @@ async fn pump<S, B>(
     broker: B,
     registry: Arc<Registry>,
     limits: Limits,
+    closing: watch::Receiver<bool>,
 ) -> Result<(), String>
 where
     S: AsyncRead + AsyncWrite + Unpin,
@@ -181,7 +196,7 @@ where
     let epoch = tokio::time::Instant::now();
     tokio::select! {
         r = client_to_broker(Frames::new(cr), bw, &shared, &registry, epoch) => r,
-        r = broker_to_client(Frames::new(br), cw, &shared, &registry, epoch) => r,
+        r = broker_to_client(Frames::new(br), cw, &shared, &registry, epoch, closing) => r,
         r = watchdog(&shared, limits, epoch) => r,
     }
 }
@@ -210,6 +225,19 @@ async fn client_to_broker<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
         loop {
             let step = match frames::split(&rd.buf[rd.start..]) {
                 Split::Frame(raw) => {
+                    if shared.closing.load(Ordering::Acquire)
+                        && raw.kind == amq_protocol::frame::AMQPFrameType::Method
+                        && frames::method_id(raw.payload) == Some(CLOSE_OK)
+                    {
+                        // the client closed as the proxy asked: close its broker connection
+                        // (its channels, their unacked deliveries go back to their queues)
+                        write(&mut w, &mut out).await?;
+                        let text = "delay-proxy shut down; its client closed";
+                        let mut bye = rewrite::close_connection(200, text)?;
+                        write(&mut w, &mut bye).await?;
+                        let _ = w.flush().await;
+                        return Ok(());
+                    }
                     let mut step = side.frame(&raw, registry.pairs(), registry.max_delay_ms())?;
                     if let Some(n) = side.frame_max.take() {
                         shared.frame_max.store(n, Ordering::Release);
@@ -240,7 +268,11 @@ async fn client_to_broker<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 Step::Bytes(b) => out.extend_from_slice(&b),
                 Step::Declare(d) => {
                     write(&mut w, &mut out).await?;
-                    declare(&mut w, d, shared).await?;
+                    declare(&mut w, d, false, shared).await?;
+                }
+                Step::Delete(d) => {
+                    write(&mut w, &mut out).await?;
+                    declare(&mut w, d, true, shared).await?;
                 }
                 Step::Lookup(x) => {
                     // a passive declare: pairs another proxy registered are known before it
@@ -264,11 +296,12 @@ async fn client_to_broker<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     }
 }
 
-/// Sends the rewritten declare and waits until the other pump saw the broker's answer (and
-/// registered the pair when it was declare-ok).
+/// Sends the rewritten declare (or delete) and waits until the other pump saw the broker's
+/// answer (and registered the pair when it was declare-ok, ended it at delete-ok).
 async fn declare<W: AsyncWrite + Unpin>(
     w: &mut W,
     d: DelayedDeclare,
+    delete: bool,
     shared: &Shared,
 ) -> Result<(), String> {
     let mut bytes = d.bytes;
@@ -277,6 +310,7 @@ async fn declare<W: AsyncWrite + Unpin>(
         channel: d.channel,
         exchange: d.exchange,
         nowait: d.nowait,
+        delete,
         done,
     });
     write(w, &mut bytes).await?;
@@ -289,15 +323,18 @@ async fn declare<W: AsyncWrite + Unpin>(
     }
 }
 
-/// The broker's frames to the client.
+/// The broker's frames to the client; between two frames, the proxy's own close when
+/// `closing` turns true.
 async fn broker_to_client<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     mut rd: Frames<R>,
     mut w: W,
     shared: &Shared,
     registry: &Arc<Registry>,
     epoch: tokio::time::Instant,
+    mut closing: watch::Receiver<bool>,
 ) -> Result<(), String> {
     let mut out = Vec::new();
+    let mut told = false;
     loop {
         loop {
             let (step, frame) = match frames::split(&rd.buf[rd.start..]) {
@@ -316,8 +353,26 @@ async fn broker_to_client<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
             let bytes = &rd.buf[frame];
             match step {
                 Step::Bytes(b) => out.extend_from_slice(&b),
+                Step::DeleteOk(ch) => {
+                    let pending = take_pending(shared, Some(ch), Some(true));
+                    let Some(p) = pending else {
+                        out.extend_from_slice(bytes);
+                        continue;
+                    };
+                    write(&mut w, &mut out).await?;
+                    // the exchange is gone (the client was allowed to delete it): what is left
+                    // of its pair only costs queues, so a failure here is logged, and the
+                    // client gets its delete-ok all the same
+                    if let Err(e) = registry.end(&p.exchange).await {
+                        tracing::error!(exchange = %p.exchange, "ending a deleted delayed exchange's pair: {}", amqp_delay::error::chain(&e));
+                    }
+                    if !p.nowait {
+                        out.extend_from_slice(bytes);
+                    }
+                    let _ = p.done.send(());
+                }
                 Step::DeclareOk(ch) => {
-                    let pending = take_pending(shared, Some(ch));
+                    let pending = take_pending(shared, Some(ch), Some(false));
                     let Some(p) = pending else {
                         out.extend_from_slice(bytes);
                         continue;
@@ -341,7 +396,7 @@ async fn broker_to_client<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 }
                 Step::Closed(ch) => {
                     // refused (or the connection closed): the client reads on, no pair
-                    if let Some(p) = take_pending(shared, (ch != 0).then_some(ch)) {
+                    if let Some(p) = take_pending(shared, (ch != 0).then_some(ch), None) {
                         let _ = p.done.send(());
                     }
                     out.extend_from_slice(bytes);
@@ -354,18 +409,35 @@ async fn broker_to_client<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
             }
         }
         write(&mut w, &mut out).await?;
-        if !rd.read_more(shared, epoch).await? {
+        let more = loop {
+            tokio::select! {
+                // cancel-safe: what it read stays in the buffer
+                r = rd.read_more(shared, epoch) => break r?,
+                _ = async { closing.wait_for(|c| *c).await.is_ok() }, if !told => {
+                    told = true;
+                    if !shared.opened.load(Ordering::Acquire) {
+                        return Err("delay-proxy is shutting down".into());
+                    }
+                    shared.closing.store(true, Ordering::Release);
+                    let text = "CONNECTION_FORCED - delay-proxy is shutting down";
+                    let mut bye = rewrite::close_connection(CONNECTION_FORCED, text)?;
+                    write(&mut w, &mut bye).await?;
+                }
+            }
+        };
+        if !more {
             return Ok(());
         }
     }
 }
 
-/// The pending declare, when it was sent on `channel` (any channel for `None`).
-fn take_pending(shared: &Shared, channel: Option<u16>) -> Option<Pending> {
+/// The pending declare or delete, when it was sent on `channel` (any channel for `None`) and
+/// is a delete as `delete` says (either for `None`).
+fn take_pending(shared: &Shared, channel: Option<u16>, delete: Option<bool>) -> Option<Pending> {
     let mut p = shared.pending();
-    if p.as_ref()
-        .is_some_and(|p| channel.is_none_or(|c| c == p.channel))
-    {
+    if p.as_ref().is_some_and(|p| {
+        channel.is_none_or(|c| c == p.channel) && delete.is_none_or(|d| d == p.delete)
+    }) {
         p.take()
     } else {
         None

@@ -88,6 +88,7 @@ pub struct Proxy {
     registry: Arc<Registry>,
     limits: Limits,
     open: Arc<AtomicUsize>,
+    closing: tokio::sync::watch::Sender<bool>,
 }
 
 impl Proxy {
@@ -115,6 +116,7 @@ impl Proxy {
             registry,
             limits,
             open: Arc::new(AtomicUsize::new(0)),
+            closing: tokio::sync::watch::Sender::new(false),
         })
     }
 
@@ -123,13 +125,35 @@ impl Proxy {
         self.tls.is_some()
     }
 
+    /// Asks every open client to close and waits until none is open, at most
+    /// [`Limits::drain`].
+    async fn drain(&self) {
+        let open = self.connections();
+        tracing::info!(open, drain = ?self.limits.drain, "delay-proxy stops listening and asks its clients to close");
+        self.closing.send_replace(true);
+        let end = tokio::time::Instant::now() + self.limits.drain;
+        while self.connections() > 0 && tokio::time::Instant::now() < end {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        match self.connections() {
+            0 => tracing::info!("every client closed"),
+            n => tracing::warn!(
+                open = n,
+                "clients still open after the drain: their connections are cut"
+            ),
+        }
+    }
+
     /// Client connections open now.
     pub fn connections(&self) -> usize {
         self.open.load(Ordering::Acquire)
     }
 
-    /// Accepts clients on `listener` until `shutdown` completes (open connections are left to
-    /// end with the process).
+    /// Accepts clients on `listener` until `shutdown` completes; then drains: stops
+    /// listening, asks every client to close (`connection.close` 320 CONNECTION_FORCED, as a
+    /// broker that shuts down does: clients reconnect, to another proxy), and waits for them
+    /// at most [`Limits::drain`]. A client's unconfirmed publishes are its to send again, and
+    /// its unacked deliveries go back to their queues: nothing confirmed is lost.
     pub async fn serve(
         &self,
         listener: TcpListener,
@@ -138,7 +162,11 @@ impl Proxy {
         tokio::pin!(shutdown);
         loop {
             let accepted = tokio::select! {
-                () = &mut shutdown => return Ok(()),
+                () = &mut shutdown => {
+                    drop(listener);
+                    self.drain().await;
+                    return Ok(());
+                }
                 a = listener.accept() => a,
             };
             let (client, peer) = match accepted {
@@ -155,18 +183,19 @@ impl Proxy {
                 nodes: self.upstreams.clone(),
                 tls: self.upstream_tls.clone(),
             };
-            let (registry, limits, open, tls) = (
+            let (registry, limits, open, tls, closing) = (
                 self.registry.clone(),
                 self.limits,
                 self.open.clone(),
                 self.tls.clone(),
+                self.closing.subscribe(),
             );
             tokio::spawn(async move {
                 open.fetch_add(1, Ordering::AcqRel);
                 let gauge = &amqp_delay::metrics::global().proxy_connections;
                 gauge.inc();
                 tracing::debug!(%peer, "client connected");
-                match one_client(client, tls, &upstream, registry, limits).await {
+                match one_client(client, tls, &upstream, registry, limits, closing).await {
                     Ok(()) => tracing::debug!(%peer, "client disconnected"),
                     Err(e) => tracing::info!(%peer, "client connection ended: {e}"),
                 }
@@ -184,12 +213,13 @@ async fn one_client(
     upstreams: &conn::Upstreams,
     registry: Arc<Registry>,
     limits: Limits,
+    closing: tokio::sync::watch::Receiver<bool>,
 ) -> std::result::Result<(), String> {
     let Some(acceptor) = tls else {
-        return conn::serve(client, upstreams, registry, limits).await;
+        return conn::serve(client, upstreams, registry, limits, closing).await;
     };
     match tokio::time::timeout(limits.handshake, tls::accept(&acceptor, client)).await {
-        Ok(Ok(s)) => conn::serve(s, upstreams, registry, limits).await,
+        Ok(Ok(s)) => conn::serve(s, upstreams, registry, limits, closing).await,
         Ok(Err(e)) => Err(format!("TLS handshake: {e}")),
         Err(_) => Err(format!(
             "TLS handshake: not finished within {:?}",

@@ -126,6 +126,31 @@ impl Registry {
         Ok(())
     }
 
+    /// Ends delayed exchange `exchange`'s pair: called only after the broker deleted `exchange`
+    /// for a client (under the client's own permissions). Deletes the ingress exchange and the
+    /// ingress and due queues (the messages still waiting in them are dropped, as the plugin
+    /// drops those of a deleted delayed exchange), and the parking queues when they are empty
+    /// (a teardown removes the others); then records the end, so that gateways stop serving the
+    /// pair and other proxies forget it.
+    pub async fn end(self: &Arc<Self>, exchange: &str) -> Result<()> {
+        let pair = self.pair_for(exchange).map_err(Error::Invalid)?;
+        let guard = self.connected().await?;
+        let conn = guard
+            .as_ref()
+            .ok_or_else(|| super::config("no broker connection"))?;
+        amqp_delay::gateway::end_pair(conn, &pair).await?;
+        let record = control::Record::GatewayPairEnded {
+            ingress: pair.ingress.clone(),
+            target: pair.target.clone(),
+        };
+        control::append(conn, &self.layout, &record).await?;
+        drop(guard);
+        self.pairs.remove(exchange);
+        amqp_delay::metrics::global().proxy_pairs_ended.inc();
+        tracing::info!(exchange = %pair.target, ingress = %pair.ingress, "delayed exchange deleted: its pair ended");
+        Ok(())
+    }
+
     /// Reads the pairs registered under the prefix (by any proxy) from the control stream, at
     /// most every [`REFRESH_EVERY`] unless `always`.
     pub async fn refresh(&self, always: bool) -> Result<()> {
@@ -147,14 +172,22 @@ impl Registry {
         Ok(())
     }
 
-    /// Remembers a record's pair when it is a proxy's (its ingress named after its target):
-    /// the one place a filter on the record's writer goes.
+    /// Remembers a record's pair when it is a proxy's (its ingress named after its target), and
+    /// forgets one whose end is recorded: the one place a filter on the record's writer goes.
     fn learn(&self, r: &control::Record) {
-        if let control::Record::GatewayPair { ingress, target } = r
-            && *ingress == self.layout.proxy_ingress(target)
-            && self.pairs.insert(target, ingress)
-        {
-            tracing::debug!(exchange = %target, %ingress, "delayed exchange known from the control stream");
+        match r {
+            control::Record::GatewayPair { ingress, target }
+                if *ingress == self.layout.proxy_ingress(target)
+                    && self.pairs.insert(target, ingress) =>
+            {
+                tracing::debug!(exchange = %target, %ingress, "delayed exchange known from the control stream");
+            }
+            control::Record::GatewayPairEnded { ingress, target }
+                if *ingress == self.layout.proxy_ingress(target) && self.pairs.remove(target) =>
+            {
+                tracing::debug!(exchange = %target, %ingress, "delayed exchange ended in the control stream");
+            }
+            _ => {}
         }
     }
 

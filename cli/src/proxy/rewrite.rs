@@ -55,6 +55,21 @@ impl Pairs {
         new
     }
 
+    /// Forgets delayed exchange `exchange` (its pair ended); true when it was known.
+    pub fn remove(&self, exchange: &str) -> bool {
+        let mut a = self.by_exchange.write().unwrap_or_else(|e| e.into_inner());
+        let Some(ingress) = a.remove(exchange) else {
+            return false;
+        };
+        drop(a);
+        let mut b = self.by_ingress.write().unwrap_or_else(|e| e.into_inner());
+        b.remove(&ingress);
+        let known = i64::try_from(b.len()).unwrap_or(i64::MAX);
+        drop(b);
+        amqp_delay::metrics::global().proxy_pairs_known.set(known);
+        true
+    }
+
     /// How many pairs are known.
     pub fn len(&self) -> usize {
         self.by_exchange.read().map(|m| m.len()).unwrap_or(0)
@@ -67,11 +82,12 @@ impl Pairs {
 }
 
 /// The methods of a client the proxy parses (every other passes unparsed): `basic.publish`,
-/// `exchange.declare`, `connection.tune-ok`.
-const CLIENT_METHODS: [frames::MethodId; 3] = [(60, 40), (40, 10), (10, 31)];
+/// `exchange.declare`, `exchange.delete`, `connection.tune-ok`.
+const CLIENT_METHODS: [frames::MethodId; 4] = [(60, 40), (40, 10), (40, 20), (10, 31)];
 /// The methods of the broker the proxy parses: `basic.return`, `exchange.declare-ok`,
-/// `channel.close`, `connection.close`, `connection.open-ok`.
-const SERVER_METHODS: [frames::MethodId; 5] = [(60, 50), (40, 11), (20, 40), (10, 50), (10, 41)];
+/// `exchange.delete-ok`, `channel.close`, `connection.close`, `connection.open-ok`.
+const SERVER_METHODS: [frames::MethodId; 6] =
+    [(60, 50), (40, 11), (40, 21), (20, 40), (10, 50), (10, 41)];
 
 /// Whether `raw` is a method frame of one of `methods`.
 fn is_one_of(raw: &Raw<'_>, methods: &[frames::MethodId]) -> bool {
@@ -93,22 +109,28 @@ pub enum Step {
     Declare(DelayedDeclare),
     /// A passive declare of a delayed exchange: pass it, knowing the exchange's pair first.
     Lookup(String),
+    /// A delayed exchange's delete, asking for the broker's answer: send `bytes`, then wait
+    /// for it (the pair ends once the broker deleted the exchange).
+    Delete(DelayedDeclare),
     /// `exchange.declare-ok` on `channel` (from the broker).
     DeclareOk(u16),
+    /// `exchange.delete-ok` on `channel` (from the broker).
+    DeleteOk(u16),
     /// The broker closed `channel` (or, for 0, the connection).
     Closed(u16),
     /// `connection.open-ok`: the handshake is over.
     Opened,
 }
 
-/// A declare of type `x-delayed-message` as the broker gets it.
+/// A declare of type `x-delayed-message` (or a delete of such an exchange) as the broker gets
+/// it.
 #[derive(Debug, PartialEq)]
 pub struct DelayedDeclare {
     /// The channel it was sent on.
     pub channel: u16,
     /// The application's exchange.
     pub exchange: String,
-    /// Whether the client asked for no declare-ok (the broker is asked for one all the same).
+    /// Whether the client asked for no answer (the broker is asked for one all the same).
     pub nowait: bool,
     /// The rewritten frame.
     pub bytes: Vec<u8>,
@@ -166,6 +188,11 @@ impl ClientSide {
                 if d.kind.as_str() == DELAYED_TYPE =>
             {
                 Ok(declare(raw.channel, d)?)
+            }
+            AMQPClass::Exchange(exchange::AMQPMethod::Delete(d))
+                if pairs.ingress_of(d.exchange.as_str()).is_some() =>
+            {
+                Ok(delete(raw.channel, d)?)
             }
             AMQPClass::Connection(connection::AMQPMethod::TuneOk(t)) => {
                 self.frame_max = Some(t.frame_max);
@@ -239,6 +266,26 @@ fn declare(channel: u16, d: exchange::Declare) -> Result<Step, String> {
     }))
 }
 
+/// A delete of a delayed exchange, asking for the broker's delete-ok even when the client did
+/// not (the pair ends only once the broker deleted the exchange under the client's own
+/// permissions).
+fn delete(channel: u16, d: exchange::Delete) -> Result<Step, String> {
+    let (nowait, exchange) = (d.nowait, d.exchange.to_string());
+    let bytes = frames::encode_method(
+        channel,
+        AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
+            nowait: false,
+            ..d
+        })),
+    )?;
+    Ok(Step::Delete(DelayedDeclare {
+        channel,
+        exchange,
+        nowait,
+        bytes,
+    }))
+}
+
 /// `x-delayed-type`, when it is a text.
 fn real_type(args: &FieldTable) -> Option<String> {
     match args.inner().get(DELAYED_TYPE_ARG)? {
@@ -272,6 +319,7 @@ pub fn server_frame(raw: &Raw<'_>, pairs: &Pairs) -> Result<Step, String> {
             }
         }
         AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_)) => Step::DeclareOk(raw.channel),
+        AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(_)) => Step::DeleteOk(raw.channel),
         AMQPClass::Channel(channel::AMQPMethod::Close(_)) => Step::Closed(raw.channel),
         AMQPClass::Connection(connection::AMQPMethod::Close(_)) => Step::Closed(0),
         AMQPClass::Connection(connection::AMQPMethod::OpenOk(_)) => Step::Opened,

@@ -21,6 +21,7 @@ use crate::gateway::*;
 use crate::harness::*;
 
 mod apps;
+mod lifecycle;
 mod limits;
 mod tls;
 

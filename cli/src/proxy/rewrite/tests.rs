@@ -206,6 +206,51 @@ fn a_delayed_declare_becomes_a_declare_of_its_real_type() {
     assert_eq!(delayed_declare(bad, false, false), Step::Pass);
 }
 
+fn delete_of(exchange: &str, nowait: bool) -> Vec<u8> {
+    encode(AMQPFrame::Method(
+        4,
+        AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
+            exchange: exchange.into(),
+            if_unused: true,
+            nowait,
+        })),
+    ))
+}
+
+#[test]
+fn a_delete_of_a_delayed_exchange_asks_for_the_brokers_answer_and_others_pass() {
+    let mut side = ClientSide::default();
+    let plain = delete_of("other", true);
+    let step = with_raw(&plain, |r| side.frame(r, &pairs(), 1)).unwrap();
+    assert_eq!(step, Step::Pass, "not a delayed exchange");
+    let delayed = delete_of("orders", true);
+    let Step::Delete(d) = with_raw(&delayed, |r| side.frame(r, &pairs(), 1)).unwrap() else {
+        panic!("not rewritten")
+    };
+    assert_eq!(
+        (d.channel, d.exchange.as_str(), d.nowait),
+        (4, "orders", true)
+    );
+    let frames = frames_of(&d.bytes);
+    let AMQPClass::Exchange(exchange::AMQPMethod::Delete(got)) =
+        frames::method(&frames[0].2).unwrap()
+    else {
+        panic!("not a delete")
+    };
+    assert!(got.if_unused && !got.nowait, "{got:?}");
+    let ok = encode(AMQPFrame::Method(
+        4,
+        AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(exchange::DeleteOk {})),
+    ));
+    assert_eq!(
+        with_raw(&ok, |r| server_frame(r, &pairs())).unwrap(),
+        Step::DeleteOk(4)
+    );
+    let p = pairs();
+    assert!(p.remove("orders") && !p.remove("orders"));
+    assert!(p.is_empty() && p.exchange_of("p.gw.x.orders").is_none());
+}
+
 #[test]
 fn a_return_from_an_ingress_names_the_application_exchange() {
     let ret = |x: &str| {
@@ -277,16 +322,28 @@ fn the_parsed_methods_are_the_ones_named_and_others_pass_unparsed() {
     let ids = |m: AMQPClass| (m.get_amqp_class_id(), m.get_amqp_method_id());
     let publish_m = AMQPClass::Basic(basic::AMQPMethod::Publish(Default::default()));
     let declare = AMQPClass::Exchange(exchange::AMQPMethod::Declare(Default::default()));
+    let delete = AMQPClass::Exchange(exchange::AMQPMethod::Delete(Default::default()));
     let tune_ok = AMQPClass::Connection(connection::AMQPMethod::TuneOk(Default::default()));
-    assert_eq!(CLIENT_METHODS, [ids(publish_m), ids(declare), ids(tune_ok)]);
+    assert_eq!(
+        CLIENT_METHODS,
+        [ids(publish_m), ids(declare), ids(delete), ids(tune_ok)]
+    );
     let ret = AMQPClass::Basic(basic::AMQPMethod::Return(Default::default()));
     let ok = AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(Default::default()));
+    let delete_ok = AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(Default::default()));
     let ch_close = AMQPClass::Channel(channel::AMQPMethod::Close(Default::default()));
     let close = AMQPClass::Connection(connection::AMQPMethod::Close(Default::default()));
     let open_ok = AMQPClass::Connection(connection::AMQPMethod::OpenOk(Default::default()));
     assert_eq!(
         SERVER_METHODS,
-        [ids(ret), ids(ok), ids(ch_close), ids(close), ids(open_ok)]
+        [
+            ids(ret),
+            ids(ok),
+            ids(delete_ok),
+            ids(ch_close),
+            ids(close),
+            ids(open_ok)
+        ]
     );
     // a method amq-protocol does not know (a broker extension) passes as it came
     let mut unknown = publish("orders");

@@ -1,0 +1,189 @@
+//! A delayed exchange's end and a proxy's: a client's `exchange.delete` ends the pair (the
+//! gateway stops serving it, a new declare registers it again), and a proxy told to stop asks
+//! its clients to close, as a broker that shuts down does, losing nothing confirmed.
+
+use std::time::{Duration, Instant};
+
+use lapin::ExchangeKind;
+use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions};
+use lapin::types::FieldTable;
+
+use amqp_delay::broker::{exchange_exists, queue_state};
+use amqp_delay::control::{self, Record};
+
+use super::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_delayed_exchange_ends_its_pair_and_a_new_declare_registers_it_again() {
+    within(delete_body()).await;
+}
+
+/// Waits until `text` is in the gateway's log.
+async fn logged(w: &World, text: &str) {
+    let end = Instant::now() + Duration::from_secs(20);
+    while !w.gw.log().contains(text) {
+        assert!(
+            Instant::now() < end,
+            "no '{text}' within 20 s\n{}",
+            w.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn delete_body() {
+    let mut w = World::new(&["gone"]).await;
+    let x = w.exchange("gone");
+    let layout = w.env.layout();
+    let ingress = layout.proxy_ingress(&x);
+    let pair = pairs_of(&w.env, &[(ingress.as_str(), x.as_str())]).remove(0);
+    let app = w.proxy.connect().await;
+    declare_delayed(&app, &x, "direct").await;
+    w.served(&x).await;
+
+    // the application deletes its delayed exchange, as it would with the plugin
+    let ch = app.create_channel().await.unwrap();
+    ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .expect("deleting the delayed exchange through the proxy");
+    let q = w.env.queue("app").await;
+    let conn = &w.env.conn;
+    assert!(!exchange_exists(conn, &x).await.unwrap(), "the exchange");
+    assert!(
+        !exchange_exists(conn, &ingress).await.unwrap(),
+        "its ingress"
+    );
+    for q in [&pair.ingress_queue, &pair.due_queue, &pair.parked_queue] {
+        assert!(queue_state(conn, q).await.unwrap().is_none(), "queue {q}");
+    }
+    assert_eq!(w.proxy.metric("amqp_delay_proxy_pairs_ended_total"), 1.0);
+    let records = control::read_all(conn, &layout, &Default::default())
+        .await
+        .unwrap();
+    let ended = Record::GatewayPairEnded {
+        ingress: ingress.clone(),
+        target: x.clone(),
+    };
+    assert!(records.contains(&ended), "{records:?}");
+    logged(&w, "no longer serving it").await;
+
+    // declared again (a redeploy): registered and served again, and delayed messages work
+    declare_delayed(&app, &x, "direct").await;
+    bind(conn, &q, &x, "k").await;
+    w.served(&x).await;
+    let msgs = vec![(300, b"again".to_vec(), with_delay(Some(300), "again"))];
+    let sent = publish_all(&app, &x, "k", msgs).await;
+    let got = collect(
+        conn,
+        &q,
+        1,
+        Duration::from_secs(20),
+        Duration::from_millis(300),
+    )
+    .await;
+    check(&sent, &got);
+    assert_eq!(
+        w.proxy.metric("amqp_delay_proxy_pairs_registered_total"),
+        2.0
+    );
+
+    // a delete without an answer (nowait): the client gets none, and its channel goes on
+    let ch = app.create_channel().await.unwrap();
+    let nowait = ExchangeDeleteOptions {
+        nowait: true,
+        ..Default::default()
+    };
+    ch.exchange_delete(x.as_str().into(), nowait).await.unwrap();
+    let passive = ExchangeDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let e = ch
+        .exchange_declare(
+            x.as_str().into(),
+            ExchangeKind::Direct,
+            passive,
+            FieldTable::default(),
+        )
+        .await
+        .expect_err("the exchange is gone");
+    assert!(e.to_string().contains("NOT_FOUND"), "{e}\n{}", w.logs());
+    assert!(app.status().connected(), "the connection goes on");
+    assert!(!exchange_exists(conn, &ingress).await.unwrap());
+    assert_eq!(w.proxy.metric("amqp_delay_proxy_pairs_ended_total"), 2.0);
+    let _ = app.close(200, "bye".into()).await;
+    w.env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_told_to_stop_asks_its_clients_to_close_and_loses_nothing_confirmed() {
+    within(drain_body()).await;
+}
+
+async fn drain_body() {
+    let mut w = World::new(&["drain"]).await;
+    let x = w.exchange("drain");
+    let app = w.proxy.connect().await;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut events = app.events_listener();
+    tokio::spawn(async move {
+        use futures::StreamExt;
+        while let Some(e) = events.next().await {
+            if let lapin::Event::Error(e) = e {
+                let _ = tx.send(e.to_string());
+            }
+        }
+    });
+    declare_delayed(&app, &x, "direct").await;
+    let q = w.env.queue("app").await;
+    bind(&w.env.conn, &q, &x, "k").await;
+    w.served(&x).await;
+    let msgs = (0..20)
+        .map(|i| {
+            let d = 500 + 50 * i;
+            let id = format!("m{i}");
+            (d, id.clone().into_bytes(), with_delay(Some(d), &id))
+        })
+        .collect();
+    let sent = publish_all(&app, &x, "k", msgs).await;
+
+    let pid = w.proxy.child.id().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let end = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(s) = w.proxy.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < end,
+            "delay-proxy still runs 15 s after SIGTERM\n{}",
+            w.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status:?}\n{}", w.logs());
+    let log = w.proxy.log();
+    assert!(log.contains("every client closed"), "{log}");
+    assert!(!app.status().connected(), "the client was asked to close");
+    let why = rx.try_recv().unwrap_or_default();
+    assert!(
+        why.contains("CONNECTION_FORCED") || why.contains("320"),
+        "'{why}'\n{log}"
+    );
+
+    // the gateway delivers what the proxy had confirmed
+    let got = collect(
+        &w.env.conn,
+        &q,
+        sent.len(),
+        Duration::from_secs(20),
+        Duration::from_millis(300),
+    )
+    .await;
+    check(&sent, &got);
+    w.env.cleanup().await;
+}
