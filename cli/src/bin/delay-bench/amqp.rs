@@ -44,6 +44,62 @@ pub(crate) async fn declare_direct_exchange(conn: &Connection, name: &str) -> Re
     Ok(())
 }
 
+/// Declares `name` as an application of the delayed-message-exchange plugin does
+/// (`x-delayed-message`, `x-delayed-type: direct`), through `conn`: a connection through a
+/// `delay-proxy`, which declares it as a direct exchange and registers its gateway pair.
+pub(crate) async fn declare_delayed_exchange(conn: &Connection, name: &str) -> Result<()> {
+    let ch = broker::open(conn).await?;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-delayed-type".into(),
+        lapin::types::AMQPValue::LongString("direct".into()),
+    );
+    let kind = ExchangeKind::Custom("x-delayed-message".into());
+    broker::declare_exchange(&ch, name, kind, args).await?;
+    broker::close(&ch, "ok").await;
+    Ok(())
+}
+
+/// A `delay-proxy` in this process for `settings`' prefix, listening on a free local port until
+/// the sender is dropped or sent to; returns the URL clients use (`settings`' first, with the
+/// proxy's address).
+pub(crate) async fn start_proxy(
+    settings: &amqp_delay::Settings,
+) -> Result<(String, tokio::sync::oneshot::Sender<()>)> {
+    use amqp_delay_cli::proxy::{Limits, Proxy, config};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| config(format!("listening for the in-process delay-proxy: {e}")))?;
+    let port = listener
+        .local_addr()
+        .map_err(|e| config(format!("the in-process delay-proxy's address: {e}")))?
+        .port();
+    let first = amqp_delay::endpoints::split_urls(&settings.url)
+        .first()
+        .cloned()
+        .unwrap_or_default();
+    let mut url = url::Url::parse(&first)
+        .map_err(|e| config(format!("the broker URL does not parse: {e}")))?;
+    if url.set_host(Some("127.0.0.1")).is_err() || url.set_port(Some(port)).is_err() {
+        return Err(config("the broker URL cannot take the proxy's address"));
+    }
+    let limits = Limits {
+        handshake: std::time::Duration::from_secs(10),
+        idle: std::time::Duration::from_secs(600),
+        drain: std::time::Duration::from_secs(1),
+    };
+    let proxy = Proxy::start(settings.clone(), limits, None).await?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = proxy
+            .serve(listener, async move {
+                let _ = stopped.await;
+            })
+            .await;
+    });
+    Ok((url.to_string(), stop))
+}
+
 /// Binds `queue` to `exchange` with `key`.
 pub(crate) async fn bind(conn: &Connection, queue: &str, exchange: &str, key: &str) -> Result<()> {
     let ch = broker::open(conn).await?;

@@ -162,6 +162,9 @@ pub(crate) struct BenchConfig {
     pub(crate) probe_secs: f64,
     /// Probes per scenario in the sustained-rate mode (the search may stop earlier).
     pub(crate) probes: usize,
+    /// The gateway scenarios publish through an in-process `delay-proxy`, to an
+    /// `x-delayed-message` exchange declared through it.
+    pub(crate) via_proxy: bool,
     /// Show a progress bar on stderr.
     pub(crate) progress: bool,
     pub(crate) quick: bool,
@@ -189,6 +192,7 @@ impl BenchConfig {
             linger_ms: 300,
             fixed_shards: 1,
             sustained: false,
+            via_proxy: false,
             objective_ms: 25,
             probe_secs: 2.0,
             probes: 5,

@@ -223,6 +223,12 @@ struct Args {
     /// within 10%) [default: 5, with --quick 3]
     #[arg(long, value_name = "K")]
     probes: Option<usize>,
+    /// The gateway scenarios as a plugin-era application behind delay-proxy sees them: an
+    /// in-process proxy, the target declared through it as an x-delayed-message exchange, the
+    /// x-delay publishes sent to that exchange through it (the proxy sends them to the pair's
+    /// ingress); compare with the same run without the flag
+    #[arg(long)]
+    via_proxy: bool,
     /// No progress display (it is shown only when stderr is a terminal anyway)
     #[arg(long)]
     no_progress: bool,
@@ -293,6 +299,7 @@ fn config(args: &Args) -> Result<BenchConfig, String> {
     c.seed = args.seed;
     c.fixed_shards = args.fixed_shards;
     c.sustained = args.sustained;
+    c.via_proxy = args.via_proxy;
     c.objective_ms = args.objective_ms;
     c.probe_secs = args
         .probe_secs

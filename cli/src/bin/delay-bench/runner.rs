@@ -205,7 +205,14 @@ impl<'a> Bench<'a> {
         Ok((bench, environment))
     }
 
-    async fn publishers(&self, layout: &Layout, precision: Precision) -> Result<Publishers> {
+    /// `cfg.publishers` publishers of `layout`, each on a connection of its own to `url` (the
+    /// broker's, or an in-process proxy's).
+    async fn publishers(
+        &self,
+        layout: &Layout,
+        precision: Precision,
+        url: &str,
+    ) -> Result<Publishers> {
         let settings = Settings {
             precision,
             ..self.cfg.settings.clone()
@@ -215,7 +222,7 @@ impl<'a> Bench<'a> {
             conns: Vec::new(),
         };
         for _ in 0..self.cfg.publishers {
-            let conn = Arc::new(connect(&self.cfg.settings.url, "delay-bench publisher").await?);
+            let conn = Arc::new(connect(url, "delay-bench publisher").await?);
             out.conns.push(conn.clone());
             let p = Publisher::with_connection(conn, layout.clone(), &settings).await;
             match p {

@@ -29,7 +29,7 @@ impl Bench<'_> {
         ));
         self.declare(&layout).await?;
         let pubs = self
-            .publishers(&layout, self.cfg.settings.precision)
+            .publishers(&layout, self.cfg.settings.precision, &cfg.settings.url)
             .await?;
         let before = broker_memory(&cfg.settings.url).await;
         let n = usize::try_from(m).expect("capacity fits memory");

@@ -21,7 +21,10 @@ impl Bench<'_> {
     /// Raw: publish with a confirm into one plain queue and consume, the ceiling the delayed
     /// scenarios are measured against.
     async fn raw(&mut self, main: &Layout) -> Result<ScenarioResult> {
-        let pubs = self.publishers(main, self.cfg.settings.precision).await?;
+        let url = self.cfg.settings.url.clone();
+        let pubs = self
+            .publishers(main, self.cfg.settings.precision, &url)
+            .await?;
         let r = self
             .scenario(
                 Scenario::Raw,
@@ -91,9 +94,24 @@ impl Bench<'_> {
             _ => self.cfg.gateway_settings(),
         };
         let layout = settings.layout()?;
-        let path = Path::Gateway(Box::new(settings.clone()));
-        self.on_own_topology(sc, &layout, settings.precision, raw_rate, &path)
-            .await
+        if !self.cfg.via_proxy {
+            let path = Path::Gateway(Box::new(settings.clone()), None);
+            return self
+                .on_own_topology(sc, &layout, settings.precision, raw_rate, &path)
+                .await;
+        }
+        // the proxy reads the pairs of the control stream at its start: after the declare
+        self.declare(&layout).await?;
+        let (url, stop) = crate::amqp::start_proxy(&settings).await?;
+        let path = Path::Gateway(Box::new(settings.clone()), Some(url));
+        let r = self
+            .delayed(sc, &layout, settings.precision, raw_rate, &path)
+            .await;
+        let _ = stop.send(());
+        let r = r?;
+        self.check_empty(&layout).await;
+        self.delete(&layout).await?;
+        Ok(r)
     }
 
     /// A scenario on a topology of its own: declared, run, checked empty, deleted.
@@ -201,7 +219,11 @@ impl Bench<'_> {
         raw_rate: Option<f64>,
         path: &Path,
     ) -> Result<ScenarioResult> {
-        let pubs = self.publishers(layout, precision).await?;
+        let url = match path {
+            Path::Gateway(_, Some(proxy)) => proxy.clone(),
+            _ => self.cfg.settings.url.clone(),
+        };
+        let pubs = self.publishers(layout, precision, &url).await?;
         let r = self
             .scenario(sc, &pubs.pubs, layout, precision, raw_rate, path)
             .await;
@@ -340,6 +362,11 @@ fn description(cfg: &BenchConfig, sc: Scenario) -> String {
     let qt = cfg.settings.topology.queue_type;
     let fixed = cfg.fixed_levels();
     let fixed_name = compact_duration(fixed[0]);
+    let via = if cfg.via_proxy {
+        " via delay-proxy"
+    } else {
+        ""
+    };
     match sc {
         Scenario::Raw => format!("raw: publish → one {qt} queue → consume"),
         Scenario::Fixed if cfg.fixed_shards > 1 => format!(
@@ -363,12 +390,12 @@ fn description(cfg: &BenchConfig, sc: Scenario) -> String {
         Scenario::Relay => format!("batched: uniform 0–{max_s} → relay → {qt} queue"),
         Scenario::Binary => format!("binary cascade (radix 2, exact), uniform 0–{max_s}"),
         Scenario::Gateway => format!(
-            "gateway: x-delay {}–{} ms → ingress → target → {qt} queue",
+            "gateway{via}: x-delay {}–{} ms → ingress → target → {qt} queue",
             GATEWAY_DELAYS_MS.start(),
             GATEWAY_DELAYS_MS.end()
         ),
         Scenario::GatewayLong => format!(
-            "gateway: x-delay {}–{} ms → ingress → tiers → target → {qt} queue",
+            "gateway{via}: x-delay {}–{} ms → ingress → tiers → target → {qt} queue",
             GATEWAY_LONG_DELAYS_MS.start(),
             GATEWAY_LONG_DELAYS_MS.end()
         ),

@@ -19,7 +19,9 @@ use amqp_delay_cli::actions::Action;
 
 use super::Bench;
 use super::tracker::{Lateness, Tracker};
-use crate::amqp::{bind, declare_direct_exchange, delete_exchange, delete_queue};
+use crate::amqp::{
+    bind, connect, declare_delayed_exchange, declare_direct_exchange, delete_exchange, delete_queue,
+};
 
 /// How a scenario's messages travel and what counts them.
 #[derive(Clone)]
@@ -37,8 +39,11 @@ pub(crate) enum Path {
     /// `delay-consumer --relay`) unpacks into the measured queue, read by raw consumers.
     Relay(Box<Settings>),
     /// Published with `x-delay` to the ingress of an in-process [`Gateway`] with these settings;
-    /// the measured queue is bound to its target exchange and read by raw consumers.
-    Gateway(Box<Settings>),
+    /// the measured queue is bound to its target exchange and read by raw consumers. With a
+    /// URL (`--via-proxy`): declared as an `x-delayed-message` exchange through the in-process
+    /// `delay-proxy` at that URL and published to there, as a plugin-era application does; the
+    /// proxy sends the delayed publishes to the pair it registered.
+    Gateway(Box<Settings>, Option<String>),
 }
 
 /// Routing key of the gateway scenario's publishes (the target binding's key).
@@ -113,9 +118,12 @@ impl Bench<'_> {
                 let stage = self.worker_stage(s, &source, relay).await?;
                 Ok((Target::Schedule(source), Some(stage)))
             }
-            Path::Gateway(s) => {
-                let stage = self.gateway_stage(s, queue).await?;
-                let exchange = format!("{queue}.in");
+            Path::Gateway(s, proxy) => {
+                let stage = self.gateway_stage(s, queue, proxy.as_deref()).await?;
+                let exchange = match proxy {
+                    Some(_) => format!("{queue}.target"),
+                    None => format!("{queue}.in"),
+                };
                 Ok((
                     Target::Plugin {
                         exchange,
@@ -168,10 +176,19 @@ impl Bench<'_> {
 
     /// Declares the target exchange `<queue>.target` (bound to the measured `queue` with
     /// [`GATEWAY_KEY`]) and a gateway pair `<queue>.in` → it, and runs the gateway (the
-    /// library's, with `settings`) until the stage is stopped.
-    async fn gateway_stage(&self, settings: &Settings, queue: &str) -> Result<Stage> {
+    /// library's, with `settings`) until the stage is stopped. Through the proxy at `proxy`, the
+    /// target is declared as a delayed exchange there, and the pair is the one it registers.
+    async fn gateway_stage(
+        &self,
+        settings: &Settings,
+        queue: &str,
+        proxy: Option<&str>,
+    ) -> Result<Stage> {
         let target = format!("{queue}.target");
-        let ingress = format!("{queue}.in");
+        let ingress = match proxy {
+            Some(_) => settings.layout()?.proxy_ingress(&target),
+            None => format!("{queue}.in"),
+        };
         let mut s = settings.clone();
         s.gateway.pairs = vec![PairConfig {
             ingress: ingress.clone(),
@@ -189,7 +206,15 @@ impl Bench<'_> {
         for x in &exchanges {
             self.cleanup.add_exchange(x);
         }
-        declare_direct_exchange(&self.admin, &target).await?;
+        match proxy {
+            Some(url) => {
+                let app = connect(url, "delay-bench application").await?;
+                let declared = declare_delayed_exchange(&app, &target).await;
+                broker::close_connection(&app, "declared").await;
+                declared?;
+            }
+            None => declare_direct_exchange(&self.admin, &target).await?,
+        }
         bind(&self.admin, queue, &target, GATEWAY_KEY).await?;
         gateway.declare(&self.admin).await?;
         let worker = gateway.worker();
