@@ -12,7 +12,10 @@ fn bin_path(name: &str) -> &'static str {
     match name {
         "delay-publisher" => env!("CARGO_BIN_EXE_delay-publisher"),
         "delay-consumer" => env!("CARGO_BIN_EXE_delay-consumer"),
-        other => panic!("'{other}' is not one of our binaries (delay-publisher, delay-consumer)"),
+        "delay-proxy" => env!("CARGO_BIN_EXE_delay-proxy"),
+        other => panic!(
+            "'{other}' is not one of our binaries (delay-publisher, delay-consumer, delay-proxy)"
+        ),
     }
 }
 
