@@ -30,8 +30,8 @@ pub const FOLLOWED_LONG: std::time::Duration = std::time::Duration::from_secs(10
 
 /// Reads the control stream of `layout` from its first record and gives every record to
 /// `each`, following what is appended, until the stream or the connection ends (an error). A
-/// gateway pair or batch marker counts only from a writer `trust` (with the connection's own
-/// user) lets name one ([`crate::trust::Trust::may_compact`]: own user, admins, peers); others'
+/// gateway pair, its end or a batch marker counts only from a writer `trust` (with the
+/// connection's own user) lets name one ([`crate::trust::Trust::may_compact`]: own user, admins, peers); others'
 /// are skipped and counted.
 pub async fn follow_records(
     conn: &Connection,
@@ -45,9 +45,9 @@ pub async fn follow_records(
     let ended = loop {
         match reader.next().await {
             Some(Ok(read)) => match read.record {
-                Some(
-                    r @ (control::Record::GatewayPair { .. } | control::Record::BatchMarker { .. }),
-                ) if !trust.may_compact(read.by.as_deref()) => {
+                // a pair, its end or a marker: only from a trusted writer (an untrusted end
+                // would stop the gateways serving a pair)
+                Some(r) if r.is_named() && !trust.may_compact(read.by.as_deref()) => {
                     let by = read.by.as_deref().unwrap_or("no user_id");
                     let why = format!("{r:?} by '{by}', no admin or peer");
                     crate::stream_log::skipped(control::KIND, "untrusted", &why);

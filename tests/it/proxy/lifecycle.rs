@@ -41,6 +41,28 @@ async fn delete_body() {
     declare_delayed(&app, &x, "direct").await;
     w.served(&x).await;
 
+    // an end nobody trusted wrote (no user_id) changes nothing: neither the gateway nor the
+    // proxy forget the pair
+    let forged = format!(r#"{{"type":"gateway_pair_ended","ingress":"{ingress}","target":"{x}"}}"#);
+    let ch = w.env.conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    let confirm = ch
+        .basic_publish(
+            layout.stream_exchange().as_str().into(),
+            layout.control_stream().as_str().into(),
+            Default::default(),
+            forged.as_bytes(),
+            lapin::BasicProperties::default().with_delivery_mode(2),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!w.gw.log().contains("no longer serving it"), "{}", w.logs());
+    w.served(&x).await;
+
     // the application deletes its delayed exchange, as it would with the plugin
     let ch = app.create_channel().await.unwrap();
     ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
