@@ -89,6 +89,8 @@ pub struct Proxy {
     limits: Limits,
     open: Arc<AtomicUsize>,
     closing: tokio::sync::watch::Sender<bool>,
+    /// The follower of the control stream (ended with the proxy).
+    follower: tokio::task::JoinHandle<()>,
 }
 
 impl Proxy {
@@ -108,7 +110,7 @@ impl Proxy {
         };
         let registry = Arc::new(Registry::new(settings)?);
         registry.refresh(true).await?;
-        tokio::spawn(registry.clone().follow());
+        let follower = tokio::spawn(registry.clone().follow());
         Ok(Proxy {
             upstreams,
             tls,
@@ -117,6 +119,7 @@ impl Proxy {
             limits,
             open: Arc::new(AtomicUsize::new(0)),
             closing: tokio::sync::watch::Sender::new(false),
+            follower,
         })
     }
 
@@ -165,6 +168,7 @@ impl Proxy {
                 () = &mut shutdown => {
                     drop(listener);
                     self.drain().await;
+                    self.follower.abort();
                     return Ok(());
                 }
                 a = listener.accept() => a,
