@@ -60,15 +60,16 @@ pub(crate) async fn declare_delayed_exchange(conn: &Connection, name: &str) -> R
     Ok(())
 }
 
-/// A `delay-proxy` in this process for `settings`' prefix, listening on a free local port until
-/// the sender is dropped or sent to; returns the URL clients use (`settings`' first, with the
-/// proxy's address).
+/// A `delay-proxy` in this process for `settings`' prefix, on a thread and a single-threaded
+/// runtime of its own (as the `delay-proxy` binary runs, so that it does not share the
+/// benchmark's runtime), listening on a free local port until the sender is dropped or sent
+/// to; returns the URL clients use (`settings`' first, with the proxy's address).
 pub(crate) async fn start_proxy(
     settings: &amqp_delay::Settings,
 ) -> Result<(String, tokio::sync::oneshot::Sender<()>)> {
     use amqp_delay_cli::proxy::{Limits, Proxy, config};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.set_nonblocking(true).map(|()| l))
         .map_err(|e| config(format!("listening for the in-process delay-proxy: {e}")))?;
     let port = listener
         .local_addr()
@@ -88,15 +89,40 @@ pub(crate) async fn start_proxy(
         idle: std::time::Duration::from_secs(600),
         drain: std::time::Duration::from_secs(1),
     };
-    let proxy = Proxy::start(settings.clone(), limits, None).await?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let _ = proxy
-            .serve(listener, async move {
-                let _ = stopped.await;
-            })
-            .await;
+    let (ready, started) = tokio::sync::oneshot::channel::<Result<()>>();
+    let settings = settings.clone();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| config(format!("the in-process delay-proxy's runtime: {e}")))?;
+    std::thread::spawn(move || {
+        runtime.block_on(async move {
+            let listener = match tokio::net::TcpListener::from_std(listener) {
+                Ok(l) => l,
+                Err(e) => {
+                    let _ = ready.send(Err(config(format!("the proxy's listener: {e}"))));
+                    return;
+                }
+            };
+            let proxy = match Proxy::start(settings, limits, None).await {
+                Ok(p) => p,
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            };
+            let _ = ready.send(Ok(()));
+            let _ = proxy
+                .serve(listener, async move {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
     });
+    started
+        .await
+        .map_err(|_| config("the in-process delay-proxy's thread ended"))??;
     Ok((url.to_string(), stop))
 }
 
