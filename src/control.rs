@@ -174,7 +174,7 @@ pub async fn read_all(
 impl Record {
     /// A record naming objects of the topology (a gateway pair, its end, a batch marker): only
     /// trusted writers' count ([`Trust::may_compact`]).
-    pub fn is_named(&self) -> bool {
+    pub(crate) fn is_named(&self) -> bool {
         matches!(
             self,
             Record::GatewayPair { .. }

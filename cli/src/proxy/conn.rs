@@ -353,46 +353,11 @@ async fn broker_to_client<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
             let bytes = &rd.buf[frame];
             match step {
                 Step::Bytes(b) => out.extend_from_slice(&b),
-                Step::DeleteOk(ch) => {
-                    let pending = take_pending(shared, Some(ch), Some(true));
-                    let Some(p) = pending else {
-                        out.extend_from_slice(bytes);
-                        continue;
-                    };
-                    write(&mut w, &mut out).await?;
-                    // the exchange is gone (the client was allowed to delete it): what is left
-                    // of its pair only costs queues, so a failure here is logged, and the
-                    // client gets its delete-ok all the same
-                    if let Err(e) = registry.end(&p.exchange).await {
-                        tracing::error!(exchange = %p.exchange, "ending a deleted delayed exchange's pair: {}", amqp_delay::error::chain(&e));
-                    }
-                    if !p.nowait {
-                        out.extend_from_slice(bytes);
-                    }
-                    let _ = p.done.send(());
-                }
                 Step::DeclareOk(ch) => {
-                    let pending = take_pending(shared, Some(ch), Some(false));
-                    let Some(p) = pending else {
-                        out.extend_from_slice(bytes);
-                        continue;
-                    };
-                    write(&mut w, &mut out).await?;
-                    if let Err(e) = registry.ensure(&p.exchange).await {
-                        let text = format!(
-                            "delay-proxy could not register delayed exchange '{}': {}",
-                            p.exchange,
-                            amqp_delay::error::chain(&e)
-                        );
-                        tracing::error!("{text}");
-                        out.extend_from_slice(&rewrite::close_connection(INTERNAL_ERROR, &text)?);
-                        write(&mut w, &mut out).await?;
-                        return Err(text);
-                    }
-                    if !p.nowait {
-                        out.extend_from_slice(bytes);
-                    }
-                    let _ = p.done.send(());
+                    answered(ch, false, bytes, &mut out, &mut w, shared, registry).await?;
+                }
+                Step::DeleteOk(ch) => {
+                    answered(ch, true, bytes, &mut out, &mut w, shared, registry).await?;
                 }
                 Step::Closed(ch) => {
                     // refused (or the connection closed): the client reads on, no pair
@@ -409,24 +374,79 @@ async fn broker_to_client<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
             }
         }
         write(&mut w, &mut out).await?;
-        let more = loop {
-            tokio::select! {
-                // cancel-safe: what it read stays in the buffer
-                r = rd.read_more(shared, epoch) => break r?,
-                _ = async { closing.wait_for(|c| *c).await.is_ok() }, if !told => {
-                    told = true;
-                    if !shared.opened.load(Ordering::Acquire) {
-                        return Err("delay-proxy is shutting down".into());
-                    }
-                    shared.closing.store(true, Ordering::Release);
-                    let text = "CONNECTION_FORCED - delay-proxy is shutting down";
-                    let mut bye = rewrite::close_connection(CONNECTION_FORCED, text)?;
-                    write(&mut w, &mut bye).await?;
-                }
-            }
-        };
-        if !more {
+        if !read_or_close(&mut rd, &mut w, shared, epoch, &mut closing, &mut told).await? {
             return Ok(());
+        }
+    }
+}
+
+/// The broker's declare-ok (`delete` false) or delete-ok on `channel`, whose frame is
+/// `bytes`: when it answers the pending delayed declare (or delete), registers the pair (or
+/// ends it) before the client gets the answer (none for `nowait`); else it passes.
+async fn answered<W: AsyncWrite + Unpin>(
+    channel: u16,
+    delete: bool,
+    bytes: &[u8],
+    out: &mut Vec<u8>,
+    w: &mut W,
+    shared: &Shared,
+    registry: &Arc<Registry>,
+) -> Result<(), String> {
+    let Some(p) = take_pending(shared, Some(channel), Some(delete)) else {
+        out.extend_from_slice(bytes);
+        return Ok(());
+    };
+    write(w, out).await?;
+    if delete {
+        // the exchange is gone (the client was allowed to delete it): what is left of its
+        // pair only costs queues, so a failure here is logged, and the client gets its
+        // delete-ok all the same
+        if let Err(e) = registry.end(&p.exchange).await {
+            tracing::error!(exchange = %p.exchange, "ending a deleted delayed exchange's pair: {}", amqp_delay::error::chain(&e));
+        }
+    } else if let Err(e) = registry.ensure(&p.exchange).await {
+        let text = format!(
+            "delay-proxy could not register delayed exchange '{}': {}",
+            p.exchange,
+            amqp_delay::error::chain(&e)
+        );
+        tracing::error!("{text}");
+        out.extend_from_slice(&rewrite::close_connection(INTERNAL_ERROR, &text)?);
+        write(w, out).await?;
+        return Err(text);
+    }
+    if !p.nowait {
+        out.extend_from_slice(bytes);
+    }
+    let _ = p.done.send(());
+    Ok(())
+}
+
+/// Reads more from the broker (false at its end); the first time `closing` turns true while
+/// it waits, sends the client the proxy's `connection.close` 320 (between two frames: what
+/// was read is all forwarded), as a broker that shuts down does.
+async fn read_or_close<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+    rd: &mut Frames<R>,
+    w: &mut W,
+    shared: &Shared,
+    epoch: tokio::time::Instant,
+    closing: &mut watch::Receiver<bool>,
+    told: &mut bool,
+) -> Result<bool, String> {
+    loop {
+        tokio::select! {
+            // cancel-safe: what it read stays in the buffer
+            r = rd.read_more(shared, epoch) => return r,
+            _ = async { closing.wait_for(|c| *c).await.is_ok() }, if !*told => {
+                *told = true;
+                if !shared.opened.load(Ordering::Acquire) {
+                    return Err("delay-proxy is shutting down".into());
+                }
+                shared.closing.store(true, Ordering::Release);
+                let text = "CONNECTION_FORCED - delay-proxy is shutting down";
+                let mut bye = rewrite::close_connection(CONNECTION_FORCED, text)?;
+                write(w, &mut bye).await?;
+            }
         }
     }
 }
