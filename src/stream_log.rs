@@ -22,13 +22,19 @@
 //!
 //! A [`Reader`] holds a lapin consumer on a channel of its own and ends the consumer before
 //! closing the channel (`broker::end_consumer`), also when it is dropped.
+//!
+//! A record that grows past `frame_max` on delivery cannot be received at all: it ends the
+//! reader's connection. After a frame error a process's readers of that stream read one
+//! record at a time until they know which offset it is, then go on past it ([`poison`]).
+
+mod poison;
 
 use std::marker::PhantomData;
 use std::time::Duration;
 
 use futures::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
@@ -324,7 +330,13 @@ impl<R: LogRecord> StreamLog<R> {
 
     /// Where the stream ends now: the offset of the first record of its last chunk, read by a
     /// probe consumer. `None` when it holds nothing (or nothing came in time).
+    /// After a frame error on this stream the probe is not made (it could meet the record
+    /// that caused it): the end is the last offset this process's careful readers saw.
     pub(crate) async fn end_offset(&self, conn: &Connection) -> Result<Option<u64>> {
+        let known = poison::of(&self.name);
+        if known.careful {
+            return Ok(known.seen_end);
+        }
         let mut probe = self.open(conn, broker::long_string("last"), 1).await?;
         let end = match tokio::time::timeout(PROBE_TIMEOUT, probe.next()).await {
             Ok(Some(Ok(read))) => read.offset,
@@ -344,28 +356,24 @@ impl<R: LogRecord> StreamLog<R> {
         self.open(conn, from, READ_PREFETCH).await
     }
 
+    /// A reader from `from`; one record at a time, past the offsets known to be
+    /// unreceivable, when a record of this stream once ended a connection ([`poison`]).
     async fn open(&self, conn: &Connection, from: AMQPValue, prefetch: u16) -> Result<Reader<R>> {
-        let stream = self.name.as_str();
+        let known = poison::of(&self.name);
+        let (from, awaiting) = match from {
+            AMQPValue::LongLongInt(o) if known.careful && o >= 0 => {
+                let o = known.next_readable(o.unsigned_abs());
+                (offset_value(o), Some(o))
+            }
+            other => (other, None),
+        };
+        let prefetch = if known.careful { 1 } else { prefetch };
         let ch = broker::open(conn).await?;
         let consumer = async {
             ch.basic_qos(prefetch, BasicQosOptions::default())
                 .await
-                .context(|| format!("setting the prefetch of a reader of '{stream}'"))?;
-            let mut args = FieldTable::default();
-            args.insert("x-stream-offset".into(), from);
-            let options = BasicConsumeOptions::default();
-            ch.basic_consume(stream.into(), "".into(), options, args)
-                .await
-                .map_err(|e| {
-                    if broker::is_reply(&e, broker::NOT_FOUND) {
-                        self.missing()
-                    } else {
-                        Error::Amqp {
-                            context: format!("reading '{stream}'"),
-                            source: e,
-                        }
-                    }
-                })
+                .context(|| format!("setting the prefetch of a reader of '{}'", self.name))?;
+            self.consume(&ch, from).await
         }
         .await;
         match consumer {
@@ -375,6 +383,10 @@ impl<R: LogRecord> StreamLog<R> {
                 kind: self.kind,
                 max_record_bytes: self.max_record_bytes,
                 credit: Credit::default(),
+                careful: known.careful,
+                awaiting,
+                last: None,
+                skip_to: None,
                 records: PhantomData,
             }),
             Err(e) => {
@@ -382,6 +394,16 @@ impl<R: LogRecord> StreamLog<R> {
                 Err(e)
             }
         }
+    }
+
+    /// A consumer of the stream on `ch` from `from`.
+    async fn consume(&self, ch: &Channel, from: AMQPValue) -> Result<lapin::Consumer> {
+        consume(ch, &self.name, from).await.map_err(|e| match e {
+            Error::Amqp { source, .. } if broker::is_reply(&source, broker::NOT_FOUND) => {
+                self.missing()
+            }
+            e => e,
+        })
     }
 
     /// The start-up read: the stream up to the barrier `nonce` (appended by the caller) into
@@ -431,6 +453,15 @@ pub(crate) struct Reader<R> {
     kind: &'static str,
     max_record_bytes: usize,
     credit: Credit,
+    /// One record at a time, each acked as it is taken ([`poison`]).
+    careful: bool,
+    /// The offset a careful reader waits for, when it knows it.
+    awaiting: Option<u64>,
+    /// The highest offset it took.
+    last: Option<u64>,
+    /// A careful reader took the record before a poisoned one: it goes on from this offset
+    /// on a new consumer before it reads again.
+    skip_to: Option<u64>,
     records: PhantomData<fn() -> R>,
 }
 
@@ -438,12 +469,20 @@ impl<R: LogRecord> Reader<R> {
     /// The next record, with its offset and writer (a record longer than any of ours is
     /// skipped undecoded, see [`skipped`]). `None` when the broker ended the consumer.
     pub(crate) async fn next(&mut self) -> Option<Result<Read<R>>> {
+        if let Some(to) = self.skip_to.take()
+            && let Err(e) = self.skip(to).await
+        {
+            return Some(Err(e));
+        }
         let (_, consumer) = self.open.as_mut()?;
         let d = match self.credit.next(consumer).await? {
             Ok(d) => d,
             Err(source) => {
+                if broker::is_reply(&source, broker::FRAME_ERROR) {
+                    self.frame_error();
+                }
                 return Some(Err(Error::Amqp {
-                    context: format!("reading '{}'", self.stream),
+                    context: format!("{READING}{}'", self.stream),
                     source,
                 }));
             }
@@ -451,8 +490,85 @@ impl<R: LogRecord> Reader<R> {
         let offset = broker::stream_offset(&d);
         let record = decode(&d.data, self.max_record_bytes, self.kind);
         let by = d.properties.user_id().as_ref().map(|u| u.to_string());
-        self.credit.read(d.acker).await;
+        self.last = self.last.max(offset);
+        if self.careful {
+            self.took(d.acker, offset).await;
+        } else {
+            self.credit.read(d.acker).await;
+        }
         Some(Ok(Read { offset, by, record }))
+    }
+
+    /// What a frame error on this reader's connection teaches ([`poison`]).
+    fn frame_error(&self) {
+        let (careful, awaiting, last) = (self.careful, self.awaiting, self.last);
+        let learnt = poison::update(&self.stream, |p| {
+            // where the careful readers start: near the end, not at the stream's first record
+            if let Some(o) = last {
+                p.delivered(o);
+            }
+            p.frame_error(careful, awaiting)
+        });
+        match learnt {
+            poison::Learnt::Careful => tracing::warn!(
+                stream = %self.stream,
+                "a record of the stream is larger than the connection's frame_max and cannot be received; reading it one record at a time to find it and go on past it"
+            ),
+            poison::Learnt::Suspect(o, n) => tracing::warn!(
+                stream = %self.stream,
+                offset = o,
+                frame_errors = n,
+                "the record at this offset may be the one over frame_max"
+            ),
+            poison::Learnt::Poisoned(o) => skipped(
+                self.kind,
+                "over_frame_max",
+                &format!(
+                    "the record at offset {o} is larger than frame_max on delivery; reading on from the next"
+                ),
+            ),
+            poison::Learnt::Nothing => {}
+        }
+    }
+
+    /// A careful reader took the record at `offset`: acks it (the next one is sent), unless
+    /// the next one is poisoned (then nothing more is sent, and it goes on past it).
+    async fn took(&mut self, acker: lapin::Acker, offset: Option<u64>) {
+        let Some(o) = offset else {
+            self.awaiting = None;
+            let _ = acker.ack(BasicAckOptions::default()).await;
+            return;
+        };
+        let next = o.saturating_add(1);
+        let (poisoned, readable) = poison::update(&self.stream, |p| {
+            p.delivered(o);
+            (p.is_poisoned(next), p.next_readable(next))
+        });
+        self.awaiting = Some(readable);
+        if poisoned {
+            self.skip_to = Some(readable);
+        } else {
+            let _ = acker.ack(BasicAckOptions::default()).await;
+        }
+    }
+
+    /// Ends the consumer (the record it was not given credit for stays on the broker) and
+    /// consumes again from `to` on the same channel.
+    async fn skip(&mut self, to: u64) -> Result<()> {
+        let Some((ch, consumer)) = self.open.as_mut() else {
+            return Ok(());
+        };
+        let stream = self.stream.as_str();
+        ch.basic_cancel(consumer.tag(), BasicCancelOptions::default())
+            .await
+            .context(|| format!("reading '{stream}' past an unreceivable record"))?;
+        *consumer = consume(ch, stream, offset_value(to)).await?;
+        tracing::info!(
+            stream,
+            offset = to,
+            "reading on past a record over frame_max"
+        );
+        Ok(())
     }
 
     /// Reads until the barrier `nonce`, giving every record before it to `each`. Returns the
@@ -486,6 +602,35 @@ impl<R: LogRecord> Reader<R> {
         }
     }
 }
+
+/// A consumer of the stream `stream` on `ch` from `from` (an `x-stream-offset` value).
+async fn consume(ch: &Channel, stream: &str, from: AMQPValue) -> Result<lapin::Consumer> {
+    let mut args = FieldTable::default();
+    args.insert("x-stream-offset".into(), from);
+    ch.basic_consume(
+        stream.into(),
+        "".into(),
+        BasicConsumeOptions::default(),
+        args,
+    )
+    .await
+    .context(|| format!("reading '{stream}'"))
+}
+
+/// `offset` as an `x-stream-offset` value.
+fn offset_value(offset: u64) -> AMQPValue {
+    AMQPValue::LongLongInt(i64::try_from(offset).unwrap_or(i64::MAX))
+}
+
+/// Whether `e` is a stream reader's frame error: a record of a stream grew past `frame_max`
+/// (its readers find it and read on past it, see [`poison`]), not a queue's message.
+pub(crate) fn is_record_over_frame_max(e: &Error) -> bool {
+    matches!(e, Error::Amqp { context, source }
+        if context.starts_with(READING) && broker::is_reply(source, broker::FRAME_ERROR))
+}
+
+/// How a reader's errors begin.
+const READING: &str = "reading '";
 
 /// A record's body decoded, unless it is longer than `max_bytes` (skipped undecoded: decoding
 /// it would cost a multiple of its size) or not a record of ours.

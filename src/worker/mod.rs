@@ -251,7 +251,9 @@ impl<H: Handler> Worker<H> {
                 }
                 Err(e) => Ok(SessionEnd::Lost(e)),
             };
-            careful = matches!(&outcome, Ok(SessionEnd::Lost(e)) if is_frame_error(e));
+            // a stream's record over frame_max is found and passed by its reader
+            careful = matches!(&outcome, Ok(SessionEnd::Lost(e))
+                if is_frame_error(e) && !crate::stream_log::is_record_over_frame_max(e));
             stall_after = match &outcome {
                 Ok(SessionEnd::Lost(Error::ConsumerStalled { .. })) => {
                     (stall_after * 2).min(STALL_AFTER_MAX)

@@ -164,3 +164,78 @@ async fn a_batch_announcing_more_members_than_a_batch_holds_is_refused() {
     broker::close(&ch, "ok").await;
     env.cleanup().await;
 }
+
+/// A record appended to `stream` whose header frame just fits `frame_max` (131 072) when
+/// appended and is over it on delivery, when the broker adds `x-stream-offset`.
+async fn append_over_frame_max(env: &Env, stream: &str) {
+    use lapin::types::{AMQPValue, FieldTable, LongString};
+    let ch = env.conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    // 620 headers of 200 B and a pad: a 131 065-byte header frame as appended, 131 092 bytes
+    // as delivered (measured on RabbitMQ 3.10.8)
+    let mut headers = FieldTable::default();
+    for i in 0..620 {
+        headers.insert(
+            format!("h{i:03}").into(),
+            AMQPValue::LongString(LongString::from("x".repeat(200))),
+        );
+    }
+    headers.insert(
+        "pad".into(),
+        AMQPValue::LongString(LongString::from("x".repeat(825))),
+    );
+    let confirm = ch
+        .basic_publish(
+            "".into(),
+            stream.into(),
+            Default::default(),
+            br#"{"type":"cancel","id":"poison","until_ms":1}"#,
+            BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_user_id("guest".into())
+                .with_headers(headers),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack());
+    let _ = ch.close(200, "ok".into()).await;
+}
+
+/// A record over `frame_max` on delivery ends the connection of whoever reads it (lapin:
+/// FRAME_ERROR). Appended to the control stream by anyone allowed to cancel, it kept every
+/// worker from starting for as long as the stream kept it: each session's start-up read met
+/// it again. Now the worker finds its offset, reads on past it, and honours the cancels
+/// written before and after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_record_over_frame_max_stops_no_worker_and_hides_no_cancel() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("stream-poison").await;
+    let layout = env.layout();
+    let p = env.publisher().await;
+    p.cancel("before", None).await.unwrap();
+    append_over_frame_max(&env, &layout.control_stream()).await;
+    p.cancel("after", None).await.unwrap();
+    for id in ["before", "after", "keep"] {
+        p.schedule(Message::new(q.clone(), 1_000, id).with_id(id))
+            .await
+            .unwrap();
+    }
+    let h = crate::worker::Scripted::new(|_| amqp_delay::Outcome::Success);
+    let log = h.log.clone();
+    let (stop, run) = crate::worker::spawn_worker(&env, &q, h, crate::worker::retry(100, 2.0, 3));
+    let ran = wait_until(Duration::from_secs(60), || !log.lock().unwrap().is_empty()).await;
+    // the cancelled ones are due with "keep": a little longer for them to show up if they ran
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    let ids: Vec<String> = log.lock().unwrap().iter().map(|r| r.0.clone()).collect();
+    assert!(
+        ran,
+        "the worker ran nothing in 60 s behind the record over frame_max"
+    );
+    assert_eq!(ids, ["keep"], "only the message not cancelled runs");
+    p.close().await;
+    env.cleanup().await;
+}
