@@ -30,7 +30,7 @@
 mod poison;
 
 use std::marker::PhantomData;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use lapin::options::{
@@ -56,6 +56,11 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// several times slower (RabbitMQ 3.10, a scratch reader).
 const READ_PREFETCH: u16 = 2_000;
 const ACK_EVERY: u64 = 500;
+/// How soon after a careful reader asks for a record a frame error counts against that
+/// record ([`poison`]): one that exists is sent at once (well within this on a loaded
+/// 2-core machine); an error later came from something else on the connection, or from a
+/// record appended meanwhile, which the next start-up read meets at once.
+const SUSPECT_WITHIN: Duration = Duration::from_secs(1);
 
 /// The records of one stream (a serde enum, JSON on the wire), with a barrier among them.
 pub(crate) trait LogRecord: Serialize + DeserializeOwned {
@@ -360,10 +365,18 @@ impl<R: LogRecord> StreamLog<R> {
     /// unreceivable, when a record of this stream once ended a connection ([`poison`]).
     async fn open(&self, conn: &Connection, from: AMQPValue, prefetch: u16) -> Result<Reader<R>> {
         let known = poison::of(&self.name);
+        // a careful reader knows which offset it waits for: "first" is offset 0 (the broker
+        // starts at the first it holds)
+        let from = match from {
+            AMQPValue::LongString(s) if known.careful && s.as_bytes() == b"first" => {
+                AMQPValue::LongLongInt(0)
+            }
+            other => other,
+        };
         let (from, awaiting) = match from {
             AMQPValue::LongLongInt(o) if known.careful && o >= 0 => {
                 let o = known.next_readable(o.unsigned_abs());
-                (offset_value(o), Some(o))
+                (offset_value(o), Some((o, Instant::now())))
             }
             other => (other, None),
         };
@@ -455,8 +468,9 @@ pub(crate) struct Reader<R> {
     credit: Credit,
     /// One record at a time, each acked as it is taken ([`poison`]).
     careful: bool,
-    /// The offset a careful reader waits for, when it knows it.
-    awaiting: Option<u64>,
+    /// The offset a careful reader waits for, when it knows it, and since when: a record
+    /// that exists comes at once, so a frame error long after is not laid at its door.
+    awaiting: Option<(u64, Instant)>,
     /// The highest offset it took.
     last: Option<u64>,
     /// A careful reader took the record before a poisoned one: it goes on from this offset
@@ -501,7 +515,11 @@ impl<R: LogRecord> Reader<R> {
 
     /// What a frame error on this reader's connection teaches ([`poison`]).
     fn frame_error(&self) {
-        let (careful, awaiting, last) = (self.careful, self.awaiting, self.last);
+        let awaiting = self
+            .awaiting
+            .filter(|(_, since)| since.elapsed() < SUSPECT_WITHIN)
+            .map(|(o, _)| o);
+        let (careful, last) = (self.careful, self.last);
         let learnt = poison::update(&self.stream, |p| {
             // where the careful readers start: near the end, not at the stream's first record
             if let Some(o) = last {
@@ -512,13 +530,13 @@ impl<R: LogRecord> Reader<R> {
         match learnt {
             poison::Learnt::Careful => tracing::warn!(
                 stream = %self.stream,
-                "a record of the stream is larger than the connection's frame_max and cannot be received; reading it one record at a time to find it and go on past it"
+                "a frame over frame_max ended the connection while reading the stream (a record of it, or a message to another consumer of the connection); its readers now read one record at a time, to find such a record and read on past it"
             ),
-            poison::Learnt::Suspect(o, n) => tracing::warn!(
+            poison::Learnt::Suspect(o, n) => tracing::debug!(
                 stream = %self.stream,
                 offset = o,
                 frame_errors = n,
-                "the record at this offset may be the one over frame_max"
+                "a frame error while waiting for the record at this offset"
             ),
             poison::Learnt::Poisoned(o) => skipped(
                 self.kind,
@@ -544,7 +562,7 @@ impl<R: LogRecord> Reader<R> {
             p.delivered(o);
             (p.is_poisoned(next), p.next_readable(next))
         });
-        self.awaiting = Some(readable);
+        self.awaiting = Some((readable, Instant::now()));
         if poisoned {
             self.skip_to = Some(readable);
         } else {
@@ -563,6 +581,7 @@ impl<R: LogRecord> Reader<R> {
             .await
             .context(|| format!("reading '{stream}' past an unreceivable record"))?;
         *consumer = consume(ch, stream, offset_value(to)).await?;
+        self.awaiting = Some((to, Instant::now()));
         tracing::info!(
             stream,
             offset = to,

@@ -11,14 +11,18 @@
 //! * A frame error while reading a stream makes its readers in this process **careful**:
 //!   prefetch 1, each record acked as it is taken, so that at most one record, the one after
 //!   the last taken, is ever on its way.
-//! * A frame error while a careful reader waits for offset `o` names `o` a **suspect**. The
-//!   connection may have been ended by another consumer on it, so one error proves nothing; a
-//!   suspect that is delivered after all is cleared.
+//! * A frame error while a careful reader waits for offset `o`, asked for less than a second
+//!   before (a record that exists is sent at once), names `o` a **suspect**. The connection
+//!   may have been ended by another consumer on it, so one error proves nothing; a suspect
+//!   that is delivered after all is cleared.
 //! * The second frame error on the same suspect, with no delivery of it in between, makes it
 //!   **poisoned**: readers stop just before it and go on from the next offset.
 //!
 //! Each poisoned record costs a process three lost connections, once. What it learns is
-//! bounded ([`MAX_STREAMS`], [`MAX_POISONED`]).
+//! bounded ([`MAX_STREAMS`], [`MAX_POISONED`]). Not found: a poisoned record that is the first
+//! a reader gets when it opens at a time (the ledger's window) or at the first record of a
+//! stream whose start retention removed (it opens at 0 and gets a later offset first); such a
+//! reader keeps losing its connection there until retention removes the record.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Mutex, OnceLock};

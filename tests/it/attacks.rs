@@ -239,3 +239,42 @@ async fn a_control_record_over_frame_max_stops_no_worker_and_hides_no_cancel() {
     p.close().await;
     env.cleanup().await;
 }
+
+/// The same record met by one-shot reads of the whole control stream (`teardown`, the
+/// proxy's registry, a gateway's pairs), each on a connection of its own as a process that
+/// reconnects makes them: the first three lose their connection on it, then the reads go on
+/// past it, to the pair registered after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_of_the_control_stream_go_on_past_a_record_over_frame_max() {
+    use amqp_delay::control::{self, Record};
+    let env = Env::new(small_topology()).await;
+    let layout = env.layout();
+    append_over_frame_max(&env, &layout.control_stream()).await;
+    let pair = Record::GatewayPair {
+        ingress: format!("{}.after-poison", env.settings.prefix),
+        target: "amq.direct".into(),
+    };
+    control::append(&env.conn, &layout, &pair).await.unwrap();
+    let connector = amqp_delay::connection::Connector::new(&env.settings).unwrap();
+    let mut lost = Vec::new();
+    let mut read = None;
+    for _ in 0..6 {
+        let conn = connector.connect("poison reader").await.unwrap();
+        match control::read_all(&conn, &layout, &Default::default()).await {
+            Ok(records) => {
+                read = Some(records);
+                broker::close_connection(&conn, "bye").await;
+                break;
+            }
+            Err(e) => lost.push(amqp_delay::error::chain(&e)),
+        }
+    }
+    let records = read.unwrap_or_else(|| panic!("no read got past the record: {lost:#?}"));
+    assert!(records.contains(&pair), "{records:?}");
+    assert_eq!(lost.len(), 3, "connections lost on the record: {lost:#?}");
+    assert!(
+        lost.iter().all(|e| e.contains("frame too large")),
+        "{lost:#?}"
+    );
+    env.cleanup().await;
+}
