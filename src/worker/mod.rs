@@ -146,6 +146,10 @@ enum SessionEnd {
 
 /// How long a worker consumes one message at a time after a message too large to receive.
 const CAREFUL_FOR: Duration = Duration::from_secs(30);
+/// Frame errors in a row after which the worker reconnects at once: the broker is fine, a
+/// message is too large, and each return brings it nearer its queue's delivery limit (20 on
+/// RabbitMQ 4.x). Past them, the usual backoff (something else is wrong).
+const FAST_RECONNECTS: u32 = 25;
 
 /// How long a session may go without progress while it starts consuming (channels, the control
 /// stream, consumers) before the worker gives up on the connection and makes a new one. A
@@ -228,6 +232,7 @@ impl<H: Handler> Worker<H> {
         // redelivered (and counted against the queue's delivery limit, which parks it)
         let mut careful = false;
         let mut stall_after = STALL_AFTER;
+        let mut frame_errors = 0u32;
         loop {
             let conn = tokio::select! {
                 c = connector.connect(&conn_name) => c,
@@ -260,10 +265,15 @@ impl<H: Handler> Worker<H> {
                 }
                 _ => STALL_AFTER,
             };
-            if careful {
+            frame_errors = if careful { frame_errors + 1 } else { 0 };
+            if frame_errors == 1 {
                 warn_careful();
             }
-            let pause = backoff.next_pause();
+            let pause = if careful && frame_errors <= FAST_RECONNECTS {
+                Duration::ZERO
+            } else {
+                backoff.next_pause()
+            };
             match outcome {
                 Ok(SessionEnd::Stopped) => return Ok(()),
                 Ok(SessionEnd::Careful) => {
