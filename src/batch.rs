@@ -164,9 +164,11 @@ pub fn decode_bounded(
 
 /// The members of a batch body, decoded one at a time as the iterator is advanced (so a caller
 /// may run them as a bounded stream), after the same checks as [`decode_bounded`] (without
-/// `announced`, only the maximum): the body's framing is walked once, without allocating,
-/// before the first member is decoded. A member whose properties do not parse is an `Err`
-/// item.
+/// `announced`, only the maximum): the whole body is walked once before the first member is
+/// decoded — its framing, and every member's properties parsed and dropped — so a batch with
+/// one bad member is refused whole, before anything of it runs, and holds no more than one
+/// decoded member per step of the iterator. (An `Err` item cannot follow a successful walk; it
+/// is kept for the type.)
 pub fn members(
     body: &[u8],
     announced: Option<u64>,
@@ -214,9 +216,12 @@ fn frame(body: &[u8]) -> Result<(usize, &[u8]), String> {
     Ok((count, input))
 }
 
-/// Walks `count` member frames (two lengths and what they say each) without decoding or
-/// allocating anything: they must end exactly where the body does.
-fn check_frames(mut input: &[u8], count: usize) -> Result<(), String> {
+/// Walks `count` member frames (two lengths and what they say each): they must end exactly
+/// where the body does. The framing is walked first, without allocating anything, so a count
+/// or a length that lies costs no parsing; then each member's properties are parsed (and
+/// dropped: one member's at a time).
+fn check_frames(frames: &[u8], count: usize) -> Result<(), String> {
+    let mut input = frames;
     for _ in 0..count {
         let plen = take_u32(&mut input, "a properties length")?;
         take(&mut input, plen, "member properties")?;
@@ -226,18 +231,29 @@ fn check_frames(mut input: &[u8], count: usize) -> Result<(), String> {
     if !input.is_empty() {
         return Err(format!("{} bytes after the last member", input.len()));
     }
+    let mut input = frames;
+    for i in 0..count {
+        let plen = take_u32(&mut input, "a properties length")?;
+        properties_of(take(&mut input, plen, "member properties")?, i)?;
+        let blen = take_u32(&mut input, "a body length")?;
+        take(&mut input, blen, "a member body")?;
+    }
     Ok(())
+}
+
+/// Member `i`'s properties, from their encoded bytes.
+fn properties_of(raw: &[u8], i: usize) -> Result<BasicProperties, String> {
+    match parse_properties(raw) {
+        Ok((&[], p)) => Ok(p),
+        Ok(_) => Err(format!("member {i}: properties have trailing bytes")),
+        Err(e) => Err(format!("member {i}: properties do not parse: {e}")),
+    }
 }
 
 /// Member `i`, decoded from the front of `input` (whose framing was checked).
 fn member_at(input: &mut &[u8], i: usize) -> Result<Member, String> {
     let plen = take_u32(input, "a properties length")?;
-    let praw = take(input, plen, "member properties")?;
-    let properties = match parse_properties(praw) {
-        Ok((&[], p)) => p,
-        Ok(_) => return Err(format!("member {i}: properties have trailing bytes")),
-        Err(e) => return Err(format!("member {i}: properties do not parse: {e}")),
-    };
+    let properties = properties_of(take(input, plen, "member properties")?, i)?;
     let blen = take_u32(input, "a body length")?;
     let body = take(input, blen, "a member body")?.to_vec();
     Ok(Member { properties, body })
@@ -479,6 +495,25 @@ mod tests {
         assert_eq!(announced_count(&BasicProperties::default()), 1);
     }
 
+    /// A batch read as a stream is refused whole when any member's properties do not parse,
+    /// before the first member is given out: nothing of it runs.
+    #[test]
+    fn a_batch_with_one_unreadable_member_is_refused_before_the_first_is_given_out() {
+        let good = encode_properties(&BasicProperties::default());
+        let bad = [0xFFu8, 0xFF, 0x01];
+        let body = encode_parts(
+            [
+                (good.as_slice(), b"a".as_slice()),
+                (good.as_slice(), b"b".as_slice()),
+                (bad.as_slice(), b"c".as_slice()),
+            ]
+            .into_iter(),
+        );
+        let e = super::members(&body, Some(3), 3).err().expect("refused");
+        assert!(e.contains("member 2"), "{e}");
+        assert!(decode(&body).is_err());
+    }
+
     /// Attack 7 of issue 23: a 3 MB body announcing 300 000 ten-byte members (its header says
     /// 300 000 as well) is refused by its count alone, before anything per member.
     #[test]
@@ -509,6 +544,10 @@ mod tests {
             if let Some((at, b)) = flip {
                 let at = at % body.len();
                 body[at] = b;
+            }
+            if let Ok(mut stream) = super::members(&body, None, 16) {
+                // a walk that passed leaves no member to fail
+                prop_assert!(stream.all(|m| m.is_ok()));
             }
             if let Ok(m) = decode_bounded(&body, announced, max) {
                 prop_assert_eq!(m.len() as u64, announced);

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use rand::Rng;
 use tokio::sync::Semaphore;
@@ -15,7 +16,7 @@ use super::{Context, Counters, Event, Handler, Outcome};
 use crate::batch;
 use crate::cancel::Cancellations;
 use crate::envelope::{self, Delivery};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::headers;
 use crate::layout::Layout;
 use crate::message::Message;
@@ -176,12 +177,13 @@ async fn batch_delivery<H: Handler>(
     // the count must be the header's and within what a publisher of ours sends, checked
     // before anything is allocated per member: a forged batch cannot blow up the worker
     let announced = batch::announced_count(&raw.properties);
-    let members = match batch::decode_bounded(&raw.data, announced, ctx.batch_max_members) {
+    let members = match batch::members(&raw.data, Some(announced), ctx.batch_max_members) {
         Ok(m) => m,
         Err(reason) => {
+            // copied (the members' reader borrows the body): only an unreadable batch is
             let (d, _) = envelope::decode(
                 queue,
-                raw.data,
+                raw.data.clone(),
                 raw.properties,
                 raw.routing_key.as_str(),
                 raw.exchange.as_str(),
@@ -201,9 +203,19 @@ async fn batch_delivery<H: Handler>(
         .map(|s| s.to_string())
         .unwrap_or_default();
     let (key, exchange) = (raw.routing_key.as_str(), raw.exchange.as_str());
-    tracing::debug!(queue, batch = %batch_id, redelivered, members = members.len(), "batch received");
+    tracing::debug!(queue, batch = %batch_id, redelivered, members = announced, "batch received");
     let batch_props = &raw.properties;
-    let runs = members.into_iter().map(|m| async move {
+    // members are decoded as they are started, a window of them at a time (as many as the
+    // handlers that may run at once): a batch in hand costs its body and the window, whatever
+    // its size. They come in due-time order, so the window holds the next ones due.
+    let window = if handler.io_bound() {
+        ctx.settings.io_concurrency
+    } else {
+        ctx.settings.concurrency
+    };
+    let runs = futures::stream::iter(members).map(|m| async move {
+        // the whole batch was parsed before the first member was given out
+        let m = m.map_err(|reason| Error::Invalid(format!("invalid batch: {reason}")))?;
         let owner = owner_of(&m.properties, Some(batch_props), ctx);
         let props = member_properties(m.properties, batch_props);
         let mut decoded = envelope::decode(queue, m.body, props, key, exchange, redelivered);
@@ -217,12 +229,19 @@ async fn batch_delivery<H: Handler>(
             Err(e) => Err(e),
         }
     });
-    let results = futures::future::join_all(runs).await;
-    let r = results
-        .into_iter()
-        .find_map(|r| r.err())
-        .map_or(Ok(()), Err);
-    settle(acker, queue, &batch_id, r, requeue).await;
+    // every member runs to its end, whatever another's result: the first error decides
+    let first_error = runs
+        .buffer_unordered(window.max(1))
+        .fold(None, |first, r| std::future::ready(first.or(r.err())))
+        .await;
+    settle(
+        acker,
+        queue,
+        &batch_id,
+        first_error.map_or(Ok(()), Err),
+        requeue,
+    )
+    .await;
 }
 
 /// What `settle` needs to return a message it could not settle.
