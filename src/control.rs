@@ -171,6 +171,15 @@ pub async fn read_all(
     read.map(|_| named.out)
 }
 
+/// Whether a read of the control or the ledger stream ([`read_all`], [`crate::ledger::count`])
+/// failed because the broker delivered a record longer than the connection's `frame_max`
+/// (anyone who may append to the stream can write one): the connection is lost. Reading again
+/// on a new connection, in the same process, gets past it — the process remembers the record's
+/// offset and skips it after a few tries (two or three lost connections per such record).
+pub fn is_record_over_frame_max(e: &crate::Error) -> bool {
+    crate::stream_log::is_record_over_frame_max(e)
+}
+
 impl Record {
     /// A record naming objects of the topology (a gateway pair, its end, a batch marker): only
     /// trusted writers' count ([`Trust::may_compact`]).

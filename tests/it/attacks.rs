@@ -203,6 +203,42 @@ async fn append_over_frame_max(env: &Env, stream: &str) {
     let _ = ch.close(200, "ok".into()).await;
 }
 
+/// One-shot commands meet records over `frame_max` in the ledger and the control stream:
+/// `stats` and `teardown` each read on past them, on new connections, within one run (each
+/// run of a one-shot command failed on them before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_and_teardown_read_past_records_over_frame_max() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("oneshot").await;
+    let layout = env.layout();
+    let cfg = env.write_config("");
+    let (code, _, err) = publisher_cli(
+        &cfg,
+        &["send", "--queue", &q, "--delay", "1s", "--body", "x"],
+    )
+    .await;
+    assert_eq!(code, Some(0), "send: {err}");
+    append_over_frame_max(&env, &layout.ledger_stream()).await;
+    append_over_frame_max(&env, &layout.control_stream()).await;
+    let (code, out, err) = publisher_cli(&cfg, &["stats", "--summary", "--json"]).await;
+    assert_eq!(code, Some(0), "stats: {out}\n{err}");
+    assert!(err.contains("reading again on a new connection"), "{err}");
+    let summary: serde_json::Value = serde_json::from_str(out.trim()).expect("JSON");
+    assert!(summary["messages_error"].is_null(), "{summary}");
+    assert!(!summary["messages"].is_null(), "{summary}");
+    let (code, out, err) = publisher_cli(&cfg, &["teardown", "--force"]).await;
+    assert_eq!(code, Some(0), "teardown: {out}\n{err}");
+    assert!(err.contains("reading again on a new connection"), "{err}");
+    assert!(
+        broker::queue_state(&env.conn, &layout.control_stream())
+            .await
+            .unwrap()
+            .is_none(),
+        "the control stream is left"
+    );
+    env.cleanup().await;
+}
+
 /// A record over `frame_max` on delivery ends the connection of whoever reads it (lapin:
 /// FRAME_ERROR). Appended to the control stream by anyone allowed to cancel, it kept every
 /// worker from starting for as long as the stream kept it: each session's start-up read met

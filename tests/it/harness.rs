@@ -478,3 +478,20 @@ where
     }
     cond().await
 }
+
+/// Runs `delay-publisher` with this test's config; returns (exit code, stdout, stderr).
+pub async fn publisher_cli(cfg: &std::path::Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .arg("--config")
+        .arg(cfg)
+        .args(args)
+        .env("AMQP_URL", broker_url())
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

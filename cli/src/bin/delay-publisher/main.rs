@@ -8,6 +8,7 @@ mod topology;
 
 use amqp_delay::Error;
 use amqp_delay::connection::Connector;
+use amqp_delay::control;
 use amqp_delay::gateway::Gateway;
 use amqp_delay::settings::{GatewaySettings, Settings};
 use amqp_delay_cli::cli::{self, EXIT_USAGE};
@@ -46,16 +47,38 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
     }
 }
 
-/// Connects as `name`, runs `f` on the connection and closes it, whatever `f` returned.
+/// How many times [`connected`] runs its work when a stream read keeps losing the connection
+/// on records over `frame_max`: each such record costs two or three connections before the
+/// process reads past it, so this gets past five of them in one stream.
+const STREAM_TRIES: u32 = 16;
+
+/// Connects as `name`, runs `f` on the connection and closes it, whatever `f` returned. When
+/// `f` failed reading one of our streams on a record over `frame_max` (which whoever may
+/// append to the stream can write), it runs again on a new connection, up to
+/// [`STREAM_TRIES`] times: the process learns the record and reads past it.
 async fn connected<T>(
     settings: &Settings,
     name: &str,
-    f: impl AsyncFnOnce(&lapin::Connection) -> amqp_delay::Result<T>,
+    f: impl AsyncFn(&lapin::Connection) -> amqp_delay::Result<T>,
 ) -> amqp_delay::Result<T> {
-    let conn = Connector::new(settings)?.connect(name).await?;
-    let r = f(&conn).await;
-    amqp_delay::broker::close_connection(&conn, "bye").await;
-    r
+    let connector = Connector::new(settings)?;
+    let mut tries = 1;
+    loop {
+        let conn = connector.connect(name).await?;
+        let r = f(&conn).await;
+        amqp_delay::broker::close_connection(&conn, "bye").await;
+        match r {
+            Err(e) if control::is_record_over_frame_max(&e) && tries < STREAM_TRIES => {
+                tracing::warn!(
+                    tries,
+                    "{}; reading again on a new connection",
+                    amqp_delay::error::chain(&e)
+                );
+                tries += 1;
+            }
+            r => return r,
+        }
+    }
 }
 
 /// `plan`: the route a delay takes, as JSON.

@@ -86,11 +86,20 @@ pub(crate) async fn stats(
         let stats = Topology::new(layout.clone())
             .stats_with(conn, management.as_ref())
             .await;
-        // messages rather than broker messages: a failure to count is said, not fatal
+        // messages rather than broker messages: a failure to count is said, not fatal (but a
+        // record over frame_max is read past, on a new connection)
         let counted = match &stats {
             Ok(_) => amqp_delay::ledger::count(conn, &layout, &settings.trust).await,
             Err(_) => Ok(None),
         };
+        for e in [stats.as_ref().err(), counted.as_ref().err()]
+            .into_iter()
+            .flatten()
+        {
+            if amqp_delay::control::is_record_over_frame_max(e) {
+                return Err(e.clone());
+            }
+        }
         Ok((stats, counted))
     })
     .await?;
