@@ -12,12 +12,18 @@ use amqp_delay::time::{DurationMs, now_ms};
 use amqp_delay::{Message, broker};
 use lapin::BasicProperties;
 use lapin::options::BasicGetOptions;
+use lapin::types::FieldTable;
 
 use crate::harness::*;
 
 /// Publishes raw `bodies` to the stream `stream` through the default exchange (what the
 /// documented publisher role may write), confirmed.
 async fn append_raw(env: &Env, stream: &str, bodies: &[Vec<u8>]) {
+    append_with(env, stream, bodies, FieldTable::default()).await;
+}
+
+/// [`append_raw`] with these headers on every record.
+async fn append_with(env: &Env, stream: &str, bodies: &[Vec<u8>], headers: FieldTable) {
     let ch = env.conn.create_channel().await.unwrap();
     ch.confirm_select(Default::default()).await.unwrap();
     for body in bodies {
@@ -31,7 +37,8 @@ async fn append_raw(env: &Env, stream: &str, bodies: &[Vec<u8>]) {
                 // publisher role can append
                 BasicProperties::default()
                     .with_delivery_mode(2)
-                    .with_user_id("guest".into()),
+                    .with_user_id("guest".into())
+                    .with_headers(headers.clone()),
             )
             .await
             .unwrap()
@@ -168,39 +175,10 @@ async fn a_batch_announcing_more_members_than_a_batch_holds_is_refused() {
 /// A record appended to `stream` whose header frame just fits `frame_max` (131 072) when
 /// appended and is over it on delivery, when the broker adds `x-stream-offset`.
 async fn append_over_frame_max(env: &Env, stream: &str) {
-    use lapin::types::{AMQPValue, FieldTable, LongString};
-    let ch = env.conn.create_channel().await.unwrap();
-    ch.confirm_select(Default::default()).await.unwrap();
     // 620 headers of 200 B and a pad: a 131 065-byte header frame as appended, 131 092 bytes
     // as delivered (measured on RabbitMQ 3.10.8)
-    let mut headers = FieldTable::default();
-    for i in 0..620 {
-        headers.insert(
-            format!("h{i:03}").into(),
-            AMQPValue::LongString(LongString::from("x".repeat(200))),
-        );
-    }
-    headers.insert(
-        "pad".into(),
-        AMQPValue::LongString(LongString::from("x".repeat(825))),
-    );
-    let confirm = ch
-        .basic_publish(
-            "".into(),
-            stream.into(),
-            Default::default(),
-            br#"{"type":"cancel","id":"poison","until_ms":1}"#,
-            BasicProperties::default()
-                .with_delivery_mode(2)
-                .with_user_id("guest".into())
-                .with_headers(headers),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(confirm.is_ack());
-    let _ = ch.close(200, "ok".into()).await;
+    let body = br#"{"type":"cancel","id":"poison","until_ms":1}"#.to_vec();
+    append_with(env, stream, &[body], filler_headers(620, 825)).await;
 }
 
 /// One-shot commands meet records over `frame_max` in the ledger and the control stream:

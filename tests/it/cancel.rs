@@ -580,24 +580,6 @@ async fn cli_cancel_by_id_and_by_jsonl() {
         due.insert(id, m.due_at_ms);
     }
     let cfg = env.write_config("");
-    let cli = |args: Vec<String>| {
-        let cfg = cfg.clone();
-        async move {
-            let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
-                .arg("--config")
-                .arg(&cfg)
-                .args(&args)
-                .env("AMQP_URL", broker_url())
-                .output()
-                .await
-                .unwrap();
-            (
-                out.status.code(),
-                String::from_utf8_lossy(&out.stdout).into_owned(),
-                String::from_utf8_lossy(&out.stderr).into_owned(),
-            )
-        }
-    };
     let verdicts = |stdout: &str| -> Vec<(String, String)> {
         stdout
             .lines()
@@ -612,18 +594,12 @@ async fn cli_cancel_by_id_and_by_jsonl() {
             .collect()
     };
 
-    let (code, out, err) = cli(vec![
-        "cancel".into(),
-        "--id".into(),
-        "a".into(),
-        "--due-at".into(),
-        due["a"].to_string(),
-    ])
-    .await;
+    let due_a = due["a"].to_string();
+    let (code, out, err) = publisher_cli(&cfg, &["cancel", "--id", "a", "--due-at", &due_a]).await;
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(verdicts(&out), [("a".to_string(), "honoured".to_string())]);
     // an id nobody scheduled: harmless, and without a due time the verdict is unknown
-    let (code, out, err) = cli(vec!["cancel".into(), "--id".into(), "nobody".into()]).await;
+    let (code, out, err) = publisher_cli(&cfg, &["cancel", "--id", "nobody"]).await;
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(
         verdicts(&out),
@@ -640,12 +616,8 @@ async fn cli_cancel_by_id_and_by_jsonl() {
         ),
     )
     .unwrap();
-    let (code, out, err) = cli(vec![
-        "cancel".into(),
-        "--jsonl".into(),
-        file.to_str().unwrap().into(),
-    ])
-    .await;
+    let (code, out, err) =
+        publisher_cli(&cfg, &["cancel", "--jsonl", file.to_str().unwrap()]).await;
     assert_eq!(code, Some(1), "a bad line fails the run: {err}");
     let mut got = verdicts(&out);
     got.sort();

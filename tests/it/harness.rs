@@ -495,3 +495,19 @@ pub async fn publisher_cli(cfg: &std::path::Path, args: &[&str]) -> (Option<i32>
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// A header table whose encoded size a test sets to the byte: `n` headers `h000`, `h001`, ...
+/// of 200 bytes each (209 bytes encoded), then, when `pad` > 0, a header `pad` of `pad` bytes.
+pub fn filler_headers(n: usize, pad: usize) -> FieldTable {
+    let mut h = FieldTable::default();
+    for i in 0..n {
+        h.insert(
+            format!("h{i:03}").into(),
+            AMQPValue::LongString("x".repeat(200).into()),
+        );
+    }
+    if pad > 0 {
+        h.insert("pad".into(), AMQPValue::LongString("x".repeat(pad).into()));
+    }
+    h
+}

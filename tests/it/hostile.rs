@@ -235,13 +235,7 @@ async fn the_library_refuses_reserved_headers_and_oversize_headers() {
         .await
         .unwrap_err();
     assert!(e.to_string().contains("reserved"), "{e}");
-    let mut h = FieldTable::default();
-    for i in 0..620 {
-        h.insert(
-            format!("h{i}").into(),
-            AMQPValue::LongString(LongString::from("v".repeat(200))),
-        );
-    }
+    let h = filler_headers(620, 0);
     let e = p
         .schedule(Message::new(q.clone(), 5, "x").with_headers(h))
         .await
@@ -304,14 +298,8 @@ async fn the_gateway_ingress_strips_forged_headers_and_parks_oversize_ones() {
         AMQPValue::LongString(LongString::from("evil")),
     );
     publish("forged", forged).await;
-    let mut big = FieldTable::default();
+    let mut big = filler_headers(300, 0);
     big.insert("x-delay".into(), AMQPValue::LongInt(50));
-    for i in 0..300 {
-        big.insert(
-            format!("h{i}").into(),
-            AMQPValue::LongString(LongString::from("v".repeat(200))),
-        );
-    }
     publish("big", big).await;
     let mut fine = FieldTable::default();
     fine.insert("x-delay".into(), AMQPValue::LongInt(50));
@@ -694,17 +682,7 @@ async fn a_message_over_frame_max_is_parked_and_the_queue_behind_it_runs() {
 
     // 620 headers of 200 B and a pad: a 130 994-byte table, a 131 021-byte header frame, just
     // within frame_max (131 072); the hop's x-death pushes it over.
-    let mut headers = FieldTable::default();
-    for i in 0..620 {
-        headers.insert(
-            format!("h{i:03}").into(),
-            AMQPValue::LongString(LongString::from("x".repeat(200))),
-        );
-    }
-    headers.insert(
-        "pad".into(),
-        AMQPValue::LongString(LongString::from("x".repeat(781))),
-    );
+    let headers = filler_headers(620, 781);
     ch.basic_publish(
         "".into(),
         stage.as_str().into(),
