@@ -366,11 +366,14 @@ impl<R: LogRecord> StreamLog<R> {
     async fn open(&self, conn: &Connection, from: AMQPValue, prefetch: u16) -> Result<Reader<R>> {
         let known = poison::of(&self.name);
         // a careful reader knows which offset it waits for: "first" is offset 0 (the broker
-        // starts at the first it holds)
+        // starts at the first it holds), and so is a time (it names no offset: the record
+        // the broker would start with could not be named if it were the unreceivable one;
+        // reading from the start instead reads more, never less)
         let from = match from {
             AMQPValue::LongString(s) if known.careful && s.as_bytes() == b"first" => {
                 AMQPValue::LongLongInt(0)
             }
+            AMQPValue::Timestamp(_) if known.careful => AMQPValue::LongLongInt(0),
             other => other,
         };
         let (from, awaiting) = match from {

@@ -19,9 +19,10 @@
 //!   **poisoned**: readers stop just before it and go on from the next offset.
 //!
 //! Each poisoned record costs a process three lost connections, once. What it learns is
-//! bounded ([`MAX_STREAMS`], [`MAX_POISONED`]). Not found: a poisoned record that is the first
-//! a reader gets when it opens at a time (the ledger's window) or at the first record of a
-//! stream whose start retention removed (it opens at 0 and gets a later offset first); such a
+//! bounded ([`MAX_STREAMS`], [`MAX_POISONED`]). A careful reader never opens at a time (the
+//! ledger's window): the record the broker would start with has no offset it could name, so
+//! it opens at the stream's start. Not found: a poisoned record that is the first of a stream
+//! whose start retention removed (a reader opens at 0 and gets a later offset first); such a
 //! reader keeps losing its connection there until retention removes the record.
 
 use std::collections::{BTreeSet, HashMap};

@@ -181,6 +181,40 @@ async fn append_over_frame_max(env: &Env, stream: &str) {
     append_with(env, stream, &[body], filler_headers(620, 825)).await;
 }
 
+/// A record over `frame_max` that is the first of the ledger's read window (read from a time,
+/// which names no offset) used to end every count's connection for as long as the window held
+/// it: now the third connection reads on past it, to the count written after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_count_reads_past_a_record_over_frame_max_opening_its_window() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("window").await;
+    let layout = env.layout();
+    append_over_frame_max(&env, &layout.ledger_stream()).await;
+    let p = env.publisher().await;
+    p.schedule(Message::new(q.clone(), 1_000, "x"))
+        .await
+        .unwrap();
+    p.close().await;
+    let connector = amqp_delay::connection::Connector::new(&env.settings).unwrap();
+    let mut lost = Vec::new();
+    let mut counted = None;
+    for _ in 0..6 {
+        let conn = connector.connect("window reader").await.unwrap();
+        match amqp_delay::ledger::count(&conn, &layout, &Default::default()).await {
+            Ok(c) => {
+                counted = c;
+                broker::close_connection(&conn, "bye").await;
+                break;
+            }
+            Err(e) => lost.push(amqp_delay::error::chain(&e)),
+        }
+    }
+    let counted = counted.unwrap_or_else(|| panic!("no count got past the record: {lost:#?}"));
+    assert!(counted.records >= 1, "{counted:?}");
+    assert_eq!(lost.len(), 3, "connections lost on the record: {lost:#?}");
+    env.cleanup().await;
+}
+
 /// One-shot commands meet records over `frame_max` in the ledger and the control stream:
 /// `stats` and `teardown` each read on past them, on new connections, within one run (each
 /// run of a one-shot command failed on them before).
