@@ -12,6 +12,7 @@ mod dest_deleted;
 mod dlx_stuck;
 mod harness;
 mod kill_node;
+mod leaders;
 mod node_lost;
 mod restart_all;
 mod tier_deleted;

@@ -28,7 +28,7 @@ pub use worker::*;
 
 /// Tests in this binary: the last one to finish tears the cluster down (`scripts/test.sh`
 /// stops the cluster anyway).
-pub const TESTS: usize = 8;
+pub const TESTS: usize = 9;
 /// Nodes of the cluster.
 pub const NODES: usize = 3;
 /// The broker's dead-letter confirm timeout the cluster runs with (OPERATIONS.md's setting).
