@@ -1,6 +1,6 @@
-//! `stats`: the depth of every tier queue and of the parking queues, from the management API
-//! when there is one (ready, unacknowledged, dead-lettered, leader; every destination's parking
-//! queue too), else from a passive declare of each queue (ready messages only).
+//! `stats`: the depth of every tier queue and of the parking queues, from a passive declare of
+//! each queue (whether it exists, its ready messages, now), and from the management API when
+//! there is one (unacknowledged, dead-lettered, leader; every destination's parking queue too).
 
 #[cfg(feature = "management")]
 use std::collections::HashMap;
@@ -27,7 +27,8 @@ pub struct QueueStat {
     /// Queue TTL (none for the parking queue).
     pub ttl_ms: Option<u64>,
     /// Broker messages it holds: ready + unacknowledged + dead-lettered and not yet moved on
-    /// when the management API answered, ready only otherwise (a batch counts once).
+    /// when the management API answered (at least the ready ones seen now: its figures lag),
+    /// ready only otherwise (a batch counts once).
     pub messages: u64,
     /// Ready messages.
     pub ready: u64,
@@ -110,6 +111,9 @@ impl Topology {
             Some(m) => {
                 let infos = m.queues(&l.namespace()).await?;
                 stats.extend(parking_stats(l, &infos));
+                // what exists and is ready, now, over AMQP: the management API's figures are
+                // up to its statistics interval old (5 s by default)
+                read_depths(conn, &mut stats).await?;
                 for stat in &mut stats {
                     read_info(stat, &infos);
                 }
@@ -167,18 +171,20 @@ fn parking_stats(l: &Layout, infos: &HashMap<String, QueueInfo>) -> Vec<QueueSta
         .collect()
 }
 
-/// `stat` as the management API lists its queue (missing when it does not).
+/// Adds to `stat`, read over AMQP, what the management API alone sees of its queue: messages
+/// unacknowledged and held by the dead-letter worker, the leader. Its figures may be seconds
+/// old, so whether the queue exists and how many are ready stay as AMQP said, and `messages`
+/// is the larger of the two counts (a queue the API does not list yet gets nothing from it).
 #[cfg(feature = "management")]
 fn read_info(stat: &mut QueueStat, infos: &HashMap<String, QueueInfo>) {
-    match infos.get(&stat.queue) {
-        Some(q) => {
-            stat.messages = q.messages;
-            stat.ready = q.messages_ready;
-            stat.unacked = Some(q.messages_unacknowledged);
-            stat.dead_lettered = Some(q.dead_lettered());
-            stat.leader = q.leader_node().map(str::to_string);
-        }
-        None => stat.missing = true,
+    if stat.missing {
+        return;
+    }
+    if let Some(q) = infos.get(&stat.queue) {
+        stat.messages = q.messages.max(stat.ready);
+        stat.unacked = Some(q.messages_unacknowledged);
+        stat.dead_lettered = Some(q.dead_lettered());
+        stat.leader = q.leader_node().map(str::to_string);
     }
 }
 
