@@ -1,5 +1,6 @@
 //! The fault suite (issue 10): amqp-delay on a real 3-node RabbitMQ cluster started by
-//! `scripts/cluster.sh` beside the main broker (nodes adfault1..3@localhost, AMQP 5701..5703;
+//! `scripts/cluster.sh` beside the main broker (nodes adfault1..3@localhost, AMQP 5701..5703,
+//! management 15701..15703;
 //! the broker on 5672 is never touched). The cluster comes up once per binary (the tests FAIL
 //! when it cannot), the tests run one at a time, each under its own prefix `fault-<random>` on a
 //! 1 ms-unit topology with delays of a few seconds, with every node's URL comma-separated, and

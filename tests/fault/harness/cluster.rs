@@ -21,6 +21,7 @@ pub fn cluster_sh(args: &[&str]) -> Result<String, String> {
     let out = std::process::Command::new("bash")
         .arg(repo().join("scripts/cluster.sh"))
         .args(args)
+        .env("CLUSTER_MGMT_PORT_BASE", mgmt_port_base().to_string())
         .stdin(Stdio::null())
         .output()
         .map_err(|e| format!("cannot run scripts/cluster.sh: {e}"))?;
@@ -287,6 +288,22 @@ pub fn port(i: usize) -> u16 {
 }
 
 /// Every node's URL, comma-separated.
+/// Where the nodes' management APIs listen: `CLUSTER_MGMT_PORT_BASE` + i, as for
+/// `scripts/cluster.sh` (15700 + i by default; `scripts/rabbitmq4.sh env` sets 15750). Every
+/// node runs the management plugin, as in production: `stats` and `teardown` see what the
+/// broker's dead-letter worker holds only through it.
+pub fn mgmt_port_base() -> u16 {
+    std::env::var("CLUSTER_MGMT_PORT_BASE")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(15700)
+}
+
+/// The management API of node 1, as `delay-publisher` takes it (`AMQP_DELAY_MANAGEMENT_URL`).
+pub fn management_url() -> String {
+    format!("http://guest:guest@127.0.0.1:{}/", mgmt_port_base() + 1)
+}
+
 pub fn urls() -> String {
     (1..=NODES)
         .map(|i| format!("amqp://guest:guest@127.0.0.1:{}/%2f", port(i)))

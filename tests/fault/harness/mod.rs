@@ -125,6 +125,7 @@ impl Fault {
             .arg(urls())
             .args(args)
             .env_remove("AMQP_DELAY_PREFIX")
+            .env("AMQP_DELAY_MANAGEMENT_URL", management_url())
             // FAULT_RUST_LOG=warn,amqp_delay=debug traces which batch carries which message
             // (publisher) and when each batch arrives and is acked (worker)
             .env(
@@ -303,6 +304,7 @@ impl Drop for Fault {
                 .arg("--url")
                 .arg(urls())
                 .args(args)
+                .env("AMQP_DELAY_MANAGEMENT_URL", management_url())
                 .stdin(Stdio::null())
                 .output();
             match out {
