@@ -638,6 +638,69 @@ async fn through_full_tiers(delay: u64) -> String {
     log
 }
 
+/// An ingress message whose tier publish keeps failing (its due queue deleted behind the
+/// gateway) goes back to the ingress queue, and each return counts toward the quorum queue's
+/// delivery limit (20, which the gateway sets on 3.x too): the broker then parks it in
+/// `<prefix>.parked` with the reason `delivery_limit`, never drops it (4.x would, at its
+/// default limit, in a queue that does not dead-letter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ingress_message_the_tiers_keep_refusing_is_parked_by_the_delivery_limit() {
+    within(async {
+        let env = Env::new(small_topology()).await;
+        let (x_in, x_t, _objects) = one_pair(&env).await;
+        let pairs = [(x_in.as_str(), x_t.as_str())];
+        let mut settings = settings_with(&env, &pairs);
+        // "not now" is not held in the gateway: every refusal is a return
+        settings.consumer.requeue_hold = amqp_delay::time::DurationMs(20);
+        let gw = Gateway::new(settings).unwrap();
+        let pair = gw.pairs()[0].clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let test = async {
+            wait_for_consumers(&env.conn, std::slice::from_ref(&pair), 1, &[]).await;
+            let ch = env.conn.create_channel().await.unwrap();
+            ch.queue_delete(pair.due_queue.as_str().into(), Default::default())
+                .await
+                .unwrap();
+            let mut h = FieldTable::default();
+            h.insert("x-delay".into(), AMQPValue::LongInt(5_000));
+            ch.basic_publish(
+                x_in.as_str().into(),
+                "k".into(),
+                Default::default(),
+                b"refused",
+                lapin::BasicProperties::default().with_headers(h),
+            )
+            .await
+            .unwrap();
+            let parked = collect(
+                &env.conn,
+                &env.layout().unroutable_queue(),
+                1,
+                Duration::from_secs(60),
+                Duration::from_millis(200),
+            )
+            .await;
+            let _ = stop.send(());
+            parked
+        };
+        // the gateway runs beside the test, on this task (its future is not Send)
+        let (run, parked) = tokio::join!(
+            gw.run(async {
+                let _ = stopped.await;
+            }),
+            test
+        );
+        run.unwrap();
+        assert_eq!(parked.len(), 1, "not parked");
+        assert_eq!(parked[0].body, b"refused");
+        let reasons = parked[0].death_reasons();
+        assert!(reasons.iter().any(|r| r == "delivery_limit"), "{reasons:?}");
+        env.assert_empty(&pair.ingress_queue).await;
+        env.cleanup().await;
+    })
+    .await;
+}
+
 /// `teardown` finds the gateway pairs declared under the prefix (the control stream remembers
 /// them), refuses while their queues hold messages, and removes their queues with the
 /// topology (an ingress exchange outside the prefix only when the configuration names it).

@@ -265,6 +265,25 @@ impl Received {
     pub fn header(&self, name: &str) -> Option<&AMQPValue> {
         self.properties.headers().as_ref()?.inner().get(name)
     }
+    /// The `reason` of each of its `x-death` entries (none without the header).
+    pub fn death_reasons(&self) -> Vec<String> {
+        let Some(AMQPValue::FieldArray(deaths)) = self.header("x-death") else {
+            return Vec::new();
+        };
+        deaths
+            .as_slice()
+            .iter()
+            .filter_map(|d| match d {
+                AMQPValue::FieldTable(t) => match t.inner().get("reason") {
+                    Some(AMQPValue::LongString(r)) => {
+                        Some(String::from_utf8_lossy(r.as_bytes()).into_owned())
+                    }
+                    _ => None,
+                },
+                _ => None,
+            })
+            .collect()
+    }
     /// A string header's text (`None` if absent or not a string).
     pub fn text_header(&self, name: &str) -> Option<String> {
         match self.header(name)? {

@@ -311,22 +311,7 @@ async fn a_message_put_back_for_ever_is_parked_by_the_delivery_limit_not_dropped
     assert_eq!(parked.len(), 1, "not parked after {runs} runs");
     assert_eq!(parked[0].body, b"later");
     // its deaths: the tier hop (expired), then the limit
-    let reasons: Vec<String> = match parked[0].header("x-death") {
-        Some(AMQPValue::FieldArray(deaths)) => deaths
-            .as_slice()
-            .iter()
-            .filter_map(|d| match d {
-                AMQPValue::FieldTable(t) => match t.inner().get("reason") {
-                    Some(AMQPValue::LongString(r)) => {
-                        Some(String::from_utf8_lossy(r.as_bytes()).into_owned())
-                    }
-                    _ => None,
-                },
-                _ => None,
-            })
-            .collect(),
-        other => panic!("no x-death: {other:?}"),
-    };
+    let reasons = parked[0].death_reasons();
     assert!(reasons.iter().any(|r| r == "delivery_limit"), "{reasons:?}");
     // the limit is the broker's count of returns: one run per delivery, at least 20
     assert!(runs >= 20, "{runs} runs");
