@@ -181,6 +181,27 @@ async fn append_over_frame_max(env: &Env, stream: &str) {
     append_with(env, stream, &[body], filler_headers(620, 825)).await;
 }
 
+/// `read` on a new connection each time, as a process that reconnects does, until it succeeds
+/// (at most six times): its result, and the errors that ended the connections before.
+async fn read_on_fresh_connections<T>(
+    env: &Env,
+    read: impl AsyncFn(&lapin::Connection) -> amqp_delay::Result<T>,
+) -> (Option<T>, Vec<String>) {
+    let connector = amqp_delay::connection::Connector::new(&env.settings).unwrap();
+    let mut lost = Vec::new();
+    for _ in 0..6 {
+        let conn = connector.connect("poison reader").await.unwrap();
+        match read(&conn).await {
+            Ok(r) => {
+                broker::close_connection(&conn, "bye").await;
+                return (Some(r), lost);
+            }
+            Err(e) => lost.push(amqp_delay::error::chain(&e)),
+        }
+    }
+    (None, lost)
+}
+
 /// A record over `frame_max` that is the first of the ledger's read window (read from a time,
 /// which names no offset) used to end every count's connection for as long as the window held
 /// it: now the third connection reads on past it, to the count written after it.
@@ -195,20 +216,11 @@ async fn a_ledger_count_reads_past_a_record_over_frame_max_opening_its_window() 
         .await
         .unwrap();
     p.close().await;
-    let connector = amqp_delay::connection::Connector::new(&env.settings).unwrap();
-    let mut lost = Vec::new();
-    let mut counted = None;
-    for _ in 0..6 {
-        let conn = connector.connect("window reader").await.unwrap();
-        match amqp_delay::ledger::count(&conn, &layout, &Default::default()).await {
-            Ok(c) => {
-                counted = c;
-                broker::close_connection(&conn, "bye").await;
-                break;
-            }
-            Err(e) => lost.push(amqp_delay::error::chain(&e)),
-        }
-    }
+    let (counted, lost) = read_on_fresh_connections(&env, async |conn| {
+        amqp_delay::ledger::count(conn, &layout, &Default::default()).await
+    })
+    .await;
+    let counted = counted.flatten();
     let counted = counted.unwrap_or_else(|| panic!("no count got past the record: {lost:#?}"));
     assert!(counted.records >= 1, "{counted:?}");
     assert_eq!(lost.len(), 3, "connections lost on the record: {lost:#?}");
@@ -303,20 +315,10 @@ async fn reads_of_the_control_stream_go_on_past_a_record_over_frame_max() {
         target: "amq.direct".into(),
     };
     control::append(&env.conn, &layout, &pair).await.unwrap();
-    let connector = amqp_delay::connection::Connector::new(&env.settings).unwrap();
-    let mut lost = Vec::new();
-    let mut read = None;
-    for _ in 0..6 {
-        let conn = connector.connect("poison reader").await.unwrap();
-        match control::read_all(&conn, &layout, &Default::default()).await {
-            Ok(records) => {
-                read = Some(records);
-                broker::close_connection(&conn, "bye").await;
-                break;
-            }
-            Err(e) => lost.push(amqp_delay::error::chain(&e)),
-        }
-    }
+    let (read, lost) = read_on_fresh_connections(&env, async |conn| {
+        control::read_all(conn, &layout, &Default::default()).await
+    })
+    .await;
     let records = read.unwrap_or_else(|| panic!("no read got past the record: {lost:#?}"));
     assert!(records.contains(&pair), "{records:?}");
     assert_eq!(lost.len(), 3, "connections lost on the record: {lost:#?}");
