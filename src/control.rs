@@ -10,7 +10,7 @@ use lapin::Connection;
 use serde::{Deserialize, Serialize};
 
 use crate::broker;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::settings::TrustSettings;
 use crate::stream_log::{LogRecord, StreamLog, skipped};
@@ -176,7 +176,7 @@ pub async fn read_all(
 /// (anyone who may append to the stream can write one): the connection is lost. Reading again
 /// on a new connection, in the same process, gets past it — the process remembers the record's
 /// offset and skips it after a few tries (two or three lost connections per such record).
-pub fn is_record_over_frame_max(e: &crate::Error) -> bool {
+pub fn is_record_over_frame_max(e: &Error) -> bool {
     crate::stream_log::is_record_over_frame_max(e)
 }
 
