@@ -101,17 +101,20 @@ impl RetryPolicy {
 }
 
 /// How long the worker holds a message it could not settle (its retry or parked copy was
-/// not confirmed) before returning it to its queue, from the broker's count of its earlier
-/// returns: 1 s, doubling, at most 30 s. Every return counts toward the quorum queues'
-/// delivery limit (20, then the message is parked), so the pause grows: the limit is
-/// reached after about 8 minutes of failures, not 20 seconds.
-pub fn requeue_pause_ms(returned_before: u64) -> u64 {
-    // 1 s · 2^5 is past the cap already
-    (1000u64 << returned_before.min(5)).min(REQUEUE_PAUSE_CAP_MS)
+/// not confirmed) before returning it to its queue, from the first pause
+/// (`consumer.requeue_pause`, 1 s by default) and the broker's count of its earlier returns:
+/// doubling, at most [`REQUEUE_PAUSE_CAP`] times the first. Every return counts toward the
+/// quorum queues' delivery limit (20, then the message is parked), so the pause grows: the
+/// limit is reached after 481 first pauses of failures (about 8 minutes at 1 s), not 20.
+pub fn requeue_pause_ms(first_ms: u64, returned_before: u64) -> u64 {
+    // 2^5 is past the cap already
+    first_ms
+        .saturating_mul(1u64 << returned_before.min(5))
+        .min(first_ms.saturating_mul(REQUEUE_PAUSE_CAP))
 }
 
-/// The longest pause of [`requeue_pause_ms`].
-pub const REQUEUE_PAUSE_CAP_MS: u64 = 30_000;
+/// The longest pause of [`requeue_pause_ms`], in first pauses.
+pub const REQUEUE_PAUSE_CAP: u64 = 30;
 
 #[cfg(test)]
 mod tests {
@@ -166,12 +169,15 @@ mod tests {
 
     #[test]
     fn the_requeue_pause_doubles_to_its_cap_and_twenty_returns_take_minutes() {
-        assert_eq!(requeue_pause_ms(0), 1000);
-        assert_eq!(requeue_pause_ms(1), 2000);
-        assert_eq!(requeue_pause_ms(4), 16_000);
-        assert_eq!(requeue_pause_ms(5), REQUEUE_PAUSE_CAP_MS);
-        assert_eq!(requeue_pause_ms(u64::MAX), REQUEUE_PAUSE_CAP_MS);
-        let to_limit: u64 = (0..20).map(requeue_pause_ms).sum();
+        assert_eq!(requeue_pause_ms(1000, 0), 1000);
+        assert_eq!(requeue_pause_ms(1000, 1), 2000);
+        assert_eq!(requeue_pause_ms(1000, 4), 16_000);
+        assert_eq!(requeue_pause_ms(1000, 5), 30_000);
+        assert_eq!(requeue_pause_ms(1000, u64::MAX), 30_000);
+        assert_eq!(requeue_pause_ms(u64::MAX, 3), u64::MAX);
+        let to_limit: u64 = (0..20).map(|n| requeue_pause_ms(1000, n)).sum();
         assert_eq!(to_limit, 481_000);
+        let short: u64 = (0..20).map(|n| requeue_pause_ms(20, n)).sum();
+        assert_eq!(short, 481 * 20);
     }
 }

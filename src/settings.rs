@@ -315,6 +315,12 @@ pub struct ConsumerSettings {
     /// quorum queue can count towards its delivery limit); below the broker's
     /// `consumer_timeout`.
     pub requeue_hold: DurationMs,
+    /// How long the worker waits before it returns a message it could not settle (its retry or
+    /// parked copy was not confirmed: broker trouble) to its queue the first time; the pause
+    /// doubles with each return, up to 30 times this. Each return counts toward the quorum
+    /// delivery limit (20, then the message is parked): at 1 s that takes about 8 minutes of
+    /// failures (481 first pauses).
+    pub requeue_pause: DurationMs,
     /// A handler running longer counts as a retryable failure.
     pub handler_timeout: DurationMs,
     /// The broker's `consumer_timeout` as the worker assumes it: RabbitMQ's default, 30 min.
@@ -345,6 +351,7 @@ impl Default for ConsumerSettings {
             max_in_hand_bytes: 256 << 20,
             max_hold: DurationMs(10_000),
             requeue_hold: DurationMs(5 * 60_000),
+            requeue_pause: DurationMs(1000),
             handler_timeout: DurationMs(5 * 60_000),
             consumer_timeout: DurationMs(30 * 60_000),
             shutdown_grace: DurationMs(30_000),
@@ -428,6 +435,17 @@ impl ConsumerSettings {
             return Err(format!(
                 "consumer.requeue_hold ({}) must be shorter than the broker's consumer_timeout ({})",
                 self.requeue_hold, self.consumer_timeout
+            ));
+        }
+        let longest_pause = self
+            .requeue_pause
+            .as_millis()
+            .saturating_mul(crate::retry::REQUEUE_PAUSE_CAP);
+        if self.requeue_pause.as_millis() == 0 || longest_pause >= self.consumer_timeout.as_millis()
+        {
+            return Err(format!(
+                "consumer.requeue_pause ({}) must be positive and 30 times it shorter than the broker's consumer_timeout ({})",
+                self.requeue_pause, self.consumer_timeout
             ));
         }
         if self.handler_timeout.as_millis() == 0 {

@@ -77,6 +77,7 @@ pub(super) async fn delivery<H: Handler>(
     let returned_before = headers::delivery_count(raw.properties.headers().as_ref());
     let requeue = Requeue {
         returned_before,
+        first_pause_ms: ctx.settings.requeue_pause.as_millis(),
         stopping: &ctx.stopping,
     };
     if redelivered {
@@ -249,6 +250,8 @@ async fn batch_delivery<H: Handler>(
 struct Requeue<'a> {
     /// The broker's count of this delivery's earlier returns (`x-delivery-count`).
     returned_before: u64,
+    /// `consumer.requeue_pause`: the pause before the first return.
+    first_pause_ms: u64,
     /// Set when the worker stops: the pause ends early.
     stopping: &'a std::sync::atomic::AtomicBool,
 }
@@ -264,8 +267,10 @@ async fn settle(acker: Settle, queue: &str, id: &str, r: Result<()>, requeue: Re
             acker.ack().await;
         }
         Err(e) => {
-            let pause =
-                Duration::from_millis(crate::retry::requeue_pause_ms(requeue.returned_before));
+            let pause = Duration::from_millis(crate::retry::requeue_pause_ms(
+                requeue.first_pause_ms,
+                requeue.returned_before,
+            ));
             tracing::error!(
                 queue,
                 id,

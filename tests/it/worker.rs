@@ -319,14 +319,11 @@ async fn a_message_put_back_for_ever_is_parked_by_the_delivery_limit_not_dropped
     env.cleanup().await;
 }
 
-/// A message whose retry cannot be published (its tiers are gone) goes back to its queue, and
-/// the worker waits longer before each return (1 s, 2 s, 4 s, ... from `x-delivery-count`):
-/// every return counts toward the quorum queue's delivery limit (20), so a short outage must
-/// not park it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_retry_that_cannot_be_published_is_returned_after_a_growing_pause() {
-    let mut env = Env::new(small_topology()).await;
-    let q = format!("{}-unsettled", env.settings.prefix);
+/// A destination of `env` whose retries cannot be published: every tier deleted, exact routes
+/// (a grain route for a 20 ms backoff would go straight back to the queue: it needs no tier).
+/// Returns the queue and its parking queue.
+async fn destination_without_tiers(env: &mut Env, name: &str) -> (String, String) {
+    let q = format!("{}-{name}", env.settings.prefix);
     amqp_delay::Topology::new(env.layout())
         .declare_destination(&env.conn, &q)
         .await
@@ -336,22 +333,37 @@ async fn a_retry_that_cannot_be_published_is_returned_after_a_growing_pause() {
     for t in env.layout().tiers() {
         env.delete_queue(&t.queue).await;
     }
-    let h = Scripted::new(|_| Outcome::Retry("boom".into()));
-    let log = h.log.clone();
-    // exact routes: a grain route for a 20 ms backoff goes straight back to the queue
-    // (it needs no tier)
     env.settings.publisher.grain = amqp_delay::time::DurationMs(0);
-    let (stop, run) = spawn_worker(&env, &q, h, retry(20, 2.0, 5));
+    (q, parked)
+}
+
+/// Publishes `body` as message `id` straight into `queue`.
+async fn publish_plain(env: &Env, queue: &str, id: &str, body: &[u8]) {
     let ch = env.conn.create_channel().await.unwrap();
     ch.basic_publish(
         "".into(),
-        q.as_str().into(),
+        queue.into(),
         BasicPublishOptions::default(),
-        b"x",
-        lapin::BasicProperties::default().with_message_id("m1".into()),
+        body,
+        lapin::BasicProperties::default().with_message_id(id.into()),
     )
     .await
     .unwrap();
+    let _ = ch.close(200, "ok".into()).await;
+}
+
+/// A message whose retry cannot be published (its tiers are gone) goes back to its queue, and
+/// the worker waits longer before each return (1 s, 2 s, 4 s, ... from `x-delivery-count`):
+/// every return counts toward the quorum queue's delivery limit (20), so a short outage must
+/// not park it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_that_cannot_be_published_is_returned_after_a_growing_pause() {
+    let mut env = Env::new(small_topology()).await;
+    let (q, parked) = destination_without_tiers(&mut env, "unsettled").await;
+    let h = Scripted::new(|_| Outcome::Retry("boom".into()));
+    let log = h.log.clone();
+    let (stop, run) = spawn_worker(&env, &q, h, retry(20, 2.0, 5));
+    publish_plain(&env, &q, "m1", b"x").await;
     assert!(
         wait_until(Duration::from_secs(30), || log.lock().unwrap().len() >= 4).await,
         "ran {} times",
@@ -374,7 +386,46 @@ async fn a_retry_that_cannot_be_published_is_returned_after_a_growing_pause() {
     assert_eq!(got.len(), 1);
     assert!(got[0].int_header("x-delivery-count").unwrap_or(0) >= 3);
     env.assert_empty(&parked).await;
-    let _ = ch.close(200, "ok".into()).await;
+    env.cleanup().await;
+}
+
+/// A retry the broker keeps refusing, to the end: each return counts toward the quorum
+/// delivery limit (20, which `declare --queue` sets on 3.x too), and the broker then parks the
+/// message in `<prefix>.parked` with the reason `delivery_limit` — never dropped, as 4.x would
+/// at its default limit in a queue that does not dead-letter. `consumer.requeue_pause` 20 ms
+/// makes the 481 pauses take 10 s instead of 8 min.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_the_broker_keeps_refusing_is_parked_by_the_delivery_limit_not_dropped() {
+    let mut env = Env::new(small_topology()).await;
+    let (q, parked) = destination_without_tiers(&mut env, "refused").await;
+    env.settings.consumer.requeue_pause = amqp_delay::time::DurationMs(20);
+    let h = Scripted::new(|_| Outcome::Retry("boom".into()));
+    let log = h.log.clone();
+    let (stop, run) = spawn_worker(&env, &q, h, retry(20, 2.0, 5));
+    publish_plain(&env, &q, "refused", b"refused").await;
+    let limited = collect(
+        &env.conn,
+        &env.layout().unroutable_queue(),
+        1,
+        Duration::from_secs(90),
+        Duration::from_millis(200),
+    )
+    .await;
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    let runs = log.lock().unwrap().clone();
+    assert_eq!(limited.len(), 1, "not parked after {} runs", runs.len());
+    assert_eq!(limited[0].body, b"refused");
+    let reasons = limited[0].death_reasons();
+    assert!(reasons.iter().any(|r| r == "delivery_limit"), "{reasons:?}");
+    // one run per delivery, each the first attempt (no retry was ever published)
+    assert!(runs.len() >= 20, "{} runs", runs.len());
+    assert!(
+        runs.iter().all(|r| r.0 == "refused" && r.1 == 0),
+        "{runs:?}"
+    );
+    env.assert_empty(&q).await;
+    env.assert_empty(&parked).await;
     env.cleanup().await;
 }
 
