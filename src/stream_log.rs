@@ -335,16 +335,23 @@ impl<R: LogRecord> StreamLog<R> {
 
     /// Where the stream ends now: the offset of the first record of its last chunk, read by a
     /// probe consumer. `None` when it holds nothing (or nothing came in time).
-    /// After a frame error on this stream the probe is not made (it could meet the record
-    /// that caused it): the end is the last offset this process's careful readers saw.
+    /// After a frame error on this stream the end is the last offset this process's careful
+    /// readers saw; while they saw none, the probe is made all the same (a start-up read
+    /// that knows no end reads from the stream's first record, which may be the one that
+    /// caused the error, unnamed: see [`poison`]), and once it met a frame error itself it is
+    /// not made again (it could meet that record each time).
     pub(crate) async fn end_offset(&self, conn: &Connection) -> Result<Option<u64>> {
         let known = poison::of(&self.name);
-        if known.careful {
+        if known.careful && (known.seen_end.is_some() || known.end_probe_failed) {
             return Ok(known.seen_end);
         }
         let mut probe = self.open(conn, broker::long_string("last"), 1).await?;
         let end = match tokio::time::timeout(PROBE_TIMEOUT, probe.next()).await {
             Ok(Some(Ok(read))) => read.offset,
+            Ok(Some(Err(e))) if is_record_over_frame_max(&e) => {
+                poison::update(&self.name, |p| p.end_probe_failed = true);
+                return Err(e);
+            }
             _ => None,
         };
         probe.end("probed").await;

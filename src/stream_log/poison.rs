@@ -21,9 +21,17 @@
 //! Each poisoned record costs a process three lost connections, once. What it learns is
 //! bounded ([`MAX_STREAMS`], [`MAX_POISONED`]). A careful reader never opens at a time (the
 //! ledger's window): the record the broker would start with has no offset it could name, so
-//! it opens at the stream's start. Not found: a poisoned record that is the first of a stream
-//! whose start retention removed (a reader opens at 0 and gets a later offset first); such a
-//! reader keeps losing its connection there until retention removes the record.
+//! it opens at the stream's start.
+//!
+//! **A poisoned record that is the first of a stream whose start retention removed** cannot be
+//! named: a reader that opens at 0 (or anywhere before it) gets it first, and over AMQP 0-9-1
+//! an offset that does not exist and an unreceivable record answer alike (a frame error),
+//! so no probe tells the record's offset from the missing ones before it (with several
+//! unreceivable records in a row, not even a bisection: it could skip a real record between
+//! them). What does hold: the control stream's start-up read begins near the end (at
+//! offsets stepped back from a probe of the end, made by careful processes too), so a
+//! follower meets such a record only when no whole checkpoint was written after it; then
+//! its readers keep losing their connection there until retention removes the record.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Mutex, OnceLock};
@@ -49,6 +57,8 @@ pub(crate) struct StreamPoison {
     /// where the stream ends as far as this process saw. Careful readers start from there,
     /// not from a probe of the end (the probe could meet the poisoned record itself).
     pub(crate) seen_end: Option<u64>,
+    /// A probe of the end met a frame error: the end is `seen_end` only.
+    pub(crate) end_probe_failed: bool,
 }
 
 /// What a frame error taught.

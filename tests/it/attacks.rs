@@ -328,3 +328,64 @@ async fn reads_of_the_control_stream_go_on_past_a_record_over_frame_max() {
     );
     env.cleanup().await;
 }
+
+/// A process whose readers of the control stream became careful before they saw any record
+/// (the stream's first record is over `frame_max`: after retention removed the stream's
+/// start, no reader can tell its offset from the missing ones before it) still starts a
+/// follower from near the end: it probes the end once (the probe lands on its own barrier)
+/// and steps back from there to the newest checkpoint, never reaching the record. Before,
+/// such a process knew no end and read from the stream's first record, losing a connection
+/// on it each time (here, with the record at offset 0, two before it could name it; after
+/// retention, for as long as the stream kept it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_careful_follower_that_saw_no_record_starts_from_near_the_end() {
+    use amqp_delay::cancel::FollowOptions;
+    use amqp_delay::control;
+    let env = Env::new(small_topology()).await;
+    let layout = env.layout();
+    let stream = layout.control_stream();
+    append_over_frame_max(&env, &stream).await;
+    let until = now_ms() + 3_600_000;
+    // records after it, then a checkpoint (by guest, the follower's own user) and a cancel
+    let mut records: Vec<Vec<u8>> = (0..12)
+        .map(|i| format!(r#"{{"type":"barrier","nonce":"filler-{i}"}}"#).into_bytes())
+        .collect();
+    records.push(br#"{"type":"checkpoint_begin","nonce":"cp-1"}"#.to_vec());
+    records.push(
+        format!(
+            r#"{{"type":"checkpoint","nonce":"cp-1","part":0,"parts":1,"items":[["in-checkpoint",{until}]],"by":"guest"}}"#
+        )
+        .into_bytes(),
+    );
+    records.push(format!(r#"{{"type":"cancel","id":"after","until_ms":{until}}}"#).into_bytes());
+    append_raw(&env, &stream, &records).await;
+    // a whole-stream read meets the record before any other: this process's readers of the
+    // stream are careful from now on, and have seen no offset
+    let conn = connect().await;
+    let whole = control::read_all(&conn, &layout, &Default::default()).await;
+    let e = whole.expect_err("the first record is over frame_max");
+    assert!(control::is_record_over_frame_max(&e), "{e}");
+    let mut opts = FollowOptions::new(Duration::from_millis(1_000), 60_000);
+    opts.checkpoint_every = 4;
+    let (follower, lost) = read_on_fresh_connections(&env, async |conn| {
+        Cancellations::follow_with(conn, &layout, opts.clone()).await
+    })
+    .await;
+    let follower = follower.unwrap_or_else(|| panic!("no follower started: {lost:#?}"));
+    assert!(lost.is_empty(), "connections lost on the record: {lost:#?}");
+    assert!(follower.is_cancelled("in-checkpoint", Some("guest")));
+    assert!(follower.is_cancelled("after", Some("guest")));
+    drop(follower);
+    // a whole-stream read (the clean-up's teardown makes one) still meets it: at offset 0 it
+    // is named after two more lost connections, then skipped
+    let (read, lost) = read_on_fresh_connections(&env, async |conn| {
+        control::read_all(conn, &layout, &Default::default()).await
+    })
+    .await;
+    assert!(
+        read.is_some(),
+        "no whole-stream read got past the record: {lost:#?}"
+    );
+    assert_eq!(lost.len(), 2, "{lost:#?}");
+    env.cleanup().await;
+}
