@@ -133,11 +133,11 @@ pub async fn nodes_without_dlx_supervisor() -> Vec<usize> {
     .unwrap()
 }
 
-/// Nodes leading a queue under `prefix` that holds dead-lettered messages not yet moved on
-/// (`messages` above ready + unacknowledged), asked of any node that answers. Called once they
-/// should have moved (two dead-letter confirm timeouts after the fault), these are tiers whose
-/// dead-letter worker does not run or waits for confirms that never come.
-pub async fn leaders_of_waiting_dead_letters(prefix: &str) -> Vec<usize> {
+/// The queues under `prefix` that hold dead-lettered messages not yet moved on (`messages`
+/// above ready + unacknowledged), with the node leading each, asked of any node that answers.
+/// Called once they should have moved (two dead-letter confirm timeouts after the fault), these
+/// are tiers whose dead-letter worker does not run or waits for confirms that never come.
+pub async fn waiting_dead_letters(prefix: &str) -> Vec<(String, usize)> {
     let prefix = format!("{prefix}.");
     tokio::task::spawn_blocking(move || {
         for via in 1..=NODES {
@@ -153,7 +153,7 @@ pub async fn leaders_of_waiting_dead_letters(prefix: &str) -> Vec<usize> {
             ]) else {
                 continue;
             };
-            let mut nodes: Vec<usize> = out
+            let mut queues: Vec<(String, usize)> = out
                 .lines()
                 .filter_map(|l| {
                     let c: Vec<&str> = l.split('\t').collect();
@@ -162,17 +162,106 @@ pub async fn leaders_of_waiting_dead_letters(prefix: &str) -> Vec<usize> {
                     }
                     let n = |i: usize| c[i].trim().parse::<u64>().unwrap_or(0);
                     let node = (1..=NODES).find(|i| c[1].starts_with(&node_name(*i)))?;
-                    (n(4) > n(2) + n(3)).then_some(node)
+                    (n(4) > n(2) + n(3)).then(|| (c[0].to_string(), node))
                 })
                 .collect();
-            nodes.sort_unstable();
-            nodes.dedup();
-            return nodes;
+            queues.sort_unstable();
+            return queues;
         }
         Vec::new()
     })
     .await
     .unwrap()
+}
+
+/// Nodes leading a queue under `prefix` that holds dead-lettered messages not yet moved on
+/// ([`waiting_dead_letters`]).
+pub async fn leaders_of_waiting_dead_letters(prefix: &str) -> Vec<usize> {
+    let mut nodes: Vec<usize> = waiting_dead_letters(prefix)
+        .await
+        .into_iter()
+        .map(|(_, node)| node)
+        .collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    nodes
+}
+
+/// The `rabbitmqctl eval` expression that kills the dead-letter worker of quorum queue `queue`
+/// (vhost `/`) on the node it runs on, and answers `{killed, Pid, StuckTargets, SupervisorAlive}`
+/// (or `no_worker`). `StuckTargets` are the target queues whose quorum-queue client in the
+/// worker never got going: no leader known, no queue status, and the first server it asks
+/// (`{RaName, Node}`) is on a node that is down. The record positions are RabbitMQ 3.10.8's
+/// (`rabbit_fifo_dlx_worker`'s `#state.queue_ref` 2 and `queue_type_state` 7,
+/// `rabbit_fifo_client`'s `#state.leader` 3 and `queue_status` 4).
+fn kill_dlx_worker_expr(queue: &str) -> String {
+    format!(
+        r#"R = rabbit_misc:r(<<"/">>, queue, <<"{queue}">>),
+Ws = [P || {{_, P, _, _}} <- supervisor:which_children(rabbit_fifo_dlx_sup), is_pid(P)],
+case [P || P <- Ws, element(2, sys:get_state(P)) =:= R] of
+  [P | _] ->
+    S = sys:get_state(P),
+    Stuck = case element(7, S) of
+      {{rabbit_queue_type, Ctxs, _}} ->
+        [{{N, hd(element(3, element(2, C)))}} || {{{{resource, _, queue, N}}, {{ctx, rabbit_quorum_queue, _, C}}}} <- maps:to_list(Ctxs),
+             element(3, C) =:= undefined, element(4, C) =:= undefined,
+             not lists:member(element(2, hd(element(3, element(2, C)))), [node() | nodes()])];
+      _ -> unknown
+    end,
+    exit(P, kill),
+    timer:sleep(1000),
+    {{killed, P, Stuck, whereis(rabbit_fifo_dlx_sup) =/= undefined}};
+  [] -> no_worker
+end."#
+    )
+}
+
+/// A remedy for dead-lettered messages that do not move which restarts no node: kill the
+/// dead-letter worker (`rabbit_fifo_dlx_worker`) of each tier whose dead-lettered messages wait
+/// ([`waiting_dead_letters`]), on the tier's leader, with `rabbitmqctl eval` (see
+/// docs/OPERATIONS.md). Found on RabbitMQ 3.10.8 after a node loss: the worker's client of a
+/// target tier was set up while the target's recorded leader was the lost node; its first
+/// publish asks that node for the machine version (`{badrpc, nodedown}`), which rejects the
+/// publish and keeps nothing, so every retry asks the dead node again and is rejected for ever.
+/// `rabbit_fifo_dlx_sup` restarts the killed worker at once (a permanent child), the new one
+/// takes over the tier's dead-lettered messages and sets its clients up from the queues'
+/// current records, and what waited moves on. The supervisor allows one restart in 5 s, so the
+/// kills on one node are 6 s apart (a second one within 5 s would take the supervisor down:
+/// [`nodes_without_dlx_supervisor`]). Up to 3 rounds, two confirm timeouts apart. Returns the
+/// tiers whose worker was killed, with their leader.
+pub async fn restart_stuck_dlx_workers(who: &str, prefix: &str) -> Vec<(String, usize)> {
+    let mut killed = Vec::new();
+    for round in 0..3 {
+        if round > 0 {
+            tokio::time::sleep(Duration::from_millis(2 * DLX_CONFIRM_TIMEOUT_MS + 2000)).await;
+        }
+        let waiting = waiting_dead_letters(prefix).await;
+        if waiting.is_empty() {
+            break;
+        }
+        let mut last_kill: HashMap<usize, Instant> = HashMap::new();
+        for (queue, node) in waiting {
+            if let Some(t) = last_kill.get(&node) {
+                let gap = Duration::from_secs(6);
+                tokio::time::sleep(gap.saturating_sub(t.elapsed())).await;
+            }
+            let expr = kill_dlx_worker_expr(&queue);
+            let out = tokio::task::spawn_blocking({
+                let node = node.to_string();
+                move || cluster_sh(&["ctl", &node, "eval", &expr])
+            })
+            .await
+            .unwrap();
+            last_kill.insert(node, Instant::now());
+            let out = out.unwrap_or_else(|e| e);
+            eprintln!(
+                "[{who}] {queue} (led by node {node}): its dead-lettered messages wait; killed its dead-letter worker: {}",
+                out.split_whitespace().collect::<Vec<_>>().join(" ")
+            );
+            killed.push((queue, node));
+        }
+    }
+    killed
 }
 
 /// The remedy docs/OPERATIONS.md gives for dead-lettered messages that do not move: restart
