@@ -44,10 +44,10 @@ use crate::headers;
 /// Content type of a batch message.
 pub const CONTENT_TYPE: &str = "application/vnd.amqp-delay.batch";
 /// The envelope version this code writes and reads.
-pub const VERSION: u8 = 1;
+pub(crate) const VERSION: u8 = 1;
 const MAGIC: &[u8; 3] = b"ADB";
 /// Bytes of a batch body before its members.
-pub const HEADER_LEN: usize = 3 + 1 + 4;
+pub(crate) const HEADER_LEN: usize = 3 + 1 + 4;
 
 /// One message inside a batch.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,7 +64,7 @@ pub fn encode_properties(p: &BasicProperties) -> Vec<u8> {
 }
 
 /// Bytes `member` adds to a batch body (for the size bound).
-pub fn member_len(encoded_properties: usize, body: usize) -> usize {
+pub(crate) fn member_len(encoded_properties: usize, body: usize) -> usize {
     4 + encoded_properties + 4 + body
 }
 
@@ -84,7 +84,8 @@ pub fn encode_parts<'a>(members: impl ExactSizeIterator<Item = (&'a [u8], &'a [u
 }
 
 /// Encodes `members` into a batch body.
-pub fn encode(members: &[Member]) -> Vec<u8> {
+#[cfg(test)]
+pub(crate) fn encode(members: &[Member]) -> Vec<u8> {
     let props: Vec<Vec<u8>> = members
         .iter()
         .map(|m| encode_properties(&m.properties))
@@ -145,7 +146,8 @@ fn take_u32(input: &mut &[u8], what: &str) -> Result<usize, String> {
 /// Decodes a batch body. Any malformation is a reason, never a panic. A delivery from the
 /// broker is read with [`decode_bounded`], which also holds the body to its header and a
 /// maximum.
-pub fn decode(body: &[u8]) -> Result<Vec<Member>, String> {
+#[cfg(test)]
+pub(crate) fn decode(body: &[u8]) -> Result<Vec<Member>, String> {
     members(body, None, usize::MAX)?.collect()
 }
 
@@ -154,6 +156,7 @@ pub fn decode(body: &[u8]) -> Result<Vec<Member>, String> {
 /// `publisher.batch_max_messages`: no batch of ours holds more). Refused, with a reason,
 /// before anything is allocated per member: a count that differs from the header, a count
 /// beyond the maximum, a body whose member frames do not add up to it exactly. Never panics.
+#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub fn decode_bounded(
     body: &[u8],
     announced: u64,
@@ -169,7 +172,7 @@ pub fn decode_bounded(
 /// one bad member is refused whole, before anything of it runs, and holds no more than one
 /// decoded member per step of the iterator. (An `Err` item cannot follow a successful walk; it
 /// is kept for the type.)
-pub fn members(
+pub(crate) fn members(
     body: &[u8],
     announced: Option<u64>,
     max_members: usize,
@@ -261,7 +264,7 @@ fn member_at(input: &mut &[u8], i: usize) -> Result<Member, String> {
 
 /// What [`group`] needs of one message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Candidate {
+pub(crate) struct Candidate {
     /// When it falls due (ms since the epoch).
     pub due_at_ms: u64,
     /// The latest acceptable delivery: due time + lateness budget.
@@ -272,7 +275,7 @@ pub struct Candidate {
 
 /// Limits of one batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
+pub(crate) struct Limits {
     /// At most this many members.
     pub max_members: usize,
     /// At most this many body bytes (header included).
@@ -281,7 +284,7 @@ pub struct Limits {
 
 /// A group of candidates that can fire together, with its firing window.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Group {
+pub(crate) struct Group {
     /// Indices into the candidates.
     pub members: Vec<usize>,
     /// Fire no earlier than this (the latest due time).
@@ -292,7 +295,7 @@ pub struct Group {
 
 /// Splits candidates for ONE destination into groups that can each travel as one message.
 /// Every candidate is in exactly one group; a candidate too big for a batch is alone.
-pub fn group(cands: &[Candidate], limits: Limits) -> Vec<Group> {
+pub(crate) fn group(cands: &[Candidate], limits: Limits) -> Vec<Group> {
     let mut order: Vec<usize> = (0..cands.len()).collect();
     order.sort_by_key(|&i| (cands[i].due_at_ms, cands[i].deadline_ms));
     let mut out: Vec<Group> = Vec::new();
@@ -333,7 +336,7 @@ pub fn group(cands: &[Candidate], limits: Limits) -> Vec<Group> {
 /// How much earlier than its lead a grain group of one message may arrive: enough for a
 /// coarser route than the exact one (the 16 ms level and below go unused at radix 16), little
 /// enough that singles hold few prefetch slots.
-pub const SINGLE_EARLY_MS: u64 = 50;
+pub(crate) const SINGLE_EARLY_MS: u64 = 50;
 
 /// The last level of the timing wheel, which our consumers keep (see [`group_grains`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -353,7 +356,7 @@ pub struct Grain {
 /// window's start − lead and no later than its earliest member's due time − lead, so it is
 /// never later than any member (the consumer then runs each member at its exact due time) and
 /// held at most one window plus the lead. Every candidate is in exactly one group.
-pub fn group_grains(cands: &[Candidate], grain: Grain, limits: Limits) -> Vec<Group> {
+pub(crate) fn group_grains(cands: &[Candidate], grain: Grain, limits: Limits) -> Vec<Group> {
     let width = grain.width_ms.max(1);
     let mut order: Vec<usize> = (0..cands.len()).collect();
     order.sort_by_key(|&i| cands[i].due_at_ms);

@@ -16,18 +16,16 @@ use crate::error::{Error, Result};
 use crate::layout::QueueType;
 
 /// AMQP reply code: the user may not access the object.
-pub const ACCESS_REFUSED: u16 = 403;
+pub(crate) const ACCESS_REFUSED: u16 = 403;
 /// AMQP reply code: the object does not exist.
-pub const NOT_FOUND: u16 = 404;
-/// AMQP reply code: the object is exclusively used by another connection.
-pub const RESOURCE_LOCKED: u16 = 405;
+pub(crate) const NOT_FOUND: u16 = 404;
 /// AMQP reply code: the object exists with other properties.
-pub const PRECONDITION_FAILED: u16 = 406;
+pub(crate) const PRECONDITION_FAILED: u16 = 406;
 /// A frame larger than the negotiated `frame_max` (a connection error).
-pub const FRAME_ERROR: u16 = 501;
+pub(crate) const FRAME_ERROR: u16 = 501;
 
 /// The broker's reply code and text when `e` is a channel or connection error it sent.
-pub fn reply(e: &lapin::Error) -> Option<(u16, String)> {
+pub(crate) fn reply(e: &lapin::Error) -> Option<(u16, String)> {
     match e.kind() {
         lapin::ErrorKind::ProtocolError(amqp) => {
             Some((amqp.get_id(), amqp.get_message().as_str().to_string()))
@@ -37,7 +35,7 @@ pub fn reply(e: &lapin::Error) -> Option<(u16, String)> {
 }
 
 /// Whether `e` is the broker's reply `code`.
-pub fn is_reply(e: &lapin::Error, code: u16) -> bool {
+pub(crate) fn is_reply(e: &lapin::Error, code: u16) -> bool {
     reply(e).is_some_and(|(c, _)| c == code)
 }
 
@@ -78,7 +76,7 @@ impl SharedChannel {
     }
 
     /// [`Channel::basic_publish`], its delivery tag taken in the order its frames are sent.
-    pub async fn basic_publish(
+    pub(crate) async fn basic_publish(
         &self,
         exchange: lapin::types::ShortString,
         routing_key: lapin::types::ShortString,
@@ -117,7 +115,7 @@ impl std::ops::Deref for SharedChannel {
 
 /// How long a close may wait for the broker's answer: on a connection that stopped answering
 /// (a node going down) it never comes, and whoever closes must carry on.
-pub const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+pub(crate) const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Closes a channel, ignoring errors (it may already be closed by the broker); gives up waiting
 /// for the answer after [`CLOSE_TIMEOUT`].
@@ -183,7 +181,7 @@ pub async fn queue_state(conn: &Connection, queue: &str) -> Result<Option<QueueS
 
 /// The stream offset a delivery carries (RabbitMQ sets `x-stream-offset` on every record it
 /// delivers from a stream).
-pub fn stream_offset(d: &lapin::message::Delivery) -> Option<u64> {
+pub(crate) fn stream_offset(d: &lapin::message::Delivery) -> Option<u64> {
     let h = d.properties.headers().as_ref()?;
     match h.inner().get("x-stream-offset")? {
         AMQPValue::LongLongInt(v) => u64::try_from(*v).ok(),
@@ -243,7 +241,11 @@ pub async fn declare_queue(ch: &Channel, name: &str, args: FieldTable) -> Result
 /// (the node with the fewest leaders leads it, on RabbitMQ 3.10 and 4.x alike) when the queue is
 /// new. A queue that exists without the argument (declared by an earlier version) is declared
 /// again without it rather than refused. Uses a channel of its own (a refusal closes it).
-pub async fn declare_queue_spread(conn: &Connection, name: &str, args: FieldTable) -> Result<()> {
+pub(crate) async fn declare_queue_spread(
+    conn: &Connection,
+    name: &str,
+    args: FieldTable,
+) -> Result<()> {
     let mut spread = args.clone();
     spread.insert(LEADER_LOCATOR.into(), long_string("balanced"));
     let ch = open(conn).await?;
@@ -263,7 +265,7 @@ pub async fn declare_queue_spread(conn: &Connection, name: &str, args: FieldTabl
 }
 
 /// The queue argument choosing which node leads a replicated queue.
-pub const LEADER_LOCATOR: &str = "x-queue-leader-locator";
+pub(crate) const LEADER_LOCATOR: &str = "x-queue-leader-locator";
 
 /// Declares a durable exchange; an existing one of another type or arguments is a
 /// [`Error::Conflict`].
@@ -296,7 +298,12 @@ pub async fn bind_queue(ch: &Channel, queue: &str, exchange: &str, key: &str) ->
 }
 
 /// Binds exchange `destination` to `source` with `key` (exchange-to-exchange).
-pub async fn bind_exchange(ch: &Channel, destination: &str, source: &str, key: &str) -> Result<()> {
+pub(crate) async fn bind_exchange(
+    ch: &Channel,
+    destination: &str,
+    source: &str,
+    key: &str,
+) -> Result<()> {
     ch.exchange_bind(
         destination.into(),
         source.into(),
@@ -310,7 +317,7 @@ pub async fn bind_exchange(ch: &Channel, destination: &str, source: &str, key: &
 
 /// Turns a PRECONDITION_FAILED on declare into a [`Error::Conflict`] that names the object and
 /// the differing argument.
-pub fn conflict_or(e: lapin::Error, what: &str, name: &str) -> Error {
+pub(crate) fn conflict_or(e: lapin::Error, what: &str, name: &str) -> Error {
     match reply(&e) {
         Some((PRECONDITION_FAILED, text)) => match parse_inequivalent(&text) {
             Some(i) => Error::Conflict(format!(
@@ -332,7 +339,7 @@ pub fn conflict_or(e: lapin::Error, what: &str, name: &str) -> Error {
 
 /// The parts of the broker's "inequivalent arg" message.
 #[derive(Debug, PartialEq, Eq)]
-pub struct Inequivalent {
+pub(crate) struct Inequivalent {
     /// The argument that differs.
     pub argument: String,
     /// The value this declare asked for.
@@ -343,7 +350,7 @@ pub struct Inequivalent {
 
 /// Parses `PRECONDITION_FAILED - inequivalent arg 'x-message-ttl' for queue 'q' in vhost '/':
 /// received the value '2' of type 'signedint' but current is the value '1' of type 'signedint'`.
-pub fn parse_inequivalent(text: &str) -> Option<Inequivalent> {
+pub(crate) fn parse_inequivalent(text: &str) -> Option<Inequivalent> {
     let argument = between(text, "inequivalent arg '", "'")?;
     let received_part = between(text, "received ", " but current is ")?;
     let current_part = text.split(" but current is ").nth(1)?;

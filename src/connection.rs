@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::settings::{Settings, TlsSettings};
 
 /// How long one connection attempt (TCP, TLS and the AMQP handshake) may take.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[cfg(feature = "tools")]
 pub use crate::endpoints::validate_urls;
@@ -79,14 +79,14 @@ impl Connector {
         }
     }
 
-    /// The URLs (with credentials: print them with [`redact_url`]).
+    /// The URLs (with credentials: print them redacted, never as they are).
     pub fn urls(&self) -> &str {
         &self.urls
     }
 
     /// Opens a connection named `name` (shown in the broker's connection list) to the first
     /// node that answers, starting from a random one; each attempt gives up after
-    /// [`CONNECT_TIMEOUT`]. The error names the last node tried.
+    /// 10 s. The error names the last node tried.
     pub async fn connect(&self, name: &str) -> Result<Connection> {
         let list = split_urls(&self.urls);
         if list.is_empty() {
@@ -153,7 +153,7 @@ impl Connector {
 
 /// The user `conn` logged in as (from its URL; `None` when it names none): what the broker
 /// accepts as the `user_id` of its publishes ([`crate::trust`]).
-pub fn user_of(conn: &Connection) -> Option<String> {
+pub(crate) fn user_of(conn: &Connection) -> Option<String> {
     Some(conn.status().username()).filter(|u| !u.is_empty())
 }
 
@@ -180,7 +180,7 @@ impl Default for Backoff {
 impl Backoff {
     const FIRST: Duration = Duration::from_millis(250);
     /// The longest pause.
-    pub const CAP: Duration = Duration::from_secs(5);
+    pub(crate) const CAP: Duration = Duration::from_secs(5);
 
     /// Back to the first pause (after a successful connection).
     pub fn reset(&mut self) {

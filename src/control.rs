@@ -21,17 +21,18 @@ pub(crate) const KIND: &str = "control stream";
 
 /// The longest message id: AMQP's `message-id` is a short string (what `Publisher::cancel`
 /// accepts too). A tombstone naming a longer or an empty id is no canceller's, and is skipped.
-pub const MAX_ID_BYTES: usize = 255;
+pub(crate) const MAX_ID_BYTES: usize = 255;
 /// Tombstones in one record, at most: what a bulk cancel (`Publisher::cancel_all`) and a
 /// checkpoint part put in one. A record with more is no writer's of ours, and is skipped.
-pub const MAX_ITEMS: usize = 1_000;
+pub(crate) const MAX_ITEMS: usize = 1_000;
 /// The longest record worth decoding: [`MAX_ITEMS`] tombstones of [`MAX_ID_BYTES`]-byte ids
 /// each escaped to six bytes a byte (JSON's `\u00XX`, the worst case) with their `until`
 /// (1 000 × 1 556 bytes ≈ 1.5 MiB), rounded up. A gateway pair or a batch marker is far less.
-pub const MAX_RECORD_BYTES: usize = 2 * 1024 * 1024;
+pub(crate) const MAX_RECORD_BYTES: usize = 2 * 1024 * 1024;
 /// Names of gateway pairs and batch markers [`read_all`] keeps, at most: far more than a
 /// topology has destinations and pairs; a stream flooded with distinct names is forged.
-pub const MAX_NAMED: usize = 100_000;
+#[cfg_attr(not(feature = "tools"), allow(dead_code))]
+pub(crate) const MAX_NAMED: usize = 100_000;
 
 /// Records in the control stream.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -124,7 +125,7 @@ pub(crate) fn log(layout: &Layout) -> StreamLog<Record> {
 }
 
 /// Declares the control stream (idempotent).
-pub async fn declare(conn: &Connection, layout: &Layout) -> Result<()> {
+pub(crate) async fn declare(conn: &Connection, layout: &Layout) -> Result<()> {
     log(layout)
         .declare(conn, layout.control_max_age_secs())
         .await
@@ -142,6 +143,7 @@ pub async fn append(conn: &Connection, layout: &Layout, record: &Record) -> Resu
 /// of writers `trust` lets name them (with the connection's own user: [`Trust::may_compact`]).
 /// `Ok(vec![])` when the stream does not exist. Gives up only when no record arrives for a
 /// while ([`crate::stream_log::READ_STALL`]).
+#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub async fn read_all(
     conn: &Connection,
     layout: &Layout,
@@ -176,6 +178,7 @@ pub async fn read_all(
 /// (anyone who may append to the stream can write one): the connection is lost. Reading again
 /// on a new connection, in the same process, gets past it — the process remembers the record's
 /// offset and skips it after a few tries (two or three lost connections per such record).
+#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub fn is_record_over_frame_max(e: &Error) -> bool {
     crate::stream_log::is_record_over_frame_max(e)
 }
@@ -194,6 +197,7 @@ impl Record {
 
     /// What a named record is about: a pair's ingress and target (registered or ended alike),
     /// a marker's queue.
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     fn name(&self) -> Option<(&str, &str)> {
         match self {
             Record::GatewayPair { ingress, target }
@@ -207,6 +211,7 @@ impl Record {
 /// The gateway pairs and batch markers of a read, each once (a pair as its latest record
 /// says), at most [`MAX_NAMED`].
 #[derive(Default)]
+#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 struct Named {
     /// Where each name's record is in `out`.
     seen: std::collections::HashMap<(String, String, bool), usize>,
@@ -214,6 +219,7 @@ struct Named {
 }
 
 impl Named {
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     fn take(&mut self, r: Record) {
         let Some((a, b)) = r.name() else { return };
         let marker = matches!(r, Record::BatchMarker { .. });

@@ -59,32 +59,33 @@ pub fn validate_urls(urls: &str) -> std::result::Result<(), String> {
 }
 
 /// AMQP's smallest `frame_max` (the spec's `frame-min-size`).
-pub const AMQP_MIN_FRAME_MAX: u32 = 4096;
+pub(crate) const AMQP_MIN_FRAME_MAX: u32 = 4096;
 
 /// The largest `frame_max` a URL may ask for. lapin sets aside 32 frames each way per
 /// connection before the broker answers (`frame_max=999999999` asked for ~64 GB and aborted the
 /// process); at 1 MiB that is already 64 MiB per connection, and nothing amqp-delay sends needs
 /// bigger frames (bodies span several frames; headers are bounded, see [`MIN_FRAME_MAX`]).
-pub const MAX_FRAME_MAX: u32 = 1 << 20;
+pub(crate) const MAX_FRAME_MAX: u32 = 1 << 20;
 
 /// The smallest negotiated `frame_max` amqp-delay works with: a message's whole content header
 /// (properties and headers) must fit one frame, at publishing and at each delivery after tier
 /// hops. We accept headers up to [`crate::message::MAX_HEADER_BYTES`] (32 KiB) and keep
 /// [`HEADER_GROWTH_MARGIN`] for the rest, so that the effective header cap,
 /// min(32 KiB, frame_max − margin), is the full 32 KiB on every connection we make.
-pub const MIN_FRAME_MAX: u32 = (crate::message::MAX_HEADER_BYTES + HEADER_GROWTH_MARGIN) as u32;
+pub(crate) const MIN_FRAME_MAX: u32 =
+    (crate::message::MAX_HEADER_BYTES + HEADER_GROWTH_MARGIN) as u32;
 
 /// What a content header may carry besides the caller's headers: the other properties (ten
 /// short strings, ≤ 2.6 KiB), our own `x-delay-*` headers (≤ 2 KiB), the broker's
 /// `x-first-death-*`/`x-last-death-*` (≤ 1.7 KiB) and one `x-death` entry of ≤ 0.9 KiB per tier
 /// queue a route passes (a year at radix 2 and 1 ms units passes 44: 32 levels, 8 overflow tiers,
 /// a fixed level).
-pub const HEADER_GROWTH_MARGIN: usize = 64 << 10;
+pub(crate) const HEADER_GROWTH_MARGIN: usize = 64 << 10;
 
 /// The `frame_max` we ask for when a URL does not say (RabbitMQ's default): without one lapin
 /// takes whatever the broker offers, and a broker that offers none (0) would make it set aside
 /// 32 frames of 4 GiB.
-pub const DEFAULT_FRAME_MAX: u32 = 128 << 10;
+pub(crate) const DEFAULT_FRAME_MAX: u32 = 128 << 10;
 
 /// Checks the `frame_max` query parameter(s) of an AMQP URL: a number within
 /// [`MIN_FRAME_MAX`] ..= [`MAX_FRAME_MAX`].
@@ -122,7 +123,7 @@ fn check_frame_max(u: &url::Url) -> Result<(), String> {
 
 /// `url` (one AMQP URL) ready to connect with: its `frame_max` checked (see [`validate_urls`]),
 /// and [`DEFAULT_FRAME_MAX`] asked for when it gives none.
-pub fn connect_url(url: &str) -> Result<String, String> {
+pub(crate) fn connect_url(url: &str) -> Result<String, String> {
     let mut u = url::Url::parse(url)
         .map_err(|e| format!("broker URL '{}' is invalid: {e}", redact_url(url)))?;
     check_frame_max(&u).map_err(|e| format!("broker URL '{}': {e}", redact_url(url)))?;

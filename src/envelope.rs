@@ -89,7 +89,7 @@ fn non_negative(table: &FieldTable, name: &str) -> Result<Option<u64>, String> {
 
 /// Decodes a delivery. The second value is the reason the envelope is invalid, if it is (the
 /// delivery then carries defaults for what could not be read).
-pub fn decode(
+pub(crate) fn decode(
     queue: &str,
     body: Vec<u8>,
     properties: BasicProperties,
@@ -139,7 +139,7 @@ pub fn decode(
 
 /// Which properties [`copy_properties`] leaves out.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Omit {
+pub(crate) struct Omit {
     /// Leave out `headers`.
     pub headers: bool,
     /// Leave out `delivery_mode`.
@@ -153,7 +153,7 @@ pub struct Omit {
 }
 
 /// `p` without the properties named in `omit` (lapin has setters but no way to unset).
-pub fn copy_properties(p: &BasicProperties, omit: Omit) -> BasicProperties {
+pub(crate) fn copy_properties(p: &BasicProperties, omit: Omit) -> BasicProperties {
     let mut o = BasicProperties::default();
     if let Some(v) = p.content_type() {
         o = o.with_content_type(v.clone());
@@ -219,7 +219,10 @@ pub fn republish_properties(p: &BasicProperties, headers: FieldTable) -> BasicPr
 /// Headers for re-scheduling a message owned by `owner`: the original ones without the
 /// broker's death history, our schedule headers (set again by the publisher) and parking
 /// headers, naming its owner ([`headers::OWNER`]) for whoever reads the copy.
-pub fn headers_for_reschedule(original: Option<&FieldTable>, owner: Option<&str>) -> FieldTable {
+pub(crate) fn headers_for_reschedule(
+    original: Option<&FieldTable>,
+    owner: Option<&str>,
+) -> FieldTable {
     let empty = FieldTable::default();
     let mut h = headers::filter(original.unwrap_or(&empty), |k| {
         !headers::is_broker_header(k)
@@ -234,7 +237,7 @@ pub fn headers_for_reschedule(original: Option<&FieldTable>, owner: Option<&str>
 }
 
 /// The owner a copy names ([`headers::OWNER`]), if it names one as a string.
-pub fn owner_header(p: &BasicProperties) -> Option<String> {
+pub(crate) fn owner_header(p: &BasicProperties) -> Option<String> {
     match p.headers().as_ref()?.inner().get(headers::OWNER)? {
         AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
         AMQPValue::ShortString(s) => Some(s.to_string()),

@@ -96,7 +96,7 @@ pub(crate) fn log(layout: &Layout) -> StreamLog<Entry> {
 
 /// Declares the ledger stream (idempotent), kept as long as the control stream: the longest
 /// delay plus a week, so summing it from its start is always right.
-pub async fn declare(conn: &Connection, layout: &Layout) -> Result<()> {
+pub(crate) async fn declare(conn: &Connection, layout: &Layout) -> Result<()> {
     log(layout)
         .declare(conn, layout.control_max_age_secs())
         .await
@@ -202,6 +202,7 @@ async fn conclude(
 
 /// A count kept current: [`count`] once, then every record appended after it, read as it
 /// comes (for the `amqp_delay_messages_pending` gauge).
+#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub struct Following {
     dues: Arc<std::sync::Mutex<Dues>>,
     task: tokio::task::JoinHandle<()>,
@@ -211,6 +212,7 @@ pub struct Following {
 
 impl Following {
     /// Messages not yet due at `now_ms` (what is due is dropped from the sum).
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub fn pending(&self, now_ms: u64) -> Pending {
         let mut d = self.dues.lock().unwrap_or_else(|p| p.into_inner());
         let mut kept = Dues::default();
@@ -220,6 +222,7 @@ impl Following {
     }
 
     /// Whether it still reads the stream (a lost connection or a deleted stream ends it).
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub fn is_following(&self) -> bool {
         !self.task.is_finished()
     }
@@ -227,6 +230,7 @@ impl Following {
 
 /// Counts the ledger (as [`count`]) and keeps following it on a channel of `conn`. `None`
 /// when the topology has no ledger stream.
+#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub async fn follow(
     conn: Arc<Connection>,
     layout: &Layout,
@@ -270,6 +274,7 @@ pub async fn follow(
 
 /// A record read by a follower into its sum, within `bounds` (the sum compacted when it grows
 /// past them: bounded whatever is appended).
+#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 fn follow_one(sum: &std::sync::Mutex<Dues>, record: Entry, bounds: Bounds) {
     match bounds.check(record) {
         Ok(Entry::Scheduled { dues: pairs }) => {
@@ -284,18 +289,18 @@ fn follow_one(sum: &std::sync::Mutex<Dues>, record: Entry, bounds: Bounds) {
 
 /// What a publisher has put into the tiers since it last wrote to the ledger.
 #[derive(Debug, Default)]
-pub struct Recorder {
+pub(crate) struct Recorder {
     dues: std::sync::Mutex<Dues>,
 }
 
 impl Recorder {
     /// Counts `n` messages in one broker message leaving the tiers at `due_ms`.
-    pub fn add(&self, due_ms: u64, n: u64) {
+    pub(crate) fn add(&self, due_ms: u64, n: u64) {
         self.lock().add(due_ms, n);
     }
 
     /// What to write (compacted as a snapshot is, from now), emptying it; `None` when empty.
-    pub fn take(&self) -> Option<Entry> {
+    pub(crate) fn take(&self) -> Option<Entry> {
         let mut d = self.lock();
         if d.is_empty() {
             return None;
@@ -306,7 +311,7 @@ impl Recorder {
     }
 
     /// Puts back what could not be written.
-    pub fn put_back(&self, entry: Entry) {
+    pub(crate) fn put_back(&self, entry: Entry) {
         if let Entry::Scheduled { dues } = entry {
             self.lock().merge(&dues);
         }

@@ -25,11 +25,14 @@
 //! (the Prometheus registry the library fills) and, with the `management` feature,
 //! `management` (RabbitMQ's HTTP API, to count messages its dead-letter worker holds).
 //!
-//! Features: `management` (an HTTP client, for [`Topology::stats_with`]); `tools` (the
+//! Features: `management` (an HTTP client, for `Topology::stats_with`); `tools` (the
 //! broker-edge modules the amqp-delay-cli tools and the test suites drive directly: hidden, no
 //! stability promise).
-
-#![cfg_attr(not(feature = "tools"), allow(unreachable_pub, dead_code))]
+//!
+//! Lints (Cargo.toml): `unsafe_code` forbidden, `unreachable_pub` denied. An item is `pub` only
+//! when the façade or the tools reach it: the modules the `tools` feature opens allow
+//! `unreachable_pub` only in the build without it, where what the tools use is unreachable, and
+//! items only the tools call say so with `cfg_attr(not(feature = "tools"), allow(dead_code))`.
 
 // ---- pure core: no I/O ---------------------------------------------------------------------
 pub mod headers;
@@ -43,41 +46,49 @@ pub mod trust;
 #[doc(hidden)]
 pub mod batch;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod batch;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod endpoints;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod endpoints;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod envelope;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod envelope;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod error;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod error;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod message;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod message;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod planner;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod planner;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod retry;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod retry;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod tally;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod tally;
 
 // ---- broker edge ---------------------------------------------------------------------------
@@ -88,41 +99,49 @@ pub mod management;
 #[doc(hidden)]
 pub mod broker;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod broker;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod cancel;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod cancel;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod connection;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod connection;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod control;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod control;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod ledger;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod ledger;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod publisher;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod publisher;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod topology;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod topology;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod worker;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod worker;
 
 // the one log both streams use (private to the library)
@@ -134,6 +153,7 @@ mod stream_log;
 #[doc(hidden)]
 pub mod gateway;
 #[cfg(not(feature = "tools"))]
+#[allow(unreachable_pub)]
 mod gateway;
 
 pub use connection::{Connector, connect};

@@ -16,7 +16,7 @@ use crate::planner::Route;
 /// (128 KiB by default) or no consumer can receive it. Every connection we make negotiates at
 /// least [`crate::endpoints::MIN_FRAME_MAX`] (this plus room for the rest), so the whole cap is
 /// always usable.
-pub const MAX_HEADER_BYTES: usize = 32 << 10;
+pub(crate) const MAX_HEADER_BYTES: usize = 32 << 10;
 
 /// A message to deliver to `destination` (a queue name) after `delay_ms`.
 #[derive(Debug, Clone)]
@@ -142,7 +142,7 @@ impl Message {
 }
 
 /// An AMQP short string (at most 255 bytes), or why not.
-pub fn short(what: &str, s: String) -> Result<ShortString, String> {
+pub(crate) fn short(what: &str, s: String) -> Result<ShortString, String> {
     let len = s.len();
     ShortString::try_new(s)
         .map_err(|_| format!("the {what} is {len} bytes; AMQP allows at most 255"))

@@ -165,7 +165,11 @@ pub fn plan(layout: &Layout, precision: &Precision, delay_ms: u64) -> Result<Rou
 /// `[delay_ms, latest_ms]` (widened to one unit when the unit is coarser than the window):
 /// never early, never later than `latest_ms`. A batch is planned this way, with the window
 /// every member accepts.
-pub fn plan_window(layout: &Layout, delay_ms: u64, latest_ms: u64) -> Result<Route, PlanError> {
+pub(crate) fn plan_window(
+    layout: &Layout,
+    delay_ms: u64,
+    latest_ms: u64,
+) -> Result<Route, PlanError> {
     if delay_ms > layout.max_delay_ms() {
         return Err(PlanError::TooLong {
             delay_ms,
@@ -302,7 +306,7 @@ fn cascade_entry(digits: &[u32]) -> Entry {
 }
 
 /// Number of non-zero base-`radix` digits of `n` (= cascade hops).
-pub fn nonzero_digits(mut n: u64, radix: u32) -> u32 {
+pub(crate) fn nonzero_digits(mut n: u64, radix: u32) -> u32 {
     let r = u64::from(radix);
     let mut c = 0;
     while n > 0 {
@@ -316,7 +320,7 @@ pub fn nonzero_digits(mut n: u64, radix: u32) -> u32 {
 
 /// The value in `[lo, hi]` with the fewest non-zero base-`radix` digits, the smallest such.
 /// Requires `lo <= hi`.
-pub fn fewest_digits_in(lo: u64, hi: u64, radix: u32) -> u64 {
+pub(crate) fn fewest_digits_in(lo: u64, hi: u64, radix: u32) -> u64 {
     debug_assert!(lo <= hi);
     let r = u64::from(radix);
     let mut best = lo;

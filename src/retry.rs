@@ -106,7 +106,7 @@ impl RetryPolicy {
 /// doubling, at most [`REQUEUE_PAUSE_CAP`] times the first. Every return counts toward the
 /// quorum queues' delivery limit (20, then the message is parked), so the pause grows: the
 /// limit is reached after 481 first pauses of failures (about 8 minutes at 1 s), not 20.
-pub fn requeue_pause_ms(first_ms: u64, returned_before: u64) -> u64 {
+pub(crate) fn requeue_pause_ms(first_ms: u64, returned_before: u64) -> u64 {
     // 2^5 is past the cap already
     first_ms
         .saturating_mul(1u64 << returned_before.min(5))
@@ -114,7 +114,7 @@ pub fn requeue_pause_ms(first_ms: u64, returned_before: u64) -> u64 {
 }
 
 /// The longest pause of [`requeue_pause_ms`], in first pauses.
-pub const REQUEUE_PAUSE_CAP: u64 = 30;
+pub(crate) const REQUEUE_PAUSE_CAP: u64 = 30;
 
 #[cfg(test)]
 mod tests {

@@ -19,14 +19,14 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 /// How often a reader leaves a snapshot for the next ones (at most).
-pub const SNAPSHOT_EVERY_MS: u64 = 30 * 60_000;
+pub(crate) const SNAPSHOT_EVERY_MS: u64 = 30 * 60_000;
 /// How far back a reader looks for a snapshot before it reads the ledger from its start.
-pub const READ_WINDOW_MS: u64 = 2 * SNAPSHOT_EVERY_MS;
+pub(crate) const READ_WINDOW_MS: u64 = 2 * SNAPSHOT_EVERY_MS;
 
 /// Records of the ledger stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
-pub enum Entry {
+pub(crate) enum Entry {
     /// Messages a publisher put into the tiers since its last record: `[due_s, count]`, where
     /// `due_s` is the second (since the epoch) by which their broker message leaves the tiers.
     Scheduled {
@@ -52,19 +52,19 @@ pub enum Entry {
 
 /// Message counts by the second they fall due.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Dues(BTreeMap<u64, u64>);
+pub(crate) struct Dues(BTreeMap<u64, u64>);
 
 impl Dues {
     /// Counts `n` messages leaving the tiers at `due_ms` (rounded up to the second: counted as
     /// pending until that second is over).
-    pub fn add(&mut self, due_ms: u64, n: u64) {
+    pub(crate) fn add(&mut self, due_ms: u64, n: u64) {
         if n > 0 {
             self.merge(&[(due_ms.div_ceil(1000), n)]);
         }
     }
 
     /// Adds `[due_s, count]` pairs (a record's).
-    pub fn merge(&mut self, pairs: &[(u64, u64)]) {
+    pub(crate) fn merge(&mut self, pairs: &[(u64, u64)]) {
         for &(s, n) in pairs {
             let e = self.0.entry(s).or_default();
             *e = e.saturating_add(n);
@@ -72,12 +72,12 @@ impl Dues {
     }
 
     /// Whether it counts nothing.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 
     /// What is not yet due at `now_ms`, and when it falls due.
-    pub fn pending(&self, now_ms: u64) -> Pending {
+    pub(crate) fn pending(&self, now_ms: u64) -> Pending {
         let mut p = Pending {
             as_of_ms: now_ms,
             ..Pending::default()
@@ -107,7 +107,7 @@ impl Dues {
     /// counted up to a minute after it fell due (more than 180 days ahead: up to an hour). At
     /// most 7 200 + 1 440 per day up to 180 days + 24 per day beyond pairs: for a year, 270 721
     /// pairs, a snapshot of 4 065 343 bytes (`a_year_of_pending_messages_fits_one_snapshot`).
-    pub fn compact(&self, now_ms: u64) -> Vec<(u64, u64)> {
+    pub(crate) fn compact(&self, now_ms: u64) -> Vec<(u64, u64)> {
         let now_s = now_ms / 1000;
         let mut out: BTreeMap<u64, u64> = BTreeMap::new();
         for (&s, &n) in self.0.range(now_s + 1..) {
@@ -141,19 +141,19 @@ pub struct Pending {
 }
 
 /// Pairs `[due_s, count]` as records carry them.
-pub type Pairs = Vec<(u64, u64)>;
+pub(crate) type Pairs = Vec<(u64, u64)>;
 
 /// The most bytes one pair takes in a record: `[u64,u64],`.
-pub const MAX_PAIR_BYTES: usize = 44;
+pub(crate) const MAX_PAIR_BYTES: usize = 44;
 
 /// How far past the longest delay a due time of ours can be: a planned route never overshoots
 /// its delay by more than one tier's TTL, and no TTL exceeds 2^32 − 1 ms (~49.7 days).
-pub const DUE_SLACK_MS: u64 = 1 << 32;
+pub(crate) const DUE_SLACK_MS: u64 = 1 << 32;
 
 /// The most pairs [`Dues::compact`] leaves for counts due within `ahead_ms`: every second of
 /// the first two hours, every minute to 180 days, every hour beyond (one more of each for the
 /// rounding up). A record of ours never holds more (publishers compact what they write).
-pub fn max_pairs(ahead_ms: u64) -> usize {
+pub(crate) fn max_pairs(ahead_ms: u64) -> usize {
     let ahead_s = ahead_ms.div_ceil(1000);
     let seconds = ahead_s.min(7_200);
     let minutes = ahead_s.min(15_552_000).saturating_sub(7_200).div_ceil(60) + 1;
@@ -163,7 +163,7 @@ pub fn max_pairs(ahead_ms: u64) -> usize {
 
 /// The longest ledger record of ours for counts due within `ahead_ms`: [`max_pairs`] pairs of
 /// [`MAX_PAIR_BYTES`], and the rest of a snapshot. A reader skips longer ones undecoded.
-pub fn max_record_bytes(ahead_ms: u64) -> usize {
+pub(crate) fn max_record_bytes(ahead_ms: u64) -> usize {
     max_pairs(ahead_ms)
         .saturating_mul(MAX_PAIR_BYTES)
         .saturating_add(256)
@@ -174,7 +174,7 @@ pub fn max_record_bytes(ahead_ms: u64) -> usize {
 /// due then: a forged far-off count is forgotten like a real one), a snapshot taken no later
 /// than now and covering only offsets before its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Bounds {
+pub(crate) struct Bounds {
     /// Now, ms since the epoch.
     pub now_ms: u64,
     /// The latest second a count may fall due.
@@ -186,7 +186,7 @@ pub struct Bounds {
 impl Bounds {
     /// For a topology whose counts fall due within `ahead_ms` (its longest delay plus
     /// [`DUE_SLACK_MS`]), as of `now_ms`.
-    pub fn new(now_ms: u64, ahead_ms: u64) -> Bounds {
+    pub(crate) fn new(now_ms: u64, ahead_ms: u64) -> Bounds {
         Bounds {
             now_ms,
             latest_s: now_ms.saturating_add(ahead_ms).div_ceil(1000),
@@ -195,7 +195,7 @@ impl Bounds {
     }
 
     /// No bound at all (tests of the arithmetic).
-    pub fn none() -> Bounds {
+    pub(crate) fn none() -> Bounds {
         Bounds {
             now_ms: u64::MAX,
             latest_s: u64::MAX,
@@ -206,7 +206,7 @@ impl Bounds {
     /// `entry` as a reader takes it, or why it is skipped (a label of
     /// `amqp_delay_stream_records_skipped_total`): more pairs than a record of ours holds
     /// (`too_many_items`); due times past `latest_s` clamped, a snapshot's time past now too.
-    pub fn check(&self, entry: Entry) -> Result<Entry, &'static str> {
+    pub(crate) fn check(&self, entry: Entry) -> Result<Entry, &'static str> {
         let clamp = |mut dues: Pairs| {
             if dues.len() > self.max_pairs {
                 return Err("too_many_items");
@@ -236,7 +236,7 @@ impl Dues {
     /// Keeps the sum within `b`: once it holds more than twice the pairs a record may, it is
     /// compacted as of `b.now_ms` (what is due dropped, far-off seconds coarsened), so that its
     /// size is bounded whatever records were read.
-    pub fn bound(&mut self, b: &Bounds) {
+    pub(crate) fn bound(&mut self, b: &Bounds) {
         if self.0.len() > b.max_pairs.saturating_mul(2) {
             let mut kept = Dues::default();
             kept.merge(&self.compact(b.now_ms));
@@ -245,7 +245,8 @@ impl Dues {
     }
 
     /// Pairs held.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.0.len()
     }
 }
@@ -253,15 +254,15 @@ impl Dues {
 /// Scheduled records a [`Reckoning`] keeps for a snapshot still to come, at most: a snapshot
 /// follows the barrier it covers at once, so only what publishers appended meanwhile (one
 /// record each per 10 s) lies between them.
-pub const TAIL_RECORDS: usize = 10_000;
+pub(crate) const TAIL_RECORDS: usize = 10_000;
 /// Pairs in those records, at most (16 MB).
-pub const TAIL_PAIRS: usize = 1_000_000;
+pub(crate) const TAIL_PAIRS: usize = 1_000_000;
 
 /// Sums a ledger read in order up to a barrier, as it goes (its memory bounded whatever was
 /// appended): from the newest snapshot whose records after it were all read, else from every
 /// record (right only when the read started at the stream's start).
 #[derive(Debug)]
-pub struct Reckoning {
+pub(crate) struct Reckoning {
     bounds: Bounds,
     /// The first offset read.
     first: Option<u64>,
@@ -286,7 +287,7 @@ impl Default for Reckoning {
 
 /// What a [`Reckoning`] concluded.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reckoned {
+pub(crate) struct Reckoned {
     /// The sum.
     pub dues: Dues,
     /// When the snapshot it started from was taken (`None`: it summed every record).
@@ -297,7 +298,7 @@ pub struct Reckoned {
 
 impl Reckoning {
     /// A read that takes records within `bounds`.
-    pub fn new(bounds: Bounds) -> Reckoning {
+    pub(crate) fn new(bounds: Bounds) -> Reckoning {
         Reckoning {
             bounds,
             first: None,
@@ -311,13 +312,13 @@ impl Reckoning {
     }
 
     /// Its bounds.
-    pub fn bounds(&self) -> Bounds {
+    pub(crate) fn bounds(&self) -> Bounds {
         self.bounds
     }
 
     /// Takes the record at `offset` (records arrive in offset order), or says why it skipped
     /// it (see [`Bounds::check`]; `insane`: a snapshot covering offsets at or after its own).
-    pub fn read(&mut self, offset: u64, entry: Entry) -> Result<(), &'static str> {
+    pub(crate) fn read(&mut self, offset: u64, entry: Entry) -> Result<(), &'static str> {
         self.first.get_or_insert(offset);
         self.records += 1;
         match self.bounds.check(entry)? {
@@ -379,27 +380,28 @@ impl Reckoning {
 
     /// Whether the read began at offset 0, the first record a stream ever had (so it read the
     /// whole stream: nothing has been dropped by retention yet).
-    pub fn began_at_zero(&self) -> bool {
+    pub(crate) fn began_at_zero(&self) -> bool {
         self.first == Some(0)
     }
 
     /// The sum, when it can be right: with a usable snapshot (one whose later records were all
     /// read), or when the read began at the stream's first record (`from_start`) or read
     /// nothing. `None` otherwise: read the whole stream and take [`Reckoning::finish_whole`].
-    pub fn finish(self, from_start: bool) -> Option<Reckoned> {
+    #[cfg(test)]
+    pub(crate) fn finish(self, from_start: bool) -> Option<Reckoned> {
         (from_start || self.first.is_none() || self.snapshot.is_some()).then(|| self.finish_whole())
     }
 
     /// Whether the read so far can be summed as it is ([`Reckoning::finish`] of a read that
     /// knows no more than where it began): it holds a usable snapshot, began at offset 0, or
     /// read nothing.
-    pub fn complete(&self) -> bool {
+    pub(crate) fn complete(&self) -> bool {
         self.began_at_zero() || self.first.is_none() || self.snapshot.is_some()
     }
 
     /// The sum of a read that began at the stream's first record: from the newest usable
     /// snapshot, else from every record.
-    pub fn finish_whole(self) -> Reckoned {
+    pub(crate) fn finish_whole(self) -> Reckoned {
         let (dues, snapshot_at_ms) = match self.snapshot {
             Some((_, at, sum)) => (sum, Some(at)),
             None => (self.all, None),

@@ -398,7 +398,7 @@ impl Topology {
 
 /// The delivery limit of the quorum queues our workers consume (RabbitMQ 4.x's default for
 /// every quorum queue): a message delivered this many times without an ack is parked.
-pub const DELIVERY_LIMIT: i64 = 20;
+pub(crate) const DELIVERY_LIMIT: i64 = 20;
 
 fn not_declared(l: &Layout, detail: &str) -> Error {
     Error::NotDeclared {

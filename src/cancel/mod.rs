@@ -59,7 +59,7 @@ const RECENTLY_EXECUTED: usize = 10_000;
 pub const EXPIRED_KEPT: usize = 100_000;
 /// How long after its `until` an expired tombstone is kept: the control stream keeps records
 /// for the longest delay plus 7 days, which covers a tombstone's `until` plus this.
-pub const EXPIRED_KEPT_MS: u64 = 7 * 24 * 3600 * 1000;
+pub(crate) const EXPIRED_KEPT_MS: u64 = 7 * 24 * 3600 * 1000;
 /// Records a follower reads between checkpoints, at least (more when it holds many
 /// tombstones: twice their number, so that checkpoints stay a small part of the stream).
 pub const CHECKPOINT_EVERY: u64 = 10_000;
@@ -71,7 +71,7 @@ const CHECKPOINT_PART: usize = control::MAX_ITEMS;
 /// (a million added ~130 MB, measured), so this is ~33 MB (~90 MB with 255-byte ids); it is
 /// 2.5 times the expired ones kept, and more live cancels than a deployment of ours holds
 /// (each lives only until its message's due time plus the horizon).
-pub const MAX_LIVE: usize = 250_000;
+pub(crate) const MAX_LIVE: usize = 250_000;
 
 /// What a canceller learns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -97,7 +97,7 @@ pub struct Cancelled {
 }
 
 /// The tombstone for cancelling `id` now, pure: its `until` and the verdict.
-pub fn tombstone(
+pub(crate) fn tombstone(
     id: &str,
     due_at_ms: Option<u64>,
     now: u64,
@@ -157,6 +157,7 @@ impl FollowOptions {
 
 /// What a follower did so far, for tests and diagnostics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub struct FollowerStats {
     /// Records read at start-up (up to its start barrier, over every step back).
     pub start_records: u64,
@@ -188,6 +189,7 @@ pub struct Cancellations {
     /// been read.
     synced: tokio::sync::Mutex<Option<u64>>,
     syncs: AtomicU64,
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     start_records: u64,
     /// The reader; dropping it stops it (see [`Reading`]).
     _reading: Reading,
@@ -224,6 +226,7 @@ impl Cancellations {
     /// Starts following `layout`'s control stream on `conn` and returns once every record
     /// confirmed so far has been read (from the latest checkpoint, or from the start of the
     /// stream when it has none). See [`Cancellations::follow_with`].
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub async fn follow(
         conn: &Connection,
         layout: &Layout,
@@ -303,22 +306,24 @@ impl Cancellations {
 
     /// Whether the message `id` owned by `owner` (see [`crate::trust::Trust::owner`]) is
     /// cancelled: a tombstone written by its owner or by an admin is held. For the guarantee,
-    /// call [`Cancellations::sync_for`] (or [`Cancellations::sync_if_stale`]) first.
+    /// call [`Cancellations::sync_for`] first.
     pub fn is_cancelled(&self, id: &str, owner: Option<&str>) -> bool {
         !id.is_empty() && lock(&self.state).is_cancelled(id, owner, now_ms())
     }
 
     /// Until when the tombstone `by` wrote for `id` is live (ms since the epoch), if one is.
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub fn live_until(&self, id: &str, by: &str) -> Option<u64> {
         lock(&self.state).tombstones.get(&Key::new(by, id)).copied()
     }
 
     /// Whose records and messages count for what, as this follower reads them.
-    pub fn trust(&self) -> Trust {
+    pub(crate) fn trust(&self) -> Trust {
         lock(&self.state).trust.clone()
     }
 
     /// Live tombstones (what the follower holds in memory besides the expired ones it keeps).
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub fn len(&self) -> usize {
         let mut s = lock(&self.state);
         s.prune(now_ms());
@@ -326,13 +331,14 @@ impl Cancellations {
     }
 
     /// Whether no tombstone is live.
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Why the follower stopped reading the stream, if it did (its consumer ended or its
     /// channel closed): it then knows no new cancel, and every sync fails.
-    pub fn broken(&self) -> Option<String> {
+    pub(crate) fn broken(&self) -> Option<String> {
         if let Some(why) = lock(&self.state).broken.clone() {
             return Some(why);
         }
@@ -343,6 +349,7 @@ impl Cancellations {
     }
 
     /// What the follower did so far.
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub fn stats(&self) -> FollowerStats {
         let mut s = lock(&self.state);
         s.prune(now_ms());
@@ -360,7 +367,7 @@ impl Cancellations {
 
     /// A cancelled message fell due at `due_at_ms`: its tombstone is needed only for the
     /// horizon after that (retries, redeliveries), not until the canceller's worst case.
-    pub fn fell_due(&self, id: &str, owner: Option<&str>, due_at_ms: Option<u64>) {
+    pub(crate) fn fell_due(&self, id: &str, owner: Option<&str>, due_at_ms: Option<u64>) {
         if let Some(due) = due_at_ms {
             let mut s = lock(&self.state);
             let trust = s.trust.clone();
@@ -375,7 +382,7 @@ impl Cancellations {
     /// Remembers that `id` from `queue` ran — succeeded, or was parked — so that a cancel read
     /// later is reported as too late (a warning and `amqp_delay_cancel_too_late_total`). Not
     /// for a retry: its next attempt can still be cancelled.
-    pub fn executed(&self, id: &str, queue: &str) {
+    pub(crate) fn executed(&self, id: &str, queue: &str) {
         if id.is_empty() {
             return;
         }
@@ -409,19 +416,13 @@ impl Cancellations {
     }
 
     /// `cancel.notice` in ms.
-    pub fn notice_ms(&self) -> u64 {
+    pub(crate) fn notice_ms(&self) -> u64 {
         self.notice_ms
-    }
-
-    /// Makes sure every record confirmed `cancel.notice / 2` ago or earlier has been read:
-    /// what a consumer of its own calls before [`Cancellations::is_cancelled`] for the
-    /// guarantee. [`Cancellations::sync_for`] with the message's due time syncs less often.
-    pub async fn sync_if_stale(&self) -> Result<()> {
-        self.sync_for(None).await.map(|_| ())
     }
 
     /// Appends a barrier and waits until the follower reads it back: every record confirmed
     /// before now has then been read.
+    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub async fn sync(&self) -> Result<()> {
         self.sync_since(now_ms()).await.map(|_| ())
     }

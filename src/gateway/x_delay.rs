@@ -100,7 +100,11 @@ pub fn parse_x_delay(value: Option<&AMQPValue>, max_delay_ms: u64) -> Result<u64
 /// delay the message again at the target) and those the broker adds (`x-death` history,
 /// `x-delivery-count`) are removed. `invalid` is
 /// the reason the message must be parked instead of delivered.
-pub fn stash(p: &BasicProperties, routing_key: &str, invalid: Option<&str>) -> BasicProperties {
+pub(crate) fn stash(
+    p: &BasicProperties,
+    routing_key: &str,
+    invalid: Option<&str>,
+) -> BasicProperties {
     let empty = FieldTable::default();
     let mut h = headers::filter(p.headers().as_ref().unwrap_or(&empty), |k| {
         !headers::is_reserved(k) && !headers::is_broker_header(k)
@@ -155,7 +159,7 @@ fn short(name: &str, v: String) -> Result<ShortString, String> {
 /// history, `x-delivery-count`) removed,
 /// and `x-delay` rewritten to minus the delay when there was one (as the plugin does; a zero or
 /// negative `x-delay` is left as it was). An error names what is missing or malformed.
-pub fn restore(p: &BasicProperties) -> Result<(String, BasicProperties), String> {
+pub(crate) fn restore(p: &BasicProperties) -> Result<(String, BasicProperties), String> {
     let empty = FieldTable::default();
     let h = p.headers().as_ref().unwrap_or(&empty);
     let key = text_header(h, ROUTING_KEY)?.ok_or_else(|| {

@@ -139,7 +139,7 @@ impl Publisher {
     /// Cancels message `id`: records a tombstone in the control stream and returns once the
     /// broker confirmed it. From then on no worker, gateway or relay runs or forwards the
     /// message. With its due time (from [`Scheduled`]) the tombstone is forgotten sooner and the
-    /// answer says whether the cancel is certain to win (see [`crate::cancel`]).
+    /// answer says whether the cancel is certain to win (docs/DESIGN.md, "Cancellation").
     pub async fn cancel(&self, id: &str, due_at_ms: Option<u64>) -> Result<Cancelled> {
         if id.is_empty() || id.len() > 255 {
             return Err(Error::Invalid("a message id is 1 to 255 bytes".into()));

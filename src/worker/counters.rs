@@ -24,7 +24,7 @@ pub struct Counters {
     /// too old for its due time); the other checks used a recent sync.
     pub cancel_syncs: AtomicU64,
     /// Subscriptions renewed because nothing arrived while their queue had ready messages
-    /// ([`Error::ConsumerStalled`]).
+    /// ([`crate::Error::ConsumerStalled`]).
     pub stalled: AtomicU64,
 }
 
