@@ -444,19 +444,20 @@ impl Settings {
     pub fn validate_gateway(&self) -> Result<(), String> {
         let (g, c) = (&self.gateway, &self.consumer);
         g.validate()?;
-        // a held message waits for its delay inside the handler, then for a confirm of up to
-        // half the handler timeout
-        if g.hold.as_millis() * 2 >= c.handler_timeout.as_millis() {
+        // a held message waits in the worker's hold, which takes nothing due further off than
+        // consumer.max_hold
+        if g.hold >= c.max_hold {
             return Err(format!(
-                "gateway.hold ({}) must be shorter than half of consumer.handler_timeout ({})",
-                g.hold, c.handler_timeout
+                "gateway.hold ({}) must be shorter than consumer.max_hold ({})",
+                g.hold, c.max_hold
             ));
         }
         // the gateway's prefetch: its handlers in flight plus the messages it holds
-        if g.hold.as_millis() > 0 && c.io_concurrency + g.max_held > usize::from(u16::MAX) {
+        let prefetch = c.io_concurrency + usize::from(c.hold_prefetch) + g.max_held;
+        if g.hold.as_millis() > 0 && prefetch > usize::from(u16::MAX) {
             return Err(format!(
-                "consumer.io_concurrency ({}) + gateway.max_held ({}) must be at most 65535: together they are the gateway's prefetch",
-                c.io_concurrency, g.max_held
+                "consumer.io_concurrency ({}) + consumer.hold_prefetch ({}) + gateway.max_held ({}) must be at most 65535: together they are the gateway's prefetch",
+                c.io_concurrency, c.hold_prefetch, g.max_held
             ));
         }
         if g.pairs.is_empty() && !g.follow {

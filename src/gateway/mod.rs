@@ -18,11 +18,12 @@
 //!   message is requeued unchanged ([`Outcome::Requeue`]), never re-scheduled as a modified copy.
 //!   A non-numeric or over-range `x-delay` goes to the due queue at once, marked, and is parked
 //!   there with the reason. A delay of at most `gateway.hold` (100 ms by default) does not cross
-//!   the tiers: the gateway holds the message — unacked in the ingress queue, so a gateway that
-//!   dies loses nothing — and publishes it to `T` when due, as the due stage would; if that
-//!   publish is returned, refused or not confirmed in time, the message goes to the due queue at
-//!   once, whose retries and parking apply. Held messages have prefetch slots of their own
-//!   (`gateway.max_held`, 1536); once those are taken, short delays go through the tiers too.
+//!   the tiers: the worker holds the message until due ([`GatewayHandler`]'s
+//!   [`Handler::due_at`]), unacked in the ingress queue so a gateway that dies loses nothing, in
+//!   the hold early grain batches use; the handler then publishes it to `T` as the due stage
+//!   would. If that publish is returned, refused or not confirmed in time, the message goes to
+//!   the due queue at once, whose retries and parking apply. Held messages take prefetch slots
+//!   (`consumer.hold_prefetch`, and `gateway.max_held` more), not handler permits.
 //! * **due**: rebuilds the message as published ([`x_delay::restore`]: original routing key and
 //!   properties, `x-delay` rewritten to minus the delay as the plugin does, our headers and the
 //!   broker's `x-death` history removed) and publishes it to `T` with `mandatory` and a confirm.
@@ -43,7 +44,6 @@ pub mod x_delay;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
@@ -206,14 +206,12 @@ struct PairCtx {
     max_delay_ms: u64,
     /// Longest wait for the tier publish's confirm before the ingress message is requeued.
     confirm_timeout: Duration,
-    /// `gateway.hold`: delays up to this are held here instead of crossing the tiers.
+    /// `gateway.hold`: delays up to this are held by the worker instead of crossing the tiers
+    /// (0: none are).
     hold_ms: u64,
-    /// Messages held now, across every pair of the gateway, and their bound.
-    held: Arc<AtomicUsize>,
-    hold_cap: usize,
 }
 
-/// How holding a message ended.
+/// How publishing a held message straight to its target ended.
 enum Held {
     Published,
     Cancelled,
@@ -226,25 +224,6 @@ fn ingress_owner(d: &Delivery, ctx: &Context) -> Option<String> {
     d.owner
         .clone()
         .or_else(|| ctx.trust().own().map(str::to_string))
-}
-
-/// A place among the gateway's held messages, given back when dropped.
-struct HoldSlot(Arc<AtomicUsize>);
-
-impl HoldSlot {
-    fn take(held: &Arc<AtomicUsize>, cap: usize) -> Option<HoldSlot> {
-        held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-            (n < cap).then_some(n + 1)
-        })
-        .ok()
-        .map(|_| HoldSlot(held.clone()))
-    }
-}
-
-impl Drop for HoldSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
 }
 
 /// The gateway's [`Handler`]: one value per subscribed queue.
@@ -272,6 +251,18 @@ impl Handler for GatewayHandler {
     fn reads_our_headers(&self) -> bool {
         !self.ingress
     }
+
+    /// An ingress message whose `x-delay` is at most `gateway.hold` is held by the worker, as
+    /// it holds an early grain batch, and published straight to the target when due.
+    fn due_at(&self, d: &Delivery) -> Option<u64> {
+        let c = &self.ctx;
+        if !self.ingress || c.hold_ms == 0 {
+            return None;
+        }
+        let value = d.headers().and_then(|h| h.inner().get(X_DELAY));
+        let delay_ms = parse_x_delay(value, c.max_delay_ms).ok()?;
+        (delay_ms <= c.hold_ms).then(|| crate::time::now_ms().saturating_add(delay_ms))
+    }
 }
 
 impl GatewayHandler {
@@ -293,19 +284,18 @@ impl GatewayHandler {
         let mut msg = Message::new(c.pair.due_queue.clone(), delay_ms, d.body.clone())
             .with_properties(props)
             .internal();
-        if invalid.is_none() && delay_ms <= c.hold_ms {
+        // held by the worker until now, its due time ([`GatewayHandler::due_at`])
+        if let Some(due_at_ms) = d.due_at_ms.filter(|_| invalid.is_none()) {
             // what could not cross the tiers is parked whatever its delay, as it would be
             if let Err(e) = ctx.publisher().check(&msg) {
                 return cannot_schedule(&e);
             }
-            if let Some(_slot) = HoldSlot::take(&c.held, c.hold_cap) {
-                let held = self.publish_held(d, owner.as_deref(), delay_ms, &msg.properties, ctx);
-                match held.await {
-                    Held::Published => return Outcome::Success,
-                    Held::Cancelled => return Outcome::Cancelled,
-                    // due now: the due queue retries it, or parks it with the reason
-                    Held::Failed => msg.delay_ms = 0,
-                }
+            let held = self.publish_held(d, owner.as_deref(), due_at_ms, &msg.properties, ctx);
+            match held.await {
+                Held::Published => return Outcome::Success,
+                Held::Cancelled => return Outcome::Cancelled,
+                // due now: the due queue retries it, or parks it with the reason
+                Held::Failed => msg.delay_ms = 0,
             }
         }
         let sent = tokio::time::timeout(c.confirm_timeout, ctx.publisher().schedule(msg)).await;
@@ -327,28 +317,21 @@ impl GatewayHandler {
         }
     }
 
-    /// Waits `delay_ms`, then publishes the message to its target as the due stage would,
-    /// unless it was cancelled meanwhile. The ingress message stays unacked, so a gateway that
-    /// dies loses nothing. [`Held::Failed`] when the publish was returned, refused or not
-    /// confirmed in time, or the cancels could not be read: the caller sends the message
-    /// through the due queue, whose checks, retries and parking then apply.
+    /// Publishes a message the worker held until it was due to its target, as the due stage
+    /// would, unless its owner (or the gateway's user, for a message published without a
+    /// `user_id`) cancelled it. The ingress message is still unacked, so a gateway that dies
+    /// loses nothing. [`Held::Failed`] when the publish was returned, refused or not confirmed
+    /// in time, or the cancels could not be read: the caller sends the message through the due
+    /// queue, whose checks, retries and parking then apply.
     async fn publish_held(
         &self,
         d: &Delivery,
         owner: Option<&str>,
-        delay_ms: u64,
+        due_at_ms: u64,
         props: &lapin::BasicProperties,
         ctx: &Context,
     ) -> Held {
         let c = &self.ctx;
-        let due_at_ms = crate::time::now_ms() + delay_ms;
-        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
-        // the lateness of the due stage, which a held message skips
-        let late = crate::time::now_ms().saturating_sub(due_at_ms);
-        crate::metrics::global()
-            .lateness
-            .get_or_create(&crate::metrics::Metrics::queue(&c.pair.due_queue))
-            .observe(late as f64 / 1000.0);
         match ctx.is_cancelled_as(&d.message_id, owner, due_at_ms).await {
             Ok(true) => return Held::Cancelled,
             Ok(false) => {}
@@ -542,17 +525,13 @@ impl Gateway {
         // `consumer.io_concurrency` in hand sends everything, so lingering never caps the
         // throughput.
         settings.publisher.max_pending = (settings.consumer.io_concurrency / 2).max(1);
-        // Messages held until due (`gateway.hold`) wait for their delay in a prefetch slot and
-        // a handler of their own (`gateway.max_held`), so that holding never takes the slots
-        // of the messages in flight to the tiers. Past that they go through the tiers.
-        let hold_cap = if self.settings.gateway.hold.as_millis() > 0 {
-            self.settings.gateway.max_held
-        } else {
-            0
-        };
-        settings.consumer.io_concurrency =
-            (settings.consumer.io_concurrency + hold_cap).min(usize::from(u16::MAX));
-        let held = Arc::new(AtomicUsize::new(0));
+        // Messages held until due (`gateway.hold`) wait in the worker's hold, as early grain
+        // batches do, each in a prefetch slot: `gateway.max_held` more of those, so that
+        // holding never takes the slots of the messages in flight to the tiers.
+        if self.settings.gateway.hold.as_millis() > 0 {
+            let extra = u16::try_from(self.settings.gateway.max_held).unwrap_or(u16::MAX);
+            settings.consumer.hold_prefetch = settings.consumer.hold_prefetch.saturating_add(extra);
+        }
         let mut w = Worker::new(settings);
         for p in &self.pairs {
             let ctx = Arc::new(PairCtx {
@@ -560,8 +539,6 @@ impl Gateway {
                 max_delay_ms: self.layout.max_delay_ms(),
                 confirm_timeout,
                 hold_ms: self.settings.gateway.hold.as_millis(),
-                held: held.clone(),
-                hold_cap,
             });
             w = w
                 .subscribe(
@@ -653,10 +630,10 @@ mod tests {
         }];
         assert!(Gateway::new(s.clone()).is_ok());
         s.gateway.hold = crate::time::DurationMs(1_000);
-        s.consumer.handler_timeout = crate::time::DurationMs(2_000);
+        s.consumer.max_hold = crate::time::DurationMs(1_000);
         let e = Gateway::new(s).err().unwrap().to_string();
         assert!(
-            e.contains("gateway.hold (1s) must be shorter than half of consumer.handler_timeout"),
+            e.contains("gateway.hold (1s) must be shorter than consumer.max_hold (1s)"),
             "{e}"
         );
     }

@@ -13,12 +13,14 @@ pub struct GatewaySettings {
     /// `publisher.batch_linger`. One mechanism, two keys, because the defaults differ: here the
     /// ingress message waits, not an application's call, so it may wait longer.
     pub batch_linger: DurationMs,
-    /// A message whose `x-delay` is at most this is held by the gateway (unacked in the ingress
-    /// queue, so nothing is lost if the gateway dies) and published to its target when due,
-    /// without the tiers. 0 sends every message through the tiers.
+    /// A message whose `x-delay` is at most this is held by the gateway's worker (unacked in the
+    /// ingress queue, so nothing is lost if the gateway dies; in the hold early grain batches
+    /// use) and published to its target when due, without the tiers. 0 sends every message
+    /// through the tiers. Shorter than `consumer.max_hold`.
     pub hold: DurationMs,
-    /// How many messages the gateway holds at once, each in a prefetch slot of its own (on top
-    /// of `consumer.io_concurrency`); past that, short delays go through the tiers too.
+    /// Prefetch slots the gateway adds for the messages it holds, on top of
+    /// `consumer.io_concurrency` and `consumer.hold_prefetch`; when all are taken, the broker
+    /// waits to deliver more.
     pub max_held: usize,
     /// Also serve every pair registered under the prefix at run time (the control stream's
     /// gateway pair records, e.g. those `delay-proxy` appends), without a restart.

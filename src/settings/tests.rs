@@ -274,7 +274,7 @@ fn an_old_key_is_warned_about_once_naming_both_names() {
 }
 
 #[test]
-fn holding_is_checked_against_the_handler_timeout_and_the_prefetch() {
+fn holding_is_checked_against_the_longest_hold_and_the_prefetch() {
     let mut s = Settings::default();
     assert!(
         s.validate().is_ok(),
@@ -289,10 +289,10 @@ fn holding_is_checked_against_the_handler_timeout_and_the_prefetch() {
     assert!(s.validate().is_ok());
     let mut short = s.clone();
     short.gateway.hold = DurationMs(1_000);
-    short.consumer.handler_timeout = DurationMs(2_000);
+    short.consumer.max_hold = DurationMs(1_000);
     let e = short.validate().unwrap_err().to_string();
     assert!(
-        e.contains("gateway.hold (1s) must be shorter than half of consumer.handler_timeout (2s)"),
+        e.contains("gateway.hold (1s) must be shorter than consumer.max_hold (1s)"),
         "{e}"
     );
     assert_eq!(
@@ -300,13 +300,14 @@ fn holding_is_checked_against_the_handler_timeout_and_the_prefetch() {
         e.trim_start_matches("configuration: ")
     );
     short.gateway.hold = DurationMs(0);
+    short.consumer.max_hold = Settings::default().consumer.max_hold;
     assert!(short.validate().is_ok(), "holding nothing needs no time");
     let mut many = s;
     many.gateway.max_held = 65_100;
     let e = many.validate().unwrap_err().to_string();
     assert!(
         e.contains(
-            "consumer.io_concurrency (512) + gateway.max_held (65100) must be at most 65535"
+            "consumer.io_concurrency (512) + consumer.hold_prefetch (512) + gateway.max_held (65100) must be at most 65535"
         ),
         "{e}"
     );
@@ -315,14 +316,14 @@ fn holding_is_checked_against_the_handler_timeout_and_the_prefetch() {
     // from a file: refused when loading
     let file = TempToml::new(
         "gateway",
-        "[gateway]\nhold = \"100ms\"\n[consumer]\nhandler_timeout = \"150ms\"\n\
+        "[gateway]\nhold = \"1s\"\n[consumer]\nmax_hold = \"1s\"\n\
          [[gateway.pairs]]\ningress = \"i\"\ntarget = \"t\"\n",
     );
     let e = Settings::load_with_env(Some(&file.0), env(&[]))
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("gateway.hold (100ms) must be shorter than half"),
+        e.contains("gateway.hold (1s) must be shorter than consumer.max_hold"),
         "{e}"
     );
 }

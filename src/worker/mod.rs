@@ -76,6 +76,17 @@ pub trait Handler: Send + Sync + 'static {
     fn reads_our_headers(&self) -> bool {
         true
     }
+
+    /// When a message without amqp-delay's own due time falls due, for a handler whose
+    /// messages carry a delay of their own (the gateway's ingress: a short `x-delay`, see
+    /// `gateway.hold`). Asked once, as the message arrives; the worker then holds it (unacked)
+    /// until that time exactly as it holds an early grain batch, with the cancel check done
+    /// while it waits, and the handler sees it with [`Delivery::due_at_ms`] set. `None` (the
+    /// default): the message runs as it arrives.
+    fn due_at(&self, delivery: &Delivery) -> Option<u64> {
+        let _ = delivery;
+        None
+    }
 }
 
 /// What a handler may use besides the message: the worker's confirmed publisher (to forward
@@ -94,9 +105,9 @@ impl Context {
 
     /// Whether `d`, due at `due_at_ms`, has been cancelled (by its owner or an admin), after
     /// reading every cancel that matters for it (those confirmed `cancel.notice` before the
-    /// due time), as the worker does before it runs a handler. For a handler that itself waits
-    /// until a message is due (the gateway holding a short delay); it then returns
-    /// [`Outcome::Cancelled`]. An error when the control stream cannot be read.
+    /// due time), as the worker does before it runs a handler. For a handler that checks again
+    /// for an owner of its own (the gateway's copy of an application's message); it then
+    /// returns [`Outcome::Cancelled`]. An error when the control stream cannot be read.
     pub async fn is_cancelled(&self, d: &Delivery, due_at_ms: u64) -> Result<bool> {
         self.is_cancelled_as(&d.message_id, d.owner.as_deref(), due_at_ms)
             .await

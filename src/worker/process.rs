@@ -302,15 +302,19 @@ async fn one<H: Handler>(
     ctx: &TaskCtx,
     may_skip: bool,
 ) -> Result<(Delivery, Done)> {
-    let (d, invalid) = decoded;
+    let (mut d, invalid) = decoded;
     if let Some(reason) = invalid {
         tracing::warn!(queue = %d.queue, id = %d.message_id, %reason, "parking a message with an invalid envelope");
         ctx.counters.count(Event::Delivered, &d.queue);
         park(&d, &reason, "invalid", ctx).await?;
         return Ok((d, Done::Parked));
     }
-    // a grain batch (or a message alone on a coarse route) arrives before it is due: it waits
-    // here, its delivery unacked, and runs at its due time, never before
+    // a grain batch (or a message alone on a coarse route) arrives before it is due, and so
+    // does a message whose handler names its due time (the gateway's short `x-delay`): it
+    // waits here, its delivery unacked, and runs at its due time, never before
+    if d.due_at_ms.is_none() {
+        d.due_at_ms = handler.due_at(&d);
+    }
     if let Some(due) = d.due_at_ms {
         // the cancel sync it needs may start half a notice before its due time: done while it
         // is held, it adds nothing to its lateness
