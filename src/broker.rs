@@ -76,7 +76,10 @@ impl SharedChannel {
     }
 
     /// [`Channel::basic_publish`], its delivery tag taken in the order its frames are sent.
-    pub(crate) async fn basic_publish(
+    /// `pub` although only the suites call it from outside: were it `pub(crate)`, a call from
+    /// another crate would silently reach `Channel::basic_publish` through `Deref` (and lose
+    /// the ordering), with no error (`tests/it/core.rs` caught exactly that).
+    pub async fn basic_publish(
         &self,
         exchange: lapin::types::ShortString,
         routing_key: lapin::types::ShortString,
