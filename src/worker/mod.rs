@@ -226,14 +226,7 @@ impl<H: Handler> Worker<H> {
     /// Returns an error only for problems a reconnect cannot fix (missing topology or queue at
     /// start, invalid settings).
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<()> {
-        if self.subscriptions.is_empty() {
-            return Err(Error::Invalid("the worker has no queue to consume".into()));
-        }
-        self.settings.consumer.validate().map_err(Error::config)?;
-        let layout = self.settings.layout()?;
-        for (q, _) in &self.subscriptions {
-            layout.validate_destination(q).map_err(Error::Invalid)?;
-        }
+        let layout = self.checked_layout()?;
         let connector = crate::connection::Connector::new(&self.settings)?;
         let mut shutdown = std::pin::pin!(shutdown);
         let mut backoff = crate::connection::Backoff::default();
@@ -310,6 +303,19 @@ impl<H: Handler> Worker<H> {
                 _ = &mut shutdown => return Ok(()),
             }
         }
+    }
+
+    /// The layout, once the settings and every subscribed queue are known to be usable.
+    fn checked_layout(&self) -> Result<Layout> {
+        if self.subscriptions.is_empty() {
+            return Err(Error::Invalid("the worker has no queue to consume".into()));
+        }
+        self.settings.consumer.validate().map_err(Error::config)?;
+        let layout = self.settings.layout()?;
+        for (q, _) in &self.subscriptions {
+            layout.validate_destination(q).map_err(Error::Invalid)?;
+        }
+        Ok(layout)
     }
 
     /// A session on `conn` under the start-up watchdog, then the connection closed.
