@@ -587,6 +587,62 @@ impl Gateway {
 mod tests {
     use super::*;
 
+    /// A gateway handler of one pair, holding delays up to `hold_ms`.
+    fn handler(ingress: bool, hold_ms: u64) -> GatewayHandler {
+        let layout = Settings::default().layout().unwrap();
+        let cfg = PairConfig {
+            ingress: "i".into(),
+            target: "t".into(),
+        };
+        let ctx = PairCtx {
+            pair: Pair::new(&layout, &cfg).unwrap(),
+            max_delay_ms: layout.max_delay_ms(),
+            confirm_timeout: Duration::from_secs(1),
+            hold_ms,
+        };
+        GatewayHandler {
+            ctx: Arc::new(ctx),
+            ingress,
+        }
+    }
+
+    /// An application's message with this `x-delay` header (none for `None`).
+    fn with_x_delay(x_delay: Option<AMQPValue>) -> Delivery {
+        let mut h = FieldTable::default();
+        if let Some(v) = x_delay {
+            h.insert(X_DELAY.into(), v);
+        }
+        let props = lapin::BasicProperties::default().with_headers(h);
+        crate::envelope::decode("gw.in.i", b"x".to_vec(), props, "k", "i", false).0
+    }
+
+    #[test]
+    fn only_a_valid_x_delay_up_to_the_hold_is_held_and_never_due_before_it_ends() {
+        let gw = handler(true, 100);
+        for ms in [0, 1, 50, 100] {
+            let before = crate::time::now_ms();
+            let due = gw.due_at(&with_x_delay(Some(AMQPValue::LongLongInt(ms))));
+            let due = due.unwrap_or_else(|| panic!("x-delay {ms} is held"));
+            assert!(
+                due >= before + ms as u64,
+                "x-delay {ms}: due {due}, asked at {before}"
+            );
+            assert!(due <= crate::time::now_ms() + ms as u64);
+        }
+        for v in [
+            Some(AMQPValue::LongLongInt(101)),
+            Some(AMQPValue::LongString("soon".into())),
+        ] {
+            assert_eq!(gw.due_at(&with_x_delay(v.clone())), None, "{v:?}");
+        }
+        // no x-delay is due now, as the plugin delivers it
+        assert!(gw.due_at(&with_x_delay(None)).is_some());
+        // holding off, or the due stage: nothing is held
+        let x = Some(AMQPValue::LongLongInt(10));
+        assert_eq!(handler(true, 0).due_at(&with_x_delay(x.clone())), None);
+        assert_eq!(handler(false, 100).due_at(&with_x_delay(x)), None);
+    }
+
     #[test]
     fn pair_names_never_collide_and_are_checked() {
         let layout = Settings::default().layout().unwrap();
