@@ -242,13 +242,22 @@ impl Handler for GatewayHandler {
         }
     }
 
-    /// The gateway only moves messages: `consumer.io_concurrency` of them at once.
+    /// The gateway only moves messages: its due stage publishes `consumer.io_concurrency` of
+    /// them at once (the ingress takes no permit, see [`GatewayHandler::takes_permit`]).
     fn io_bound(&self) -> bool {
         true
     }
 
     /// The ingress takes applications' messages: their `x-delay-*` headers are not ours.
     fn reads_our_headers(&self) -> bool {
+        !self.ingress
+    }
+
+    /// An ingress message waits for its batch to be confirmed (or, held, for one publish):
+    /// bounded by the ingress prefetch, it takes no permit. One held through that wait would
+    /// cap the ingress at `consumer.io_concurrency` messages per `gateway.batch_linger` and
+    /// confirm, whatever the machine.
+    fn takes_permit(&self, _d: &Delivery) -> bool {
         !self.ingress
     }
 
@@ -521,10 +530,6 @@ impl Gateway {
         let confirm_timeout = Duration::from_millis((handler_ms / 2).clamp(1, 30_000));
         let mut settings = self.settings.clone();
         settings.publisher.batch_linger = settings.gateway.batch_linger;
-        // Ingress messages wait in the batcher while they hold prefetch slots: half of
-        // `consumer.io_concurrency` in hand sends everything, so lingering never caps the
-        // throughput.
-        settings.publisher.max_pending = (settings.consumer.io_concurrency / 2).max(1);
         // Messages held until due (`gateway.hold`) wait in the worker's hold, as early grain
         // batches do, each in a prefetch slot: `gateway.max_held` more of those, so that
         // holding never takes the slots of the messages in flight to the tiers.
@@ -532,6 +537,13 @@ impl Gateway {
             let extra = u16::try_from(self.settings.gateway.max_held).unwrap_or(u16::MAX);
             settings.consumer.hold_prefetch = settings.consumer.hold_prefetch.saturating_add(extra);
         }
+        // Ingress messages wait in the batcher for their batch's confirm, each in a prefetch
+        // slot and without a handler permit ([`Handler::takes_permit`]): the batcher may hold
+        // every ingress delivery in hand, so that only `gateway.batch_linger` (or a message's
+        // slack) decides when a batch leaves, never a count reached first.
+        let ingress_prefetch =
+            settings.consumer.io_concurrency + usize::from(settings.consumer.hold_prefetch);
+        settings.publisher.max_pending = ingress_prefetch.saturating_mul(self.pairs.len().max(1));
         let mut w = Worker::new(settings);
         for p in &self.pairs {
             let ctx = Arc::new(PairCtx {

@@ -87,6 +87,18 @@ pub trait Handler: Send + Sync + 'static {
         let _ = delivery;
         None
     }
+
+    /// Whether running this message takes one of the handler permits (`consumer.concurrency`,
+    /// or `consumer.io_concurrency` when [`Handler::io_bound`]). `true` (the default) for a
+    /// handler that works while it runs. A handler that mostly waits for the worker's
+    /// publisher to gather a batch and have it confirmed (the gateway's ingress, which moves
+    /// messages into the tiers) answers `false`: a permit held through that wait would cap
+    /// its throughput at the permits over the wait, whatever the machine. Its messages are
+    /// then bounded by the prefetch alone (every one of them is a delivery in hand).
+    fn takes_permit(&self, delivery: &Delivery) -> bool {
+        let _ = delivery;
+        true
+    }
 }
 
 /// What a handler may use besides the message: the worker's confirmed publisher (to forward

@@ -355,7 +355,11 @@ async fn one<H: Handler>(
     } else {
         &ctx.business
     };
-    let _permit = permits.acquire().await.expect("never closed");
+    let _permit = if handler.takes_permit(&d) {
+        Some(permits.acquire().await.expect("never closed"))
+    } else {
+        None
+    };
     if may_skip && ctx.stopping.load(Ordering::Relaxed) {
         return Ok((d, Done::NotStarted));
     }

@@ -598,6 +598,89 @@ async fn short_delays_are_held_by_the_gateway_not_sent_through_the_tiers() {
     .await;
 }
 
+/// The ingress waits for its batch without a handler permit: with `consumer.io_concurrency = 1`
+/// and a `gateway.batch_linger` of 1 s, 24 messages of 1 200 ms published within 0.2 s are in
+/// the batcher together and reach the due queue in a few batches (with a permit each, one at a
+/// time, they left one by one: 24 batches). The test's single active consumer of the due queue
+/// counts the batches, then lets them go to the gateway: all 24 arrive, none early.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingress_messages_gather_into_batches_without_a_handler_permit_each() {
+    within(async {
+        use futures::StreamExt;
+        require_pika();
+        let env = Env::new(small_topology()).await;
+        let p = env.settings.prefix.clone();
+        let (x_in, x_t, _objects) = one_pair(&env).await;
+        let pairs = [(x_in.as_str(), x_t.as_str())];
+        let pair = pairs_of(&env, &pairs);
+        let due = pair[0].due_queue.as_str();
+        let mut args = amqp_delay::Topology::new(env.layout()).consumed_queue_args();
+        args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+        let watch = env.conn.create_channel().await.unwrap();
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        watch
+            .queue_declare(due.into(), durable, args)
+            .await
+            .unwrap();
+        watch
+            .basic_qos(1000, BasicQosOptions::default())
+            .await
+            .unwrap();
+        let mut on_due = watch
+            .basic_consume(
+                due.into(),
+                "watcher".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let config = write_config(
+            &env,
+            "io_concurrency = 1\n\n[gateway]\nbatch_linger = \"1s\"\n",
+        );
+        let gw = GatewayProc::start(&env, &config.0, &pairs, "gw");
+        wait_for_consumers(&env.conn, &pair, 1, &[&gw]).await;
+
+        let app = start_app(
+            "stream",
+            serde_json::json!({"prefix": p, "ingress": x_in, "target": x_t, "n": 24,
+                               "publish_seconds": 0.2, "delay": 1200, "timeout": 30}),
+        );
+        let (mut batches, mut members) = (0, 0);
+        while members < 24 {
+            let d = tokio::time::timeout(Duration::from_secs(15), on_due.next())
+                .await
+                .unwrap_or_else(|_| panic!("{members} of 24 reached the due queue:\n{}", gw.log()))
+                .unwrap()
+                .unwrap();
+            // a message alone in its window travels alone, not as a batch
+            batches += 1;
+            members += if amqp_delay::batch::is_batch(&d.properties) {
+                amqp_delay::batch::announced_count(&d.properties)
+            } else {
+                1
+            };
+        }
+        assert_eq!(members, 24);
+        assert!(
+            batches <= 4,
+            "24 messages gathered within 0.2 s reached the due queue in {batches} broker messages"
+        );
+        // unacked: back to the queue, whose active consumer is now the gateway's
+        let _ = watch.close(200, "bye".into()).await;
+        let report = finish(app, &[&gw]).await;
+        assert_eq!(report["missing"], serde_json::json!([]), "{report}");
+        env.assert_empty(&pair[0].parked_queue).await;
+        drop(gw);
+        env.cleanup().await;
+    })
+    .await;
+}
+
 /// 24 messages with `x-delay` `delay` ms over 0.2 s through one gateway, on tiers of one
 /// message each (`max_tier_length = 1`, reject-publish): each arrives, not early, none is
 /// parked. Returns the gateway's log.
