@@ -540,10 +540,13 @@ impl Gateway {
         // Ingress messages wait in the batcher for their batch's confirm, each in a prefetch
         // slot and without a handler permit ([`Handler::takes_permit`]): the batcher may hold
         // every ingress delivery in hand, so that only `gateway.batch_linger` (or a message's
-        // slack) decides when a batch leaves, never a count reached first.
+        // slack) decides when a batch leaves, never a count reached first; with many pairs at
+        // most `publisher.max_pending` (each round of the batcher looks at all it holds).
         let ingress_prefetch =
             settings.consumer.io_concurrency + usize::from(settings.consumer.hold_prefetch);
-        settings.publisher.max_pending = ingress_prefetch.saturating_mul(self.pairs.len().max(1));
+        settings.publisher.max_pending = ingress_prefetch
+            .saturating_mul(self.pairs.len().max(1))
+            .min(settings.publisher.max_pending.max(ingress_prefetch));
         let mut w = Worker::new(settings);
         for p in &self.pairs {
             let ctx = Arc::new(PairCtx {
