@@ -659,6 +659,14 @@ mod tests {
     }
 
     #[test]
+    fn only_the_due_stage_takes_a_handler_permit() {
+        let d = with_x_delay(Some(AMQPValue::LongLongInt(5_000)));
+        assert!(!handler(true, 100).takes_permit(&d));
+        assert!(!handler(true, 0).takes_permit(&d));
+        assert!(handler(false, 100).takes_permit(&d));
+    }
+
+    #[test]
     fn pair_names_never_collide_and_are_checked() {
         let layout = Settings::default().layout().unwrap();
         let pair = |i: &str| {
