@@ -8,11 +8,14 @@
 //! busy workers settle hundreds of deliveries a second, roughly in order.
 //!
 //! Rules, per channel (delivery tags grow in the order deliveries arrive):
-//! * a delivery whose handling is done is *done*; the broker learns it later, at the latest
-//!   [`FLUSH_AFTER`] later: when the run of done deliveries from the oldest one in hand reaches
-//!   a quarter of the prefetch, when no delivery of the channel is still running, or when the
-//!   timer fires — one ack with `multiple` for the run, then one ack each for done deliveries
-//!   behind a running one (a slow handler never holds the others' acks for long);
+//! * a delivery whose handling is done is *done*; the broker learns it later: when the run of
+//!   done deliveries from the oldest one in hand reaches a quarter of the prefetch, when no
+//!   delivery of the channel is still running, or when the timer fires, at the latest
+//!   [`FLUSH_AFTER`] later — one ack with `multiple` for the run. A done delivery behind a
+//!   running one waits for the run to reach it up to [`BEHIND_AFTER`], then is acked alone (a
+//!   slow handler never holds the others' acks for long). The gateway's ingress finishes its
+//!   deliveries batch by batch, scattered over the tags: acked alone at once, nearly every
+//!   one of them cost an ack frame and a Raft command;
 //! * a delivery given back (`basic.nack`, requeue) is sent at once, and counts as settled;
 //! * once the worker stops ([`Acks::stop`]) a delivery given back is *left*: nothing is sent
 //!   for it, the channel's close returns it to the queue; it ends every run (an ack with
@@ -41,13 +44,18 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lapin::Acker;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 
-/// Longest time a done delivery waits for its ack to be sent.
+/// Longest time a done delivery in the run from the oldest one waits for its ack to be sent.
 pub(super) const FLUSH_AFTER: Duration = Duration::from_millis(10);
+
+/// Longest time a done delivery behind a running one waits for the run to reach it, before it
+/// is acked alone: longer than a gateway ingress message waits for its batch and confirm
+/// (`gateway.batch_linger`, 100 ms by default, and a few ms), so that those acks go in runs.
+pub(super) const BEHIND_AFTER: Duration = Duration::from_millis(200);
 
 /// Frames (acks and nacks) one channel sent within the last [`RECENT`] or so, past which its
 /// close waits [`CLOSE_LINGER`]: half the 32 unapplied commands past which the broker stashes
@@ -69,8 +77,8 @@ pub(super) const CLOSE_LINGER: Duration = Duration::from_millis(250);
 enum Slot {
     /// Handed to its task, not settled yet.
     Running,
-    /// Done; its ack not sent yet.
-    Done(Acker),
+    /// Done (since the instant); its ack not sent yet.
+    Done(Acker, Instant),
     /// Given back to the broker (nack sent): nothing more to send for it.
     Settled,
     /// Given back while stopping: nothing sent, the channel's close returns it. Unsettled at
@@ -97,7 +105,7 @@ impl State {
     /// Marks `tag` done: whether a flush is due now (the run from the oldest delivery reaches
     /// `run`, or covers everything in hand).
     fn done(&mut self, tag: u64, acker: Acker, run: usize) -> bool {
-        self.slots.insert(tag, Slot::Done(acker));
+        self.slots.insert(tag, Slot::Done(acker, Instant::now()));
         let (done, all) = run_from_oldest(&self.slots);
         done >= run || all
     }
@@ -233,9 +241,18 @@ impl Acks {
             if !now && !st.timer {
                 st.timer = true;
                 let me = self.clone();
+                // every FLUSH_AFTER while done deliveries wait (behind a running one, for
+                // up to BEHIND_AFTER)
                 tokio::spawn(async move {
-                    tokio::time::sleep(FLUSH_AFTER).await;
-                    me.flush(true).await;
+                    loop {
+                        tokio::time::sleep(FLUSH_AFTER).await;
+                        if !me
+                            .flush_some(Instant::now().checked_sub(BEHIND_AFTER))
+                            .await
+                        {
+                            break;
+                        }
+                    }
                 });
             }
             now
@@ -263,23 +280,32 @@ impl Acks {
     }
 
     /// Sends the acks that are due: the run from the oldest delivery in hand, and with
-    /// `all` (the timer, a stopping worker) the done deliveries behind a running one too.
-    /// What it takes out of the books is sent by a task of its own, which holds the send lock
-    /// until it is done: aborting the caller (a handler's task when the shutdown grace ends)
-    /// cannot drop those acks, and the stop's last flush waits for them.
+    /// `all` (a stopping worker) every done delivery behind a running one too.
     pub(super) async fn flush(&self, all: bool) {
+        let all = all.then(Instant::now);
+        self.flush_some(all).await;
+    }
+
+    /// Sends the run from the oldest delivery in hand, and the done deliveries behind a
+    /// running one that were done by `behind` (none without it). What it takes out of the
+    /// books is sent by a task of its own, which holds the send lock until it is done:
+    /// aborting the caller (a handler's task when the shutdown grace ends) cannot drop those
+    /// acks, and the stop's last flush waits for them. With `behind` (the timer, the stop):
+    /// whether done deliveries are still waiting, for which the timer goes on.
+    async fn flush_some(&self, behind: Option<Instant>) -> bool {
         let turn = self.send.clone().lock_owned().await;
-        let f = {
+        let (f, waiting) = {
             let mut st = self.state();
-            if all {
+            let f = take(&mut st.slots, behind);
+            st.sent(usize::from(f.run.is_some()) + f.single.len());
+            let waiting = st.slots.values().any(|s| matches!(s, Slot::Done(..)));
+            if behind.is_some() && !waiting {
                 st.timer = false;
             }
-            let f = take(&mut st.slots, all);
-            st.sent(usize::from(f.run.is_some()) + f.single.len());
-            f
+            (f, waiting)
         };
         if f.run.is_none() && f.single.is_empty() {
-            return;
+            return waiting;
         }
         let queue = self.queue.clone();
         let sending = tokio::spawn(async move {
@@ -287,6 +313,7 @@ impl Acks {
             drop(turn);
         });
         let _ = sending.await;
+        waiting
     }
 }
 
@@ -322,7 +349,8 @@ impl Settle {
         self.tag
     }
 
-    /// Done: acked with the run it belongs to, within [`FLUSH_AFTER`].
+    /// Done: acked with the run it belongs to, within [`FLUSH_AFTER`] once the run reaches it,
+    /// else alone after [`BEHIND_AFTER`].
     pub(super) async fn ack(self) {
         self.acks.done(self.tag, self.acker).await;
     }
@@ -340,7 +368,7 @@ fn run_from_oldest(slots: &BTreeMap<u64, Slot>) -> (usize, bool) {
     for slot in slots.values() {
         match slot {
             Slot::Running | Slot::Left => return (done, false),
-            Slot::Done(_) => done += 1,
+            Slot::Done(..) => done += 1,
             Slot::Settled => {}
         }
     }
@@ -348,16 +376,16 @@ fn run_from_oldest(slots: &BTreeMap<u64, Slot>) -> (usize, bool) {
 }
 
 /// Takes out of `slots` what a flush sends: the run from the oldest delivery (its newest done
-/// acker, acked with `multiple`, covers the rest), and with `all` every other done delivery.
-/// Running and left deliveries stay (the broker still holds them unsettled): the run ends at
-/// the first one, so `multiple` covers done and settled deliveries only.
-fn take(slots: &mut BTreeMap<u64, Slot>, all: bool) -> Flush {
+/// acker, acked with `multiple`, covers the rest), and with `behind` every other delivery done
+/// by then. Running and left deliveries stay (the broker still holds them unsettled): the run
+/// ends at the first one, so `multiple` covers done and settled deliveries only.
+fn take(slots: &mut BTreeMap<u64, Slot>, behind: Option<Instant>) -> Flush {
     let mut run: Option<(u64, Acker, usize)> = None;
     let mut end = None;
     for (&tag, slot) in slots.iter() {
         match slot {
             Slot::Running | Slot::Left => break,
-            Slot::Done(a) => {
+            Slot::Done(a, _) => {
                 let n = run.as_ref().map_or(0, |(_, _, n)| *n) + 1;
                 run = Some((tag, a.clone(), n));
                 end = Some(tag);
@@ -369,9 +397,9 @@ fn take(slots: &mut BTreeMap<u64, Slot>, all: bool) -> Flush {
         slots.retain(|&t, _| t > end);
     }
     let mut single = Vec::new();
-    if all {
+    if let Some(by) = behind {
         slots.retain(|&tag, slot| match slot {
-            Slot::Done(a) => {
+            Slot::Done(a, at) if *at <= by => {
                 single.push((tag, a.clone()));
                 false
             }

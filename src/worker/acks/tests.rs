@@ -12,7 +12,7 @@ fn slots(spec: &[(u64, char)]) -> BTreeMap<u64, Slot> {
         .map(|&(t, c)| {
             let s = match c {
                 'r' => Slot::Running,
-                'd' => Slot::Done(acker(t)),
+                'd' => Slot::Done(acker(t), Instant::now()),
                 _ => Slot::Settled,
             };
             (t, s)
@@ -24,15 +24,38 @@ fn slots(spec: &[(u64, char)]) -> BTreeMap<u64, Slot> {
 fn the_run_from_the_oldest_delivery_is_taken_and_stops_at_a_running_one() {
     let mut s = slots(&[(1, 'd'), (2, 's'), (3, 'd'), (4, 'r'), (5, 'd')]);
     assert_eq!(run_from_oldest(&s), (2, false));
-    let f = take(&mut s, false);
+    let f = take(&mut s, None);
     assert_eq!(f.run.map(|(t, _, n)| (t, n)), Some((3, 2)));
     assert!(f.single.is_empty());
     assert_eq!(s.keys().copied().collect::<Vec<_>>(), vec![4, 5]);
     // the timer also acks what is done behind the running one
-    let f = take(&mut s, true);
+    let f = take(&mut s, Some(Instant::now()));
     assert!(f.run.is_none());
     assert_eq!(f.single.len(), 1);
     assert_eq!(s.keys().copied().collect::<Vec<_>>(), vec![4]);
+}
+
+#[test]
+fn a_done_delivery_behind_a_running_one_waits_for_the_run_until_it_is_old_enough() {
+    let mut s = slots(&[(1, 'r'), (2, 'd')]);
+    let before = Instant::now().checked_sub(BEHIND_AFTER).unwrap();
+    // the timer, before BEHIND_AFTER: nothing goes
+    let f = take(&mut s, Some(before));
+    assert!(f.run.is_none() && f.single.is_empty());
+    assert_eq!(s.len(), 2);
+    // the running one finishes: one ack with multiple covers both
+    s.insert(1, Slot::Done(acker(1), Instant::now()));
+    let f = take(&mut s, Some(before));
+    assert_eq!(f.run.map(|(t, _, n)| (t, n)), Some((2, 2)));
+    assert!(f.single.is_empty() && s.is_empty());
+    // still running once it is old enough: acked alone
+    let mut s = slots(&[(1, 'r'), (2, 'd')]);
+    let f = take(&mut s, Some(Instant::now()));
+    assert_eq!(
+        f.single.iter().map(|(t, _)| *t).collect::<Vec<_>>(),
+        vec![2]
+    );
+    assert_eq!(s.keys().copied().collect::<Vec<_>>(), vec![1]);
 }
 
 #[test]
@@ -47,10 +70,10 @@ fn a_run_that_covers_everything_in_hand_is_due_at_once() {
 #[test]
 fn settled_deliveries_are_dropped_and_never_acked() {
     let mut s = slots(&[(1, 's'), (2, 's')]);
-    let f = take(&mut s, false);
+    let f = take(&mut s, None);
     assert!(f.run.is_none() && f.single.is_empty() && s.is_empty());
     let mut s = slots(&[(1, 'r'), (2, 's'), (3, 'r')]);
-    let f = take(&mut s, true);
+    let f = take(&mut s, Some(Instant::now()));
     assert!(f.run.is_none() && f.single.is_empty());
     assert_eq!(s.keys().copied().collect::<Vec<_>>(), vec![1, 2, 3]);
 }
@@ -89,7 +112,7 @@ impl Broker {
     }
 
     fn flush(&mut self, st: &mut State, all: bool, finished: &BTreeSet<u64>) {
-        let f = take(&mut st.slots, all);
+        let f = take(&mut st.slots, all.then(Instant::now));
         if let Some((tag, _, n)) = f.run {
             self.ack(tag, n > 1, finished);
         }
@@ -189,14 +212,14 @@ fn a_left_delivery_ends_every_run_and_stays_for_the_close() {
         st.slots.insert(tag, Slot::Running);
     }
     assert!(st.done(1, acker(1), 1), "a run of one");
-    let f = take(&mut st.slots, false);
+    let f = take(&mut st.slots, None);
     assert_eq!(f.run.map(|(t, _, n)| (t, n)), Some((1, 1)));
     assert!(!st.give_back(2), "a stopping worker sends no nack");
     assert!(!st.done(3, acker(3), 1), "behind a left one: not a run");
     assert!(!st.done(4, acker(4), 1));
-    let f = take(&mut st.slots, false);
+    let f = take(&mut st.slots, None);
     assert!(f.run.is_none() && f.single.is_empty());
-    let f = take(&mut st.slots, true);
+    let f = take(&mut st.slots, Some(Instant::now()));
     assert!(f.run.is_none());
     assert_eq!(
         f.single.iter().map(|(t, _)| *t).collect::<Vec<_>>(),
@@ -234,8 +257,8 @@ async fn done_deliveries_leave_the_books_by_run_or_by_timer() {
     a.ack().await; // the run 1–2 is complete
     assert_eq!(acks.in_hand(), 1);
     let d = acks.received(4, acker(4));
-    d.ack().await; // behind 3: the timer acks it
-    tokio::time::sleep(FLUSH_AFTER * 5).await;
+    d.ack().await; // behind 3: the timer acks it once it waited BEHIND_AFTER
+    tokio::time::sleep(BEHIND_AFTER + FLUSH_AFTER * 5).await;
     assert_eq!(acks.in_hand(), 1);
     c.give_back().await.unwrap();
     assert_eq!(acks.in_hand(), 0);
