@@ -547,31 +547,7 @@ async fn short_delays_are_held_by_the_gateway_not_sent_through_the_tiers() {
         let (x_in, x_t, _objects) = one_pair(&env).await;
         let pairs = [(x_in.as_str(), x_t.as_str())];
         let pair = pairs_of(&env, &pairs);
-        let due = pair[0].due_queue.as_str();
-        let mut args = amqp_delay::Topology::new(env.layout()).consumed_queue_args();
-        args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
-        let watch = env.conn.create_channel().await.unwrap();
-        let durable = QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
-        };
-        watch
-            .queue_declare(due.into(), durable, args)
-            .await
-            .unwrap();
-        watch
-            .basic_qos(1000, BasicQosOptions::default())
-            .await
-            .unwrap();
-        let mut on_due = watch
-            .basic_consume(
-                due.into(),
-                "watcher".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
+        let (watch, mut on_due) = watch_due_queue(&env, &pair[0]).await;
         let config = write_config(&env, "");
         let gw = GatewayProc::start(&env, &config.0, &pairs, "gw");
         wait_for_consumers(&env.conn, &pair, 1, &[&gw]).await;
@@ -598,6 +574,38 @@ async fn short_delays_are_held_by_the_gateway_not_sent_through_the_tiers() {
     .await;
 }
 
+/// Declares `pair`'s due queue (before the gateway does) as a single-active-consumer queue and
+/// consumes it: the test's consumer is the active one, and takes what reaches the due queue
+/// until its channel closes (unacked deliveries then go to the gateway's consumer).
+async fn watch_due_queue(env: &Env, pair: &Pair) -> (lapin::Channel, lapin::Consumer) {
+    let due = pair.due_queue.as_str();
+    let mut args = amqp_delay::Topology::new(env.layout()).consumed_queue_args();
+    args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    let watch = env.conn.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    watch
+        .queue_declare(due.into(), durable, args)
+        .await
+        .unwrap();
+    watch
+        .basic_qos(1000, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let on_due = watch
+        .basic_consume(
+            due.into(),
+            "watcher".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    (watch, on_due)
+}
+
 /// The ingress waits for its batch without a handler permit: with `consumer.io_concurrency = 1`
 /// and a `gateway.batch_linger` of 1 s, 24 messages of 1 200 ms published within 0.2 s are in
 /// the batcher together and reach the due queue in a few batches (with a permit each, one at a
@@ -613,31 +621,7 @@ async fn ingress_messages_gather_into_batches_without_a_handler_permit_each() {
         let (x_in, x_t, _objects) = one_pair(&env).await;
         let pairs = [(x_in.as_str(), x_t.as_str())];
         let pair = pairs_of(&env, &pairs);
-        let due = pair[0].due_queue.as_str();
-        let mut args = amqp_delay::Topology::new(env.layout()).consumed_queue_args();
-        args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
-        let watch = env.conn.create_channel().await.unwrap();
-        let durable = QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
-        };
-        watch
-            .queue_declare(due.into(), durable, args)
-            .await
-            .unwrap();
-        watch
-            .basic_qos(1000, BasicQosOptions::default())
-            .await
-            .unwrap();
-        let mut on_due = watch
-            .basic_consume(
-                due.into(),
-                "watcher".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
+        let (watch, mut on_due) = watch_due_queue(&env, &pair[0]).await;
         let config = write_config(
             &env,
             "io_concurrency = 1\n\n[gateway]\nbatch_linger = \"1s\"\n",
