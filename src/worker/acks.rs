@@ -246,10 +246,7 @@ impl Acks {
                 tokio::spawn(async move {
                     loop {
                         tokio::time::sleep(FLUSH_AFTER).await;
-                        if !me
-                            .flush_some(Instant::now().checked_sub(BEHIND_AFTER))
-                            .await
-                        {
+                        if !me.flush_some(Some(BEHIND_AFTER)).await {
                             break;
                         }
                     }
@@ -282,17 +279,16 @@ impl Acks {
     /// Sends the acks that are due: the run from the oldest delivery in hand, and with
     /// `all` (a stopping worker) every done delivery behind a running one too.
     pub(super) async fn flush(&self, all: bool) {
-        let all = all.then(Instant::now);
-        self.flush_some(all).await;
+        self.flush_some(all.then_some(Duration::ZERO)).await;
     }
 
     /// Sends the run from the oldest delivery in hand, and the done deliveries behind a
-    /// running one that were done by `behind` (none without it). What it takes out of the
+    /// running one that have been done for `behind` or longer (none without it). What it takes out of the
     /// books is sent by a task of its own, which holds the send lock until it is done:
     /// aborting the caller (a handler's task when the shutdown grace ends) cannot drop those
     /// acks, and the stop's last flush waits for them. With `behind` (the timer, the stop):
     /// whether done deliveries are still waiting, for which the timer goes on.
-    async fn flush_some(&self, behind: Option<Instant>) -> bool {
+    async fn flush_some(&self, behind: Option<Duration>) -> bool {
         let turn = self.send.clone().lock_owned().await;
         let (f, waiting) = {
             let mut st = self.state();
@@ -377,9 +373,9 @@ fn run_from_oldest(slots: &BTreeMap<u64, Slot>) -> (usize, bool) {
 
 /// Takes out of `slots` what a flush sends: the run from the oldest delivery (its newest done
 /// acker, acked with `multiple`, covers the rest), and with `behind` every other delivery done
-/// by then. Running and left deliveries stay (the broker still holds them unsettled): the run
+/// for at least that long. Running and left deliveries stay (the broker still holds them unsettled): the run
 /// ends at the first one, so `multiple` covers done and settled deliveries only.
-fn take(slots: &mut BTreeMap<u64, Slot>, behind: Option<Instant>) -> Flush {
+fn take(slots: &mut BTreeMap<u64, Slot>, behind: Option<Duration>) -> Flush {
     let mut run: Option<(u64, Acker, usize)> = None;
     let mut end = None;
     for (&tag, slot) in slots.iter() {
@@ -397,9 +393,10 @@ fn take(slots: &mut BTreeMap<u64, Slot>, behind: Option<Instant>) -> Flush {
         slots.retain(|&t, _| t > end);
     }
     let mut single = Vec::new();
-    if let Some(by) = behind {
+    if let Some(age) = behind {
+        let now = Instant::now();
         slots.retain(|&tag, slot| match slot {
-            Slot::Done(a, at) if *at <= by => {
+            Slot::Done(a, at) if now.saturating_duration_since(*at) >= age => {
                 single.push((tag, a.clone()));
                 false
             }
