@@ -315,40 +315,10 @@ async fn one<H: Handler>(
     if d.due_at_ms.is_none() {
         d.due_at_ms = handler.due_at(&d);
     }
-    if let Some(due) = d.due_at_ms {
-        // the cancel sync it needs may start half a notice before its due time: done while it
-        // is held, it adds nothing to its lateness
-        let sync_at = due.saturating_sub(ctx.cancels.notice_ms() / 2);
-        let held = match hold_until(sync_at, due, ctx, may_skip).await {
-            Hold::Due if sync_at < due && now_ms() < due => {
-                if ctx.cancels.sync_for(Some(due)).await? {
-                    ctx.counters.count(Event::CancelSync, &d.queue);
-                }
-                hold_until(due, due, ctx, may_skip).await
-            }
-            other => other,
-        };
-        match held {
-            Hold::Due => {}
-            Hold::Stopping => return Ok((d, Done::NotStarted)),
-            Hold::TooEarly(left) => {
-                let reason = format!(
-                    "arrived {} before its due time, more than consumer.max_hold ({}): sent through the tiers again for the rest",
-                    crate::time::DurationMs(left),
-                    ctx.settings.max_hold
-                );
-                tracing::warn!(queue = %d.queue, id = %d.message_id, %reason);
-                reschedule(
-                    &d,
-                    &reason,
-                    ctx,
-                    d.attempt,
-                    left.min(ctx.layout.max_delay_ms()),
-                )
-                .await?;
-                return Ok((d, Done::Retried));
-            }
-        }
+    if let Some(due) = d.due_at_ms
+        && let Some(done) = hold_until_due(&d, due, ctx, may_skip).await?
+    {
+        return Ok((d, done));
     }
     let permits = if handler.io_bound() {
         &ctx.io
@@ -379,6 +349,51 @@ async fn one<H: Handler>(
     };
     let done = carry_out(&d, outcome, ctx).await?;
     Ok((d, done))
+}
+
+/// Holds `d` until `due` (its cancel sync done on the way, half a notice before), never
+/// returning before it. `Some` when it is not to run now: the worker is stopping
+/// ([`Done::NotStarted`]), or it came more than `consumer.max_hold` early and was sent through
+/// the tiers again for the rest ([`Done::Retried`]).
+async fn hold_until_due(
+    d: &Delivery,
+    due: u64,
+    ctx: &TaskCtx,
+    may_skip: bool,
+) -> Result<Option<Done>> {
+    // the cancel sync it needs may start half a notice before its due time: done while it is
+    // held, it adds nothing to its lateness
+    let sync_at = due.saturating_sub(ctx.cancels.notice_ms() / 2);
+    let held = match hold_until(sync_at, due, ctx, may_skip).await {
+        Hold::Due if sync_at < due && now_ms() < due => {
+            if ctx.cancels.sync_for(Some(due)).await? {
+                ctx.counters.count(Event::CancelSync, &d.queue);
+            }
+            hold_until(due, due, ctx, may_skip).await
+        }
+        other => other,
+    };
+    match held {
+        Hold::Due => Ok(None),
+        Hold::Stopping => Ok(Some(Done::NotStarted)),
+        Hold::TooEarly(left) => {
+            let reason = format!(
+                "arrived {} before its due time, more than consumer.max_hold ({}): sent through the tiers again for the rest",
+                crate::time::DurationMs(left),
+                ctx.settings.max_hold
+            );
+            tracing::warn!(queue = %d.queue, id = %d.message_id, %reason);
+            reschedule(
+                d,
+                &reason,
+                ctx,
+                d.attempt,
+                left.min(ctx.layout.max_delay_ms()),
+            )
+            .await?;
+            Ok(Some(Done::Retried))
+        }
+    }
 }
 
 /// How waiting for a due time ended.
