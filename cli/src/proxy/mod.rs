@@ -17,6 +17,7 @@
 
 pub mod conn;
 pub mod frames;
+pub mod priority;
 pub mod registry;
 pub mod rewrite;
 pub mod tls;

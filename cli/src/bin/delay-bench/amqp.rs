@@ -61,8 +61,8 @@ pub(crate) async fn declare_delayed_exchange(conn: &Connection, name: &str) -> R
 }
 
 /// A `delay-proxy` in this process for `settings`' prefix, on a thread and a single-threaded
-/// runtime of its own (as the `delay-proxy` binary runs, so that it does not share the
-/// benchmark's runtime), listening on a free local port until the sender is dropped or sent
+/// runtime of its own at the binary's default niceness (as the `delay-proxy` binary runs, so
+/// that it does not share the benchmark's runtime), listening on a free local port until the sender is dropped or sent
 /// to; returns the URL clients use (`settings`' first, with the proxy's address).
 pub(crate) async fn start_proxy(
     settings: &amqp_delay::Settings,
@@ -97,6 +97,12 @@ pub(crate) async fn start_proxy(
         .build()
         .map_err(|e| config(format!("the in-process delay-proxy's runtime: {e}")))?;
     std::thread::spawn(move || {
+        // as the delay-proxy binary runs by default (only this thread and those it starts)
+        if let Err(e) = amqp_delay_cli::proxy::priority::lower_to(
+            amqp_delay_cli::proxy::priority::DEFAULT_NICENESS,
+        ) {
+            tracing::warn!("the in-process delay-proxy runs at the bench's priority: {e}");
+        }
         runtime.block_on(async move {
             let listener = match tokio::net::TcpListener::from_std(listener) {
                 Ok(l) => l,
