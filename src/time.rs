@@ -16,17 +16,6 @@ pub fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// How long until this machine's wall clock reaches `due_ms` (ms since the Unix epoch), to the
-/// microsecond; zero once [`now_ms`] is `due_ms` or later. A timer of this length wakes within
-/// a millisecond after the due time, where one of whole ms from [`now_ms`] (which truncates)
-/// could wake up to a millisecond later still.
-pub fn until_ms(due_ms: u64) -> Duration {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or(Duration::ZERO);
-    Duration::from_millis(due_ms).saturating_sub(now)
-}
-
 /// A duration in whole milliseconds, written as `1500` (ms), `"1500ms"`, `"30s"`, `"1m30s"`,
 /// `"24h"`, `"365d"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -126,23 +115,6 @@ pub fn compact_duration(ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_time_until_a_due_ms_is_never_more_than_its_whole_ms() {
-        assert_eq!(until_ms(0), Duration::ZERO);
-        let due = now_ms() + 50;
-        let left = until_ms(due);
-        // less than 50 ms by the part of the current ms already gone (to the microsecond)
-        assert!(
-            left <= Duration::from_millis(50) && left > Duration::ZERO,
-            "{left:?}"
-        );
-        assert_eq!(
-            until_ms(now_ms()),
-            Duration::ZERO,
-            "due in this very ms: due now"
-        );
-    }
 
     #[test]
     fn durations_parse() {

@@ -422,8 +422,8 @@ async fn hold_until(until: u64, due: u64, ctx: &TaskCtx, may_skip: bool) -> Hold
     let held = &crate::metrics::global().held;
     held.inc();
     let end = loop {
-        let left = crate::time::until_ms(due);
-        if left.is_zero() {
+        let left = due.saturating_sub(now_ms());
+        if left == 0 {
             break Hold::Due;
         }
         if may_skip && ctx.stopping.load(Ordering::Relaxed) {
@@ -432,12 +432,8 @@ async fn hold_until(until: u64, due: u64, ctx: &TaskCtx, may_skip: bool) -> Hold
         // the timer runs on the monotonic clock, the due time on the wall clock: look again
         // after waking (a message that may be skipped at least every 100 ms, so a stopping
         // worker gives it back; a batch's members run to the end anyway)
-        let step = if may_skip {
-            left.min(Duration::from_millis(100))
-        } else {
-            left
-        };
-        tokio::time::sleep(step).await;
+        let step = if may_skip { left.min(100) } else { left };
+        tokio::time::sleep(Duration::from_millis(step)).await;
     };
     held.dec();
     end
