@@ -10,3 +10,9 @@ pub mod cli;
 pub mod jsonl;
 pub mod observe;
 pub mod proxy;
+
+/// Every tool allocates with mimalloc: with glibc's malloc the gateway path spent about a fifth
+/// of its CPU in `malloc_consolidate`, `unlink_chunk` and the aligned allocations of runtime
+/// tasks (`perf record` of `delay-bench --scenarios gateway_long`, docs/PERFORMANCE.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
