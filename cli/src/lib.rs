@@ -11,8 +11,10 @@ pub mod jsonl;
 pub mod observe;
 pub mod proxy;
 
-/// Every tool allocates with mimalloc: with glibc's malloc the gateway path spent about a fifth
-/// of its CPU in `malloc_consolidate`, `unlink_chunk` and the aligned allocations of runtime
-/// tasks (`perf record` of `delay-bench --scenarios gateway_long`, docs/PERFORMANCE.md).
+/// Every tool allocates with mimalloc: with glibc's malloc, about a fifth of delay-bench's CPU on
+/// the gateway scenario (its publisher, gateway and consumer) went to `malloc_consolidate`,
+/// `unlink_chunk` and the aligned allocations of runtime tasks (`perf record` of
+/// `delay-bench --scenarios gateway_long`, docs/PERFORMANCE.md). This also applies to the suites
+/// that link this crate.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
