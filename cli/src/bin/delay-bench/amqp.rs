@@ -151,9 +151,17 @@ pub(crate) async fn delete_exchange(conn: &Connection, name: &str) -> Result<()>
 }
 
 /// Removes everything under `layout`'s prefix as `teardown --force` does: the tiers, and the
-/// gateway pairs and batch markers recorded in its control stream.
-pub(crate) async fn delete_topology(conn: &Connection, layout: &Layout) -> Result<()> {
-    amqp_delay_cli::admin::teardown(conn, layout, None, true)
+/// gateway pairs and batch markers recorded in its control stream. `own` names the exchanges
+/// this run declared itself (the gateway stages' ingresses, under the run's prefix but outside
+/// a scenario's own, as `bench-x.gateway_long.sat.in` is outside `bench-x-gwl.`): teardown may
+/// delete those too, instead of warning that it leaves them as not ours.
+pub(crate) async fn delete_topology(
+    conn: &Connection,
+    layout: &Layout,
+    own: &[String],
+) -> Result<()> {
+    let trust = amqp_delay::settings::TrustSettings::default();
+    amqp_delay_cli::admin::teardown_with(conn, layout, None, true, own, &trust)
         .await
         .map(|_| ())
 }

@@ -18,6 +18,8 @@ struct Registered {
     layouts: Vec<Layout>,
     queues: Vec<String>,
     exchanges: Vec<String>,
+    /// Every exchange ever registered, deleted or not: a scenario's teardown may delete these.
+    declared: Vec<String>,
 }
 
 impl Cleanup {
@@ -32,11 +34,14 @@ impl Cleanup {
             .push(q.to_string());
     }
     pub(crate) fn add_exchange(&self, x: &str) {
-        self.inner
-            .lock()
-            .expect("cleanup")
-            .exchanges
-            .push(x.to_string());
+        let mut g = self.inner.lock().expect("cleanup");
+        g.exchanges.push(x.to_string());
+        g.declared.push(x.to_string());
+    }
+    /// Every exchange this run registered, also those deleted since (a gateway stage deletes
+    /// its own as it ends, but its pair stays in the control stream).
+    pub(crate) fn declared_exchanges(&self) -> Vec<String> {
+        self.inner.lock().expect("cleanup").declared.clone()
     }
     /// `layout` was deleted already.
     pub(crate) fn forget_layout(&self, l: &Layout) {
@@ -64,9 +69,15 @@ impl Cleanup {
     }
     /// Deletes every registered queue, exchange and topology (over a fresh connection).
     pub(crate) async fn run(&self, url: &str) -> Result<()> {
-        let (layouts, queues, exchanges) = {
+        let (layouts, queues, exchanges, declared) = {
             let g = self.inner.lock().expect("cleanup");
-            (g.layouts.clone(), g.queues.clone(), g.exchanges.clone())
+            let declared = g.declared.clone();
+            (
+                g.layouts.clone(),
+                g.queues.clone(),
+                g.exchanges.clone(),
+                declared,
+            )
         };
         if layouts.is_empty() && queues.is_empty() && exchanges.is_empty() {
             return Ok(());
@@ -84,7 +95,7 @@ impl Cleanup {
             }
         }
         for l in &layouts {
-            if let Err(e) = delete_topology(&conn, l).await {
+            if let Err(e) = delete_topology(&conn, l, &declared).await {
                 result = Err(e);
             }
         }

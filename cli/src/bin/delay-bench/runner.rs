@@ -250,7 +250,7 @@ impl<'a> Bench<'a> {
     }
 
     async fn delete(&mut self, layout: &Layout) -> Result<()> {
-        delete_topology(&self.admin, layout).await?;
+        delete_topology(&self.admin, layout, &self.cleanup.declared_exchanges()).await?;
         self.cleanup.forget_layout(layout);
         Ok(())
     }
