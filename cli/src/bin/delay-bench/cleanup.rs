@@ -71,13 +71,8 @@ impl Cleanup {
     pub(crate) async fn run(&self, url: &str) -> Result<()> {
         let (layouts, queues, exchanges, declared) = {
             let g = self.inner.lock().expect("cleanup");
-            let declared = g.declared.clone();
-            (
-                g.layouts.clone(),
-                g.queues.clone(),
-                g.exchanges.clone(),
-                declared,
-            )
+            let (l, q, x) = (&g.layouts, &g.queues, &g.exchanges);
+            (l.clone(), q.clone(), x.clone(), g.declared.clone())
         };
         if layouts.is_empty() && queues.is_empty() && exchanges.is_empty() {
             return Ok(());
