@@ -38,6 +38,24 @@ pub(crate) fn delays_for(sc: Scenario, cfg: &BenchConfig, n: usize, seed: u64) -
         .collect()
 }
 
+/// The longest delay [`delays_for`] gives scenario `sc`: how long a steady run must publish
+/// before every stage of its path (the tiers, the consumer's hold, a gateway's target publish)
+/// carries the rate it publishes at.
+pub(crate) fn longest_delay(sc: Scenario, cfg: &BenchConfig) -> u64 {
+    let fixed = cfg.fixed_levels();
+    let shards = u64::from(cfg.fixed_shards.max(1));
+    match sc {
+        Scenario::Raw => 0,
+        Scenario::Fixed | Scenario::FixedBatched => fixed.first().map_or(0, |f| f + shards - 1),
+        Scenario::Uniform | Scenario::Binary | Scenario::UniformBatched | Scenario::Relay => {
+            cfg.max_delay_ms
+        }
+        Scenario::Gateway => *GATEWAY_DELAYS_MS.end(),
+        Scenario::GatewayLong => *GATEWAY_LONG_DELAYS_MS.end(),
+        Scenario::Mix => fixed.iter().copied().fold(cfg.max_delay_ms, u64::max),
+    }
+}
+
 fn mix_delay(rng: &mut StdRng, fixed: &[u64], max: u64) -> u64 {
     if !fixed.is_empty() && rng.random_bool(MIX_FIXED_SHARE) {
         fixed[rng.random_range(0..fixed.len())]
@@ -204,6 +222,21 @@ mod tests {
             prefix: "bench-test".into(),
             ..Settings::default()
         })
+    }
+
+    #[test]
+    fn no_delay_is_longer_than_the_longest() {
+        let c = BenchConfig {
+            fixed_shards: 3,
+            ..cfg()
+        };
+        for sc in Scenario::ALL {
+            let longest = longest_delay(sc, &c);
+            let seen = delays_for(sc, &c, 5_000, 3).into_iter().max().unwrap();
+            assert!(seen <= longest, "{sc:?}: {seen} > {longest}");
+            // and it is the longest, not a bound far above: the warm-up of a probe
+            assert!(seen * 100 >= longest * 99, "{sc:?}: {seen} ≪ {longest}");
+        }
     }
 
     #[test]

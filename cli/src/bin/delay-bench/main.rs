@@ -114,9 +114,11 @@ is counted: lost, duplicated or early messages are reported and make the exit co
 report broker messages through the tiers per message (brk/m); the gateways also the share of
 their messages that crossed the tiers.
 --sustained additionally searches, for each scenario, the highest steady rate whose p99 lateness
-stays within --objective-ms (25 ms): --probes short steady runs (--probe-secs of publishing each,
-plus their delays) at rates bisected between 1/16 of its saturating rate and that rate; it
-reports that rate and its ratio to raw's saturating rate (of the same run). A probe fails when
+stays within --objective-ms (25 ms): --probes steady runs at rates bisected between 1/16 of its
+saturating rate and that rate. A probe publishes for the scenario's longest delay (a warm-up:
+until then the stages after the tiers carry only part of the rate) plus --probe-secs, and its
+p99 is of the messages due in those last --probe-secs (all are checked for loss and earliness).
+It reports that rate and its ratio to raw's saturating rate (of the same run). A probe fails when
 its p99 is above the objective, when the publisher fell behind the rate by more than the
 objective, or when a message was lost or early.
 --capacity M additionally holds M messages in one tier and reads the broker's memory before and
@@ -215,8 +217,9 @@ struct Args {
     /// The p99 lateness objective of --sustained, in ms
     #[arg(long, value_name = "MS", default_value_t = 25)]
     objective_ms: u64,
-    /// Seconds of publishing in each probe of --sustained (each probe also waits for its
-    /// delays) [default: 2, with --quick 1]
+    /// Seconds of steady publishing in each probe of --sustained, after a warm-up as long as
+    /// the scenario's longest delay; its p99 is of the messages due then [default: 2, with
+    /// --quick 1]
     #[arg(long, value_name = "SECS")]
     probe_secs: Option<f64>,
     /// Probes per scenario in --sustained (the search stops earlier once it brackets the rate

@@ -104,8 +104,11 @@ pub(crate) struct SustainedResult {
     /// The top of the search: the saturating rate (its publish rate when that run was bound
     /// by its delays). Never probed itself.
     pub(crate) ceiling_msgs_per_s: f64,
-    /// Seconds of publishing per probe.
+    /// Seconds of publishing per probe after the warm-up: the steady window its p99 is of.
     pub(crate) probe_secs: f64,
+    /// Seconds of publishing per probe before the steady window (the scenario's longest
+    /// delay): messages due then are checked for loss and earliness only.
+    pub(crate) warmup_secs: f64,
     /// In the order they ran.
     pub(crate) probes: Vec<ProbeResult>,
 }
@@ -445,7 +448,8 @@ impl Report {
         let _ = writeln!(
             s,
             "\nsustained rate: the highest steady rate probed whose p99 lateness stayed within \
-             {} ms ({} s probes, at most {} per scenario; ×raw: of raw's saturating rate)",
+             {} ms (probes of {} s steady after a warm-up as long as the scenario's longest delay, \
+             at most {} per scenario; ×raw: of raw's saturating rate)",
             self.config.objective_ms, self.config.probe_secs, self.config.probes
         );
         let ordered = self.raw.iter().map(|r| ("raw", r)).chain(
@@ -532,8 +536,9 @@ fn sustained_line(st: &SustainedResult) -> String {
         })
         .collect();
     format!(
-        "{found}; ceiling {:.0}; probes: {}",
+        "{found}; ceiling {:.0}; warm-up {} s; probes: {}",
         st.ceiling_msgs_per_s,
+        st.warmup_secs,
         probes.join(", ")
     )
 }
@@ -588,6 +593,7 @@ mod tests {
             missed_msgs_per_s: missed,
             ceiling_msgs_per_s: 4_000.0,
             probe_secs: 2.0,
+            warmup_secs: 5.0,
             probes: vec![
                 probe(1_000.0, 12, Verdict::Ok),
                 probe(2_000.0, 80, Verdict::Late),
@@ -603,7 +609,7 @@ mod tests {
             found.contains("probes: 1000 ok p99 12, 2000 late p99 80"),
             "{found}"
         );
-        assert!(found.contains("ceiling 4000"), "{found}");
+        assert!(found.contains("ceiling 4000; warm-up 5 s"), "{found}");
         let none = sustained_line(&sustained(None, Some(250.0)));
         assert!(none.contains("< 250 msg/s"), "{none}");
         let empty = SustainedResult {
@@ -623,6 +629,7 @@ mod tests {
             "missed_msgs_per_s",
             "ceiling_msgs_per_s",
             "probe_secs",
+            "warmup_secs",
             "probes",
         ] {
             assert!(v.get(k).is_some(), "{k} missing: {v}");

@@ -1,6 +1,7 @@
 //! What the consumers of a pass count: every delivery by message index (first ones and
 //! duplicates, messages the pass did not publish), the lateness of first deliveries (an HDR
-//! histogram), the dead-letter hops they took and the latest due time seen.
+//! histogram; a sustained-rate probe counts only those due in its steady window), the
+//! dead-letter hops they took and the latest due time seen.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
@@ -14,7 +15,9 @@ use amqp_delay::headers;
 use crate::report::Percentiles;
 
 /// Lateness of first deliveries in ms: an HDR histogram (negative values recorded as 0) with
-/// the exact minimum, maximum and the number of early messages beside it.
+/// the exact minimum, maximum and the number of early messages beside it. Deliveries outside
+/// a probe's steady window ([`Tracker::steady`]) stay out of the histogram and the maximum,
+/// but an early one still counts as early and in the minimum.
 pub(super) struct Lateness {
     hist: Histogram<u64>,
     pub(super) min: i64,
@@ -39,6 +42,13 @@ impl Lateness {
         }
         // auto-resizing: recording cannot fail for a non-negative value
         let _ = self.hist.record(ms.max(0) as u64);
+    }
+    /// A delivery outside the steady window: only whether it was early counts.
+    pub(super) fn record_outside(&mut self, ms: i64) {
+        if ms < 0 {
+            self.min = self.min.min(ms);
+            self.early += 1;
+        }
     }
     pub(super) fn merge(&mut self, o: &Lateness) {
         self.min = self.min.min(o.min);
@@ -80,6 +90,10 @@ pub(super) struct Tracker {
     pub(super) t0: OnceLock<(Instant, u64)>,
     /// Latest `x-delay-due-at` seen, in ms after the first publish.
     pub(super) max_due_ms: AtomicU64,
+    /// Due times, in ms after the first publish, whose lateness the percentiles count (all
+    /// when unset): a sustained-rate probe's steady window, when every stage carries the
+    /// rate it publishes at (`sustained::steady_window`).
+    pub(super) steady: OnceLock<std::ops::Range<u64>>,
 }
 
 impl Tracker {
@@ -94,6 +108,7 @@ impl Tracker {
             observed_hops: AtomicU64::new(0),
             t0: OnceLock::new(),
             max_due_ms: AtomicU64::new(0),
+            steady: OnceLock::new(),
         }
     }
 
@@ -129,8 +144,12 @@ impl Tracker {
             let due =
                 headers::get_int(h, headers::DUE_AT).or_else(|| headers::get_int(h, BENCH_DUE_AT));
             if let Some(due) = due {
-                lateness.record(arrived - due);
                 let rel = (due - epoch0 as i64).max(0) as u64;
+                if self.steady.get().is_none_or(|w| w.contains(&rel)) {
+                    lateness.record(arrived - due);
+                } else {
+                    lateness.record_outside(arrived - due);
+                }
                 self.max_due_ms.fetch_max(rel, Ordering::Relaxed);
             }
             self.observed_hops
@@ -167,6 +186,28 @@ mod tests {
         let s = l.summary();
         assert_eq!((s.min, s.max, s.samples, l.early), (-2, 100, 5, 1));
         assert!(s.p50 >= 0 && s.p50 <= s.p99 && s.p99 <= s.max);
+    }
+
+    #[test]
+    fn outside_the_steady_window_only_earliness_counts() {
+        let t = Tracker::new(4);
+        let _ = t.t0.set((Instant::now(), 1_000_000));
+        let _ = t.steady.set(5_000..7_000);
+        let mut l = Lateness::new();
+        let due = |rel: i64| {
+            let mut h = FieldTable::default();
+            h.insert(BENCH_DUE_AT.into(), AMQPValue::LongLongInt(1_000_000 + rel));
+            h
+        };
+        // in the window, 3 ms late; before it, 500 ms late; after it, 2 ms early
+        t.record(Some("0"), Some(&due(6_000)), 1_006_003, &mut l);
+        t.record(Some("1"), Some(&due(1_000)), 1_001_500, &mut l);
+        t.record(Some("2"), Some(&due(8_000)), 1_007_998, &mut l);
+        let s = l.summary();
+        assert_eq!((s.samples, s.p99, s.max), (1, 3, 3));
+        assert_eq!((l.early, s.min), (1, -2));
+        assert_eq!(t.unique.load(Ordering::Relaxed), 3);
+        assert_eq!(t.max_due_ms.load(Ordering::Relaxed), 8_000);
     }
 
     #[test]
