@@ -21,7 +21,7 @@ use amqp_delay::{Error, Publisher, Result};
 use super::Bench;
 use super::publish::Published;
 use super::stage::{Path, Stage, Target};
-use super::tracker::{Lateness, Tracker};
+use super::tracker::{Lateness, Tracker, steady_window};
 use crate::amqp::{declare_plain_queue, delete_queue};
 use crate::config::Scenario;
 
@@ -323,6 +323,10 @@ impl Bench<'_> {
         path: &Path,
     ) -> Result<RunOutcome> {
         let run = self.start(label, queue, n, path).await?;
+        let longest = delays.and_then(|d| d.iter().copied().max()).unwrap_or(0);
+        if let Some(w) = rate.and_then(|r| steady_window(longest, n, r)) {
+            let _ = run.tracker.steady.set(w);
+        }
         let published = self.publish(&run, pubs, delays, rate).await;
         let stall = self.stall;
         let out = self.finish(run, published, stall).await?;

@@ -2,11 +2,10 @@
 //! `search::RateSearch` picks between a floor and the scenario's saturating rate, each judged
 //! by `search::Verdict` against the p99 objective; the highest rate that met it.
 //!
-//! A probe publishes for its scenario's longest delay (the warm-up) plus `--probe-secs`, and
-//! judges only the messages due in the steady window after the warm-up: before it, the stages
-//! after the tiers (a consumer's hold, a gateway's target publish) carry only part of the rate
-//! (the messages due then were published over a shorter span), so a probe of 2 s with delays
-//! of 0–5 s was a burst, never the steady load it claimed to measure.
+//! A probe publishes for its scenario's longest delay (the warm-up) plus `--probe-secs`; like
+//! every paced run, it is judged on the messages due after the warm-up
+//! ([`super::tracker::steady_window`]). A probe of 2 s with delays of 0–5 s judged on all its
+//! messages was a burst, never the steady load it claimed to measure.
 
 use amqp_delay::{Publisher, Result};
 
@@ -64,7 +63,7 @@ impl Bench<'_> {
     }
 
     /// Probe number `k`: the warm-up and `--probe-secs` of publishing at `rate`, on a queue of
-    /// its own, judged on the messages due in the steady window.
+    /// its own, judged on the messages due after the warm-up.
     async fn probe(
         &mut self,
         sc: Scenario,
@@ -80,18 +79,17 @@ impl Bench<'_> {
         // other delays than the saturating and lateness runs', the same for a seed
         let seed = cfg.seed + 2 + k as u64;
         let delays = (sc != Scenario::Raw).then(|| delays_for(sc, cfg, n, seed));
-        let label = format!("{} probe @ {rate:.0}/s", sc.name());
-        let queue = format!("{}.{}.p{k}", cfg.settings.prefix, sc.name());
-        let run = self.start(&label, &queue, n, path).await?;
-        if let Some(w) = steady_window(warmup_ms, n, rate) {
-            let _ = run.tracker.steady.set(w);
-        }
-        let published = self
-            .publish(&run, pubs, delays.as_deref(), Some(rate))
-            .await;
-        let stall = self.stall;
-        let out = self.finish(run, published, stall).await?;
-        self.check(&label, &out);
+        let out = self
+            .run_once(
+                &format!("{} probe @ {rate:.0}/s", sc.name()),
+                &format!("{}.{}.p{k}", cfg.settings.prefix, sc.name()),
+                pubs,
+                delays.as_deref(),
+                n,
+                Some(rate),
+                path,
+            )
+            .await?;
         let lateness = out.lateness.summary();
         let stats = ProbeStats {
             release_lag_ms: out.release_lag_ms,
@@ -119,17 +117,6 @@ impl Bench<'_> {
     }
 }
 
-/// The due times (ms after the first publish) a probe of `n` messages at `rate` is judged on:
-/// from the end of the warm-up to the last release, when every stage carries `rate`; `None`
-/// (judge all) without a warm-up or when the probe ends within it.
-fn steady_window(warmup_ms: u64, n: usize, rate: f64) -> Option<std::ops::Range<u64>> {
-    let last_release_ms = (n.saturating_sub(1) as f64 / rate * 1e3).floor();
-    if warmup_ms == 0 || !last_release_ms.is_finite() || last_release_ms <= warmup_ms as f64 {
-        return None;
-    }
-    Some(warmup_ms..last_release_ms as u64 + 1)
-}
-
 /// The top of the search: the saturating rate, or its publish rate when the delays rather
 /// than the broker set that run's length (then the rate measured is only a lower bound).
 fn search_ceiling(sat: &RunOutcome) -> f64 {
@@ -137,22 +124,5 @@ fn search_ceiling(sat: &RunOutcome) -> f64 {
         sat.msgs_per_s().max(sat.publish_msgs_per_s())
     } else {
         sat.msgs_per_s()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_steady_window_follows_the_warm_up_to_the_last_release() {
-        // 5 s of warm-up and 2 s of probe at 1 000 msg/s: 7 000 messages, the last released
-        // at 6.999 s
-        assert_eq!(steady_window(5_000, 7_000, 1_000.0), Some(5_000..7_000));
-        // no delays: every message counts
-        assert_eq!(steady_window(0, 2_000, 1_000.0), None);
-        // a probe that ends within its warm-up has no steady part
-        assert_eq!(steady_window(5_000, 30, 10.0), None);
-        assert_eq!(steady_window(5_000, 30, 0.0), None);
     }
 }

@@ -91,8 +91,7 @@ pub(super) struct Tracker {
     /// Latest `x-delay-due-at` seen, in ms after the first publish.
     pub(super) max_due_ms: AtomicU64,
     /// Due times, in ms after the first publish, whose lateness the percentiles count (all
-    /// when unset): a sustained-rate probe's steady window, when every stage carries the
-    /// rate it publishes at (`sustained::steady_window`).
+    /// when unset): a paced run's steady window ([`steady_window`]).
     pub(super) steady: OnceLock<std::ops::Range<u64>>,
 }
 
@@ -158,6 +157,19 @@ impl Tracker {
     }
 }
 
+/// The due times (ms after the first publish) a paced run of `n` messages at `rate` whose
+/// longest delay is `longest_ms` is judged on: from then, when every stage of the path (the
+/// tiers, a consumer's hold, a gateway's publish at the due time) carries `rate`, to the last
+/// release; before it, what falls due was published over a shorter span. `None` (judge all)
+/// without delays or when the run ends within its longest delay.
+pub(super) fn steady_window(longest_ms: u64, n: usize, rate: f64) -> Option<std::ops::Range<u64>> {
+    let last_release_ms = (n.saturating_sub(1) as f64 / rate * 1e3).floor();
+    if longest_ms == 0 || !last_release_ms.is_finite() || last_release_ms <= longest_ms as f64 {
+        return None;
+    }
+    Some(longest_ms..last_release_ms as u64 + 1)
+}
+
 /// Sum of the `count` fields of `x-death`: the dead-letter hops a message took.
 fn death_count(h: &FieldTable) -> u64 {
     let Some(AMQPValue::FieldArray(a)) = h.inner().get("x-death") else {
@@ -208,6 +220,17 @@ mod tests {
         assert_eq!((l.early, s.min), (1, -2));
         assert_eq!(t.unique.load(Ordering::Relaxed), 3);
         assert_eq!(t.max_due_ms.load(Ordering::Relaxed), 8_000);
+    }
+
+    #[test]
+    fn the_steady_window_follows_the_longest_delay_to_the_last_release() {
+        // 5 s of delays and 7 s of publishing at 1 000 msg/s: the last release at 6.999 s
+        assert_eq!(steady_window(5_000, 7_000, 1_000.0), Some(5_000..7_000));
+        // no delays: every message counts
+        assert_eq!(steady_window(0, 2_000, 1_000.0), None);
+        // a run that ends within its longest delay has no steady part
+        assert_eq!(steady_window(5_000, 30, 10.0), None);
+        assert_eq!(steady_window(5_000, 30, 0.0), None);
     }
 
     #[test]
