@@ -372,7 +372,7 @@ impl Report {
             "\nmsg/s: end to end, first publish to last consume. sat p50: median lateness of that \
              saturating run (ms). Lateness (ms, consume − x-delay-due-at; raw: latency) from a \
              second run at a steady half the measured rate (or --rate), of the messages due once \
-             the longest delay has passed (all when the run is shorter). brk/m: broker messages \
+             the longest delay has passed (all when the run is hardly longer). brk/m: broker messages \
              through the tiers per message, left in the saturating run, right in the steady one \
              (1: unbatched; a batch counts once; gateway: per message delivered, a held one takes \
              none)."

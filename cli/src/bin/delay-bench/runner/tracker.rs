@@ -161,10 +161,13 @@ impl Tracker {
 /// longest delay is `longest_ms` is judged on: from then, when every stage of the path (the
 /// tiers, a consumer's hold, a gateway's publish at the due time) carries `rate`, to the last
 /// release; before it, what falls due was published over a shorter span. `None` (judge all)
-/// without delays or when the run ends within its longest delay.
+/// without delays, or when that window is shorter than half a second and than half the run (a
+/// run that ends within its longest delay, or hardly past it, might have no message due in
+/// it at all).
 pub(super) fn steady_window(longest_ms: u64, n: usize, rate: f64) -> Option<std::ops::Range<u64>> {
     let last_release_ms = (n.saturating_sub(1) as f64 / rate * 1e3).floor();
-    if longest_ms == 0 || !last_release_ms.is_finite() || last_release_ms <= longest_ms as f64 {
+    let steady_ms = last_release_ms - longest_ms as f64;
+    if longest_ms == 0 || !steady_ms.is_finite() || steady_ms < (last_release_ms / 2.0).min(500.0) {
         return None;
     }
     Some(longest_ms..last_release_ms as u64 + 1)
@@ -228,9 +231,15 @@ mod tests {
         assert_eq!(steady_window(5_000, 7_000, 1_000.0), Some(5_000..7_000));
         // no delays: every message counts
         assert_eq!(steady_window(0, 2_000, 1_000.0), None);
-        // a run that ends within its longest delay has no steady part
+        // --quick's probe: 1 s after the warm-up
+        assert_eq!(steady_window(5_000, 6_000, 1_000.0), Some(5_000..6_000));
+        // a short run after a short delay: the window need not be half a second
+        assert_eq!(steady_window(25, 326, 1_000.0), Some(25..326));
+        // a run that ends within its longest delay, or hardly past it, is judged whole
         assert_eq!(steady_window(5_000, 30, 10.0), None);
         assert_eq!(steady_window(5_000, 30, 0.0), None);
+        assert_eq!(steady_window(498, 500, 1_000.0), None);
+        assert_eq!(steady_window(5_000, 5_400, 1_000.0), None);
     }
 
     #[test]
