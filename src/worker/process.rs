@@ -415,28 +415,38 @@ async fn hold_until(until: u64, due: u64, ctx: &TaskCtx, may_skip: bool) -> Hold
     if left > ctx.settings.max_hold.as_millis() {
         return Hold::TooEarly(left);
     }
-    let due = until.min(due);
-    if due <= now {
+    let target = until.min(due);
+    let Some(mut step) = hold_sleep(now, target, may_skip) else {
         return Hold::Due;
-    }
+    };
     let held = &crate::metrics::global().held;
     held.inc();
     let end = loop {
-        let left = due.saturating_sub(now_ms());
-        if left == 0 {
-            break Hold::Due;
-        }
         if may_skip && ctx.stopping.load(Ordering::Relaxed) {
             break Hold::Stopping;
         }
-        // the timer runs on the monotonic clock, the due time on the wall clock: look again
-        // after waking (a message that may be skipped at least every 100 ms, so a stopping
-        // worker gives it back; a batch's members run to the end anyway)
-        let step = if may_skip { left.min(100) } else { left };
         tokio::time::sleep(Duration::from_millis(step)).await;
+        match hold_sleep(now_ms(), target, may_skip) {
+            None => break Hold::Due,
+            Some(s) => step = s,
+        }
     };
     held.dec();
     end
+}
+
+/// How long the hold sleeps at `now` before it looks at the clock again, waiting for `target`
+/// (both ms since the epoch, the wall clock); `None` once `target` has come. The timer runs on
+/// the monotonic clock, the due time on the wall clock, so the hold looks again after every
+/// wake-up and never takes a wake-up for the due time itself. A message that may be skipped is
+/// looked at at least every 100 ms, so a stopping worker gives it back (a batch's members run
+/// to the end anyway).
+fn hold_sleep(now: u64, target: u64, may_skip: bool) -> Option<u64> {
+    let left = target.saturating_sub(now);
+    if left == 0 {
+        return None;
+    }
+    Some(if may_skip { left.min(100) } else { left })
 }
 
 /// Runs the handler (within `consumer.handler_timeout`), again with a growing pause while it
@@ -617,4 +627,63 @@ async fn park(d: &Delivery, reason: &str, kind: &str, ctx: &TaskCtx) -> Result<(
     ctx.counters.count(Event::Parked(kind), &d.queue);
     tracing::warn!(queue = %d.queue, id = %d.message_id, parked_in = %target, %reason, "message parked");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hold_sleep;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The hold ends only once the wall clock has reached its target, however the clock
+        /// moves while it sleeps (a timer that wakes late, a wall clock that lags the timer or
+        /// stands still), and it never sleeps past the target by its own choice.
+        #[test]
+        fn the_hold_never_ends_before_its_target(
+            start in 0u64..1_000_000,
+            wait in 0u64..20_000,
+            may_skip in any::<bool>(),
+            // per wake-up: how far the wall clock moved, in % of the step slept
+            drift in proptest::collection::vec(0u64..300, 1..400),
+        ) {
+            let target = start + wait;
+            let mut now = start;
+            let mut wakes = drift.iter().cycle();
+            let mut slept = 0u32;
+            while let Some(step) = hold_sleep(now, target, may_skip) {
+                prop_assert!(now < target, "sleeping at {now} for a target of {target}");
+                prop_assert!(step >= 1 && step <= target - now);
+                prop_assert!(!may_skip || step <= 100);
+                let pct = *wakes.next().expect("cycled");
+                // a clock that stood still for the whole list moves by the step after it
+                let moved = if slept as usize >= drift.len() * 4 { step } else { step * pct / 100 };
+                now += moved;
+                slept += 1;
+                prop_assert!(slept < 100_000, "no end");
+            }
+            prop_assert!(now >= target, "ended at {now} before {target}");
+        }
+    }
+
+    #[test]
+    fn an_exact_timer_ends_the_hold_on_its_target() {
+        // a wall clock that moves exactly as slept: no extra wake-up, no lateness
+        for (wait, may_skip, wakes) in [
+            (0, false, 0),
+            (1, false, 1),
+            (250, false, 1),
+            (250, true, 3),
+        ] {
+            let (target, mut now, mut n) = (1_000 + wait, 1_000, 0);
+            while let Some(step) = hold_sleep(now, target, may_skip) {
+                now += step;
+                n += 1;
+            }
+            assert_eq!(
+                (now, n),
+                (target, wakes),
+                "wait {wait}, may_skip {may_skip}"
+            );
+        }
+    }
 }
