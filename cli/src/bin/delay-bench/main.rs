@@ -28,7 +28,8 @@
 //!   capacity (or `rate`): `consume time − x-delay-due-at`, as min/p50/p99/p99.9/max, with its
 //!   broker messages per message.
 //! * **sustained rate** (optional, `--sustained`): the highest steady rate whose p99 lateness
-//!   stays within an objective, found by short paced probes (`runner::sustained`, the search
+//!   stays within an objective, found by short paced probes, each judged after a warm-up as
+//!   long as the scenario's longest delay (`runner::sustained`, the search
 //!   and the verdict pure in `search`), as msg/s and as a ratio to raw's saturating rate.
 //! * **capacity** (optional): M messages held in one tier, the publish rate and the broker's
 //!   memory before/after (read with `rabbitmqctl` when the broker is local), then drained.
