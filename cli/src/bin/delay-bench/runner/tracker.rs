@@ -1,6 +1,6 @@
 //! What the consumers of a pass count: every delivery by message index (first ones and
 //! duplicates, messages the pass did not publish), the lateness of first deliveries (an HDR
-//! histogram; a sustained-rate probe counts only those due in its steady window), the
+//! histogram; a paced run counts only those due in its steady window), the
 //! dead-letter hops they took and the latest due time seen.
 
 use std::sync::OnceLock;
@@ -16,7 +16,7 @@ use crate::report::Percentiles;
 
 /// Lateness of first deliveries in ms: an HDR histogram (negative values recorded as 0) with
 /// the exact minimum, maximum and the number of early messages beside it. Deliveries outside
-/// a probe's steady window ([`Tracker::steady`]) stay out of the histogram and the maximum,
+/// a paced run's steady window ([`Tracker::steady`]) stay out of the histogram and the maximum,
 /// but an early one still counts as early and in the minimum.
 pub(super) struct Lateness {
     hist: Histogram<u64>,
