@@ -190,12 +190,9 @@ const STALL_AFTER: Duration = Duration::from_secs(10);
 const STALL_AFTER_MAX: Duration = Duration::from_secs(300);
 const STALL_CHECK: Duration = Duration::from_secs(5);
 
-/// How long one stall check (passive declares of the idle queues, perhaps a cancel) may take
-/// before the session gives up on the connection.
+/// How long one stall check (passive declares of the idle queues, perhaps a channel closed) may
+/// take before the session gives up on the connection.
 const STALL_CHECK_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// How long ending a consumer whose queue vanished may take before its channel is closed.
-const CANCEL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How often a session checks that its control stream follower still reads.
 const FOLLOWER_CHECK: Duration = Duration::from_secs(1);

@@ -17,8 +17,8 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::task::JoinSet;
 
 use super::{
-    CANCEL_TIMEOUT, CAREFUL_FOR, Event, FOLLOWER_CHECK, Handler, Mode, STALL_CHECK,
-    STALL_CHECK_TIMEOUT, SessionEnd, Tagged, Worker, acks, in_hand, process,
+    CAREFUL_FOR, Event, FOLLOWER_CHECK, Handler, Mode, STALL_CHECK, STALL_CHECK_TIMEOUT,
+    SessionEnd, Tagged, Worker, acks, in_hand, process,
 };
 use crate::broker;
 use crate::cancel::{Cancellations, FollowOptions};
@@ -427,7 +427,7 @@ impl<H: Handler> Worker<H> {
     ) -> Result<Option<Error>> {
         for (i, slot) in channels.iter().enumerate() {
             let idle = last_delivery[i].elapsed();
-            let Some((ch, tag)) = slot else { continue };
+            let Some((ch, _)) = slot else { continue };
             if idle < STALL_CHECK {
                 continue;
             }
@@ -436,18 +436,15 @@ impl<H: Handler> Worker<H> {
                 None => {
                     // The broker's cancel for a deleted queue did not reach us (seen with a
                     // quorum queue deleted from another cluster node): end the consumer
-                    // ourselves, which ends its stream and starts waiting for the queue.
+                    // ourselves by closing its channel, which ends its stream and starts
+                    // waiting for the queue. Not `basic.cancel`: 3.10.8 once answered that
+                    // with a connection error (INTERNAL_ERROR; its quorum queue asks the
+                    // queue's members, which are gone), and the whole session was lost.
                     tracing::warn!(
                         queue = %queue,
-                        "the queue no longer exists but its consumer was not cancelled; cancelling it"
+                        "the queue no longer exists but its consumer was not cancelled; closing its channel"
                     );
-                    let cancel = ch.basic_cancel(tag.clone(), BasicCancelOptions::default());
-                    if !matches!(
-                        tokio::time::timeout(CANCEL_TIMEOUT, cancel).await,
-                        Ok(Ok(()))
-                    ) {
-                        broker::close(ch, "queue deleted").await;
-                    }
+                    broker::close(ch, "queue deleted").await;
                 }
                 Some(state) if idle_worker && idle >= after && state.ready > 0 => {
                     return Ok(Some(Error::ConsumerStalled {
