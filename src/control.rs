@@ -44,6 +44,16 @@ pub enum Record {
         ingress: String,
         /// Target exchange.
         target: String,
+        /// The users whose ingress messages the pair delivers to its target (besides
+        /// `trust.admins`): for a pair `delay-proxy` registers, the client's user that
+        /// declared the exchange (the broker let it configure the target). Empty: every user
+        /// the broker lets write the ingress (a pair an operator declared). A pair's writers
+        /// are those of every record of it since its last end.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        writers: Vec<String>,
+        /// The virtual host the pair was asked for in (`delay-proxy`: the client's).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        vhost: Option<String>,
     },
     /// A gateway pair ended: `delay-proxy` deleted its ingress exchange and queues after a
     /// client deleted its target (an `x-delayed-message` exchange). Gateways stop serving it;
@@ -53,6 +63,12 @@ pub enum Record {
         ingress: String,
         /// Target exchange.
         target: String,
+        /// The client's user whose delete of the target ended it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        by: Option<String>,
+        /// The virtual host it was deleted in.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        vhost: Option<String>,
     },
     /// A worker declared the batch marker of `queue` (so `teardown` removes it).
     BatchMarker {
@@ -200,8 +216,12 @@ impl Record {
     #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     fn name(&self) -> Option<(&str, &str)> {
         match self {
-            Record::GatewayPair { ingress, target }
-            | Record::GatewayPairEnded { ingress, target } => Some((ingress, target)),
+            Record::GatewayPair {
+                ingress, target, ..
+            }
+            | Record::GatewayPairEnded {
+                ingress, target, ..
+            } => Some((ingress, target)),
             Record::BatchMarker { queue } => Some(("", queue)),
             _ => None,
         }
@@ -278,10 +298,14 @@ mod tests {
         let pair = Record::GatewayPair {
             ingress: "i".into(),
             target: "t".into(),
+            writers: vec!["a".into()],
+            vhost: None,
         };
         let ended = Record::GatewayPairEnded {
             ingress: "i".into(),
             target: "t".into(),
+            by: None,
+            vhost: None,
         };
         n.take(pair.clone());
         n.take(ended.clone());

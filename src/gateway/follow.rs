@@ -76,11 +76,20 @@ enum PairEvent {
 
 fn pair_event(layout: &Layout, record: control::Record) -> Option<PairEvent> {
     let (ingress, target, ended) = match record {
-        control::Record::GatewayPair { ingress, target } => (ingress, target, false),
-        control::Record::GatewayPairEnded { ingress, target } => (ingress, target, true),
+        control::Record::GatewayPair {
+            ingress, target, ..
+        } => (ingress, target, false),
+        control::Record::GatewayPairEnded {
+            ingress, target, ..
+        } => (ingress, target, true),
         _ => return None,
     };
-    match Pair::new(layout, &PairConfig { ingress, target }) {
+    let cfg = PairConfig {
+        ingress,
+        target,
+        writers: Vec::new(),
+    };
+    match Pair::new(layout, &cfg) {
         Ok(p) if ended => Some(PairEvent::Ended(p.ingress)),
         Ok(p) => Some(PairEvent::Found(p)),
         Err(e) => {
@@ -283,6 +292,7 @@ impl Gateway {
             settings: self.settings.clone(),
             layout: self.layout.clone(),
             pairs,
+            asked_in: self.asked_in.clone(),
         }
     }
 }
@@ -295,6 +305,8 @@ mod tests {
         control::Record::GatewayPair {
             ingress: i.into(),
             target: "t".into(),
+            writers: vec![],
+            vhost: None,
         }
     }
 
@@ -302,6 +314,8 @@ mod tests {
         control::Record::GatewayPairEnded {
             ingress: i.into(),
             target: "t".into(),
+            by: None,
+            vhost: None,
         }
     }
 

@@ -77,6 +77,9 @@ pub struct Pair {
     pub parked_queue: String,
     /// Where the worker parks ingress messages it cannot read at all.
     pub ingress_parked_queue: String,
+    /// The users whose ingress messages it delivers besides admins (empty: anyone the broker
+    /// lets write the ingress), as configured ([`PairConfig::writers`]).
+    pub writers: Vec<String>,
 }
 
 impl Pair {
@@ -91,6 +94,7 @@ impl Pair {
             parked_queue: layout.parked_queue(&due_queue),
             ingress_parked_queue: layout.parked_queue(&layout.gateway_ingress_queue(&cfg.ingress)),
             due_queue,
+            writers: cfg.writers.clone(),
         };
         for q in [&pair.ingress_queue, &pair.due_queue] {
             layout
@@ -128,14 +132,23 @@ impl Pair {
 pub fn registered_pairs(layout: &Layout, records: &[control::Record]) -> Vec<Pair> {
     let mut out: Vec<Pair> = Vec::new();
     for r in records {
-        if let control::Record::GatewayPair { ingress, target }
-        | control::Record::GatewayPairEnded { ingress, target } = r
+        if let control::Record::GatewayPair {
+            ingress, target, ..
+        }
+        | control::Record::GatewayPairEnded {
+            ingress, target, ..
+        } = r
         {
             let (ingress, target) = (ingress.clone(), target.clone());
             if out.iter().any(|p| p.ingress == ingress) {
                 continue;
             }
-            match Pair::new(layout, &PairConfig { ingress, target }) {
+            let cfg = PairConfig {
+                ingress,
+                target,
+                writers: Vec::new(),
+            };
+            match Pair::new(layout, &cfg) {
                 Ok(p) => out.push(p),
                 Err(e) => tracing::warn!("ignoring a gateway pair record: {e}"),
             }
@@ -415,6 +428,8 @@ pub struct Gateway {
     settings: Settings,
     layout: Layout,
     pairs: Vec<Pair>,
+    /// The virtual host its pair records say they were asked for in.
+    asked_in: Option<String>,
 }
 
 impl Gateway {
@@ -436,7 +451,15 @@ impl Gateway {
             settings,
             layout,
             pairs,
+            asked_in: None,
         })
+    }
+
+    /// The same gateway, whose pair records ([`Gateway::declare`]) say they were asked for in
+    /// virtual host `vhost` (`delay-proxy`: its client's).
+    pub fn asked_in(mut self, vhost: Option<String>) -> Gateway {
+        self.asked_in = vhost;
+        self
     }
 
     /// The validated pairs.
@@ -510,6 +533,8 @@ impl Gateway {
             let record = control::Record::GatewayPair {
                 ingress: p.ingress.clone(),
                 target: p.target.clone(),
+                writers: p.writers.clone(),
+                vhost: self.asked_in.clone(),
             };
             control::append(conn, &self.layout, &record).await?;
         }
@@ -608,6 +633,7 @@ mod tests {
         let cfg = PairConfig {
             ingress: "i".into(),
             target: "t".into(),
+            writers: Vec::new(),
         };
         let ctx = PairCtx {
             pair: Pair::new(&layout, &cfg).unwrap(),
@@ -675,6 +701,7 @@ mod tests {
                 &PairConfig {
                     ingress: i.into(),
                     target: "t".into(),
+                    writers: Vec::new(),
                 },
             )
         };
@@ -706,6 +733,7 @@ mod tests {
         s.gateway.pairs = vec![PairConfig {
             ingress: "i".into(),
             target: "t".into(),
+            writers: Vec::new(),
         }];
         assert!(Gateway::new(s.clone()).is_ok());
         s.gateway.hold = crate::time::DurationMs(1_000);

@@ -47,6 +47,11 @@ pub struct PairConfig {
     pub ingress: String,
     /// Existing exchange the due message is published to, with its original routing key.
     pub target: String,
+    /// The users whose ingress messages (by their broker-checked `user_id`) the pair delivers
+    /// to the target, besides `trust.admins`; a message of anyone else is parked with the
+    /// reason. Empty: every user the broker lets write the ingress (give each application an
+    /// ingress of its own, see docs/OPERATIONS.md "Permissions").
+    pub writers: Vec<String>,
 }
 
 impl GatewaySettings {
@@ -65,6 +70,7 @@ impl GatewaySettings {
             .map(|(i, t)| PairConfig {
                 ingress: i.clone(),
                 target: t.clone(),
+                writers: Vec::new(),
             })
             .collect();
         let s = GatewaySettings {

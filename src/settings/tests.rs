@@ -285,6 +285,7 @@ fn holding_is_checked_against_the_longest_hold_and_the_prefetch() {
     s.gateway.pairs = vec![PairConfig {
         ingress: "i".into(),
         target: "t".into(),
+        writers: Vec::new(),
     }];
     assert!(s.validate().is_ok());
     let mut short = s.clone();

@@ -313,6 +313,8 @@ async fn reads_of_the_control_stream_go_on_past_a_record_over_frame_max() {
     let pair = Record::GatewayPair {
         ingress: format!("{}.after-poison", env.settings.prefix),
         target: "amq.direct".into(),
+        writers: vec![],
+        vhost: None,
     };
     control::append(&env.conn, &layout, &pair).await.unwrap();
     let (read, lost) = read_on_fresh_connections(&env, async |conn| {

@@ -870,6 +870,8 @@ async fn teardown_leaves_the_exchanges_a_forged_record_names_and_deletes_the_res
             let forged = amqp_delay::control::Record::GatewayPair {
                 ingress: ingress.into(),
                 target: "x".into(),
+                writers: vec![],
+                vhost: None,
             };
             amqp_delay::control::append(&env.conn, &layout, &forged)
                 .await

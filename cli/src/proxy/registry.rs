@@ -67,6 +67,7 @@ impl Registry {
         let cfg = PairConfig {
             ingress: self.layout.proxy_ingress(exchange),
             target: exchange.to_string(),
+            writers: Vec::new(),
         };
         Pair::new(&self.layout, &cfg)
     }
@@ -112,6 +113,7 @@ impl Registry {
         settings.gateway.pairs = vec![PairConfig {
             ingress: pair.ingress.clone(),
             target: pair.target.clone(),
+            writers: Vec::new(),
         }];
         let gateway = Gateway::new(settings)?;
         let guard = self.connected().await?;
@@ -142,6 +144,8 @@ impl Registry {
         let record = control::Record::GatewayPairEnded {
             ingress: pair.ingress.clone(),
             target: pair.target.clone(),
+            by: None,
+            vhost: None,
         };
         control::append(conn, &self.layout, &record).await?;
         drop(guard);
@@ -176,15 +180,16 @@ impl Registry {
     /// forgets one whose end is recorded: the one place a filter on the record's writer goes.
     fn learn(&self, r: &control::Record) {
         match r {
-            control::Record::GatewayPair { ingress, target }
-                if *ingress == self.layout.proxy_ingress(target)
-                    && self.pairs.insert(target, ingress) =>
+            control::Record::GatewayPair {
+                ingress, target, ..
+            } if *ingress == self.layout.proxy_ingress(target)
+                && self.pairs.insert(target, ingress) =>
             {
                 tracing::debug!(exchange = %target, %ingress, "delayed exchange known from the control stream");
             }
-            control::Record::GatewayPairEnded { ingress, target }
-                if *ingress == self.layout.proxy_ingress(target) && self.pairs.remove(target) =>
-            {
+            control::Record::GatewayPairEnded {
+                ingress, target, ..
+            } if *ingress == self.layout.proxy_ingress(target) && self.pairs.remove(target) => {
                 tracing::debug!(exchange = %target, %ingress, "delayed exchange ended in the control stream");
             }
             _ => {}

@@ -85,6 +85,8 @@ async fn delete_body() {
     let ended = Record::GatewayPairEnded {
         ingress: ingress.clone(),
         target: x.clone(),
+        by: None,
+        vhost: None,
     };
     assert!(records.contains(&ended), "{records:?}");
     logged(&w, "no longer serving it").await;

@@ -193,6 +193,7 @@ impl Bench<'_> {
         s.gateway.pairs = vec![PairConfig {
             ingress: ingress.clone(),
             target: target.clone(),
+            writers: Vec::new(),
         }];
         let gateway = Gateway::new(s.clone())?;
         let pair = gateway.pairs()[0].clone();
