@@ -91,14 +91,41 @@ pub fn is_death_header(name: &str) -> bool {
     name == "x-death" || name.starts_with("x-first-death-") || name.starts_with("x-last-death-")
 }
 
-/// Headers the broker adds on its own: the dead-letter history and the quorum queues'
-/// redelivery counter. Never carried into anything we re-publish.
-pub fn is_broker_header(name: &str) -> bool {
-    is_death_header(name) || name == DELIVERY_COUNT
+/// The sender-selected distribution headers: at every publish the broker routes one more copy
+/// of the message per routing key they name (`CC` is delivered with the copies, `BCC` is
+/// removed). At a tier hop each would be a copy to another destination, so they never enter
+/// the tiers (docs/DESIGN.md rule 14): refused from `send`, JSONL and the library, moved into
+/// [`CC`] and [`BCC`] at a gateway ingress and given back at the target, as the plugin routes
+/// them once when the message is due.
+pub const ROUTING_HEADERS: [&str; 2] = ["CC", "BCC"];
+
+/// Gateway: the `CC` header the application set, given back at the target.
+pub const CC: &str = "x-delay-cc";
+/// Gateway: the `BCC` header the application set, given back at the target.
+pub const BCC: &str = "x-delay-bcc";
+
+/// Whether the broker routes extra copies by header `name` (`CC`, `BCC`).
+pub fn is_routing_header(name: &str) -> bool {
+    ROUTING_HEADERS.contains(&name)
 }
 
-/// Returns `table` without `x-death`, `x-first-death-*`, `x-last-death-*` and
-/// `x-delivery-count`.
+/// Headers the broker adds on its own (the dead-letter history and the quorum queues'
+/// redelivery counter) or acts on at every publish (`CC`, `BCC`). Never carried into anything
+/// we re-publish.
+pub fn is_broker_header(name: &str) -> bool {
+    is_death_header(name) || name == DELIVERY_COUNT || is_routing_header(name)
+}
+
+/// The `x-delay-*` headers that steer only the message that carries them — its delay, due
+/// time and attempt, and the batch envelope's version and count — and which anyone who may
+/// schedule may therefore write. Every other `x-delay-*` header is believed only from a
+/// trusted writer (see [`crate::trust`]).
+pub fn is_schedule_header(name: &str) -> bool {
+    RESERVED.contains(&name) || name == BATCH || name == BATCH_COUNT
+}
+
+/// Returns `table` without `x-death`, `x-first-death-*`, `x-last-death-*`,
+/// `x-delivery-count`, `CC` and `BCC`.
 pub fn strip_death(table: &FieldTable) -> FieldTable {
     filter(table, |k| !is_broker_header(k))
 }
@@ -207,6 +234,14 @@ mod tests {
         let s = strip_death(&t);
         let keys: Vec<_> = s.inner().keys().map(|k| k.as_str()).collect();
         assert_eq!(keys, ["app", "x-deathly"]);
+        // the broker's sender-selected distribution acts at every publish: never carried on
+        for routed in ["CC", "BCC"] {
+            t.insert(routed.into(), AMQPValue::Void);
+        }
+        t.insert("cc".into(), AMQPValue::Void);
+        let s = strip_death(&t);
+        let keys: Vec<_> = s.inner().keys().map(|k| k.as_str()).collect();
+        assert_eq!(keys, ["app", "cc", "x-deathly"]);
     }
 
     #[test]

@@ -94,7 +94,9 @@ impl Message {
 
     /// The rules every scheduled message follows, with a reason naming what is wrong: what a
     /// builder could not take, an empty id, `expiration` (it would expire inside a tier and
-    /// arrive early), a reserved `x-delay-*` header (unless the library re-publishes its own),
+    /// arrive early), `CC` or `BCC` (the broker would route copies at every tier hop; what the
+    /// library re-publishes has them removed), a reserved `x-delay-*` header (unless the library
+    /// re-publishes its own),
     /// headers over 32 KiB encoded, a body over `max_body_bytes`.
     pub fn check(&self, max_body_bytes: usize) -> Result<(), String> {
         if let Some(p) = &self.problem {
@@ -112,6 +114,14 @@ impl Message {
             return Err("the 'expiration' property is not allowed on a delayed message: it would expire inside a tier and be delivered early (docs/DESIGN.md rule 1); set it when the message is delivered instead".into());
         }
         if let Some(h) = self.properties.headers() {
+            let routed = h.inner().keys().find(|k| headers::is_routing_header(k.as_str()));
+            if let (false, Some(k)) = (self.internal, routed) {
+                return Err(format!(
+                    "header '{k}' is not allowed on a delayed message: the broker would route a \
+                     copy to every key it names at every tier hop (docs/DESIGN.md rule 14); \
+                     schedule one message per destination instead"
+                ));
+            }
             let reserved = h.inner().keys().find(|k| headers::is_reserved(k.as_str()));
             if let (false, Some(k)) = (self.internal, reserved) {
                 return Err(if k.as_str() == headers::NATIVE_DELIVERY_TIME {
@@ -184,5 +194,17 @@ mod tests {
         let e = with_header("x-delay-attempt").check(1 << 20).unwrap_err();
         assert!(e.contains("every x-delay-* header"), "{e}");
         assert!(with_header("x-opt-other").check(1 << 20).is_ok());
+    }
+
+    #[test]
+    fn the_brokers_copy_headers_are_refused() {
+        for name in ["CC", "BCC"] {
+            let e = with_header(name).check(1 << 20).unwrap_err();
+            assert!(e.contains(&format!("'{name}' is not allowed")), "{e}");
+            assert!(e.contains("every tier hop"), "{e}");
+            // a copy the library re-publishes is checked as it is; the publisher drops them
+            assert!(with_header(name).internal().check(1 << 20).is_ok());
+        }
+        assert!(with_header("cc").check(1 << 20).is_ok());
     }
 }

@@ -87,6 +87,9 @@ pub struct Metrics {
     pub cancel_too_late: Family<QueueLabel, Counter>,
     /// Barriers appended to the control stream to sync before running a message.
     pub cancel_syncs: Counter,
+    /// Messages whose `x-delay-*` headers (other than the schedule ones) a worker removed
+    /// because their writer is none of ours (a forgery, see `amqp_delay::trust`).
+    pub untrusted_headers_removed: Family<QueueLabel, Counter>,
     /// Stream records a reader skipped (or cut short) because no writer of ours makes them.
     pub records_skipped: Family<SkippedLabel, Counter>,
     /// Due time → handler start, in seconds.
@@ -144,6 +147,7 @@ impl Metrics {
             cancelled: Family::default(),
             cancel_too_late: Family::default(),
             cancel_syncs: Counter::default(),
+            untrusted_headers_removed: Family::default(),
             records_skipped: Family::default(),
             lateness: Family::new_with_constructor(|| Histogram::new(LATENESS_BUCKETS)),
             handler_duration: Family::new_with_constructor(|| Histogram::new(DURATION_BUCKETS)),
@@ -249,6 +253,11 @@ impl Metrics {
             "cancel_syncs",
             "Barriers appended to the control stream to sync before running a message",
             self.cancel_syncs.clone(),
+        );
+        self.registry.register(
+            "untrusted_headers_removed",
+            "Messages whose x-delay-* headers a worker removed because their writer is none of ours (not its own user, a peer or an admin), by queue",
+            self.untrusted_headers_removed.clone(),
         );
         self.registry.register(
             "stream_records_skipped",

@@ -70,6 +70,14 @@ impl Trust {
         self.is_forwarder(by) || by.is_some_and(|u| self.is_admin(u))
     }
 
+    /// Whether a message written by `by` is believed in every `x-delay-*` header it carries
+    /// (a routing key, a user, an owner, a parking reason): this process's user, an admin or
+    /// a peer. Anyone else's carry only the schedule headers, which steer nothing but their
+    /// own message ([`crate::headers::is_schedule_header`]).
+    pub fn vouches_for_headers(&self, by: Option<&str>) -> bool {
+        self.may_compact(by)
+    }
+
     /// The owner of a message published by `user_id` (broker-checked) naming `owner_header`
     /// (`x-delay-owner`): the header only when a forwarder wrote the message.
     pub fn owner(&self, user_id: Option<&str>, owner_header: Option<&str>) -> Option<String> {
@@ -147,6 +155,7 @@ mod tests {
         }
         assert!(!t.may_compact(Some("mallory")));
         assert!(!t.may_compact(None));
+        assert!(t.vouches_for_headers(Some("gw2")) && !t.vouches_for_headers(Some("mallory")));
         assert!(!t.is_forwarder(Some("admin")));
         let anonymous = Trust::new(Some(String::new()), &TrustSettings::default());
         assert_eq!(anonymous.own(), None);

@@ -12,8 +12,20 @@
 #   --vhost V           virtual host (default /)
 #   --queue Q           a destination queue consumed by delay-consumer; repeatable
 #   --gateway I:T       a gateway pair, ingress exchange I -> target exchange T; repeatable
-#   --user-prefix U     users are U-admin, U-publisher, U-worker, U-gateway, U-keda
-#                       (default: the prefix)
+#   --relay S:Q         delay-consumer --queue S --relay Q (S a destination, Q a plain
+#                       queue its consumer is not ours); repeatable
+#   --proxy             the set of delay-proxy's own user
+#   --app USER:X[,X...][:Q[,Q...]]
+#                       an application behind delay-proxy, user USER, that declares the
+#                       x-delayed-message exchanges X and consumes the queues Q; repeatable.
+#                       It may write its own pairs' ingresses only (P.gw.x.X), never another
+#                       application's
+#   --gateway-app USER:I[,I...]
+#                       an application of configured gateway pairs, user USER, that
+#                       publishes to their ingresses I; repeatable. Name USER in those
+#                       pairs' `writers`. Add what it needs for its own queues
+#   --user-prefix U     users are U-admin, U-publisher, U-worker, U-gateway, U-relay,
+#                       U-proxy, U-keda (default: the prefix)
 #   --apply             run the commands instead of printing them
 #
 # The users must exist (rabbitmqctl add_user NAME, which asks for the password). Names are
@@ -22,8 +34,14 @@
 #   publisher  send, cancel (applications)
 #   worker     delay-consumer --queue Q (all the --queue Q given here); with --forward X,
 #              add write on X by hand
-#   gateway    delay-publisher gateway (all the --gateway pairs given here)
+#   gateway    delay-publisher gateway (all the --gateway pairs given here) and, with
+#              --follow-pairs, the pairs of the --app exchanges
+#   relay      delay-consumer --queue S --relay Q (all the --relay given here)
+#   proxy      delay-proxy's own user: declares the pairs of the applications' exchanges
 #   keda       KEDA's rabbitmq trigger over the management API: the monitoring tag, no rights
+#   USER       (--app) an application behind delay-proxy: its exchanges, its pairs'
+#              ingresses, its queues; (--gateway-app) an application of configured pairs:
+#              write on its own ingresses only (give each application ingresses of its own)
 
 set -euo pipefail
 
@@ -31,9 +49,14 @@ PREFIX="amqp-delay"
 VHOST="/"
 USER_PREFIX=""
 APPLY=0
+PROXY=0
 QUEUES=()
 INGRESSES=()
 TARGETS=()
+RELAY_FROM=()
+RELAY_TO=()
+APPS=()
+GATEWAY_APPS=()
 
 die() {
     echo "permissions.sh: $*" >&2
@@ -52,9 +75,29 @@ while [[ $# -gt 0 ]]; do
             TARGETS+=("${pair#*:}")
             shift 2
             ;;
+        --relay)
+            pair="${2:?--relay needs S:Q}"
+            [[ "${pair}" == *:* ]] || die "--relay takes S:Q, got '${pair}'"
+            RELAY_FROM+=("${pair%%:*}")
+            RELAY_TO+=("${pair#*:}")
+            shift 2
+            ;;
+        --proxy) PROXY=1; shift ;;
+        --gateway-app)
+            app="${2:?--gateway-app needs USER:INGRESSES}"
+            [[ "${app}" == *:?* ]] || die "--gateway-app takes USER:INGRESSES, got '${app}'"
+            GATEWAY_APPS+=("${app}")
+            shift 2
+            ;;
+        --app)
+            app="${2:?--app needs USER:EXCHANGES[:QUEUES]}"
+            [[ "${app}" == *:?* ]] || die "--app takes USER:EXCHANGES[:QUEUES], got '${app}'"
+            APPS+=("${app}")
+            shift 2
+            ;;
         --user-prefix) USER_PREFIX="${2:?--user-prefix needs a value}"; shift 2 ;;
         --apply) APPLY=1; shift ;;
-        -h | --help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,44p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument '$1' (see --help)" ;;
     esac
 done
@@ -74,6 +117,15 @@ TIERS="${P}\\.(level\\d+|fixed\\..+|overflow\\d+|deliver)"
 Q="$(alt ${QUEUES[@]+"${QUEUES[@]}"})"
 I="$(alt ${INGRESSES[@]+"${INGRESSES[@]}"})"
 T="$(alt ${TARGETS[@]+"${TARGETS[@]}"})"
+RS="$(alt ${RELAY_FROM[@]+"${RELAY_FROM[@]}"})"
+# every application's exchanges: the targets a gateway following the pairs delivers to
+APP_X=()
+for app in ${APPS[@]+"${APPS[@]}"}; do
+    rest="${app#*:}"
+    IFS=, read -r -a xs <<<"${rest%%:*}"
+    APP_X+=("${xs[@]}")
+done
+AX="$(alt ${APP_X[@]+"${APP_X[@]}"})"
 
 # admin: everything under the prefix, the destination queues and the gateway ingresses (the
 # control stream's records go through the stream exchange P.streams; no role needs amq.default,
@@ -102,10 +154,42 @@ if [[ -n "${Q}" ]]; then
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-worker" '^$' \
         "^(${TIERS}|${P}\\.(streams|park))\$" "^(${Q}|${P}\\.(control|ledger))\$"
 fi
-if [[ -n "${I}" ]]; then
+if [[ -n "${I}${AX}" ]]; then
+    # the ingresses and targets of the configured pairs, and (following the pairs) every
+    # application exchange behind delay-proxy as a target
+    GI="${I}${I:+|}"
+    GT="${T}${T:+${AX:+|}}${AX}"
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-gateway" '^$' \
-        "^(${I}|${T}|${P}\\.(gw\\..*|parking|streams|park)|${TIERS})\$" \
-        "^(${I}|${P}\\.gw\\..*|${P}\\.(control|ledger))\$"
+        "^(${GI}${GT}|${P}\\.(gw\\..*|parking|streams|park)|${TIERS})\$" \
+        "^(${GI}${P}\\.gw\\..*|${P}\\.(control|ledger))\$"
 fi
+if [[ -n "${RS}" ]]; then
+    # a relay is a worker of S that re-publishes into Q through the default exchange
+    run set_permissions -p "${VHOST}" "${USER_PREFIX}-relay" '^$' \
+        "^(amq\\.default|${TIERS}|${P}\\.(streams|park))\$" "^(${RS}|${P}\\.(control|ledger))\$"
+fi
+if [[ ${PROXY} -eq 1 ]]; then
+    # declares the pairs (and the tiers when they are missing) under the prefix; only checks
+    # that the applications' exchanges exist, with passive declares
+    run set_permissions -p "${VHOST}" "${USER_PREFIX}-proxy" "^${P}\\..*\$" "^${P}\\..*\$" "^${P}\\..*\$"
+fi
+for app in ${APPS[@]+"${APPS[@]}"}; do
+    user="${app%%:*}"
+    rest="${app#*:}"
+    IFS=, read -r -a xs <<<"${rest%%:*}"
+    qs=()
+    [[ "${rest}" == *:* ]] && IFS=, read -r -a qs <<<"${rest#*:}"
+    X="$(alt "${xs[@]}")"
+    AQ="$(alt ${qs[@]+"${qs[@]}"})"
+    OWN="${X}${AQ:+|${AQ}}"
+    # its exchanges and queues, and the ingresses of its own pairs: never P.gw.x.* as a whole,
+    # which would let it deliver through another application's pairs
+    run set_permissions -p "${VHOST}" "${user}" "^(${OWN})\$" \
+        "^(${OWN}|${P}\\.gw\\.x\\.(${X}))\$" "^(${OWN})\$"
+done
+for app in ${GATEWAY_APPS[@]+"${GATEWAY_APPS[@]}"}; do
+    IFS=, read -r -a is <<<"${app#*:}"
+    run set_permissions -p "${VHOST}" "${app%%:*}" '^$' "^($(alt "${is[@]}"))\$" '^$'
+done
 run set_permissions -p "${VHOST}" "${USER_PREFIX}-keda" '^$' '^$' '^$'
 run set_user_tags "${USER_PREFIX}-keda" monitoring

@@ -110,7 +110,10 @@ async fn find_pairs(gateway: Gateway, found: mpsc::UnboundedSender<PairEvent>) {
                     let followed = std::time::Instant::now();
                     let layout = &gateway.layout;
                     let trust = &gateway.settings.trust;
+                    let writers = &gateway.writers;
                     let r = follow_records(&conn, layout, trust, |r| {
+                        // at once, not when the pairs settle: a handler may wait for it
+                        writers.note(&r);
                         if let Some(e) = pair_event(layout, r) {
                             let _ = found.send(e);
                         }
@@ -292,6 +295,7 @@ impl Gateway {
             settings: self.settings.clone(),
             layout: self.layout.clone(),
             pairs,
+            writers: self.writers.clone(),
             asked_in: self.asked_in.clone(),
         }
     }

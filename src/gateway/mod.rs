@@ -40,6 +40,7 @@
 //! is delivered in the header `x-delay-user-id` instead.
 
 pub mod follow;
+mod writers;
 pub mod x_delay;
 
 use std::future::Future;
@@ -60,6 +61,7 @@ use crate::message::Message;
 use crate::settings::{PairConfig, Settings};
 use crate::topology::Topology;
 use crate::worker::{Context, Handler, Outcome, Worker};
+use writers::Writers;
 use x_delay::{parse_x_delay, restore, stash, text_header};
 
 /// One ingress → target pair with its queue names.
@@ -222,6 +224,8 @@ struct PairCtx {
     /// `gateway.hold`: delays up to this are held by the worker instead of crossing the tiers
     /// (0: none are).
     hold_ms: u64,
+    /// Who may deliver through each pair of the gateway.
+    writers: Arc<Writers>,
 }
 
 /// How publishing a held message straight to its target ended.
@@ -288,8 +292,36 @@ impl Handler for GatewayHandler {
 }
 
 impl GatewayHandler {
+    /// Whether `d`'s writer (its broker-checked `user_id`) may deliver through the pair
+    /// ([`writers`]); a writer not known yet is looked for in the control stream up to a
+    /// barrier first. `Err` is what to do with the message instead: park it with the reason,
+    /// or give it back when the control stream cannot be read.
+    async fn writer_may_deliver(&self, d: &Delivery, ctx: &Context) -> Result<(), Outcome> {
+        let (c, since) = (&self.ctx, crate::time::now_ms());
+        let writer = d.properties.user_id().as_ref().map(|u| u.as_str());
+        let (ingress, target) = (&c.pair.ingress, &c.pair.target);
+        let check = || {
+            let allowed = c.writers.allowed(ingress);
+            writers::check(allowed.as_ref(), writer, ctx.trust(), ingress, target)
+        };
+        if check().is_ok() {
+            return Ok(());
+        }
+        let append = async |r: control::Record| ctx.publisher().append_control(&r).await;
+        if let Err(e) = c.writers.sync(since, append).await {
+            return Err(Outcome::Requeue(format!(
+                "reading the control stream for the writers of pair '{ingress}': {}",
+                crate::error::chain(&e)
+            )));
+        }
+        check().map_err(Outcome::Permanent)
+    }
+
     async fn handle_ingress(&self, d: &Delivery, ctx: &Context) -> Outcome {
         let c = &self.ctx;
+        if let Err(refused) = self.writer_may_deliver(d, ctx).await {
+            return refused;
+        }
         let value = d.headers().and_then(|h| h.inner().get(X_DELAY));
         let (delay_ms, invalid) = match parse_x_delay(value, c.max_delay_ms) {
             Ok(ms) => (ms, None),
@@ -428,6 +460,9 @@ pub struct Gateway {
     settings: Settings,
     layout: Layout,
     pairs: Vec<Pair>,
+    /// Who may deliver through each pair (shared by every worker of the gateway, and kept
+    /// current by its follower of the control stream).
+    writers: Arc<Writers>,
     /// The virtual host its pair records say they were asked for in.
     asked_in: Option<String>,
 }
@@ -447,10 +482,13 @@ impl Gateway {
             .map(|p| Pair::new(&layout, p))
             .collect::<Result<Vec<_>, _>>()
             .map_err(Error::config)?;
+        let configured = pairs.iter().map(|p| (p.ingress.as_str(), &p.writers[..]));
+        let writers = Arc::new(Writers::new(configured, settings.gateway.follow));
         Ok(Gateway {
             settings,
             layout,
             pairs,
+            writers,
             asked_in: None,
         })
     }
@@ -579,6 +617,7 @@ impl Gateway {
                 max_delay_ms: self.layout.max_delay_ms(),
                 confirm_timeout,
                 hold_ms: self.settings.gateway.hold.as_millis(),
+                writers: self.writers.clone(),
             });
             w = w
                 .subscribe(
@@ -640,6 +679,7 @@ mod tests {
             max_delay_ms: layout.max_delay_ms(),
             confirm_timeout: Duration::from_secs(1),
             hold_ms,
+            writers: Arc::new(Writers::new([("i", &[][..])], false)),
         };
         GatewayHandler {
             ctx: Arc::new(ctx),

@@ -7,9 +7,12 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 use crate::envelope::{Omit, copy_properties};
 use crate::headers::{
-    self, DELIVERY_MODE, EXPIRATION, INVALID, NO_HEADERS, NO_MESSAGE_ID, ROUTING_KEY, USER_ID,
-    X_DELAY, is_ours,
+    self, BCC, CC, DELIVERY_MODE, EXPIRATION, INVALID, NO_HEADERS, NO_MESSAGE_ID, ROUTING_KEY,
+    USER_ID, X_DELAY, is_ours,
 };
+
+/// The broker's copy headers and where they wait in the tiers.
+const STASHED_ROUTES: [(&str, &str); 2] = [("CC", CC), ("BCC", BCC)];
 
 fn long_string(s: &str) -> AMQPValue {
     AMQPValue::LongString(lapin::types::LongString::from(s))
@@ -94,8 +97,9 @@ pub fn parse_x_delay(value: Option<&AMQPValue>, max_delay_ms: u64) -> Result<u64
 
 /// Properties for the trip through the tiers: the application's, with what the tiers must not
 /// carry moved into headers — the routing key, `expiration` (it would expire inside a tier),
-/// `delivery_mode` (the tiers are persistent), `user_id` (see the module doc), and markers for
-/// an absent `message_id` (the publisher generates one) or `headers` table. `x-delay-*`
+/// `delivery_mode` (the tiers are persistent), `user_id` (see the module doc), `CC` and `BCC`
+/// (the broker would route a copy per key at every hop, docs/DESIGN.md rule 14), and markers
+/// for an absent `message_id` (the publisher generates one) or `headers` table. `x-delay-*`
 /// headers the application set, `x-opt-delivery-time` (the broker's native delay, which would
 /// delay the message again at the target) and those the broker adds (`x-death` history,
 /// `x-delivery-count`) are removed. `invalid` is
@@ -106,9 +110,15 @@ pub(crate) fn stash(
     invalid: Option<&str>,
 ) -> BasicProperties {
     let empty = FieldTable::default();
-    let mut h = headers::filter(p.headers().as_ref().unwrap_or(&empty), |k| {
+    let app = p.headers().as_ref().unwrap_or(&empty);
+    let mut h = headers::filter(app, |k| {
         !headers::is_reserved(k) && !headers::is_broker_header(k)
     });
+    for (theirs, ours) in STASHED_ROUTES {
+        if let Some(v) = app.inner().get(theirs) {
+            h.insert(ours.into(), v.clone());
+        }
+    }
     h.insert(ROUTING_KEY.into(), long_string(routing_key));
     if let Some(e) = p.expiration() {
         h.insert(EXPIRATION.into(), long_string(e.as_str()));
@@ -154,7 +164,8 @@ fn short(name: &str, v: String) -> Result<ShortString, String> {
 }
 
 /// The message as the application published it, from a due message: its original routing key
-/// and properties, the `expiration` and `delivery_mode` it had, no `message_id` or `headers`
+/// and properties, the `expiration` and `delivery_mode` it had, its `CC` and `BCC` back (the
+/// broker routes them once, at the target, as the plugin does), no `message_id` or `headers`
 /// if it had none, our `x-delay-*` headers (but [`USER_ID`]) and the broker's (`x-death`
 /// history, `x-delivery-count`) removed,
 /// and `x-delay` rewritten to minus the delay when there was one (as the plugin does; a zero or
@@ -186,6 +197,11 @@ pub(crate) fn restore(p: &BasicProperties) -> Result<(String, BasicProperties), 
     let mut out = headers::filter(h, |k| {
         (!is_ours(k) || k == USER_ID) && !headers::is_broker_header(k)
     });
+    for (theirs, ours) in STASHED_ROUTES {
+        if let Some(v) = h.inner().get(ours) {
+            out.insert(theirs.into(), v.clone());
+        }
+    }
     if delay > 0 {
         let neg = -(delay as i64);
         let v = match i32::try_from(neg) {
@@ -297,6 +313,11 @@ mod tests {
             headers::NATIVE_DELIVERY_TIME.into(),
             AMQPValue::LongLongInt(1_900_000_000_000),
         );
+        h.insert(
+            "CC".into(),
+            AMQPValue::FieldArray(vec![s("b.q"), s("jobs")].into()),
+        );
+        h.insert("BCC".into(), AMQPValue::FieldArray(vec![s("audit")].into()));
         BasicProperties::default()
             .with_content_type("application/json".into())
             .with_headers(h)
@@ -340,9 +361,14 @@ mod tests {
             "x-delivery-count",
             "x-delay-attempt",
             headers::NATIVE_DELIVERY_TIME,
+            "CC",
+            "BCC",
         ] {
             assert!(!h.contains_key(gone), "{gone}");
         }
+        // the copy headers wait in ours, for the target
+        assert!(matches!(h.inner().get(CC), Some(AMQPValue::FieldArray(a)) if a.as_slice().len() == 2));
+        assert!(matches!(h.inner().get(BCC), Some(AMQPValue::FieldArray(a)) if a.as_slice().len() == 1));
         assert!(!h.contains_key(NO_MESSAGE_ID) && !h.contains_key(NO_HEADERS));
         // none of the schedule headers the publisher sets itself
         for ours in headers::RESERVED {
@@ -361,6 +387,11 @@ mod tests {
         want_h.insert("app".into(), s("v"));
         want_h.insert("n".into(), AMQPValue::LongLongInt(-7));
         want_h.insert(USER_ID.into(), s("alice"));
+        want_h.insert(
+            "CC".into(),
+            AMQPValue::FieldArray(vec![s("b.q"), s("jobs")].into()),
+        );
+        want_h.insert("BCC".into(), AMQPValue::FieldArray(vec![s("audit")].into()));
         let mut want = copy_properties(
             &original,
             Omit {

@@ -242,7 +242,7 @@ impl Publisher {
 
     /// Appends `record` to the control stream on this publisher's confirm channel (re-opened
     /// after a loss, unlike a stream log's own); a missing stream is the stream log's error.
-    async fn append_control(&self, record: &Record) -> Result<()> {
+    pub(crate) async fn append_control(&self, record: &Record) -> Result<()> {
         let log = crate::control::log(&self.inner.layout);
         let props = self
             .inner

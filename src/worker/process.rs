@@ -86,6 +86,9 @@ pub(super) async fn delivery<H: Handler>(
     let mut raw = raw;
     if !handler.reads_our_headers() {
         strip_our_headers(&mut raw);
+    } else {
+        let writer = raw.properties.user_id().as_ref().map(|u| u.to_string());
+        raw.properties = believed_headers(raw.properties, writer.as_deref(), &ctx.trust, queue);
     }
     if ctx.stopping.load(Ordering::Relaxed) {
         let _ = acker.give_back().await;
@@ -138,20 +141,60 @@ fn owner_of(
 }
 
 /// A batch member's properties as if it had been delivered alone: the `user_id` its batch's
-/// writer had (the broker checked that one), never one the member claims.
+/// writer had (the broker checked that one), never one the member claims, and only the
+/// headers that writer is believed in ([`believed_headers`]).
 fn member_properties(
     member: lapin::BasicProperties,
     batch: &lapin::BasicProperties,
+    trust: &Trust,
+    queue: &str,
 ) -> lapin::BasicProperties {
     let omit = envelope::Omit {
         user_id: true,
         ..envelope::Omit::default()
     };
-    let p = envelope::copy_properties(&member, omit);
+    let writer = batch.user_id().as_ref().map(|u| u.as_str());
+    let p = believed_headers(envelope::copy_properties(&member, omit), writer, trust, queue);
     match batch.user_id() {
         Some(u) => p.with_user_id(u.clone()),
         None => p,
     }
+}
+
+/// `props` with only the `x-delay-*` headers its writer is believed in: all of them from one
+/// of ours (this process's user, a peer, an admin), only the schedule headers from anyone else
+/// (a forged `x-delay-routing-key` would redirect a forward, a forged `x-delay-user-id` name
+/// another user); the others are removed, counted and logged.
+fn believed_headers(
+    props: lapin::BasicProperties,
+    writer: Option<&str>,
+    trust: &Trust,
+    queue: &str,
+) -> lapin::BasicProperties {
+    let Some(h) = props.headers().as_ref() else {
+        return props;
+    };
+    let forged = |k: &str| headers::is_ours(k) && !headers::is_schedule_header(k);
+    if trust.vouches_for_headers(writer) || !h.inner().keys().any(|k| forged(k.as_str())) {
+        return props;
+    }
+    let names: Vec<String> = h
+        .inner()
+        .keys()
+        .filter(|k| forged(k.as_str()))
+        .map(|k| k.to_string())
+        .collect();
+    let writer = writer.unwrap_or("(none)");
+    tracing::warn!(queue, %writer, headers = %names.join(","), "removed x-delay-* headers its writer may not set");
+    let label = crate::metrics::QueueLabel {
+        queue: queue.to_string(),
+    };
+    crate::metrics::global()
+        .untrusted_headers_removed
+        .get_or_create(&label)
+        .inc();
+    let clean = headers::filter(h, |k| !forged(k));
+    props.with_headers(clean)
 }
 
 /// An application's message (a queue whose handler does not read our headers): it cannot set
@@ -218,7 +261,7 @@ async fn batch_delivery<H: Handler>(
         // the whole batch was parsed before the first member was given out
         let m = m.map_err(|reason| Error::Invalid(format!("invalid batch: {reason}")))?;
         let owner = owner_of(&m.properties, Some(batch_props), ctx);
-        let props = member_properties(m.properties, batch_props);
+        let props = member_properties(m.properties, batch_props, &ctx.trust, queue);
         let mut decoded = envelope::decode(queue, m.body, props, key, exchange, redelivered);
         decoded.0.owner = owner;
         // a batch that started runs to the end (within the shutdown grace): its members are
