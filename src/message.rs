@@ -114,7 +114,10 @@ impl Message {
             return Err("the 'expiration' property is not allowed on a delayed message: it would expire inside a tier and be delivered early (docs/DESIGN.md rule 1); set it when the message is delivered instead".into());
         }
         if let Some(h) = self.properties.headers() {
-            let routed = h.inner().keys().find(|k| headers::is_routing_header(k.as_str()));
+            let routed = h
+                .inner()
+                .keys()
+                .find(|k| headers::is_routing_header(k.as_str()));
             if let (false, Some(k)) = (self.internal, routed) {
                 return Err(format!(
                     "header '{k}' is not allowed on a delayed message: the broker would route a \

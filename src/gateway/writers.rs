@@ -238,7 +238,10 @@ mod tests {
         assert!(check(a.as_ref(), Some("a"), &t, "i", "t").is_ok());
         assert!(check(a.as_ref(), Some("admin"), &t, "i", "t").is_ok());
         let e = check(a.as_ref(), Some("b"), &t, "i", "t").unwrap_err();
-        assert!(e.contains("written by 'b'") && e.contains("writers: a"), "{e}");
+        assert!(
+            e.contains("written by 'b'") && e.contains("writers: a"),
+            "{e}"
+        );
         // the gateway and its peers are no writers of an application's pair
         for u in ["gw", "gw2"] {
             assert!(check(a.as_ref(), Some(u), &t, "i", "t").is_err(), "{u}");
@@ -265,7 +268,10 @@ mod tests {
         });
         assert_eq!(w.allowed("i"), None);
         w.note(&pair("i", &["b"]));
-        assert_eq!(w.allowed("i"), Some(Allowed::Users(["b".to_string()].into())));
+        assert_eq!(
+            w.allowed("i"),
+            Some(Allowed::Users(["b".to_string()].into()))
+        );
         // records cannot widen a configured pair
         w.note(&pair("c", &[]));
         assert_eq!(

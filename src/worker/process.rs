@@ -154,7 +154,12 @@ fn member_properties(
         ..envelope::Omit::default()
     };
     let writer = batch.user_id().as_ref().map(|u| u.as_str());
-    let p = believed_headers(envelope::copy_properties(&member, omit), writer, trust, queue);
+    let p = believed_headers(
+        envelope::copy_properties(&member, omit),
+        writer,
+        trust,
+        queue,
+    );
     match batch.user_id() {
         Some(u) => p.with_user_id(u.clone()),
         None => p,

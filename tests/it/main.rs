@@ -12,6 +12,7 @@ mod core;
 mod gateway;
 mod harness;
 mod hostile;
+mod isolation;
 mod observe;
 mod permissions;
 mod proxy;
