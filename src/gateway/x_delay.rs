@@ -367,8 +367,12 @@ mod tests {
             assert!(!h.contains_key(gone), "{gone}");
         }
         // the copy headers wait in ours, for the target
-        assert!(matches!(h.inner().get(CC), Some(AMQPValue::FieldArray(a)) if a.as_slice().len() == 2));
-        assert!(matches!(h.inner().get(BCC), Some(AMQPValue::FieldArray(a)) if a.as_slice().len() == 1));
+        assert!(
+            matches!(h.inner().get(CC), Some(AMQPValue::FieldArray(a)) if a.as_slice().len() == 2)
+        );
+        assert!(
+            matches!(h.inner().get(BCC), Some(AMQPValue::FieldArray(a)) if a.as_slice().len() == 1)
+        );
         assert!(!h.contains_key(NO_MESSAGE_ID) && !h.contains_key(NO_HEADERS));
         // none of the schedule headers the publisher sets itself
         for ours in headers::RESERVED {

@@ -679,8 +679,63 @@ async fn park(d: &Delivery, reason: &str, kind: &str, ctx: &TaskCtx) -> Result<(
 
 #[cfg(test)]
 mod tests {
-    use super::hold_sleep;
+    use super::{believed_headers, hold_sleep};
+    use crate::settings::TrustSettings;
+    use crate::trust::Trust;
+    use lapin::BasicProperties;
+    use lapin::types::{AMQPValue, FieldTable};
     use proptest::prelude::*;
+
+    #[test]
+    fn only_users_of_ours_are_believed_in_more_than_the_schedule_headers() {
+        let mut h = FieldTable::default();
+        for k in [
+            "x-delay-due-at",
+            "x-delay-attempt",
+            "x-delay-ms",
+            "x-delay-batch",
+        ] {
+            h.insert(k.into(), AMQPValue::LongLongInt(1));
+        }
+        for k in [
+            "x-delay-routing-key",
+            "x-delay-user-id",
+            "x-delay-owner",
+            "app",
+        ] {
+            h.insert(k.into(), AMQPValue::LongString("forged".into()));
+        }
+        let props = BasicProperties::default().with_headers(h);
+        let trust = Trust::new(
+            Some("worker".into()),
+            &TrustSettings {
+                admins: vec!["admin".into()],
+                peers: vec!["gateway".into()],
+            },
+        );
+        let keys = |p: BasicProperties| -> Vec<String> {
+            let h = p.headers().clone().unwrap_or_default();
+            h.inner().keys().map(|k| k.to_string()).collect()
+        };
+        for ours in ["worker", "admin", "gateway"] {
+            let kept = believed_headers(props.clone(), Some(ours), &trust, "q");
+            assert_eq!(kept, props, "{ours}");
+        }
+        for stranger in [Some("publisher"), None] {
+            let kept = keys(believed_headers(props.clone(), stranger, &trust, "q"));
+            assert_eq!(
+                kept,
+                [
+                    "app",
+                    "x-delay-attempt",
+                    "x-delay-batch",
+                    "x-delay-due-at",
+                    "x-delay-ms"
+                ],
+                "{stranger:?}"
+            );
+        }
+    }
 
     proptest! {
         /// The hold ends only once the wall clock has reached its target, however the clock
