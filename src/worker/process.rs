@@ -191,13 +191,9 @@ fn believed_headers(
         .collect();
     let writer = writer.unwrap_or("(none)");
     tracing::warn!(queue, %writer, headers = %names.join(","), "removed x-delay-* headers its writer may not set");
-    let label = crate::metrics::QueueLabel {
-        queue: queue.to_string(),
-    };
-    crate::metrics::global()
-        .untrusted_headers_removed
-        .get_or_create(&label)
-        .inc();
+    let metrics = crate::metrics::global();
+    let label = Metrics::queue(queue);
+    metrics.untrusted_headers_removed.get_or_create(&label).inc();
     let clean = headers::filter(h, |k| !forged(k));
     props.with_headers(clean)
 }

@@ -18,6 +18,7 @@ fn registry_samples() -> BTreeMap<String, BTreeSet<String>> {
     let _ = m.retried.get_or_create(&q);
     let _ = m.cancelled.get_or_create(&q);
     let _ = m.cancel_too_late.get_or_create(&q);
+    let _ = m.untrusted_headers_removed.get_or_create(&q);
     let _ = m.lateness.get_or_create(&q);
     let _ = m.handler_duration.get_or_create(&q);
     m.park("q", "permanent");
