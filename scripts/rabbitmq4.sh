@@ -47,7 +47,11 @@
 # RABBITMQ4_AMQP_PORT, RABBITMQ4_MGMT_PORT, RABBITMQ4_DIST_PORT, RABBITMQ4_DIR (inside the root),
 # RABBITMQ4_WAIT_SECS (default 120), RABBITMQ4_CONF_EXTRA (extra rabbitmq.conf lines for the
 # single node), RABBITMQ4_ADVANCED_CONFIG (its advanced.config terms; default: the settings we
-# ship, deploy/rabbitmq/advanced.config).
+# ship, deploy/rabbitmq/advanced.config), RABBITMQ4_ENABLED_PLUGINS (the single node's
+# enabled_plugins list, comma separated; default rabbitmq_management), RABBITMQ4_PLUGINS_EXTRA
+# (host paths of directory plugins, NAME-VERSION/ebin, space separated: copied into the node's
+# own DIR/node/plugins, which comes before the root's plugins directory; nothing in the root's
+# /usr/lib changes; scripts/plugin-node.sh uses it for the delayed-message-exchange plugin).
 #
 # Logs go to stderr; stdout carries only the KEY=VALUE lines, the path (root) or ctl's output.
 
@@ -68,6 +72,8 @@ READY="${ROOT}/.amqp-delay-root-ready"
 RMQ_BIN=/usr/lib/rabbitmq/bin
 RMQ_USER=rabbitmq
 RMQ_HOME=/var/lib/rabbitmq
+ENABLED_PLUGINS="${RABBITMQ4_ENABLED_PLUGINS:-rabbitmq_management}"
+PLUGINS_EXTRA="${RABBITMQ4_PLUGINS_EXTRA:-}"
 
 log() { printf '[rabbitmq4.sh] %s\n' "$*" >&2; }
 die() {
@@ -257,6 +263,12 @@ RABBITMQ_CONF_ENV_FILE=${NDIR}/rabbitmq-env.conf
 ERL_EPMD_ADDRESS=127.0.0.1
 ERL_FLAGS=-kernel inet_dist_use_interface {127,0,0,1}
 EOF
+    # RABBITMQ4_PLUGINS_EXTRA: the node's own plugins directory first, then the root's
+    if [[ -n "${PLUGINS_EXTRA}" ]]; then
+        local d
+        d="$(cd "${ROOT}" && ls -d usr/lib/rabbitmq/lib/rabbitmq_server-*/plugins | head -n 1)"
+        echo "RABBITMQ_PLUGINS_DIR=${NDIR}/plugins:/${d}"
+    fi
 }
 
 write_node_files() {
@@ -285,7 +297,16 @@ EOF
     else
         echo "[]." >"${NDIR}/advanced.config"
     fi
-    echo "[rabbitmq_management]." >"${NDIR}/enabled_plugins"
+    echo "[${ENABLED_PLUGINS}]." >"${NDIR}/enabled_plugins"
+    if [[ -n "${PLUGINS_EXTRA}" ]]; then
+        local p
+        mkdir -p "${NDIR}/plugins"
+        for p in ${PLUGINS_EXTRA}; do
+            [[ -d "${p}/ebin" ]] || die "RABBITMQ4_PLUGINS_EXTRA: ${p} is not a directory plugin (no ebin/)"
+            cp -R "${p%/}" "${NDIR}/plugins/"
+        done
+        chmod -R u+w,a+rX "${NDIR}/plugins"
+    fi
     env_lines | sed -E "s/^([A-Z_]+)=(.*)$/\\1='\\2'/" >"${NDIR}/rabbitmq-env.conf"
     # the root's rabbitmq user (its uid differs from the host's)
     chroot "${ROOT}" chown -R "${RMQ_USER}:" "${NDIR}"
