@@ -114,6 +114,14 @@ fn with_suffix(file: &Path, suffix: &str) -> PathBuf {
     PathBuf::from(format!("{}.{suffix}", file.display()))
 }
 
+fn mode_of(file: &Path) -> u32 {
+    std::fs::symlink_metadata(file)
+        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+        .permissions()
+        .mode()
+        & 0o7777
+}
+
 /// The ids of the JSON lines of `file` (none when it does not exist).
 fn ids_in(file: &Path) -> HashSet<String> {
     read_lines(file)
@@ -128,7 +136,8 @@ fn ids_in(file: &Path) -> HashSet<String> {
 /// refused line, and the lines published after it on that channel (the broker discarded them),
 /// are certainly not sent: reported so and written to `FILE.unsent`. Those published before it
 /// and still awaiting their confirm stay "maybe sent". None reported not sent reached the queue
-/// (measured: the 20 lines before the refused one arrived, the 19 after it never did).
+/// (measured: the 20 lines before the refused one arrived, the 19 after it never did). The
+/// input is mode 0600 (it holds card numbers): both files are 0600 too, never 0644.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_line_is_not_sent_and_the_resend_files_stay_private() {
     let node = Refusing::new().await;
@@ -156,6 +165,10 @@ async fn a_refused_line_is_not_sent_and_the_resend_files_stay_private() {
     let (unsent_ids, maybe_ids) = (ids_in(&unsent), ids_in(&maybe));
     assert!(unsent_ids.contains("refused"), "{unsent_ids:?}\n{stderr}");
     assert!(!maybe_ids.contains("refused"), "{maybe_ids:?}\n{stderr}");
+    assert_eq!(mode_of(&unsent), 0o600, "{}", unsent.display());
+    if maybe.exists() {
+        assert_eq!(mode_of(&maybe), 0o600, "{}", maybe.display());
+    }
     // what was said not sent did not arrive; what arrived was confirmed or maybe sent
     let got = node.delivered(Duration::from_secs(3)).await;
     let arrived: HashSet<String> = got.iter().map(|r| r.id()).collect();
@@ -168,4 +181,65 @@ async fn a_refused_line_is_not_sent_and_the_resend_files_stay_private() {
     for f in [&input, &unsent, &maybe] {
         let _ = std::fs::remove_file(f);
     }
+}
+
+/// `File::create` followed a symbolic link planted at `FILE.maybe-sent` and overwrote what it
+/// pointed to, and truncated a file hard-linked there. A resend file is now created new: a
+/// link, a dangling link or any file already at its path stops the run before anything is
+/// sent, with an error naming it, and nothing it points to is created or changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_or_link_planted_at_a_resend_file_is_never_written_through() {
+    let node = Refusing::new().await;
+    let lines = [node.line("refused", 0), node.line("ok", 50)];
+    let victim = temp_path(&node.p, "victim");
+    let absent = temp_path(&node.p, "created-through-a-link");
+    type Plant<'a> = &'a dyn Fn(&Path);
+    let plants: [(&str, Plant); 3] = [
+        ("a symbolic link", &|at| {
+            std::os::unix::fs::symlink(&victim, at).unwrap()
+        }),
+        ("a dangling symbolic link", &|at| {
+            std::os::unix::fs::symlink(&absent, at).unwrap()
+        }),
+        ("a hard link", &|at| {
+            std::fs::hard_link(&victim, at).unwrap()
+        }),
+    ];
+    for (what, plant) in plants {
+        std::fs::write(&victim, "precious\n").unwrap();
+        let input = node.input("planted.jsonl", &lines, 0o600);
+        let (unsent, maybe) = (
+            with_suffix(&input, "unsent"),
+            with_suffix(&input, "maybe-sent"),
+        );
+        // at FILE.maybe-sent, where main wrote the refused line; FILE.unsent is left free
+        plant(&maybe);
+        let out = node.send(&input).await;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{what}: {stderr}");
+        assert!(
+            stderr.contains(&format!("{} already exists", maybe.display()))
+                && stderr.contains("nothing was sent"),
+            "{what}: {stderr}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(&victim).unwrap(),
+            "precious\n",
+            "{what}: written through"
+        );
+        assert!(!absent.exists(), "{what}: created through the link");
+        assert!(!unsent.exists(), "{what}: FILE.unsent was left behind");
+        assert!(
+            std::fs::symlink_metadata(&maybe).is_ok(),
+            "{what}: the plant was removed"
+        );
+        for f in [&input, &maybe] {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+    assert!(
+        node.delivered(Duration::from_millis(800)).await.is_empty(),
+        "a run that stopped on a planted file sent something"
+    );
+    let _ = std::fs::remove_file(&victim);
 }
