@@ -11,6 +11,8 @@ use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use amqp_delay::Message;
+
 use crate::harness::*;
 use crate::permissions::{Cleanup, cli_as, url, user};
 
@@ -242,4 +244,77 @@ async fn a_file_or_link_planted_at_a_resend_file_is_never_written_through() {
         "a run that stopped on a planted file sent something"
     );
     let _ = std::fs::remove_file(&victim);
+}
+
+/// A newline in a message id was written raw into a human log line, so whoever chooses an id
+/// could forge log lines (or, with ESC, drive the reader's terminal). Every field and message
+/// of a human log line now has its control characters escaped; the real consumer's stderr shows
+/// the id as `\n` and `\u{1b}`, on one line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_characters_in_a_logged_id_cannot_forge_a_log_line() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("logged").await;
+    env.parked_queue(&q);
+    let cfg = env.write_config("");
+    // its parking queue and what the worker needs, as the admin declares them
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .arg("--config")
+        .arg(&cfg)
+        .args(["declare", "--queue", &q, "--worker"])
+        .env("AMQP_URL", broker_url())
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let log = temp_path(&env.settings.prefix, "consumer.log");
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-consumer"))
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--queue", &q, "--exec", "false", "--max-attempts", "1"])
+        .args(["--log-format", "human"])
+        .env("AMQP_URL", broker_url())
+        .env("RUST_LOG", "warn,amqp_delay=info")
+        .stderr(std::fs::File::create(&log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let id = "evil\n2030-01-01T00:00:00Z  INFO amqp_delay: FORGED\r\x1b[2J\x07\u{9b}";
+    let p = env.publisher().await;
+    p.schedule(Message::new(q.clone(), 10, "x").with_id(id))
+        .await
+        .unwrap();
+    let parked = wait_until(Duration::from_secs(15), || {
+        std::fs::read_to_string(&log).is_ok_and(|t| t.contains("parked"))
+    })
+    .await;
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    assert!(parked, "the consumer did not park the message:\n{text}");
+    assert!(
+        !text.lines().any(|l| l.starts_with("2030-01-01")),
+        "a forged line:\n{text}"
+    );
+    assert!(
+        !text.contains(['\r', '\x1b', '\x07', '\u{9b}']),
+        "raw control characters: {text:?}"
+    );
+    let parked_line = text
+        .lines()
+        .find(|l| l.contains("parked"))
+        .unwrap_or_default();
+    assert!(
+        parked_line.contains(
+            r"id=evil\n2030-01-01T00:00:00Z  INFO amqp_delay: FORGED\r\u{1b}[2J\u{7}\u{9b}"
+        ),
+        "{parked_line}"
+    );
+    p.close().await;
+    let _ = std::fs::remove_file(&log);
+    let _ = std::fs::remove_file(&cfg);
+    env.cleanup().await;
 }

@@ -66,7 +66,7 @@ pub(crate) async fn cancel(settings: &Settings, a: CancelArgs) -> amqp_delay::Re
         }
         Some(input) => {
             let (done, failed) = bulk::cancel_jsonl(&publisher, input, show_cancelled, |n, why| {
-                eprintln!("line {n}: {why}")
+                eprintln!("line {n}: {}", cli::escape_controls(why))
             })
             .await;
             eprintln!("{done} cancelled, {failed} failed");
@@ -173,6 +173,8 @@ async fn send_jsonl(
             if progress {
                 eprint!("\r\x1b[K");
             }
+            // a reason may quote the line (an invalid value) or the broker's reply text
+            let line = line.map(|(n, end, reason)| (n, end, cli::escape_controls(reason)));
             match line {
                 Some((n, bulk::LineEnd::MaybeSent, reason)) => {
                     eprintln!(
