@@ -187,7 +187,8 @@ async fn a_refused_line_is_not_sent_and_the_resend_files_stay_private() {
 
 /// `File::create` followed a symbolic link planted at `FILE.maybe-sent` and overwrote what it
 /// pointed to, and truncated a file hard-linked there. A resend file is now created new: a
-/// link, a dangling link or any file already at its path stops the run before anything is
+/// link, a dangling link or any file already at its path (`FILE.maybe-sent`, where main wrote
+/// the refused line, or `FILE.unsent`, where it goes now) stops the run before anything is
 /// sent, with an error naming it, and nothing it points to is created or changed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_or_link_planted_at_a_resend_file_is_never_written_through() {
@@ -196,31 +197,27 @@ async fn a_file_or_link_planted_at_a_resend_file_is_never_written_through() {
     let victim = temp_path(&node.p, "victim");
     let absent = temp_path(&node.p, "created-through-a-link");
     type Plant<'a> = &'a dyn Fn(&Path);
-    let plants: [(&str, Plant); 3] = [
-        ("a symbolic link", &|at| {
-            std::os::unix::fs::symlink(&victim, at).unwrap()
-        }),
-        ("a dangling symbolic link", &|at| {
-            std::os::unix::fs::symlink(&absent, at).unwrap()
-        }),
-        ("a hard link", &|at| {
-            std::fs::hard_link(&victim, at).unwrap()
-        }),
+    let link: Plant = &|at| std::os::unix::fs::symlink(&victim, at).unwrap();
+    let dangling: Plant = &|at| std::os::unix::fs::symlink(&absent, at).unwrap();
+    let hard: Plant = &|at| std::fs::hard_link(&victim, at).unwrap();
+    let plants = [
+        ("a symbolic link", "maybe-sent", link),
+        ("a dangling symbolic link", "maybe-sent", dangling),
+        ("a hard link", "maybe-sent", hard),
+        ("a symbolic link", "unsent", link),
+        ("a dangling symbolic link", "unsent", dangling),
     ];
-    for (what, plant) in plants {
+    for (what, suffix, plant) in plants {
         std::fs::write(&victim, "precious\n").unwrap();
         let input = node.input("planted.jsonl", &lines, 0o600);
-        let (unsent, maybe) = (
-            with_suffix(&input, "unsent"),
-            with_suffix(&input, "maybe-sent"),
-        );
-        // at FILE.maybe-sent, where main wrote the refused line; FILE.unsent is left free
-        plant(&maybe);
+        let at = with_suffix(&input, suffix);
+        plant(&at);
+        let what = format!("{what} at FILE.{suffix}");
         let out = node.send(&input).await;
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{what}: {stderr}");
         assert!(
-            stderr.contains(&format!("{} already exists", maybe.display()))
+            stderr.contains(&format!("{} already exists", at.display()))
                 && stderr.contains("nothing was sent"),
             "{what}: {stderr}"
         );
@@ -230,12 +227,17 @@ async fn a_file_or_link_planted_at_a_resend_file_is_never_written_through() {
             "{what}: written through"
         );
         assert!(!absent.exists(), "{what}: created through the link");
-        assert!(!unsent.exists(), "{what}: FILE.unsent was left behind");
+        for other in ["unsent", "maybe-sent"].iter().filter(|s| **s != suffix) {
+            assert!(
+                !with_suffix(&input, other).exists(),
+                "{what}: FILE.{other} was left behind"
+            );
+        }
         assert!(
-            std::fs::symlink_metadata(&maybe).is_ok(),
+            std::fs::symlink_metadata(&at).is_ok(),
             "{what}: the plant was removed"
         );
-        for f in [&input, &maybe] {
+        for f in [&input, &at] {
             let _ = std::fs::remove_file(f);
         }
     }
