@@ -63,7 +63,8 @@ pub async fn open(conn: &Connection) -> Result<Channel> {
 #[derive(Clone)]
 pub struct SharedChannel {
     channel: Channel,
-    turn: std::sync::Arc<std::sync::Mutex<()>>,
+    /// Held for the first poll of a publish; counts the publishes whose frames were queued.
+    turn: std::sync::Arc<std::sync::Mutex<u64>>,
 }
 
 impl SharedChannel {
@@ -87,6 +88,23 @@ impl SharedChannel {
         payload: &[u8],
         properties: lapin::BasicProperties,
     ) -> lapin::Result<lapin::PublisherConfirm> {
+        self.basic_publish_noting(exchange, routing_key, options, payload, properties, |_| ())
+            .await
+    }
+
+    /// [`SharedChannel::basic_publish`], calling `queued` with the publish's number on this
+    /// channel (0, 1, …: the order its frames go out in, the order the broker takes them in)
+    /// while it still holds its turn: what `queued` records is in place before the broker can
+    /// answer the publish.
+    pub(crate) async fn basic_publish_noting(
+        &self,
+        exchange: lapin::types::ShortString,
+        routing_key: lapin::types::ShortString,
+        options: lapin::options::BasicPublishOptions,
+        payload: &[u8],
+        properties: lapin::BasicProperties,
+        queued: impl FnOnce(u64),
+    ) -> lapin::Result<lapin::PublisherConfirm> {
         use std::future::Future;
         use std::task::Poll;
         let mut publish = std::pin::pin!(self.channel.basic_publish(
@@ -96,9 +114,15 @@ impl SharedChannel {
             payload,
             properties
         ));
+        let mut queued = Some(queued);
         let first = std::future::poll_fn(|cx| {
-            let _turn = self.turn.lock().unwrap_or_else(|e| e.into_inner());
-            Poll::Ready(publish.as_mut().poll(cx))
+            let mut turn = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+            let polled = publish.as_mut().poll(cx);
+            if let Some(queued) = queued.take() {
+                queued(*turn);
+            }
+            *turn += 1;
+            Poll::Ready(polled)
         })
         .await;
         match first {

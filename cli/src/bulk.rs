@@ -52,14 +52,140 @@ impl Summary {
     }
 }
 
-/// Files the not-sent and maybe-sent lines are written to (each line as read, with its `id`
-/// filled in), created only when there is something to write.
-#[derive(Debug, Clone, Default)]
+/// The files the not-sent and maybe-sent lines are written to (each line as read, with its
+/// `id` filled in). Create them with [`ResendFiles::create`] before anything is sent; one left
+/// empty is removed when this is dropped.
+#[derive(Debug, Default)]
 pub struct ResendFiles {
     /// For lines that were not scheduled: send this file again.
-    pub not_sent: Option<PathBuf>,
+    pub not_sent: Option<ResendFile>,
     /// For lines whose confirm was lost.
-    pub maybe_sent: Option<PathBuf>,
+    pub maybe_sent: Option<ResendFile>,
+}
+
+impl ResendFiles {
+    /// Creates the files named (`--unsent`, `--maybe-sent` or their defaults) with
+    /// [`resend_mode`] of the input's mode: nothing is sent when one cannot be created.
+    pub fn create(
+        not_sent: Option<PathBuf>,
+        maybe_sent: Option<PathBuf>,
+        input_mode: Option<u32>,
+    ) -> Result<ResendFiles> {
+        if not_sent.is_some() && not_sent == maybe_sent {
+            return Err(Error::Invalid(
+                "--unsent and --maybe-sent name the same file: give each its own".into(),
+            ));
+        }
+        let mode = resend_mode(input_mode);
+        let create = |path: Option<PathBuf>, flag| {
+            path.map(|p| ResendFile::create(p, mode, flag)).transpose()
+        };
+        Ok(ResendFiles {
+            not_sent: create(not_sent, "--unsent")?,
+            maybe_sent: create(maybe_sent, "--maybe-sent")?,
+        })
+    }
+}
+
+/// The mode of a resend file, from the input's (`None`: standard input): read and write for its
+/// owner only, and read-only when the input is not writable by its owner. Its lines are the
+/// input's, which may be private (card numbers, addresses): no one else may read them.
+pub fn resend_mode(input_mode: Option<u32>) -> u32 {
+    match input_mode {
+        Some(m) if m & 0o200 == 0 => 0o400,
+        _ => 0o600,
+    }
+}
+
+/// A file some lines of a run are written to, created new: never through a symbolic link, never
+/// over a file already there. Removed when dropped if nothing was written to it (and it is still
+/// the file created).
+#[derive(Debug)]
+pub struct ResendFile {
+    path: PathBuf,
+    file: std::fs::File,
+    lines: usize,
+}
+
+impl ResendFile {
+    /// Creates `path` with `mode` (`O_CREAT|O_EXCL`, which never follows a symbolic link, not
+    /// even a dangling one). A file or a link already there is an error naming it, and saying
+    /// to move it away or name another file with `flag`.
+    pub fn create(path: PathBuf, mode: u32, flag: &str) -> Result<ResendFile> {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let opened = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&path);
+        match opened {
+            Ok(file) => Ok(ResendFile {
+                path,
+                file,
+                lines: 0,
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let link = std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_symlink());
+                let what = if link {
+                    " (a symbolic link: it is not followed)"
+                } else {
+                    " (an earlier run's lines? deal with them first)"
+                };
+                Err(Error::Invalid(format!(
+                    "{} already exists{what}; it is never replaced or written through: move it away, or name another file with {flag}; nothing was sent",
+                    path.display()
+                )))
+            }
+            Err(e) => Err(Error::Invalid(format!(
+                "cannot create {}: {e}; name another file with {flag}; nothing was sent",
+                path.display()
+            ))),
+        }
+    }
+
+    /// Where it is.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    /// Lines written to it.
+    pub fn lines(&self) -> usize {
+        self.lines
+    }
+
+    /// Writes `lines` (one per line) and syncs them to disk.
+    fn write(&mut self, lines: &[String]) -> Result<()> {
+        let mut out = std::io::BufWriter::new(&self.file);
+        let written = lines
+            .iter()
+            .try_for_each(|l| writeln!(out, "{l}"))
+            .and_then(|()| out.flush());
+        drop(out);
+        written.and_then(|()| self.file.sync_data()).map_err(|e| {
+            Error::Invalid(format!(
+                "cannot write {}: {e}; the lines are reported above by number",
+                self.path.display()
+            ))
+        })?;
+        self.lines += lines.len();
+        Ok(())
+    }
+}
+
+impl Drop for ResendFile {
+    fn drop(&mut self) {
+        use std::os::unix::fs::MetadataExt as _;
+        if self.lines > 0 {
+            return;
+        }
+        let ours = match (self.file.metadata(), std::fs::symlink_metadata(&self.path)) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
+        };
+        if ours {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 /// A line whose `id` is filled in (generated when absent), as it is written to a resend file.
@@ -134,15 +260,20 @@ pub fn lines<R: AsyncRead + Unpin + Send>(
     })
 }
 
-/// The input named on the command line: a file, or standard input for `-`.
-pub async fn open_input(path: &std::path::Path) -> Result<Box<dyn AsyncRead + Unpin + Send>> {
+/// An input to read.
+pub type Input = Box<dyn AsyncRead + Unpin + Send>;
+
+/// The input named on the command line: a file, or standard input for `-`; with the file's
+/// mode (`None` for standard input).
+pub async fn open_input(path: &std::path::Path) -> Result<(Input, Option<u32>)> {
+    use std::os::unix::fs::PermissionsExt as _;
     if path.as_os_str() == "-" {
-        return Ok(Box::new(tokio::io::stdin()));
+        return Ok((Box::new(tokio::io::stdin()), None));
     }
-    let f = tokio::fs::File::open(path)
-        .await
-        .map_err(|e| Error::Invalid(format!("cannot open {}: {e}", path.display())))?;
-    Ok(Box::new(f))
+    let cannot = |e: std::io::Error| Error::Invalid(format!("cannot open {}: {e}", path.display()));
+    let f = tokio::fs::File::open(path).await.map_err(cannot)?;
+    let mode = f.metadata().await.map_err(cannot)?.permissions().mode();
+    Ok((Box::new(f), Some(mode)))
 }
 
 /// Where a line whose scheduling failed with `e` ended.
@@ -220,7 +351,7 @@ type Reporter<'a> = dyn FnMut(Option<(usize, LineEnd, &str)>, &Summary) + 'a;
 pub async fn send_jsonl<R: AsyncRead + Unpin + Send>(
     publisher: &Publisher,
     input: R,
-    resend: &ResendFiles,
+    resend: &mut ResendFiles,
     mut report: impl FnMut(Option<(usize, LineEnd, &str)>, &Summary),
     progress: bool,
 ) -> Result<Summary> {
@@ -288,23 +419,15 @@ pub async fn send_jsonl<R: AsyncRead + Unpin + Send>(
         }
     }
     flush_invalid(&mut report);
-    for (path, lines) in [(&resend.not_sent, &not_sent), (&resend.maybe_sent, &maybe)] {
-        if let (Some(path), false) = (path, lines.is_empty()) {
-            write_lines(path, lines)?;
+    for (file, lines) in [
+        (&mut resend.not_sent, &not_sent),
+        (&mut resend.maybe_sent, &maybe),
+    ] {
+        if let (Some(file), false) = (file, lines.is_empty()) {
+            file.write(lines)?;
         }
     }
     Ok(summary.into_inner())
-}
-
-fn write_lines(path: &std::path::Path, lines: &[String]) -> Result<()> {
-    let write = || -> std::io::Result<()> {
-        let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
-        for l in lines {
-            writeln!(f, "{l}")?;
-        }
-        f.flush()
-    };
-    write().map_err(|e| Error::Invalid(format!("cannot write {}: {e}", path.display())))
 }
 
 #[cfg(test)]
@@ -321,6 +444,104 @@ mod tests {
             with_id(r#"{"queue":"q","id":"mine"}"#, "gen"),
             r#"{"id":"mine","queue":"q"}"#
         );
+    }
+
+    #[test]
+    fn resend_files_are_for_their_owner_only() {
+        assert_eq!(resend_mode(None), 0o600);
+        for (input, mode) in [
+            (0o100644, 0o600),
+            (0o100666, 0o600),
+            (0o100600, 0o600),
+            (0o100640, 0o600),
+            (0o100400, 0o400),
+            (0o100444, 0o400),
+            (0o100000, 0o400),
+        ] {
+            assert_eq!(resend_mode(Some(input)), mode, "{input:o}");
+        }
+    }
+
+    /// A fresh path in the temporary directory.
+    fn fresh(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("bulk-{}-{name}", uuid::Uuid::now_v7()))
+    }
+
+    fn mode_of(p: &std::path::Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    #[test]
+    fn a_resend_file_is_created_new_with_its_mode_and_removed_when_empty() {
+        let (kept, empty) = (fresh("kept"), fresh("empty"));
+        let mut files =
+            ResendFiles::create(Some(kept.clone()), Some(empty.clone()), Some(0o100644)).unwrap();
+        assert_eq!((mode_of(&kept), mode_of(&empty)), (0o600, 0o600));
+        let f = files.not_sent.as_mut().unwrap();
+        f.write(&["a".into(), "b".into()]).unwrap();
+        assert_eq!(f.lines(), 2);
+        drop(files);
+        assert_eq!(std::fs::read_to_string(&kept).unwrap(), "a\nb\n");
+        assert!(!empty.exists(), "an empty resend file is left behind");
+        // read-only for a read-only input
+        let ro = fresh("ro");
+        let mut f =
+            ResendFile::create(ro.clone(), resend_mode(Some(0o100400)), "--unsent").unwrap();
+        f.write(&["c".into()]).unwrap();
+        drop(f);
+        assert_eq!(mode_of(&ro), 0o400);
+        for p in [kept, ro] {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+
+    /// Whatever is at the path already (a file, a link to one, a dangling link) stays as it was;
+    /// the error names the path and says nothing was sent.
+    #[test]
+    fn nothing_already_at_a_resend_path_is_followed_or_replaced() {
+        let victim = fresh("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        let absent = fresh("absent");
+        type Plant<'a> = &'a dyn Fn(&std::path::Path);
+        let plants: [(&str, Plant); 4] = [
+            ("a file", &|p| std::fs::write(p, "earlier run").unwrap()),
+            ("a symbolic link", &|p| {
+                std::os::unix::fs::symlink(&victim, p).unwrap()
+            }),
+            ("a dangling link", &|p| {
+                std::os::unix::fs::symlink(&absent, p).unwrap()
+            }),
+            ("a hard link", &|p| std::fs::hard_link(&victim, p).unwrap()),
+        ];
+        for (what, plant) in plants {
+            let at = fresh("planted");
+            plant(&at);
+            let before = std::fs::read_to_string(&at).ok();
+            let e = ResendFile::create(at.clone(), 0o600, "--maybe-sent").unwrap_err();
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("{} already exists", at.display()))
+                    && text.contains("--maybe-sent")
+                    && text.contains("nothing was sent"),
+                "{what}: {text}"
+            );
+            assert_eq!(
+                text.contains("symbolic link"),
+                what.contains("symbolic") || what.contains("dangling"),
+                "{what}: {text}"
+            );
+            assert_eq!(std::fs::read_to_string(&at).ok(), before, "{what}");
+            assert!(!absent.exists(), "{what}");
+            std::fs::remove_file(&at).unwrap();
+        }
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        std::fs::remove_file(&victim).unwrap();
+        // one file for both ends is refused before either is created
+        let same = fresh("same");
+        let e = ResendFiles::create(Some(same.clone()), Some(same.clone()), None).unwrap_err();
+        assert!(e.to_string().contains("the same file"), "{e}");
+        assert!(!same.exists());
     }
 
     #[tokio::test]

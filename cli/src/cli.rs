@@ -149,19 +149,19 @@ pub fn init_logging_as(format: LogFormat) {
     let _ = LOG_FORMAT.set(format);
     let rust_log = std::env::var("RUST_LOG").ok();
     let rust_log = rust_log.as_deref();
-    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let registry = tracing_subscriber::registry();
     let _ = match format {
         LogFormat::Human => registry
             .with(
-                layer
-                    .with_ansi(std::io::stderr().is_terminal())
+                human_layer(std::io::stderr, std::io::stderr().is_terminal())
                     .with_filter(log_layer_filter(rust_log)),
             )
             .try_init(),
+        // serde escapes every control character of a JSON string
         LogFormat::Json => registry
             .with(
-                layer
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::stderr)
                     .json()
                     .with_ansi(false)
                     .with_filter(log_layer_filter(rust_log)),
@@ -202,7 +202,7 @@ macro_rules! outln {
 /// log collector sees why a process exited.
 pub fn error_line(format: LogFormat, message: &str) -> String {
     match format {
-        LogFormat::Human => format!("error: {message}"),
+        LogFormat::Human => format!("error: {}", escape_controls(message)),
         LogFormat::Json => serde_json::json!({
             "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
             "level": "ERROR",
@@ -225,6 +225,7 @@ pub fn fail(e: &dyn std::error::Error, code: i32) -> ! {
     std::process::exit(code)
 }
 
+pub use crate::logline::{EscapedFields, escape_controls, human_layer};
 pub use amqp_delay::error::chain;
 
 /// Starts the metrics endpoint when `settings.metrics_addr` asks for one (failing to bind is a
@@ -416,6 +417,10 @@ mod tests {
     #[test]
     fn a_fatal_error_is_one_json_event_in_json_mode() {
         assert_eq!(error_line(LogFormat::Human, "no \"x\""), "error: no \"x\"");
+        assert_eq!(
+            error_line(LogFormat::Human, "queue 'q\nerror: forged' does not exist"),
+            r"error: queue 'q\nerror: forged' does not exist"
+        );
         let line = error_line(LogFormat::Json, "queue 'q' does not exist\nsecond line");
         assert!(!line.contains('\n'), "{line}");
         let v: serde_json::Value = serde_json::from_str(&line).unwrap();

@@ -1,5 +1,5 @@
 //! The amqp-delay tools' shared code: what only `delay-publisher`, `delay-consumer` and
-//! `delay-bench` use — flags, logging and exit codes ([`cli`]), the worker's business
+//! `delay-bench` use — flags, logging and exit codes ([`cli`]), log lines no value can forge ([`logline`]), the worker's business
 //! [`actions`], bulk JSONL ([`bulk`], [`jsonl`]), declare/stats/teardown ([`admin`]) and the
 //! metrics endpoint ([`observe`]), the `delay-proxy` ([`proxy`]). Applications use the `amqp-delay` library instead.
 
@@ -8,6 +8,7 @@ pub mod admin;
 pub mod bulk;
 pub mod cli;
 pub mod jsonl;
+pub mod logline;
 pub mod observe;
 pub mod proxy;
 

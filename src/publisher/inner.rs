@@ -11,6 +11,7 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 
 use super::confirms::{self, Confirms, Outcome};
+use super::refusal::{Flight, InFlight};
 use super::{Binding, CONNECTION_NAME, Inner, Prepared, Reads};
 use crate::batch;
 use crate::broker::{self, ACCESS_REFUSED, NOT_FOUND, SharedChannel};
@@ -302,8 +303,10 @@ impl Inner {
             props.message_id().as_ref().map(|s| s.as_str()),
             body,
         );
+        // in the channel's flight until it is decided, for a refusal to be pinned on it
+        let in_flight = InFlight::new(&channel.flight);
         let confirm = channel
-            .basic_publish(
+            .basic_publish_noting(
                 exchange.into(),
                 key,
                 BasicPublishOptions {
@@ -312,6 +315,7 @@ impl Inner {
                 },
                 body,
                 props,
+                |n| in_flight.queued(n, exchange, routing_key),
             )
             .await
             .context(|| format!("publishing to '{exchange}'"))?;
@@ -319,10 +323,7 @@ impl Inner {
             .confirms
             .outcome(identity, confirm)
             .await
-            .map_err(|source| Error::MaybeSent {
-                context: format!("awaiting the confirm from '{exchange}'"),
-                source,
-            })?;
+            .map_err(|source| in_flight.unconfirmed(exchange, source))?;
         match outcome {
             Outcome::Ack => Ok(()),
             Outcome::Nack => {
@@ -546,6 +547,7 @@ pub(super) async fn open_confirm_channel(conn: &Connection) -> Result<PublishCha
         Ok(PublishChannel {
             channel: SharedChannel::new(channel),
             confirms,
+            flight: Default::default(),
         })
     };
     tokio::time::timeout(OPEN_TIMEOUT, open)
@@ -558,12 +560,14 @@ pub(super) async fn open_confirm_channel(conn: &Connection) -> Result<PublishCha
         })
 }
 
-/// A confirm channel with the task that awaits its confirms (see [`confirms`]). Many tasks
-/// publish on it at once: publishes go through [`SharedChannel::basic_publish`].
+/// A confirm channel with the task that awaits its confirms (see [`confirms`]) and the
+/// publishes awaiting one (see [`super::refusal`]). Many tasks publish on it at once: publishes go
+/// through [`SharedChannel::basic_publish_noting`].
 #[derive(Clone)]
 pub(super) struct PublishChannel {
     channel: SharedChannel,
     confirms: Arc<Confirms>,
+    flight: Arc<std::sync::Mutex<Flight>>,
 }
 
 impl std::ops::Deref for PublishChannel {

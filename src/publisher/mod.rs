@@ -35,6 +35,7 @@ use crate::topology::Topology;
 mod batcher;
 mod confirms;
 mod inner;
+mod refusal;
 use batcher::run_batcher;
 use inner::{PublishChannel, open_confirm_channel};
 

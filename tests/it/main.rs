@@ -8,6 +8,7 @@ mod batching;
 mod bench_smoke;
 mod cancel;
 mod cli;
+mod cli_files;
 mod core;
 mod gateway;
 mod harness;

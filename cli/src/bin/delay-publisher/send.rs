@@ -11,16 +11,37 @@ use amqp_delay_cli::cli::{self, EXIT_FAILURES};
 
 use crate::args::{CancelArgs, SendArgs};
 
-/// `send`: one message (checked before anything is connected) or the lines of `--jsonl`.
+/// What `send` sends.
+enum Sending {
+    /// One message.
+    One(Box<Message>),
+    /// The lines of `--jsonl`, and where those that fail go.
+    Lines(bulk::Input, bulk::ResendFiles),
+}
+
+/// `send`: one message, or the lines of `--jsonl`; the message checked, or the input opened and
+/// the resend files created, before anything is connected.
 pub(crate) async fn send(settings: &Settings, a: SendArgs) -> amqp_delay::Result<i32> {
-    let one = match &a.jsonl {
-        None => Ok(one_message(&a, settings).await?),
-        Some(path) => Err(path),
+    let sending = match &a.jsonl {
+        None => Sending::One(Box::new(one_message(&a, settings).await?)),
+        Some(path) => {
+            let (input, mode) = bulk::open_input(path).await?;
+            let stdin = path.as_os_str() == "-";
+            let derived = |suffix: &str| {
+                (!stdin).then(|| PathBuf::from(format!("{}.{suffix}", path.display())))
+            };
+            let resend = bulk::ResendFiles::create(
+                a.unsent.clone().or_else(|| derived("unsent")),
+                a.maybe_sent.clone().or_else(|| derived("maybe-sent")),
+                mode,
+            )?;
+            Sending::Lines(input, resend)
+        }
     };
     let publisher = Publisher::connect(settings).await?;
-    let code = match one {
-        Ok(m) => send_one(&publisher, m).await,
-        Err(path) => send_jsonl(&publisher, &a, path).await,
+    let code = match sending {
+        Sending::One(m) => send_one(&publisher, *m).await,
+        Sending::Lines(input, mut resend) => send_jsonl(&publisher, input, &mut resend).await,
     };
     publisher.close().await;
     code
@@ -29,7 +50,7 @@ pub(crate) async fn send(settings: &Settings, a: SendArgs) -> amqp_delay::Result
 /// `cancel`: one id, or every line of `--jsonl` (read as a bounded stream).
 pub(crate) async fn cancel(settings: &Settings, a: CancelArgs) -> amqp_delay::Result<i32> {
     let input = match &a.jsonl {
-        Some(path) => Some(bulk::open_input(path).await?),
+        Some(path) => Some(bulk::open_input(path).await?.0),
         None => None,
     };
     let publisher = Publisher::connect(settings).await?;
@@ -45,7 +66,7 @@ pub(crate) async fn cancel(settings: &Settings, a: CancelArgs) -> amqp_delay::Re
         }
         Some(input) => {
             let (done, failed) = bulk::cancel_jsonl(&publisher, input, show_cancelled, |n, why| {
-                eprintln!("line {n}: {why}")
+                eprintln!("line {n}: {}", cli::escape_controls(why))
             })
             .await;
             eprintln!("{done} cancelled, {failed} failed");
@@ -140,26 +161,20 @@ async fn send_one(p: &Publisher, m: Message) -> amqp_delay::Result<i32> {
 
 async fn send_jsonl(
     p: &Publisher,
-    a: &SendArgs,
-    path: &std::path::Path,
+    input: bulk::Input,
+    resend: &mut bulk::ResendFiles,
 ) -> amqp_delay::Result<i32> {
-    let stdin = path.as_os_str() == "-";
-    let input = bulk::open_input(path).await?;
-    let derived =
-        |suffix: &str| (!stdin).then(|| PathBuf::from(format!("{}.{suffix}", path.display())));
-    let resend = bulk::ResendFiles {
-        not_sent: a.unsent.clone().or_else(|| derived("unsent")),
-        maybe_sent: a.maybe_sent.clone().or_else(|| derived("maybe-sent")),
-    };
     let progress = std::io::stderr().is_terminal();
     let summary = bulk::send_jsonl(
         p,
         input,
-        &resend,
+        resend,
         |line, s| {
             if progress {
                 eprint!("\r\x1b[K");
             }
+            // a reason may quote the line (an invalid value) or the broker's reply text
+            let line = line.map(|(n, end, reason)| (n, end, cli::escape_controls(reason)));
             match line {
                 Some((n, bulk::LineEnd::MaybeSent, reason)) => {
                     eprintln!(
@@ -187,20 +202,15 @@ async fn send_jsonl(
         summary.not_sent,
         summary.maybe_sent
     );
-    for (n, file, what) in [
+    for (file, what) in [
+        (&resend.not_sent, "not sent: send this file again"),
         (
-            summary.not_sent,
-            &resend.not_sent,
-            "not sent: send this file again",
-        ),
-        (
-            summary.maybe_sent,
             &resend.maybe_sent,
             "maybe sent: re-sending may duplicate them (same ids)",
         ),
     ] {
-        if let (true, Some(f)) = (n > 0, file) {
-            amqp_delay_cli::outln!("{what}: {}", f.display());
+        if let Some(f) = file.as_ref().filter(|f| f.lines() > 0) {
+            amqp_delay_cli::outln!("{what}: {}", f.path().display());
         }
     }
     Ok(if summary.failed() > 0 {
