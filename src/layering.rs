@@ -44,6 +44,7 @@ const LAYERS: &[(&str, u8)] = &[
 /// binaries' shared pieces. The binaries (`cli/src/bin`) sit above all of them.
 const TOOL_LAYERS: &[(&str, u8)] = &[
     ("jsonl", 0),
+    ("logline", 0),
     ("actions", 2),
     ("admin", 2),
     ("bulk", 2),

@@ -177,7 +177,7 @@ mod tests {
             let e = refused(n, r);
             assert_eq!(e.maybe_sent(), maybe, "{n} {r:?}: {e}");
             if !maybe {
-                assert_eq!(e.kind(), crate::ErrorKind::Refused, "{e}");
+                assert_eq!(e.kind(), crate::error::ErrorKind::Refused, "{e}");
                 assert!(crate::error::chain(&e).contains(DENIED), "{e}");
             }
         }

@@ -193,7 +193,10 @@ fn believed_headers(
     tracing::warn!(queue, %writer, headers = %names.join(","), "removed x-delay-* headers its writer may not set");
     let metrics = crate::metrics::global();
     let label = Metrics::queue(queue);
-    metrics.untrusted_headers_removed.get_or_create(&label).inc();
+    metrics
+        .untrusted_headers_removed
+        .get_or_create(&label)
+        .inc();
     let clean = headers::filter(h, |k| !forged(k));
     props.with_headers(clean)
 }
