@@ -41,6 +41,9 @@ pub const NO_MESSAGE_ID: &str = "x-delay-no-message-id";
 pub const NO_HEADERS: &str = "x-delay-no-headers";
 /// Gateway: the `user_id` the application published with; kept on the delivered message.
 pub const USER_ID: &str = "x-delay-user-id";
+/// `delay-proxy`: the message's `user_id` is the login of the proxy's client, set by the proxy
+/// (the application set none), so the gateway does not name it in [`USER_ID`] at the target.
+pub const ADDED_USER_ID: &str = "x-delay-added-user-id";
 /// Who owns a copy a worker or a gateway wrote on another user's behalf (a retry, a gateway
 /// hop): believed only from such a writer (see `amqp_delay::trust`).
 pub const OWNER: &str = "x-delay-owner";

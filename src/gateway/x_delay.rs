@@ -7,8 +7,8 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 use crate::envelope::{Omit, copy_properties};
 use crate::headers::{
-    self, BCC, CC, DELIVERY_MODE, EXPIRATION, INVALID, NO_HEADERS, NO_MESSAGE_ID, ROUTING_KEY,
-    USER_ID, X_DELAY, is_ours,
+    self, ADDED_USER_ID, BCC, CC, DELIVERY_MODE, EXPIRATION, INVALID, NO_HEADERS, NO_MESSAGE_ID,
+    ROUTING_KEY, USER_ID, X_DELAY, is_ours,
 };
 
 /// The broker's copy headers and where they wait in the tiers.
@@ -126,7 +126,10 @@ pub(crate) fn stash(
     if let Some(m) = p.delivery_mode() {
         h.insert(DELIVERY_MODE.into(), AMQPValue::ShortShortUInt(*m));
     }
-    if let Some(u) = p.user_id() {
+    // one `delay-proxy` added for its client is not the application's: not delivered
+    if let Some(u) = p.user_id()
+        && !app.contains_key(ADDED_USER_ID)
+    {
         h.insert(USER_ID.into(), long_string(u.as_str()));
     }
     if p.message_id().is_none() {
@@ -405,6 +408,26 @@ mod tests {
         );
         want = want.with_headers(want_h);
         assert_eq!(p, want);
+    }
+
+    #[test]
+    fn a_user_id_delay_proxy_added_is_not_delivered() {
+        // the proxy's client set no user_id: the proxy named its login, for the writer check
+        let mut h = FieldTable::default();
+        h.insert(X_DELAY.into(), AMQPValue::LongInt(500));
+        let original = BasicProperties::default().with_headers(h.clone());
+        h.insert(ADDED_USER_ID.into(), AMQPValue::Boolean(true));
+        let proxied = original
+            .clone()
+            .with_user_id("app-a".into())
+            .with_headers(h);
+        let tiers = stash(&proxied, "k", None);
+        let th = tiers.headers().clone().unwrap_or_default();
+        assert!(!th.contains_key(USER_ID) && !th.contains_key(ADDED_USER_ID));
+        let (_, p) = restore(&through_tiers(tiers, "g")).unwrap();
+        let mut want = FieldTable::default();
+        want.insert(X_DELAY.into(), AMQPValue::LongInt(-500));
+        assert_eq!(p, BasicProperties::default().with_headers(want));
     }
 
     #[test]

@@ -202,11 +202,13 @@ fn believed_headers(
 }
 
 /// An application's message (a queue whose handler does not read our headers): it cannot set
-/// our headers, nor pass for a batch.
+/// our headers, nor pass for a batch. [`headers::ADDED_USER_ID`] is kept: it only keeps the
+/// message's own `user_id` from being named at the target.
 fn strip_our_headers(raw: &mut lapin::message::Delivery) {
     let h = raw.properties.headers().clone().unwrap_or_default();
-    if h.inner().keys().any(|k| headers::is_ours(k.as_str())) {
-        let clean = headers::filter(&h, |k| !headers::is_ours(k));
+    let forged = |k: &str| headers::is_ours(k) && k != headers::ADDED_USER_ID;
+    if h.inner().keys().any(|k| forged(k.as_str())) {
+        let clean = headers::filter(&h, |k| !forged(k));
         raw.properties = raw.properties.clone().with_headers(clean);
     }
 }
