@@ -17,8 +17,10 @@
 
 pub mod conn;
 pub mod frames;
+pub mod login;
 pub mod priority;
 pub mod registry;
+pub mod replies;
 pub mod rewrite;
 pub mod tls;
 
