@@ -4,7 +4,7 @@
 
 use amqp_delay::time::DurationMs;
 use amqp_delay_cli::cli::{self, EXIT_USAGE, GlobalArgs};
-use amqp_delay_cli::proxy::{Limits, Proxy, priority};
+use amqp_delay_cli::proxy::{DEFAULT_MAX_FRAME, Limits, Proxy, priority};
 use clap::Parser;
 
 #[derive(Parser)]
@@ -29,6 +29,9 @@ struct Cli {
     /// On SIGTERM or Ctrl-C: stop listening, send every client connection.close 320 (as a broker that shuts down does; clients reconnect), and wait this long for them to close
     #[arg(long, default_value = "10s")]
     drain_timeout: DurationMs,
+    /// The largest frame_max offered to clients, in bytes (the broker's when lower): each connection buffers at most about four frames
+    #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_MAX_FRAME, value_parser = clap::value_parser!(u32).range(4096..=16_777_216))]
+    max_frame: u32,
     /// PEM certificate chain of the proxy: clients must then connect with TLS (amqps://)
     #[arg(long, value_name = "FILE", requires = "tls_key")]
     tls_cert: Option<std::path::PathBuf>,
@@ -57,6 +60,7 @@ async fn main() {
         handshake: args.handshake_timeout.as_duration(),
         idle: args.idle_timeout.as_duration(),
         drain: args.drain_timeout.as_duration(),
+        max_frame: args.max_frame,
     };
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => match amqp_delay_cli::proxy::tls::acceptor(cert, key) {

@@ -1,11 +1,18 @@
 //! One client connection: an upstream TCP connection of its own to the broker, and a pump per
-//! direction. Each pump reads whole frames into a buffer of at most one frame (the negotiated
-//! `frame_max`) and writes what it read before it reads again, so a slow reader on one side
-//! stops the other side's reads (TCP backpressure) and no connection grows the proxy's memory.
-//! Bytes pass as they arrived except the frames [`rewrite`] changes.
+//! direction. Each pump reads whole frames into a buffer of at most one frame and writes what it
+//! read before it reads again, so a slow reader on one side stops the other side's reads (TCP
+//! backpressure). Until the broker's `connection.open-ok` a frame is at most the handshake's
+//! size and only channel 0 is allowed; after it, at most the `frame_max` both sides agreed,
+//! which the proxy keeps within its cap ([`Limits::max_frame`]). A buffer that grew for a long
+//! frame is given back once empty, and everything is freed when the connection ends. Bytes pass
+//! as they arrived except the frames [`rewrite`] changes.
+//!
+//! A delayed declare (or delete) is sent to the broker and the client is not read further
+//! until the broker answered it: [`Replies`] tells which answer is that request's own, behind
+//! those to the client's earlier requests on its channel.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -13,21 +20,30 @@ use tokio::net::TcpStream;
 use tokio::sync::{oneshot, watch};
 
 use super::Registry;
-use super::frames::{self, HANDSHAKE_FRAME_MAX, Split};
-use super::rewrite::{self, ClientSide, DelayedDeclare, Step};
+use super::frames::{self, HANDSHAKE_FRAME_MAX, Raw, Split};
+use super::replies::{Ask, Replies};
+use super::rewrite::{self, ClientSide, Offer, Request, Seen, Step};
+use crate::logline::escape_controls;
 
-/// The largest frame accepted when the client's `tune-ok` leaves `frame_max` unlimited (0).
-const UNLIMITED_FRAME_MAX: u32 = 1 << 20;
 /// How long a client waits for its delayed exchange's declare and registration, at most.
 const DECLARE_TIMEOUT: Duration = Duration::from_secs(30);
 /// AMQP's `internal-error` reply code.
 const INTERNAL_ERROR: u16 = 541;
+/// AMQP's `not-allowed` reply code.
+const NOT_ALLOWED: u16 = 530;
 /// AMQP's `connection-forced` reply code: what a broker that shuts down sends its clients.
 const CONNECTION_FORCED: u16 = 320;
 /// `connection.close-ok`.
 const CLOSE_OK: frames::MethodId = (10, 51);
+/// The most a pump asks to read at once.
+const READ_CHUNK: usize = 64 * 1024;
+/// A buffer larger than this (grown for a long frame) is given back once it is empty.
+const KEPT_BUFFER: usize = 2 * READ_CHUNK;
 
-/// The time limits of a connection.
+/// The largest `frame_max` offered to clients by default (RabbitMQ's own default).
+pub const DEFAULT_MAX_FRAME: u32 = 131_072;
+
+/// The limits of a connection.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     /// From accepting the client until the broker's `connection.open-ok`.
@@ -36,45 +52,91 @@ pub struct Limits {
     pub idle: Duration,
     /// On shutdown, how long clients get to answer the proxy's `connection.close`.
     pub drain: Duration,
+    /// The largest `frame_max` a client is offered (the broker's when it is lower).
+    pub max_frame: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            handshake: Duration::from_secs(10),
+            idle: Duration::from_secs(600),
+            drain: Duration::from_secs(10),
+            max_frame: DEFAULT_MAX_FRAME,
+        }
+    }
 }
 
 /// What both pumps of a connection share.
-#[derive(Default)]
 struct Shared {
-    /// The client's `frame_max` (0 until its `tune-ok`).
+    /// The `frame_max` both sides keep to, from the client's `tune-ok` (0 until then).
     frame_max: AtomicU32,
+    /// [`Limits::max_frame`].
+    cap: u32,
+    /// What the proxy offered the client in the broker's `connection.tune`.
+    offered: Mutex<Option<Offer>>,
     opened: AtomicBool,
+    /// The client opened the proxy's own virtual host: returns from ingresses are rewritten.
+    acts: AtomicBool,
     /// The proxy asked the client to close (it shuts down): the client's close-ok ends the
     /// connection.
     closing: AtomicBool,
     /// When a byte last arrived from either side, ms since the connection started.
     last_io_ms: AtomicU64,
-    /// The delayed declare (or delete) sent to the broker, waiting for its answer.
-    declare: Mutex<Option<Pending>>,
+    /// The client's requests on each channel, and the delayed declare (or delete) sent to the
+    /// broker, waiting for its answer.
+    replies: Mutex<Replies<Pending>>,
 }
 
+/// A delayed declare or delete waiting for the broker's answer, and who asked.
 struct Pending {
-    channel: u16,
     exchange: String,
     nowait: bool,
     /// A delete (the pair ends at its delete-ok), else a declare (registered at declare-ok).
     delete: bool,
+    /// The client's login user (`None`: its SASL mechanism does not name one).
+    user: Option<String>,
+    /// Its SASL mechanism (control characters escaped).
+    mechanism: String,
+    /// Its virtual host (the proxy's own: elsewhere nothing is rewritten).
+    vhost: String,
     done: oneshot::Sender<()>,
 }
 
 impl Shared {
-    /// The longest frame either side may send now, with its 8 bytes of framing.
+    fn new(cap: u32) -> Shared {
+        Shared {
+            frame_max: AtomicU32::new(0),
+            cap,
+            offered: Mutex::new(None),
+            opened: AtomicBool::new(false),
+            acts: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            last_io_ms: AtomicU64::new(0),
+            replies: Mutex::new(Replies::default()),
+        }
+    }
+
+    /// The longest frame either side may send now, with its 8 bytes of framing: the
+    /// handshake's size until the connection is open, then the agreed `frame_max`.
     fn max_frame_bytes(&self) -> usize {
-        let n = match self.frame_max.load(Ordering::Acquire) {
-            0 if !self.opened.load(Ordering::Acquire) => HANDSHAKE_FRAME_MAX,
-            0 => UNLIMITED_FRAME_MAX,
-            n => n.max(HANDSHAKE_FRAME_MAX),
+        let n = if !self.opened.load(Ordering::Acquire) {
+            HANDSHAKE_FRAME_MAX
+        } else {
+            match self.frame_max.load(Ordering::Acquire) {
+                0 => self.cap,
+                n => n,
+            }
         };
         n as usize + 8
     }
 
-    fn pending(&self) -> std::sync::MutexGuard<'_, Option<Pending>> {
-        self.declare.lock().unwrap_or_else(|e| e.into_inner())
+    fn replies(&self) -> MutexGuard<'_, Replies<Pending>> {
+        self.replies.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn offered(&self) -> MutexGuard<'_, Option<Offer>> {
+        self.offered.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -104,13 +166,20 @@ impl<R: AsyncRead + Unpin> Frames<R> {
             self.buf.drain(..self.start);
             self.start = 0;
         }
+        if self.buf.is_empty() && self.buf.capacity() > KEPT_BUFFER {
+            // a long frame is gone: so is its memory
+            self.buf = Vec::with_capacity(16 * 1024);
+        }
         let max = shared.max_frame_bytes();
         if self.buf.len() >= max {
             return Err(format!(
                 "a frame is longer than the negotiated frame_max ({max} bytes with framing)"
             ));
         }
-        self.buf.reserve((max - self.buf.len()).min(64 * 1024));
+        let want = (max - self.buf.len()).min(READ_CHUNK);
+        if self.buf.capacity() - self.buf.len() < want {
+            self.buf.reserve_exact(want);
+        }
         let n = self
             .r
             .read_buf(&mut self.buf)
@@ -192,7 +261,7 @@ where
 {
     let (cr, cw) = tokio::io::split(client);
     let (br, bw) = tokio::io::split(broker);
-    let shared = Arc::new(Shared::default());
+    let shared = Arc::new(Shared::new(limits.max_frame));
     let epoch = tokio::time::Instant::now();
     tokio::select! {
         r = client_to_broker(Frames::new(cr), bw, &shared, &registry, epoch) => r,
@@ -201,6 +270,7 @@ where
     }
 }
 
+/// Writes `out` and empties it (giving back what a long frame made it take).
 async fn write<W: AsyncWrite + Unpin>(w: &mut W, out: &mut Vec<u8>) -> Result<(), String> {
     if !out.is_empty() {
         w.write_all(out)
@@ -208,7 +278,20 @@ async fn write<W: AsyncWrite + Unpin>(w: &mut W, out: &mut Vec<u8>) -> Result<()
             .map_err(|e| format!("writing: {e}"))?;
         out.clear();
     }
+    if out.capacity() > KEPT_BUFFER {
+        *out = Vec::new();
+    }
     Ok(())
+}
+
+/// What the client's pump must do before it handles the next frame.
+enum Wait {
+    /// Send the proxy's own request and wait until the broker answered it.
+    Answer(Vec<u8>, oneshot::Receiver<()>),
+    /// Know the pair of this exchange (a passive declare of it went out).
+    Lookup(String),
+    /// The client closed as the proxy asked.
+    Bye,
 }
 
 /// The client's frames to the broker.
@@ -219,74 +302,27 @@ async fn client_to_broker<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     registry: &Registry,
     epoch: tokio::time::Instant,
 ) -> Result<(), String> {
-    let mut side = ClientSide::default();
+    let mut side = ClientSide::new(registry.vhost());
     let mut out = Vec::new();
     loop {
-        loop {
-            let step = match frames::split(&rd.buf[rd.start..]) {
-                Split::Frame(raw) => {
-                    if shared.closing.load(Ordering::Acquire)
-                        && raw.kind == amq_protocol::frame::AMQPFrameType::Method
-                        && frames::method_id(raw.payload) == Some(CLOSE_OK)
-                    {
-                        // the client closed as the proxy asked: close its broker connection
-                        // (its channels, their unacked deliveries go back to their queues)
-                        write(&mut w, &mut out).await?;
-                        let text = "delay-proxy shut down; its client closed";
-                        let mut bye = rewrite::close_connection(200, text)?;
-                        write(&mut w, &mut bye).await?;
-                        let _ = w.flush().await;
-                        return Ok(());
-                    }
-                    let mut step = side.frame(&raw, registry.pairs(), registry.max_delay_ms())?;
-                    if let Some(n) = side.frame_max.take() {
-                        shared.frame_max.store(n, Ordering::Release);
-                    }
-                    if let Step::Declare(d) = &step
-                        && let Err(e) = registry.pair_for(&d.exchange)
-                    {
-                        // sent as the client wrote it: a stock broker refuses the type
-                        tracing::warn!(exchange = %d.exchange, "a delayed exchange cannot be proxied: {e}");
-                        step = Step::Pass;
-                    }
-                    // a passive declare too: it leaves at the next write, after the lookup
-                    if matches!(step, Step::Pass | Step::Lookup(_)) {
-                        out.extend_from_slice(raw.bytes);
-                    }
-                    rd.start += raw.len;
-                    step
-                }
-                Split::ProtocolHeader(n) => {
-                    out.extend_from_slice(&rd.buf[rd.start..rd.start + n]);
-                    rd.start += n;
-                    continue;
-                }
-                Split::Incomplete => break,
-                Split::Invalid(e) => return Err(format!("from the client: {e}")),
-            };
-            match step {
-                Step::Bytes(b) => out.extend_from_slice(&b),
-                Step::Declare(d) => {
+        while let Some(wait) = client_frames(&mut rd, &mut side, &mut out, shared, registry)? {
+            match wait {
+                Wait::Answer(mut bytes, answered) => {
                     write(&mut w, &mut out).await?;
-                    declare(&mut w, d, false, shared).await?;
+                    write(&mut w, &mut bytes).await?;
+                    wait_for(answered).await?;
                 }
-                Step::Delete(d) => {
+                Wait::Lookup(x) => lookup(registry, &x).await,
+                Wait::Bye => {
+                    // the client closed as the proxy asked: close its broker connection
+                    // (its channels, their unacked deliveries go back to their queues)
                     write(&mut w, &mut out).await?;
-                    declare(&mut w, d, true, shared).await?;
+                    let text = "delay-proxy shut down; its client closed";
+                    let mut bye = rewrite::close_connection(200, text)?;
+                    write(&mut w, &mut bye).await?;
+                    let _ = w.flush().await;
+                    return Ok(());
                 }
-                Step::Lookup(x) => {
-                    // a passive declare: pairs another proxy registered are known before it
-                    // returns (the frame is already in `out`, sent at the next write)
-                    if registry.pairs().ingress_of(&x).is_none()
-                        && let Err(e) = registry.refresh(false).await
-                    {
-                        tracing::warn!(
-                            "reading the control stream: {}",
-                            amqp_delay::error::chain(&e)
-                        );
-                    }
-                }
-                _ => {}
             }
         }
         write(&mut w, &mut out).await?;
@@ -296,24 +332,160 @@ async fn client_to_broker<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     }
 }
 
-/// Sends the rewritten declare (or delete) and waits until the other pump saw the broker's
-/// answer (and registered the pair when it was declare-ok, ended it at delete-ok).
-async fn declare<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    d: DelayedDeclare,
-    delete: bool,
+/// Handles the client's whole frames in `rd`'s buffer, adding what to send to `out`, until
+/// one needs something done first (returned) or no whole frame is left (`None`).
+fn client_frames<R>(
+    rd: &mut Frames<R>,
+    side: &mut ClientSide,
+    out: &mut Vec<u8>,
     shared: &Shared,
-) -> Result<(), String> {
-    let mut bytes = d.bytes;
-    let (done, answered) = oneshot::channel();
-    *shared.pending() = Some(Pending {
-        channel: d.channel,
-        exchange: d.exchange,
-        nowait: d.nowait,
-        delete,
-        done,
-    });
-    write(w, &mut bytes).await?;
+    registry: &Registry,
+) -> Result<Option<Wait>, String> {
+    loop {
+        let raw = match frames::split(&rd.buf[rd.start..]) {
+            Split::Frame(raw) => raw,
+            Split::ProtocolHeader(n) => {
+                out.extend_from_slice(&rd.buf[rd.start..rd.start + n]);
+                rd.start += n;
+                continue;
+            }
+            Split::Incomplete => return Ok(None),
+            Split::Invalid(e) => return Err(format!("from the client: {e}")),
+        };
+        let len = raw.len;
+        let wait = client_frame(&raw, side, out, shared, registry)?;
+        rd.start += len;
+        if wait.is_some() {
+            return Ok(wait);
+        }
+    }
+}
+
+/// One frame of the client: checked against the connection's state, rewritten or passed.
+fn client_frame(
+    raw: &Raw<'_>,
+    side: &mut ClientSide,
+    out: &mut Vec<u8>,
+    shared: &Shared,
+    registry: &Registry,
+) -> Result<Option<Wait>, String> {
+    check_channel(raw, side, shared)?;
+    if shared.closing.load(Ordering::Acquire)
+        && raw.kind == amq_protocol::frame::AMQPFrameType::Method
+        && frames::method_id(raw.payload) == Some(CLOSE_OK)
+    {
+        return Ok(Some(Wait::Bye));
+    }
+    let seen = Seen {
+        pairs: registry.pairs(),
+        max_delay_ms: registry.max_delay_ms(),
+        open: shared.replies().is_open(raw.channel),
+        offered: *shared.offered(),
+    };
+    let step = side.frame(raw, &seen)?;
+    if let Some(n) = side.frame_max {
+        shared.frame_max.store(n, Ordering::Release);
+    }
+    shared.acts.store(side.acts(), Ordering::Release);
+    let (d, delete) = match step {
+        Step::Held => return Ok(None),
+        Step::Declare(d) => (d, false),
+        Step::Delete(d) => (d, true),
+        Step::Bytes(b) => {
+            out.extend_from_slice(&b);
+            note(raw, shared)?;
+            return Ok(None);
+        }
+        Step::Lookup(x) => {
+            // a passive declare: pairs another proxy registered are known before it returns
+            // (the frame is in `out`, sent at the next write)
+            out.extend_from_slice(raw.bytes);
+            note(raw, shared)?;
+            return Ok(Some(Wait::Lookup(x)));
+        }
+        _ => {
+            out.extend_from_slice(raw.bytes);
+            note(raw, shared)?;
+            return Ok(None);
+        }
+    };
+    if let Err(e) = registry.pair_for(&d.exchange) {
+        // sent as the client wrote it: a stock broker refuses the type
+        tracing::warn!(exchange = %escape_controls(&d.exchange), "a delayed exchange cannot be proxied: {e}");
+    } else {
+        let (done, answered) = oneshot::channel();
+        let pending = Pending {
+            exchange: d.exchange,
+            nowait: d.nowait,
+            delete,
+            user: side.user.clone(),
+            mechanism: side.mechanism.clone(),
+            vhost: side.vhost.clone().unwrap_or_default(),
+            done,
+        };
+        let ask = if delete { Ask::Delete } else { Ask::Declare };
+        if shared.replies().expect(d.channel, ask, pending).is_ok() {
+            return Ok(Some(Wait::Answer(d.bytes, answered)));
+        }
+        // a channel that answers nothing any more: as it came, the broker ignores it
+    }
+    out.extend_from_slice(raw.bytes);
+    note(raw, shared)?;
+    Ok(None)
+}
+
+/// Ends the connection for a frame on a channel other than 0 before the connection is open
+/// (nothing is held or buffered for a client that has not logged in), or above the
+/// `channel_max` agreed.
+fn check_channel(raw: &Raw<'_>, side: &ClientSide, shared: &Shared) -> Result<(), String> {
+    if raw.channel == 0 {
+        return Ok(());
+    }
+    if !shared.opened.load(Ordering::Acquire) {
+        return Err(format!(
+            "a frame on channel {} before the connection was open",
+            raw.channel
+        ));
+    }
+    match side.channel_max {
+        Some(max) if raw.channel > max => Err(format!(
+            "a frame on channel {}, above the channel_max {max} agreed",
+            raw.channel
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Counts what the client's frame `raw`, sent as it came, does to its channel's requests.
+fn note(raw: &Raw<'_>, shared: &Shared) -> Result<(), String> {
+    let Some(request) = rewrite::request(raw)? else {
+        return Ok(());
+    };
+    let mut replies = shared.replies();
+    match request {
+        Request::Open => replies.client_opened(raw.channel),
+        Request::Close => replies.client_closed(raw.channel),
+        Request::Asks(ask) => replies.sent(raw.channel, ask),
+    }
+    Ok(())
+}
+
+/// Knows the pair of delayed exchange `x` before a passive declare of it returns: one another
+/// proxy registered is read from the control stream.
+async fn lookup(registry: &Registry, x: &str) {
+    if registry.pairs().ingress_of(x).is_none()
+        && let Err(e) = registry.refresh(false).await
+    {
+        tracing::warn!(
+            "reading the control stream: {}",
+            amqp_delay::error::chain(&e)
+        );
+    }
+}
+
+/// Waits until the other pump saw the broker's answer to the proxy's own request (and
+/// registered the pair when it was declare-ok, ended it at delete-ok).
+async fn wait_for(answered: oneshot::Receiver<()>) -> Result<(), String> {
     match tokio::time::timeout(DECLARE_TIMEOUT, answered).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(_)) => Err("the connection ended while a delayed exchange was declared".into()),
@@ -339,7 +511,8 @@ async fn broker_to_client<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
         loop {
             let (step, frame) = match frames::split(&rd.buf[rd.start..]) {
                 Split::Frame(raw) => {
-                    let step = rewrite::server_frame(&raw, registry.pairs())?;
+                    let acts = shared.acts.load(Ordering::Acquire);
+                    let step = rewrite::server_frame(&raw, registry.pairs(), acts, shared.cap)?;
                     rd.start += raw.len;
                     (step, rd.start - raw.len..rd.start)
                 }
@@ -351,27 +524,7 @@ async fn broker_to_client<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 Split::Invalid(e) => return Err(format!("from the broker: {e}")),
             };
             let bytes = &rd.buf[frame];
-            match step {
-                Step::Bytes(b) => out.extend_from_slice(&b),
-                Step::DeclareOk(ch) => {
-                    answered(ch, false, bytes, &mut out, &mut w, shared, registry).await?;
-                }
-                Step::DeleteOk(ch) => {
-                    answered(ch, true, bytes, &mut out, &mut w, shared, registry).await?;
-                }
-                Step::Closed(ch) => {
-                    // refused (or the connection closed): the client reads on, no pair
-                    if let Some(p) = take_pending(shared, (ch != 0).then_some(ch), None) {
-                        let _ = p.done.send(());
-                    }
-                    out.extend_from_slice(bytes);
-                }
-                Step::Opened => {
-                    shared.opened.store(true, Ordering::Release);
-                    out.extend_from_slice(bytes);
-                }
-                _ => out.extend_from_slice(bytes),
-            }
+            server_step(step, bytes, &mut out, &mut w, shared, registry).await?;
         }
         write(&mut w, &mut out).await?;
         if !read_or_close(&mut rd, &mut w, shared, epoch, &mut closing, &mut told).await? {
@@ -380,38 +533,76 @@ async fn broker_to_client<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     }
 }
 
-/// The broker's declare-ok (`delete` false) or delete-ok on `channel`, whose frame is
-/// `bytes`: when it answers the pending delayed declare (or delete), registers the pair (or
-/// ends it) before the client gets the answer (none for `nowait`); else it passes.
-async fn answered<W: AsyncWrite + Unpin>(
-    channel: u16,
-    delete: bool,
+/// Does what the broker's frame `bytes` asks of the connection (`step`), adding what the
+/// client gets to `out`.
+async fn server_step<W: AsyncWrite + Unpin>(
+    step: Step,
     bytes: &[u8],
     out: &mut Vec<u8>,
     w: &mut W,
     shared: &Shared,
     registry: &Arc<Registry>,
 ) -> Result<(), String> {
-    let Some(p) = take_pending(shared, Some(channel), Some(delete)) else {
+    match step {
+        Step::Bytes(b) => out.extend_from_slice(&b),
+        Step::Tuned(offer, b) => {
+            *shared.offered() = Some(offer);
+            out.extend_from_slice(&b);
+        }
+        Step::DeclareOk(ch) => answered(ch, Ask::Declare, bytes, out, w, shared, registry).await?,
+        Step::DeleteOk(ch) => answered(ch, Ask::Delete, bytes, out, w, shared, registry).await?,
+        Step::Closed(ch) => {
+            // refused (or the connection closed): the client reads on, no pair
+            let gone = if ch == 0 {
+                shared.replies().broker_ended()
+            } else {
+                shared.replies().broker_closed(ch)
+            };
+            if let Some(p) = gone {
+                let _ = p.done.send(());
+            }
+            out.extend_from_slice(bytes);
+        }
+        Step::ChannelOpened(ch) => {
+            shared.replies().broker_opened(ch);
+            out.extend_from_slice(bytes);
+        }
+        Step::Opened => {
+            shared.opened.store(true, Ordering::Release);
+            out.extend_from_slice(bytes);
+        }
+        _ => out.extend_from_slice(bytes),
+    }
+    Ok(())
+}
+
+/// The broker's declare-ok (`ask` Declare) or delete-ok on `channel`, whose frame is `bytes`:
+/// when it answers the pending delayed declare (or delete), registers the pair (or ends it)
+/// before the client gets the answer (none for `nowait`); else it passes.
+async fn answered<W: AsyncWrite + Unpin>(
+    channel: u16,
+    ask: Ask,
+    bytes: &[u8],
+    out: &mut Vec<u8>,
+    w: &mut W,
+    shared: &Shared,
+    registry: &Arc<Registry>,
+) -> Result<(), String> {
+    let Some(p) = shared.replies().answered(channel, ask) else {
         out.extend_from_slice(bytes);
         return Ok(());
     };
     write(w, out).await?;
-    if delete {
+    if p.delete {
         // the exchange is gone (the client was allowed to delete it): what is left of its
         // pair only costs queues, so a failure here is logged, and the client gets its
         // delete-ok all the same
-        if let Err(e) = registry.end(&p.exchange).await {
-            tracing::error!(exchange = %p.exchange, "ending a deleted delayed exchange's pair: {}", amqp_delay::error::chain(&e));
+        if let Err(e) = registry.end(&p.exchange, p.user.as_deref(), &p.vhost).await {
+            tracing::error!(exchange = %escape_controls(&p.exchange), "ending a deleted delayed exchange's pair: {}", amqp_delay::error::chain(&e));
         }
-    } else if let Err(e) = registry.ensure(&p.exchange).await {
-        let text = format!(
-            "delay-proxy could not register delayed exchange '{}': {}",
-            p.exchange,
-            amqp_delay::error::chain(&e)
-        );
+    } else if let Err((code, text)) = register(&p, registry).await {
         tracing::error!("{text}");
-        out.extend_from_slice(&rewrite::close_connection(INTERNAL_ERROR, &text)?);
+        out.extend_from_slice(&rewrite::close_connection(code, &text)?);
         write(w, out).await?;
         return Err(text);
     }
@@ -420,6 +611,28 @@ async fn answered<W: AsyncWrite + Unpin>(
     }
     let _ = p.done.send(());
     Ok(())
+}
+
+/// Registers the pair of the delayed exchange the broker let `p`'s client declare, naming the
+/// client's user as a writer; or the reply code and text the client's connection is closed
+/// with.
+async fn register(p: &Pending, registry: &Arc<Registry>) -> Result<(), (u16, String)> {
+    let x = escape_controls(&p.exchange);
+    let Some(user) = &p.user else {
+        let text = format!(
+            "delay-proxy cannot register delayed exchange '{x}': SASL mechanism {} does not name the user, whom the pair must name as its writer; log in with PLAIN or AMQPLAIN",
+            p.mechanism
+        );
+        return Err((NOT_ALLOWED, text));
+    };
+    registry
+        .ensure(&p.exchange, user, &p.vhost)
+        .await
+        .map_err(|e| {
+            let why = amqp_delay::error::chain(&e);
+            let text = format!("delay-proxy could not register delayed exchange '{x}': {why}");
+            (INTERNAL_ERROR, text)
+        })
 }
 
 /// Reads more from the broker (false at its end); the first time `closing` turns true while
@@ -448,19 +661,6 @@ async fn read_or_close<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 write(w, &mut bye).await?;
             }
         }
-    }
-}
-
-/// The pending declare or delete, when it was sent on `channel` (any channel for `None`) and
-/// is a delete as `delete` says (either for `None`).
-fn take_pending(shared: &Shared, channel: Option<u16>, delete: Option<bool>) -> Option<Pending> {
-    let mut p = shared.pending();
-    if p.as_ref().is_some_and(|p| {
-        channel.is_none_or(|c| c == p.channel) && delete.is_none_or(|d| d == p.delete)
-    }) {
-        p.take()
-    } else {
-        None
     }
 }
 

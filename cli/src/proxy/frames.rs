@@ -114,6 +114,14 @@ pub fn encode_method(channel: u16, method: AMQPClass) -> Result<Vec<u8>, String>
         .map_err(|e| format!("encoding a rewritten frame: {e}"))
 }
 
+/// The bytes of a content header frame the proxy rewrote.
+pub fn encode_header(channel: u16, header: AMQPContentHeader) -> Result<Vec<u8>, String> {
+    let frame = AMQPFrame::Header(channel, header);
+    gen_frame(&frame)(WriteContext::from(Vec::new()))
+        .map(|ctx| ctx.write)
+        .map_err(|e| format!("encoding a rewritten content header: {e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,16 +1,27 @@
 //! `delay-proxy`: an AMQP 0-9-1 proxy in front of a stock broker, so that applications written
 //! for the delayed-message-exchange plugin switch by changing only their URL. Each client
 //! connection gets an upstream connection of its own, under the client's own credentials
-//! (SASL passes through, never logged); frames pass as sent except:
+//! (SASL passes through, never logged: the proxy keeps only the user of a PLAIN or AMQPLAIN
+//! login); frames pass as sent except, for a client in the virtual host of the proxy's own URL:
 //! * `exchange.declare` of type `x-delayed-message` goes to the broker as a declare of its
 //!   `x-delayed-type` (so the broker checks it under the client's permissions); only when the
-//!   broker answers declare-ok does the proxy register the exchange's gateway pair (ingress
-//!   `<prefix>.gw.x.<exchange>` → the exchange) on its own connection, then the client gets
-//!   its declare-ok;
+//!   broker answers that declare (not an earlier request's answer: [`replies`]) does the proxy
+//!   register the exchange's gateway pair (ingress `<prefix>.gw.x.<exchange>` → the exchange)
+//!   on its own connection, its record naming the client's user as a writer and the virtual
+//!   host, then the client gets its declare-ok; `exchange.delete` of such an exchange ends the
+//!   pair the same way, at the answer to that delete;
 //! * `basic.publish` to a delayed exchange with a positive `x-delay` goes to the pair's ingress
 //!   (a `delay-publisher gateway --follow-pairs` delays it and publishes it to the exchange with
-//!   its routing key); no, zero or negative `x-delay` goes straight to the exchange;
+//!   its routing key), carrying the client's user as `user_id` when it set none; no, zero or
+//!   negative `x-delay` goes straight to the exchange;
 //! * `basic.return` naming an ingress names the application's exchange again.
+//!
+//! In any other virtual host the frames pass as they came (the broker refuses
+//! `x-delayed-message` there). Towards every client, the broker's `connection.tune` offers at
+//! most `--max-frame` bytes a frame and 2047 channels, and the client's `tune-ok` is held to
+//! that; before the broker's `connection.open-ok` a frame is at most the handshake's size and
+//! only channel 0 is allowed; a publish is held for its content header only on a channel the
+//! client opened.
 //!
 //! Publishes are neither added nor dropped, so confirms stay one for one. The pairs are in the
 //! control stream, which every proxy follows: nothing lives only in one proxy's memory.
@@ -32,7 +43,7 @@ use amqp_delay::Settings;
 use amqp_delay::error::{Error, Result};
 use tokio::net::TcpListener;
 
-pub use conn::Limits;
+pub use conn::{DEFAULT_MAX_FRAME, Limits};
 pub use registry::Registry;
 
 /// A settings error (`why` says what to change).

@@ -1,8 +1,9 @@
-//! The proxy's own side of the broker: its connection (the settings' URL and user, never a
-//! client's), the gateway pairs it registers for the delayed exchanges clients declare — with
-//! the gateway's own declare, as `delay-publisher gateway --declare-only` does: ingress
-//! exchange, queues, binding, the control stream's `GatewayPair` record — and the pairs it
-//! knows, read from the control stream, so that nothing lives only in one proxy's memory.
+//! The proxy's own side of the broker: its connection (the settings' URL, user and virtual
+//! host, never a client's), the gateway pairs it registers for the delayed exchanges clients
+//! declare — with the gateway's own declare, as `delay-publisher gateway --declare-only` does:
+//! ingress exchange, queues, binding, the control stream's `GatewayPair` record naming the
+//! client's user as a writer and its virtual host — and the pairs it knows with their writers,
+//! read from the control stream, so that nothing lives only in one proxy's memory.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,6 +18,7 @@ use lapin::Connection;
 use tokio::sync::Mutex;
 
 use super::rewrite::Pairs;
+use crate::logline::escape_controls;
 
 /// A refresh from the control stream asked for by a client's passive declare runs at most this
 /// often (each read appends a barrier).
@@ -26,6 +28,8 @@ const REFRESH_EVERY: Duration = Duration::from_secs(2);
 pub struct Registry {
     settings: Settings,
     layout: Layout,
+    /// The virtual host of the settings' URL: the only one the proxy acts in.
+    vhost: String,
     pairs: Pairs,
     conn: Mutex<Option<Connection>>,
     refreshed: Mutex<Option<Instant>>,
@@ -37,13 +41,20 @@ impl Registry {
         let layout = settings
             .layout()
             .map_err(amqp_delay::settings::SettingsError::from)?;
+        let vhost = vhost_of(&settings.url)?;
         Ok(Registry {
             settings,
             layout,
+            vhost,
             pairs: Pairs::default(),
             conn: Mutex::new(None),
             refreshed: Mutex::new(None),
         })
+    }
+
+    /// The virtual host the proxy acts in: its URL's.
+    pub fn vhost(&self) -> &str {
+        &self.vhost
     }
 
     /// The delayed exchanges known.
@@ -84,24 +95,32 @@ impl Registry {
         Ok(guard)
     }
 
-    /// Makes sure delayed exchange `exchange` has its pair (declared the first time; later only
-    /// its ingress checked, and declared again when it is gone): called only after the broker
-    /// accepted the client's own declare of `exchange`.
-    pub async fn ensure(self: &Arc<Self>, exchange: &str) -> Result<()> {
+    /// Makes sure delayed exchange `exchange` has its pair and `user` is one of its writers:
+    /// called only after the broker accepted `user`'s own declare of `exchange` in virtual host
+    /// `vhost` (the proxy's). The first time, the pair is declared; for a writer not known yet,
+    /// the declare runs again (it declares only what is missing) and records the writer; else
+    /// only its ingress is checked, and declared again when it is gone.
+    pub async fn ensure(self: &Arc<Self>, exchange: &str, user: &str, vhost: &str) -> Result<()> {
         // The gateway's declare is not `Send` for every lifetime (a closure over the tiers), so
         // it cannot run in a connection's task: it runs on a blocking thread of the runtime.
-        let (me, exchange) = (self.clone(), exchange.to_string());
+        let me = self.clone();
+        let asked = [exchange, user, vhost].map(String::from);
         let runtime = tokio::runtime::Handle::current();
-        tokio::task::spawn_blocking(move || runtime.block_on(me.register(&exchange)))
-            .await
-            .map_err(|e| super::config(format!("registering a delayed exchange: {e}")))?
+        tokio::task::spawn_blocking(move || {
+            let [exchange, user, vhost] = &asked;
+            runtime.block_on(me.register(exchange, user, vhost))
+        })
+        .await
+        .map_err(|e| super::config(format!("registering a delayed exchange: {e}")))?
     }
 
-    async fn register(&self, exchange: &str) -> Result<()> {
+    async fn register(&self, exchange: &str, user: &str, vhost: &str) -> Result<()> {
         let pair = self.pair_for(exchange).map_err(Error::Invalid)?;
-        // known, and its ingress still there (a teardown may have removed it since): one
-        // passive check rather than the whole declare and a record for every client's declare
-        if self.pairs.ingress_of(exchange).is_some() {
+        // known with this writer, and its ingress still there (a teardown may have removed it
+        // since): one passive check rather than the whole declare and a record for every
+        // client's declare
+        let known = self.pairs.ingress_of(exchange).is_some();
+        if known && self.pairs.has_writer(exchange, user) {
             let guard = self.connected().await?;
             if let Some(conn) = guard.as_ref()
                 && amqp_delay::broker::exchange_exists(conn, &pair.ingress).await?
@@ -109,32 +128,44 @@ impl Registry {
                 return Ok(());
             }
         }
+        let writers = vec![user.to_string()];
         let mut settings = self.settings.clone();
         settings.gateway.pairs = vec![PairConfig {
             ingress: pair.ingress.clone(),
             target: pair.target.clone(),
-            writers: Vec::new(),
+            writers: writers.clone(),
         }];
-        let gateway = Gateway::new(settings)?;
+        let gateway = Gateway::new(settings)?.asked_in(Some(vhost.to_string()));
         let guard = self.connected().await?;
         let conn = guard
             .as_ref()
             .ok_or_else(|| super::config("no broker connection"))?;
         gateway.declare(conn).await?;
         drop(guard);
-        self.pairs.insert(&pair.target, &pair.ingress);
-        amqp_delay::metrics::global().proxy_pairs_registered.inc();
-        tracing::info!(exchange = %pair.target, ingress = %pair.ingress, "delayed exchange registered");
+        self.pairs.insert(&pair.target, &pair.ingress, &writers);
+        let (x, user) = (escape_controls(&pair.target), escape_controls(user));
+        if known {
+            tracing::info!(exchange = %x, ingress = %pair.ingress, writer = %user, "delayed exchange declared by a writer not known yet: recorded");
+        } else {
+            amqp_delay::metrics::global().proxy_pairs_registered.inc();
+            tracing::info!(exchange = %x, ingress = %pair.ingress, writer = %user, "delayed exchange registered");
+        }
         Ok(())
     }
 
     /// Ends delayed exchange `exchange`'s pair: called only after the broker deleted `exchange`
-    /// for a client (under the client's own permissions). Deletes the ingress exchange and the
+    /// for a client (under the client's own permissions) of user `by` (`None`: its SASL
+    /// mechanism does not name one) in virtual host `vhost` (the proxy's). Deletes the ingress exchange and the
     /// ingress and due queues (the messages still waiting in them are dropped, as the plugin
     /// drops those of a deleted delayed exchange), and the parking queues when they are empty
     /// (a teardown removes the others); then records the end, so that gateways stop serving the
     /// pair and other proxies forget it.
-    pub async fn end(self: &Arc<Self>, exchange: &str) -> Result<()> {
+    pub async fn end(
+        self: &Arc<Self>,
+        exchange: &str,
+        by: Option<&str>,
+        vhost: &str,
+    ) -> Result<()> {
         let pair = self.pair_for(exchange).map_err(Error::Invalid)?;
         let guard = self.connected().await?;
         let conn = guard
@@ -144,14 +175,18 @@ impl Registry {
         let record = control::Record::GatewayPairEnded {
             ingress: pair.ingress.clone(),
             target: pair.target.clone(),
-            by: None,
-            vhost: None,
+            by: by.map(String::from),
+            vhost: Some(vhost.to_string()),
         };
         control::append(conn, &self.layout, &record).await?;
         drop(guard);
         self.pairs.remove(exchange);
         amqp_delay::metrics::global().proxy_pairs_ended.inc();
-        tracing::info!(exchange = %pair.target, ingress = %pair.ingress, "delayed exchange deleted: its pair ended");
+        let (x, by) = (
+            escape_controls(&pair.target),
+            escape_controls(by.unwrap_or("?")),
+        );
+        tracing::info!(exchange = %x, ingress = %pair.ingress, %by, "delayed exchange deleted: its pair ended");
         Ok(())
     }
 
@@ -176,21 +211,25 @@ impl Registry {
         Ok(())
     }
 
-    /// Remembers a record's pair when it is a proxy's (its ingress named after its target), and
-    /// forgets one whose end is recorded: the one place a filter on the record's writer goes.
+    /// Remembers a record's pair when it is a proxy's (its ingress named after its target), with
+    /// its writers, and forgets one whose end is recorded: the one place a filter on the
+    /// record's writer goes.
     fn learn(&self, r: &control::Record) {
         match r {
             control::Record::GatewayPair {
-                ingress, target, ..
+                ingress,
+                target,
+                writers,
+                ..
             } if *ingress == self.layout.proxy_ingress(target)
-                && self.pairs.insert(target, ingress) =>
+                && self.pairs.insert(target, ingress, writers) =>
             {
-                tracing::debug!(exchange = %target, %ingress, "delayed exchange known from the control stream");
+                tracing::debug!(exchange = %escape_controls(target), ingress = %escape_controls(ingress), "delayed exchange known from the control stream");
             }
             control::Record::GatewayPairEnded {
                 ingress, target, ..
             } if *ingress == self.layout.proxy_ingress(target) && self.pairs.remove(target) => {
-                tracing::debug!(exchange = %target, %ingress, "delayed exchange ended in the control stream");
+                tracing::debug!(exchange = %escape_controls(target), ingress = %escape_controls(ingress), "delayed exchange ended in the control stream");
             }
             _ => {}
         }
@@ -239,5 +278,44 @@ impl Registry {
             }
             tokio::time::sleep(backoff.next_pause()).await;
         }
+    }
+}
+
+/// The virtual host of the first of `urls` (the one the proxy's own connection opens, as lapin
+/// reads it); every URL of the list must name the same.
+fn vhost_of(urls: &str) -> Result<String> {
+    let mut found: Option<String> = None;
+    for url in amqp_delay::endpoints::split_urls(urls) {
+        let redacted = amqp_delay::endpoints::redact_url(&url);
+        let uri: lapin::uri::AMQPUri = url
+            .parse()
+            .map_err(|e| super::config(format!("broker URL '{redacted}' is invalid: {e}")))?;
+        match &found {
+            Some(v) if *v != uri.vhost => {
+                return Err(super::config(format!(
+                    "broker URL '{redacted}' names virtual host '{}', the first names '{v}': delay-proxy acts in one virtual host, give every URL the same",
+                    uri.vhost
+                )));
+            }
+            Some(_) => {}
+            None => found = Some(uri.vhost),
+        }
+    }
+    found.ok_or_else(|| super::config("the broker URL is empty"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_proxys_virtual_host_is_its_urls_as_lapin_reads_it() {
+        assert_eq!(vhost_of("amqp://u:p@h:5672/%2f").unwrap(), "/");
+        assert_eq!(vhost_of("amqp://h").unwrap(), "/");
+        assert_eq!(vhost_of("amqp://h/apps,amqps://g/apps").unwrap(), "apps");
+        let e = vhost_of("amqp://h/a,amqp://u:secret@g/b")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("same") && !e.contains("secret"), "{e}");
     }
 }

@@ -82,11 +82,17 @@ async fn delete_body() {
     let records = control::read_all(conn, &layout, &Default::default())
         .await
         .unwrap();
+    // naming who deleted it, and where
+    let user = credentials()
+        .split(':')
+        .next()
+        .unwrap_or_default()
+        .to_string();
     let ended = Record::GatewayPairEnded {
         ingress: ingress.clone(),
         target: x.clone(),
-        by: None,
-        vhost: None,
+        by: Some(user),
+        vhost: Some("/".into()),
     };
     assert!(records.contains(&ended), "{records:?}");
     logged(&w, "no longer serving it").await;

@@ -23,7 +23,9 @@ use crate::harness::*;
 mod apps;
 mod lifecycle;
 mod limits;
+mod raw;
 mod tls;
+mod trust;
 
 /// The broker's URL (its user and vhost) with `scheme`, `host` and `port` instead: what an
 /// application behind a proxy uses.
@@ -78,13 +80,25 @@ impl ProxyProc {
         extra: &[&str],
         envs: &[(&str, &str)],
     ) -> ProxyProc {
+        ProxyProc::launch(&env.settings.prefix, config, url, extra, envs)
+    }
+
+    /// A proxy of prefix `prefix` whose `--url` is `url`, with `envs` set.
+    fn launch(
+        prefix: &str,
+        config: &Path,
+        url: &str,
+        extra: &[&str],
+        envs: &[(&str, &str)],
+    ) -> ProxyProc {
         let (port, metrics) = (free_port(), free_port());
-        let log = std::env::temp_dir().join(format!("{}-proxy.log", env.settings.prefix));
+        let n: u32 = rand::random();
+        let log = std::env::temp_dir().join(format!("{prefix}-proxy-{n:08x}.log"));
         let child = Command::new(env!("CARGO_BIN_EXE_delay-proxy"))
             .arg("--config")
             .arg(config)
             .args(["--url", url])
-            .args(["--prefix", &env.settings.prefix])
+            .args(["--prefix", prefix])
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
             .args(extra)

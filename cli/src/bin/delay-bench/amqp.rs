@@ -85,9 +85,8 @@ pub(crate) async fn start_proxy(
         return Err(config("the broker URL cannot take the proxy's address"));
     }
     let limits = Limits {
-        handshake: std::time::Duration::from_secs(10),
-        idle: std::time::Duration::from_secs(600),
         drain: std::time::Duration::from_secs(1),
+        ..Limits::default()
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (ready, started) = tokio::sync::oneshot::channel::<Result<()>>();
