@@ -112,6 +112,8 @@ pub struct Metrics {
     pub connected: Gauge,
     /// `delay-proxy`: client connections open now.
     pub proxy_connections: Gauge,
+    /// `delay-proxy`: client connections refused over its caps (in all, per source address).
+    pub proxy_connections_refused: Counter,
     /// `delay-proxy`: publishes sent to a pair's ingress (a positive or unreadable `x-delay`).
     pub proxy_delayed_publishes: Counter,
     /// `delay-proxy`: gateway pairs it registered after a client's declare.
@@ -158,6 +160,7 @@ impl Metrics {
             messages_pending: Family::default(),
             connected: Gauge::default(),
             proxy_connections: Gauge::default(),
+            proxy_connections_refused: Counter::default(),
             proxy_delayed_publishes: Counter::default(),
             proxy_pairs_registered: Counter::default(),
             proxy_pairs_ended: Counter::default(),
@@ -176,6 +179,11 @@ impl Metrics {
             "proxy_connections",
             "delay-proxy: client connections open now",
             self.proxy_connections.clone(),
+        );
+        self.registry.register(
+            "proxy_connections_refused",
+            "delay-proxy: client connections refused over --max-connections or --max-connections-per-address",
+            self.proxy_connections_refused.clone(),
         );
         self.registry.register(
             "proxy_delayed_publishes",

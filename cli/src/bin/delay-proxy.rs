@@ -4,7 +4,9 @@
 
 use amqp_delay::time::DurationMs;
 use amqp_delay_cli::cli::{self, EXIT_USAGE, GlobalArgs};
-use amqp_delay_cli::proxy::{DEFAULT_MAX_FRAME, Limits, Proxy, priority};
+use amqp_delay_cli::proxy::{
+    DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_FRAME, DEFAULT_MAX_PER_ADDRESS, Limits, Proxy, priority,
+};
 use clap::Parser;
 
 #[derive(Parser)]
@@ -32,6 +34,12 @@ struct Cli {
     /// The largest frame_max offered to clients, in bytes (the broker's when lower): each connection buffers at most about four frames
     #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_MAX_FRAME, value_parser = clap::value_parser!(u32).range(4096..=16_777_216))]
     max_frame: u32,
+    /// Client connections open at once, in all: more are refused at once (and logged)
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_CONNECTIONS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    max_connections: usize,
+    /// Client connections open at once from one source address: more are refused at once (and logged)
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_PER_ADDRESS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    max_connections_per_address: usize,
     /// PEM certificate chain of the proxy: clients must then connect with TLS (amqps://)
     #[arg(long, value_name = "FILE", requires = "tls_key")]
     tls_cert: Option<std::path::PathBuf>,
@@ -61,6 +69,8 @@ async fn main() {
         idle: args.idle_timeout.as_duration(),
         drain: args.drain_timeout.as_duration(),
         max_frame: args.max_frame,
+        max_connections: args.max_connections,
+        max_per_address: args.max_connections_per_address,
     };
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => match amqp_delay_cli::proxy::tls::acceptor(cert, key) {

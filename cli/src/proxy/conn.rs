@@ -42,8 +42,12 @@ const KEPT_BUFFER: usize = 2 * READ_CHUNK;
 
 /// The largest `frame_max` offered to clients by default (RabbitMQ's own default).
 pub const DEFAULT_MAX_FRAME: u32 = 131_072;
+/// Client connections open at once by default, in all.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1000;
+/// Client connections open at once by default from one source address.
+pub const DEFAULT_MAX_PER_ADDRESS: usize = 100;
 
-/// The limits of a connection.
+/// The limits of a connection, and of the connections of a proxy.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     /// From accepting the client until the broker's `connection.open-ok`.
@@ -54,6 +58,10 @@ pub struct Limits {
     pub drain: Duration,
     /// The largest `frame_max` a client is offered (the broker's when it is lower).
     pub max_frame: u32,
+    /// Client connections open at once, in all: one more is refused.
+    pub max_connections: usize,
+    /// Client connections open at once from one source address: one more is refused.
+    pub max_per_address: usize,
 }
 
 impl Default for Limits {
@@ -63,6 +71,8 @@ impl Default for Limits {
             idle: Duration::from_secs(600),
             drain: Duration::from_secs(10),
             max_frame: DEFAULT_MAX_FRAME,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_per_address: DEFAULT_MAX_PER_ADDRESS,
         }
     }
 }

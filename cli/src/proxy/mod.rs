@@ -21,7 +21,8 @@
 //! most `--max-frame` bytes a frame and 2047 channels, and the client's `tune-ok` is held to
 //! that; before the broker's `connection.open-ok` a frame is at most the handshake's size and
 //! only channel 0 is allowed; a publish is held for its content header only on a channel the
-//! client opened.
+//! client opened. Connections over `--max-connections` in all or
+//! `--max-connections-per-address` from one address are refused at once.
 //!
 //! Publishes are neither added nor dropped, so confirms stay one for one. The pairs are in the
 //! control stream, which every proxy follows: nothing lives only in one proxy's memory.
@@ -35,15 +36,18 @@ pub mod replies;
 pub mod rewrite;
 pub mod tls;
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use amqp_delay::Settings;
 use amqp_delay::error::{Error, Result};
 use tokio::net::TcpListener;
 
-pub use conn::{DEFAULT_MAX_FRAME, Limits};
+pub use conn::Limits;
+pub use conn::{DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_FRAME, DEFAULT_MAX_PER_ADDRESS};
 pub use registry::Registry;
 
 /// A settings error (`why` says what to change).
@@ -101,7 +105,7 @@ pub struct Proxy {
     upstream_tls: Option<futures_rustls::TlsConnector>,
     registry: Arc<Registry>,
     limits: Limits,
-    open: Arc<AtomicUsize>,
+    open: Arc<Mutex<Open>>,
     closing: tokio::sync::watch::Sender<bool>,
     /// The follower of the control stream (ended with the proxy).
     follower: tokio::task::JoinHandle<()>,
@@ -131,7 +135,7 @@ impl Proxy {
             upstream_tls,
             registry,
             limits,
-            open: Arc::new(AtomicUsize::new(0)),
+            open: Arc::new(Mutex::new(Open::default())),
             closing: tokio::sync::watch::Sender::new(false),
             follower,
         })
@@ -163,7 +167,10 @@ impl Proxy {
 
     /// Client connections open now.
     pub fn connections(&self) -> usize {
-        self.open.load(Ordering::Acquire)
+        self.open
+            .lock()
+            .map(|o| o.total)
+            .unwrap_or_else(|e| e.into_inner().total)
     }
 
     /// Accepts clients on `listener` until `shutdown` completes; then drains: stops
@@ -177,6 +184,7 @@ impl Proxy {
         shutdown: impl Future<Output = ()>,
     ) -> Result<()> {
         tokio::pin!(shutdown);
+        let mut refusals = Refusals::default();
         loop {
             let accepted = tokio::select! {
                 () = &mut shutdown => {
@@ -196,31 +204,113 @@ impl Proxy {
                     continue;
                 }
             };
+            let slot = match admit(&self.open, peer.ip(), &self.limits) {
+                Ok(slot) => slot,
+                Err(why) => {
+                    // closed at once, before anything is read or a broker connection made
+                    drop(client);
+                    refusals.note(peer.ip(), &why);
+                    continue;
+                }
+            };
             let _ = client.set_nodelay(true);
             let upstream = conn::Upstreams {
                 nodes: self.upstreams.clone(),
                 tls: self.upstream_tls.clone(),
             };
-            let (registry, limits, open, tls, closing) = (
+            let (registry, limits, tls, closing) = (
                 self.registry.clone(),
                 self.limits,
-                self.open.clone(),
                 self.tls.clone(),
                 self.closing.subscribe(),
             );
             tokio::spawn(async move {
-                open.fetch_add(1, Ordering::AcqRel);
-                let gauge = &amqp_delay::metrics::global().proxy_connections;
-                gauge.inc();
                 tracing::debug!(%peer, "client connected");
                 match one_client(client, tls, &upstream, registry, limits, closing).await {
                     Ok(()) => tracing::debug!(%peer, "client disconnected"),
                     Err(e) => tracing::info!(%peer, "client connection ended: {e}"),
                 }
-                gauge.dec();
-                open.fetch_sub(1, Ordering::AcqRel);
+                drop(slot);
             });
         }
+    }
+}
+
+/// Client connections open now: in all, and by source address.
+#[derive(Debug, Default)]
+struct Open {
+    total: usize,
+    by_address: HashMap<IpAddr, usize>,
+}
+
+/// A client connection counted open until it is dropped.
+struct Slot {
+    open: Arc<Mutex<Open>>,
+    ip: IpAddr,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        open.total = open.total.saturating_sub(1);
+        if let Some(n) = open.by_address.get_mut(&self.ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                open.by_address.remove(&self.ip);
+            }
+        }
+        amqp_delay::metrics::global().proxy_connections.dec();
+    }
+}
+
+/// A connection from `ip`, counted open; or why it is refused: the cap of all connections or of
+/// those from one address is reached.
+fn admit(open: &Arc<Mutex<Open>>, ip: IpAddr, limits: &Limits) -> Result<Slot, String> {
+    let mut o = open.lock().unwrap_or_else(|e| e.into_inner());
+    if o.total >= limits.max_connections {
+        return Err(format!(
+            "{} client connections are open, the most --max-connections allows",
+            o.total
+        ));
+    }
+    let from = o.by_address.get(&ip).copied().unwrap_or(0);
+    if from >= limits.max_per_address {
+        return Err(format!(
+            "{from} client connections are open from this address, the most --max-connections-per-address allows"
+        ));
+    }
+    o.total += 1;
+    *o.by_address.entry(ip).or_default() += 1;
+    amqp_delay::metrics::global().proxy_connections.inc();
+    Ok(Slot {
+        open: open.clone(),
+        ip,
+    })
+}
+
+/// Refused connections, counted, and logged at most once a second (a flood of them must not
+/// flood the log).
+#[derive(Default)]
+struct Refusals {
+    last_logged: Option<Instant>,
+    unlogged: u64,
+}
+
+impl Refusals {
+    fn note(&mut self, ip: IpAddr, why: &str) {
+        amqp_delay::metrics::global()
+            .proxy_connections_refused
+            .inc();
+        self.unlogged += 1;
+        if self
+            .last_logged
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return;
+        }
+        let refused = std::mem::take(&mut self.unlogged);
+        self.last_logged = Some(Instant::now());
+        tracing::warn!(%ip, refused, "client connection refused: {why}");
     }
 }
 

@@ -21,6 +21,7 @@ use crate::gateway::*;
 use crate::harness::*;
 
 mod apps;
+mod bounds;
 mod lifecycle;
 mod limits;
 mod raw;

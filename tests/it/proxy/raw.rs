@@ -67,6 +67,21 @@ pub fn delete(channel: u16, x: &str) -> Vec<u8> {
     )
 }
 
+/// `basic.publish` to `x` (no content header follows in these tests).
+pub fn publish(channel: u16, x: &str) -> Vec<u8> {
+    method(
+        channel,
+        AMQPClass::Basic(amq_protocol::protocol::basic::AMQPMethod::Publish(
+            amq_protocol::protocol::basic::Publish {
+                exchange: x.into(),
+                routing_key: "k".into(),
+                mandatory: false,
+                immediate: false,
+            },
+        )),
+    )
+}
+
 /// A connection of hand-made frames.
 pub struct RawClient {
     s: TcpStream,

@@ -84,8 +84,10 @@ pub(crate) async fn start_proxy(
     if url.set_host(Some("127.0.0.1")).is_err() || url.set_port(Some(port)).is_err() {
         return Err(config("the broker URL cannot take the proxy's address"));
     }
+    // every client is local: no cap per address
     let limits = Limits {
         drain: std::time::Duration::from_secs(1),
+        max_per_address: usize::MAX,
         ..Limits::default()
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
