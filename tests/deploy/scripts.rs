@@ -11,7 +11,17 @@ use crate::root;
 fn the_permission_script_prints_the_documented_sets() {
     let out = Command::new("bash")
         .arg(root().join("deploy/rabbitmq/permissions.sh"))
-        .args(["--prefix", "p", "--queue", "q", "--gateway", "i:t"])
+        .args([
+            "--prefix",
+            "p",
+            "--queue",
+            "q",
+            "--gateway",
+            "i:t",
+            "--relay",
+            "s:r",
+        ])
+        .args(["--proxy", "--app", "a:x1,x2:qa", "--gateway-app", "b:i"])
         .output()
         .unwrap();
     assert!(
@@ -30,9 +40,18 @@ fn the_permission_script_prints_the_documented_sets() {
         format!(
             "set_permissions -p / p-worker '^$' '^({tiers}|p\\.(streams|park))$' '^(q|p\\.(control|ledger))$'"
         ),
+        // following the pairs, the applications' exchanges are targets too
         format!(
-            "set_permissions -p / p-gateway '^$' '^(i|t|p\\.(gw\\..*|parking|streams|park)|{tiers})$' '^(i|p\\.gw\\..*|p\\.(control|ledger))$'"
+            "set_permissions -p / p-gateway '^$' '^(i|t|x1|x2|p\\.(gw\\..*|parking|streams|park)|{tiers})$' '^(i|p\\.gw\\..*|p\\.(control|ledger))$'"
         ),
+        format!(
+            "set_permissions -p / p-relay '^$' '^(amq\\.default|{tiers}|p\\.(streams|park))$' '^(s|p\\.(control|ledger))$'"
+        ),
+        r"set_permissions -p / p-proxy '^p\..*$' '^p\..*$' '^p\..*$'".to_string(),
+        // an application writes its own pairs' ingresses, never p.gw.x.* as a whole
+        r"set_permissions -p / a '^(x1|x2|qa)$' '^(x1|x2|qa|p\.gw\.x\.(x1|x2))$' '^(x1|x2|qa)$'"
+            .to_string(),
+        r"set_permissions -p / b '^$' '^(i)$' '^$'".to_string(),
     ] {
         assert!(
             text.lines().any(|l| l == format!("rabbitmqctl {line}")),
