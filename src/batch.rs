@@ -156,7 +156,6 @@ pub(crate) fn decode(body: &[u8]) -> Result<Vec<Member>, String> {
 /// `publisher.batch_max_messages`: no batch of ours holds more). Refused, with a reason,
 /// before anything is allocated per member: a count that differs from the header, a count
 /// beyond the maximum, a body whose member frames do not add up to it exactly. Never panics.
-#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub fn decode_bounded(
     body: &[u8],
     announced: u64,

@@ -14,9 +14,7 @@ use crate::settings::{Settings, TlsSettings};
 /// How long one connection attempt (TCP, TLS and the AMQP handshake) may take.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-#[cfg(feature = "tools")]
-pub use crate::endpoints::validate_urls;
-pub use crate::endpoints::{redact_url, split_urls};
+pub use crate::endpoints::{redact_url, split_urls, validate_urls};
 
 /// How to reach the broker: its URLs and the TLS material for `amqps://` ones, read once.
 #[derive(Clone)]

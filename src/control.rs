@@ -31,7 +31,6 @@ pub(crate) const MAX_ITEMS: usize = 1_000;
 pub(crate) const MAX_RECORD_BYTES: usize = 2 * 1024 * 1024;
 /// Names of gateway pairs and batch markers [`read_all`] keeps, at most: far more than a
 /// topology has destinations and pairs; a stream flooded with distinct names is forged.
-#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub(crate) const MAX_NAMED: usize = 100_000;
 
 /// Records in the control stream.
@@ -159,7 +158,6 @@ pub async fn append(conn: &Connection, layout: &Layout, record: &Record) -> Resu
 /// of writers `trust` lets name them (with the connection's own user: [`Trust::may_compact`]).
 /// `Ok(vec![])` when the stream does not exist. Gives up only when no record arrives for a
 /// while ([`crate::stream_log::READ_STALL`]).
-#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub async fn read_all(
     conn: &Connection,
     layout: &Layout,
@@ -194,7 +192,6 @@ pub async fn read_all(
 /// (anyone who may append to the stream can write one): the connection is lost. Reading again
 /// on a new connection, in the same process, gets past it — the process remembers the record's
 /// offset and skips it after a few tries (two or three lost connections per such record).
-#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub fn is_record_over_frame_max(e: &Error) -> bool {
     crate::stream_log::is_record_over_frame_max(e)
 }
@@ -213,7 +210,6 @@ impl Record {
 
     /// What a named record is about: a pair's ingress and target (registered or ended alike),
     /// a marker's queue.
-    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     fn name(&self) -> Option<(&str, &str)> {
         match self {
             Record::GatewayPair {
@@ -231,7 +227,6 @@ impl Record {
 /// The gateway pairs and batch markers of a read, each once (a pair as its latest record
 /// says), at most [`MAX_NAMED`].
 #[derive(Default)]
-#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 struct Named {
     /// Where each name's record is in `out`.
     seen: std::collections::HashMap<(String, String, bool), usize>,
@@ -239,7 +234,6 @@ struct Named {
 }
 
 impl Named {
-    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     fn take(&mut self, r: Record) {
         let Some((a, b)) = r.name() else { return };
         let marker = matches!(r, Record::BatchMarker { .. });

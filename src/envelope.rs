@@ -36,6 +36,13 @@ pub struct Delivery {
 }
 
 impl Delivery {
+    /// Its properties for a copy a handler re-publishes (a forward, a relay): `headers`
+    /// instead of its own, without `expiration` (it would make a parked copy vanish) and
+    /// `user_id` (the broker refuses one that is not the publishing connection's user).
+    pub fn republished_properties(&self, headers: FieldTable) -> BasicProperties {
+        republish_properties(&self.properties, headers)
+    }
+
     /// The headers table, if any.
     pub fn headers(&self) -> Option<&FieldTable> {
         self.properties.headers().as_ref()
@@ -203,7 +210,7 @@ pub(crate) fn copy_properties(p: &BasicProperties, omit: Omit) -> BasicPropertie
 /// Properties for anything a worker re-publishes (retry, park, forward): `headers` replaced,
 /// `expiration` dropped (it would make a scheduled copy fail and a parked copy vanish) and
 /// `user_id` dropped (the broker refuses a publish whose user_id is not the connection's user).
-pub fn republish_properties(p: &BasicProperties, headers: FieldTable) -> BasicProperties {
+pub(crate) fn republish_properties(p: &BasicProperties, headers: FieldTable) -> BasicProperties {
     copy_properties(
         p,
         Omit {

@@ -202,7 +202,6 @@ async fn conclude(
 
 /// A count kept current: [`count`] once, then every record appended after it, read as it
 /// comes (for the `amqp_delay_messages_pending` gauge).
-#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub struct Following {
     dues: Arc<std::sync::Mutex<Dues>>,
     task: tokio::task::JoinHandle<()>,
@@ -212,7 +211,6 @@ pub struct Following {
 
 impl Following {
     /// Messages not yet due at `now_ms` (what is due is dropped from the sum).
-    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub fn pending(&self, now_ms: u64) -> Pending {
         let mut d = self.dues.lock().unwrap_or_else(|p| p.into_inner());
         let mut kept = Dues::default();
@@ -222,7 +220,6 @@ impl Following {
     }
 
     /// Whether it still reads the stream (a lost connection or a deleted stream ends it).
-    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub fn is_following(&self) -> bool {
         !self.task.is_finished()
     }
@@ -230,7 +227,6 @@ impl Following {
 
 /// Counts the ledger (as [`count`]) and keeps following it on a channel of `conn`. `None`
 /// when the topology has no ledger stream.
-#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub async fn follow(
     conn: Arc<Connection>,
     layout: &Layout,
@@ -274,7 +270,6 @@ pub async fn follow(
 
 /// A record read by a follower into its sum, within `bounds` (the sum compacted when it grows
 /// past them: bounded whatever is appended).
-#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 fn follow_one(sum: &std::sync::Mutex<Dues>, record: Entry, bounds: Bounds) {
     match bounds.check(record) {
         Ok(Entry::Scheduled { dues: pairs }) => {

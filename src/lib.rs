@@ -21,140 +21,52 @@
 //!
 //! Public modules: [`settings`] (every setting), [`layout`] (tier names and sizes), [`headers`]
 //! (the header names on the wire), [`time`] (durations as written in settings), [`trust`]
-//! (whose records and messages count for what), [`metrics`]
-//! (the Prometheus registry the library fills) and, with the `management` feature,
-//! `management` (RabbitMQ's HTTP API, to count messages its dead-letter worker holds).
+//! (whose records and messages count for what), [`metrics`] (the Prometheus registry the
+//! library fills), [`batch`] (the batch envelope on the wire); for tools that operate a deployment, as the amqp-delay tools do:
+//! [`connection`] (brokers' URLs, connecting and reconnecting), [`broker`] (the AMQP
+//! primitives the library is built on), [`control`] (the control stream's records: gateway
+//! pairs, batch markers, cancels), [`cancel`] (following the cancels), [`ledger`] (counting
+//! the messages that wait) and [`gateway`] (the `x-delay` gateway's pairs); with the
+//! `management` feature, `management` (RabbitMQ's HTTP API, to count messages its dead-letter
+//! worker holds).
 //!
-//! Features: `management` (an HTTP client, for `Topology::stats_with`); `tools` (the
-//! broker-edge modules the amqp-delay-cli tools and the test suites drive directly: hidden, no
-//! stability promise).
+//! Features: `management` (an HTTP client, for `Topology::stats_with`).
 //!
-//! Lints (Cargo.toml): `unsafe_code` forbidden, `unreachable_pub` denied. An item is `pub` only
-//! when the façade or the tools reach it: the modules the `tools` feature opens allow
-//! `unreachable_pub` only in the build without it, where what the tools use is unreachable, and
-//! items only the tools call say so with `cfg_attr(not(feature = "tools"), allow(dead_code))`.
+//! Lints (Cargo.toml): `unsafe_code` forbidden, `unreachable_pub` denied: an item is `pub` only
+//! when a public module or the root re-exports reach it.
 
 // ---- pure core: no I/O ---------------------------------------------------------------------
+pub mod batch;
+mod endpoints;
+mod envelope;
+mod error;
 pub mod headers;
 pub mod layout;
+mod message;
 pub mod metrics;
+mod planner;
+mod retry;
 pub mod settings;
+mod tally;
 pub mod time;
 pub mod trust;
-// (each private unless the `tools` feature opens it; spelled out so that rustfmt sees it)
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod batch;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
-mod batch;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod endpoints;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
-mod endpoints;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod envelope;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
-mod envelope;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod error;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
-mod error;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod message;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
-mod message;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod planner;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
-mod planner;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod retry;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
-mod retry;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod tally;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
-mod tally;
 
 // ---- broker edge ---------------------------------------------------------------------------
+pub mod broker;
+pub mod cancel;
+pub mod connection;
+pub mod control;
+pub mod ledger;
 #[cfg(feature = "management")]
 pub mod management;
-// (each private unless the `tools` feature opens it; spelled out so that rustfmt sees it)
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod broker;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
-mod broker;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod cancel;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
-mod cancel;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod connection;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
-mod connection;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod control;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
-mod control;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod ledger;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
-mod ledger;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod publisher;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
 mod publisher;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod topology;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
+// the one log both streams use
+mod stream_log;
 mod topology;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod worker;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
 mod worker;
 
-// the one log both streams use (private to the library)
-mod stream_log;
-
 // ---- applications --------------------------------------------------------------------------
-// (each private unless the `tools` feature opens it; spelled out so that rustfmt sees it)
-#[cfg(feature = "tools")]
-#[doc(hidden)]
 pub mod gateway;
-#[cfg(not(feature = "tools"))]
-#[allow(unreachable_pub)]
-mod gateway;
 
 pub use connection::{Connector, connect};
 pub use envelope::Delivery;

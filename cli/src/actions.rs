@@ -9,14 +9,14 @@ use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 
+use amqp_delay::Delivery;
+use amqp_delay::Error;
+use amqp_delay::Publisher;
 use amqp_delay::connection::Connector;
-use amqp_delay::envelope::{self, Delivery};
-use amqp_delay::error::Error;
 use amqp_delay::headers;
-use amqp_delay::publisher::Publisher;
 use amqp_delay::settings::{RouteConfig, Settings};
 use amqp_delay::time::now_ms;
-use amqp_delay::worker::{Context, Handler, Outcome};
+use amqp_delay::{Context, Handler, Outcome};
 
 /// A configured action.
 #[derive(Debug, Clone)]
@@ -226,7 +226,7 @@ impl ForwardOut {
                         return Some(format!(
                             "forward to '{exchange}': checking the exchange after a failed \
                              publish: {}",
-                            amqp_delay::error::chain(&e)
+                            amqp_delay::error_chain(&e)
                         ));
                     }
                 }
@@ -442,7 +442,7 @@ async fn forward(
     let h = headers::filter(d.headers().unwrap_or(&empty), |k| {
         !headers::is_broker_header(k) && k != headers::ROUTING_KEY
     });
-    let props = envelope::republish_properties(&d.properties, h);
+    let props = d.republished_properties(h);
     let publisher = out.map_or(ctx.publisher(), |o| &o.publisher);
     match publisher
         .publish_confirmed(exchange, key, &d.body, props)
@@ -458,7 +458,7 @@ async fn forward(
             }
             Outcome::Retry(format!(
                 "forward to '{exchange}': {}",
-                amqp_delay::error::chain(&e)
+                amqp_delay::error_chain(&e)
             ))
         }
     }
@@ -469,7 +469,7 @@ async fn relay(ctx: &Context, queue: &str, d: &Delivery) -> Outcome {
     let h = headers::filter(d.headers().unwrap_or(&empty), |k| {
         !headers::is_broker_header(k)
     });
-    let props = envelope::republish_properties(&d.properties, h);
+    let props = d.republished_properties(h);
     match ctx
         .publisher()
         .publish_confirmed("", queue, &d.body, props)
@@ -481,7 +481,7 @@ async fn relay(ctx: &Context, queue: &str, d: &Delivery) -> Outcome {
         }
         Err(e) => Outcome::Retry(format!(
             "relay to '{queue}': {}",
-            amqp_delay::error::chain(&e)
+            amqp_delay::error_chain(&e)
         )),
     }
 }

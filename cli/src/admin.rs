@@ -4,14 +4,14 @@
 use lapin::Connection;
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 
+use amqp_delay::Topology;
 use amqp_delay::broker::{self, ResultExt};
 use amqp_delay::control::{self, Record};
-use amqp_delay::error::{Error, Result};
 use amqp_delay::gateway;
 use amqp_delay::layout::Layout;
 use amqp_delay::management::Management;
 use amqp_delay::settings::Settings;
-use amqp_delay::topology::Topology;
+use amqp_delay::{Error, Result};
 
 /// The management API of `settings`, if it answers (one request, a few seconds at most).
 pub async fn management(settings: &Settings) -> Option<Management> {
@@ -257,7 +257,7 @@ impl<'a> Deleter<'a> {
         let Err(e) = r else { return true };
         // the broker closed the channel: the next object gets a new one
         self.ch = None;
-        let reason = amqp_delay::error::chain(&e);
+        let reason = amqp_delay::error_chain(&e);
         tracing::warn!("teardown could not delete {object}: {reason}");
         self.left.push(Left {
             object,
@@ -404,7 +404,7 @@ pub struct BrokerTotals {
 impl StatsSummary {
     /// The totals of `stats` and what counting the ledger gave.
     pub fn of(
-        stats: &[amqp_delay::topology::QueueStat],
+        stats: &[amqp_delay::QueueStat],
         counted: Result<Option<amqp_delay::ledger::Counted>>,
     ) -> StatsSummary {
         // saturating: the depths are the broker's (or its management API's) numbers
@@ -439,7 +439,7 @@ impl StatsSummary {
             .collect();
         let (messages, messages_error) = match counted {
             Ok(c) => (c, None),
-            Err(e) => (None, Some(amqp_delay::error::chain(&e))),
+            Err(e) => (None, Some(amqp_delay::error_chain(&e))),
         };
         StatsSummary {
             messages,
@@ -454,7 +454,7 @@ impl StatsSummary {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use amqp_delay::topology::QueueStat;
+    use amqp_delay::QueueStat;
 
     fn stat(kind: &'static str, within: Option<u64>, messages: u64) -> QueueStat {
         QueueStat::ready_only(format!("p.{kind}"), kind, within, messages)

@@ -12,8 +12,8 @@ use futures::StreamExt;
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 
 use crate::jsonl;
-use amqp_delay::error::{Error, Result, chain};
-use amqp_delay::publisher::Publisher;
+use amqp_delay::Publisher;
+use amqp_delay::{Error, Result, error_chain as chain};
 
 /// Longest line accepted: a body of the broker's maximum message size (16 MiB on RabbitMQ 4.x)
 /// written as a JSON string fits with room to spare.

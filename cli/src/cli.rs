@@ -226,11 +226,11 @@ pub fn fail(e: &dyn std::error::Error, code: i32) -> ! {
 }
 
 pub use crate::logline::{EscapedFields, escape_controls, human_layer};
-pub use amqp_delay::error::chain;
+pub use amqp_delay::error_chain as chain;
 
 /// Starts the metrics endpoint when `settings.metrics_addr` asks for one (failing to bind is a
 /// usage error).
-pub async fn start_metrics(settings: &Settings) -> amqp_delay::error::Result<()> {
+pub async fn start_metrics(settings: &Settings) -> amqp_delay::Result<()> {
     if let Some(addr) = settings.metrics_addr.as_deref().filter(|a| !a.is_empty()) {
         crate::observe::serve(addr, settings, settings.metrics_sample.as_duration()).await?;
     }

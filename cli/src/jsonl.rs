@@ -9,8 +9,8 @@
 
 use serde::Deserialize;
 
+use amqp_delay::Message;
 use amqp_delay::headers;
-use amqp_delay::message::Message;
 use amqp_delay::time::parse_duration_ms;
 
 #[derive(Debug, Deserialize)]

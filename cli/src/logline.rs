@@ -1,7 +1,7 @@
 //! Human log lines that a value from outside cannot forge: every control character of the
 //! message and of each field is escaped ([`escape_controls`], [`EscapedFields`]).
 
-use amqp_delay::error::chain;
+use amqp_delay::error_chain as chain;
 
 /// Writes what passes through it to `0` with every control character escaped (see
 /// [`escape_controls`]).

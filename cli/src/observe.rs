@@ -14,12 +14,12 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 
 use crate::admin;
+use amqp_delay::Topology;
 use amqp_delay::connection::Connector;
-use amqp_delay::error::{Error, Result};
 use amqp_delay::ledger;
 use amqp_delay::metrics::{self, DueLabel, TierLabel};
 use amqp_delay::settings::Settings;
-use amqp_delay::topology::Topology;
+use amqp_delay::{Error, Result};
 
 async fn metrics_text() -> impl IntoResponse {
     (

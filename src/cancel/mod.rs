@@ -157,7 +157,6 @@ impl FollowOptions {
 
 /// What a follower did so far, for tests and diagnostics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub struct FollowerStats {
     /// Records read at start-up (up to its start barrier, over every step back).
     pub start_records: u64,
@@ -189,7 +188,6 @@ pub struct Cancellations {
     /// been read.
     synced: tokio::sync::Mutex<Option<u64>>,
     syncs: AtomicU64,
-    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     start_records: u64,
     /// The reader; dropping it stops it (see [`Reading`]).
     _reading: Reading,
@@ -226,7 +224,6 @@ impl Cancellations {
     /// Starts following `layout`'s control stream on `conn` and returns once every record
     /// confirmed so far has been read (from the latest checkpoint, or from the start of the
     /// stream when it has none). See [`Cancellations::follow_with`].
-    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub async fn follow(
         conn: &Connection,
         layout: &Layout,
@@ -312,7 +309,6 @@ impl Cancellations {
     }
 
     /// Until when the tombstone `by` wrote for `id` is live (ms since the epoch), if one is.
-    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub fn live_until(&self, id: &str, by: &str) -> Option<u64> {
         lock(&self.state).tombstones.get(&Key::new(by, id)).copied()
     }
@@ -323,7 +319,6 @@ impl Cancellations {
     }
 
     /// Live tombstones (what the follower holds in memory besides the expired ones it keeps).
-    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub fn len(&self) -> usize {
         let mut s = lock(&self.state);
         s.prune(now_ms());
@@ -331,7 +326,6 @@ impl Cancellations {
     }
 
     /// Whether no tombstone is live.
-    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -349,7 +343,6 @@ impl Cancellations {
     }
 
     /// What the follower did so far.
-    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub fn stats(&self) -> FollowerStats {
         let mut s = lock(&self.state);
         s.prune(now_ms());
@@ -422,7 +415,6 @@ impl Cancellations {
 
     /// Appends a barrier and waits until the follower reads it back: every record confirmed
     /// before now has then been read.
-    #[cfg_attr(not(feature = "tools"), allow(dead_code))]
     pub async fn sync(&self) -> Result<()> {
         self.sync_since(now_ms()).await.map(|_| ())
     }

@@ -130,7 +130,6 @@ impl Pair {
 /// The pairs declared under `layout`'s prefix by any gateway, from the control stream's
 /// `records`, each once, in the order they were first declared; ended ones too (a teardown
 /// deletes what is left of them, such as a parking queue that still held messages).
-#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub fn registered_pairs(layout: &Layout, records: &[control::Record]) -> Vec<Pair> {
     let mut out: Vec<Pair> = Vec::new();
     for r in records {
@@ -163,7 +162,6 @@ pub fn registered_pairs(layout: &Layout, records: &[control::Record]) -> Vec<Pai
 /// any more), then its ingress and due queues (messages in them are lost), and its parking
 /// queues only when they hold nothing (a teardown removes them later: the pair stays in the
 /// control stream, ended). Missing objects are ignored.
-#[cfg_attr(not(feature = "tools"), allow(dead_code))]
 pub async fn end_pair(conn: &Connection, pair: &Pair) -> Result<()> {
     let ch = broker::open(conn).await?;
     ch.exchange_delete(

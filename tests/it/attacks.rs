@@ -196,7 +196,7 @@ async fn read_on_fresh_connections<T>(
                 broker::close_connection(&conn, "bye").await;
                 return (Some(r), lost);
             }
-            Err(e) => lost.push(amqp_delay::error::chain(&e)),
+            Err(e) => lost.push(amqp_delay::error_chain(&e)),
         }
     }
     (None, lost)

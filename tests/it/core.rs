@@ -516,8 +516,7 @@ async fn with_a_tier_missing_exactly_the_messages_entering_it_are_refused() {
         unreachable!()
     };
     env.delete_queue(&layout.cascade_queue(level, digit)).await;
-    let entry =
-        |d: u64| amqp_delay::planner::plan(&layout, &amqp_delay::Precision::EXACT, d).unwrap();
+    let entry = |d: u64| amqp_delay::plan(&layout, &amqp_delay::Precision::EXACT, d).unwrap();
     let msgs: Vec<Message> = delays
         .iter()
         .enumerate()
@@ -569,8 +568,7 @@ async fn with_a_tier_missing_exactly_the_messages_entering_it_are_refused() {
 /// random delays that either enter through it or never pass it (a message dead-lettered into
 /// it from another tier would wait there, neither refused nor delivered).
 fn busiest_cascade_tier(layout: &amqp_delay::Layout, n: usize) -> (TierKind, Vec<u64>) {
-    let entry =
-        |d: u64| amqp_delay::planner::plan(layout, &amqp_delay::Precision::EXACT, d).unwrap();
+    let entry = |d: u64| amqp_delay::plan(layout, &amqp_delay::Precision::EXACT, d).unwrap();
     let mut entries: HashMap<TierKind, usize> = HashMap::new();
     for d in 1..=1500 {
         *entries.entry(entry(d).tiers[0]).or_default() += 1;

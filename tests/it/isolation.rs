@@ -304,7 +304,7 @@ async fn connect_as(url: &str) -> Connection {
             }
             Err(e) => panic!(
                 "cannot connect as {}: {e}",
-                amqp_delay::endpoints::redact_url(url)
+                amqp_delay::connection::redact_url(url)
             ),
         }
     }

@@ -488,7 +488,7 @@ async fn lookup(registry: &Registry, x: &str) {
     {
         tracing::warn!(
             "reading the control stream: {}",
-            amqp_delay::error::chain(&e)
+            amqp_delay::error_chain(&e)
         );
     }
 }
@@ -608,7 +608,7 @@ async fn answered<W: AsyncWrite + Unpin>(
         // pair only costs queues, so a failure here is logged, and the client gets its
         // delete-ok all the same
         if let Err(e) = registry.end(&p.exchange, p.user.as_deref(), &p.vhost).await {
-            tracing::error!(exchange = %escape_controls(&p.exchange), "ending a deleted delayed exchange's pair: {}", amqp_delay::error::chain(&e));
+            tracing::error!(exchange = %escape_controls(&p.exchange), "ending a deleted delayed exchange's pair: {}", amqp_delay::error_chain(&e));
         }
     } else if let Err((code, text)) = register(&p, registry).await {
         tracing::error!("{text}");
@@ -639,7 +639,7 @@ async fn register(p: &Pending, registry: &Arc<Registry>) -> Result<(), (u16, Str
         .ensure(&p.exchange, user, &p.vhost)
         .await
         .map_err(|e| {
-            let why = amqp_delay::error::chain(&e);
+            let why = amqp_delay::error_chain(&e);
             let text = format!("delay-proxy could not register delayed exchange '{x}': {why}");
             (INTERNAL_ERROR, text)
         })

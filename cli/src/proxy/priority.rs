@@ -4,7 +4,7 @@
 //! (docs/PERFORMANCE.md, "Through delay-proxy"). Where it has cores of its own, the niceness
 //! changes nothing.
 
-use amqp_delay::error::Result;
+use amqp_delay::Result;
 
 /// The niceness `delay-proxy` runs at unless told otherwise (`--niceness`).
 pub const DEFAULT_NICENESS: i32 = 10;

@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use amqp_delay::connection::{Backoff, Connector};
 use amqp_delay::control;
-use amqp_delay::error::{Error, Result};
 use amqp_delay::gateway::{Gateway, Pair};
 use amqp_delay::settings::PairConfig;
+use amqp_delay::{Error, Result};
 use amqp_delay::{Layout, Settings};
 use lapin::Connection;
 use tokio::sync::Mutex;
@@ -273,7 +273,7 @@ impl Registry {
             if let Err(e) = r {
                 tracing::warn!(
                     "following the control stream: {}",
-                    amqp_delay::error::chain(&e)
+                    amqp_delay::error_chain(&e)
                 );
             }
             tokio::time::sleep(backoff.next_pause()).await;
@@ -285,8 +285,8 @@ impl Registry {
 /// reads it); every URL of the list must name the same.
 fn vhost_of(urls: &str) -> Result<String> {
     let mut found: Option<String> = None;
-    for url in amqp_delay::endpoints::split_urls(urls) {
-        let redacted = amqp_delay::endpoints::redact_url(&url);
+    for url in amqp_delay::connection::split_urls(urls) {
+        let redacted = amqp_delay::connection::redact_url(&url);
         let uri: lapin::uri::AMQPUri = url
             .parse()
             .map_err(|e| super::config(format!("broker URL '{redacted}' is invalid: {e}")))?;

@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use amqp_delay::error::Result;
+use amqp_delay::Result;
 use amqp_delay::settings::TlsSettings;
 use async_compat::Compat;
 use futures_rustls::server::TlsStream;

@@ -75,7 +75,7 @@ pub(crate) async fn start_proxy(
         .local_addr()
         .map_err(|e| config(format!("the in-process delay-proxy's address: {e}")))?
         .port();
-    let first = amqp_delay::endpoints::split_urls(&settings.url)
+    let first = amqp_delay::connection::split_urls(&settings.url)
         .first()
         .cloned()
         .unwrap_or_default();

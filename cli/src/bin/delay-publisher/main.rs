@@ -72,7 +72,7 @@ async fn connected<T>(
                 tracing::warn!(
                     tries,
                     "{}; reading again on a new connection",
-                    amqp_delay::error::chain(&e)
+                    amqp_delay::error_chain(&e)
                 );
                 tries += 1;
             }
