@@ -54,7 +54,7 @@
 #   CLUSTER_MGMT_PORT_BASE      when set, every node runs the management plugin on
 #                               127.0.0.1:(CLUSTER_MGMT_PORT_BASE + i). Default: no plugins.
 #   CLUSTER_ROOT                run the nodes from the RabbitMQ installed in this root directory
-#                               (chroot; scripts/rabbitmq4.sh builds a Debian 13 one with 4.0.5
+#                               (chroot; scripts/rabbitmq4.sh builds Debian roots with 4.0.5 and 4.3.x
 #                               and sets this with its own names and ports: use
 #                               `scripts/rabbitmq4.sh cluster ...`). The root's rabbitmq user and
 #                               rabbitmqctl are used, /proc must be mounted in it; the node files

@@ -1,26 +1,38 @@
 #!/usr/bin/env bash
 # scripts/rabbitmq4.sh — throwaway RabbitMQ 4.x nodes beside the machine's 3.10 broker.
 #
-# Debian 13's rabbitmq-server is 4.0.5 (Erlang/OTP 27). This script builds, once, a minimal
-# Debian 13 root with that package in it, cached OUTSIDE the clone (CI runs from fresh clones on
-# the same machine; a new machine builds it when it is missing), and runs nodes from that root
-# with `chroot`. The nodes share the host's epmd (4369) under names of their own and never touch
-# the main broker (rabbit@localhost on 5672) or the 3.10 test nodes of scripts/cluster.sh and
-# scripts/tls-node.sh:
+# Two series, picked by RABBITMQ4_SERIES (default 4.0):
+#   4.0   Debian 13 (trixie)'s rabbitmq-server 4.0.5 (Erlang/OTP 27).
+#   4.3   Debian sid's rabbitmq-server 4.3.x (Erlang/OTP 29): a trixie root whose apt source is
+#         switched to `deb [check-valid-until=no] http://deb.debian.org/debian sid main` (sid's
+#         Release file as served here is past its Valid-Until) before rabbitmq-server is
+#         installed; apt pulls in sid's libc and Erlang with it.
+# This script builds, once per series, a minimal Debian root with that package in it, cached
+# OUTSIDE the clone (CI runs from fresh clones on the same machine; a new machine builds it when
+# it is missing), and runs nodes from that root with `chroot`. The nodes share the host's epmd
+# (4369) under names of their own and never touch the main broker (rabbit@localhost on 5672),
+# the 3.10 test nodes of scripts/cluster.sh and scripts/tls-node.sh, or the other series' nodes:
 #
-#   single node   ad4single@localhost   AMQP 5741  management 15741  dist 25741   (RABBITMQ4_*)
-#   TLS node      ad4tls@localhost      AMQP 5761  AMQPS 5762        dist 25761   (tls-node.sh)
-#   cluster       ad4c1..3@localhost    AMQP 5751..5753  management 15751..15753
-#                                       dist 25751..25753                          (cluster.sh)
-#   root          /var/cache/amqp-delay/rabbitmq4-root       (RABBITMQ4_ROOT)
-#   node files    <root>/tmp/amqp-delay-rmq4/  (single), <root>/tmp/amqp-delay-rmq4-cluster/,
-#                 <root>/tmp/amqp-delay-rmq4-tls/; each also reachable from the host at the same
-#                 path through a symlink, so one path works inside and outside the root.
+#                 series 4.0                              series 4.3
+#   single node   ad4single@localhost                     ad43single@localhost     (RABBITMQ4_*)
+#                 AMQP 5741  mgmt 15741  dist 25741       AMQP 5841  mgmt 15841  dist 25841
+#   TLS node      ad4tls@localhost                        ad43tls@localhost        (tls-node.sh)
+#                 AMQP 5761  AMQPS 5762  dist 25761       AMQP 5861  AMQPS 5862  dist 25861
+#   cluster       ad4c1..3@localhost                      ad43c1..3@localhost      (cluster.sh)
+#                 AMQP 5751..5753  mgmt 15751..15753      AMQP 5851..5853  mgmt 15851..15853
+#                 dist 25751..25753                       dist 25851..25853
+#   root          /var/cache/amqp-delay/rabbitmq4-root    /var/cache/amqp-delay/rabbitmq43-root
+#                                                                                  (RABBITMQ4_ROOT)
+#   node files    <root>/tmp/amqp-delay-rmq4/ (single), <root>/tmp/amqp-delay-rmq4-cluster/,
+#                 <root>/tmp/amqp-delay-rmq4-tls/ (4.3: rmq43 in place of rmq4); each also
+#                 reachable from the host at the same path through a symlink, so one path works
+#                 inside and outside the root.
 #
 # Usage (as root; non-interactive):
 #   rabbitmq4.sh root              build the root if it is missing (debootstrap --variant=minbase
-#                                  trixie, then apt-get install rabbitmq-server inside it, with a
-#                                  policy-rc.d that starts no service), print its path. Idempotent;
+#                                  trixie, for 4.3 the apt source switched to sid, then apt-get
+#                                  install rabbitmq-server inside it, with a policy-rc.d that
+#                                  starts no service), print its path. Idempotent;
 #                                  a lock keeps two callers from building at once; a half-built
 #                                  root is thrown away and built again.
 #   rabbitmq4.sh up                root, then the single node (management on); print KEY=VALUE
@@ -39,11 +51,18 @@
 #                                  (up [N], down, status, kill I, start I, stop I, ctl I ...).
 #   rabbitmq4.sh tls ARGS...       scripts/tls-node.sh ARGS (up, down, print, status) likewise.
 #   rabbitmq4.sh env               shell lines (export ...) that point scripts/cluster.sh,
-#                                  scripts/tls-node.sh and the test suites at the 4.x nodes.
-#   rabbitmq4.sh all-down          the cluster, the TLS node and the single node down, /proc
-#                                  unmounted. Safe when nothing is up.
+#                                  scripts/tls-node.sh and the test suites at the series' nodes
+#                                  (TEST_RABBITMQCTL carries RABBITMQ4_SERIES along).
+#   rabbitmq4.sh all-down          the series' cluster, TLS node and single node down, its root's
+#                                  /proc unmounted. Safe when nothing is up.
+#   rabbitmq4.sh series            print the series and its root, suite and version.
 #
-# Environment: RABBITMQ4_ROOT, RABBITMQ4_SUITE (default trixie), RABBITMQ4_NODE,
+# Every command acts on one series: RABBITMQ4_SERIES=4.0|4.3 (4.3.x, 43 and 4.3.6 also name 4.3;
+# 4, 4.0.x and 40 name 4.0), e.g. `RABBITMQ4_SERIES=4.3 scripts/rabbitmq4.sh up`.
+#
+# Environment: RABBITMQ4_SERIES, RABBITMQ4_ROOT, RABBITMQ4_SUITE (debootstrap suite, default
+# trixie), RABBITMQ4_APT_SOURCE (the root's apt source line; 4.0: none, debootstrap's own; 4.3:
+# the sid line above), RABBITMQ4_NODE,
 # RABBITMQ4_AMQP_PORT, RABBITMQ4_MGMT_PORT, RABBITMQ4_DIST_PORT, RABBITMQ4_DIR (inside the root),
 # RABBITMQ4_WAIT_SECS (default 120), RABBITMQ4_CONF_EXTRA (extra rabbitmq.conf lines for the
 # single node), RABBITMQ4_ADVANCED_CONFIG (its advanced.config terms; default: the settings we
@@ -58,15 +77,36 @@
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="${RABBITMQ4_ROOT:-/var/cache/amqp-delay/rabbitmq4-root}"
+
+# The series' defaults: root, apt source, names and ports (every one overridable).
+case "${RABBITMQ4_SERIES:-4.0}" in
+    4 | 4.0 | 4.0.* | 40)
+        SERIES=4.0
+        D_ROOT=/var/cache/amqp-delay/rabbitmq4-root
+        D_APT_SOURCE=""
+        D_TAG=rmq4 D_NAME=ad4 D_PORT=57
+        ;;
+    4.3 | 4.3.* | 43)
+        SERIES=4.3
+        D_ROOT=/var/cache/amqp-delay/rabbitmq43-root
+        D_APT_SOURCE="deb [check-valid-until=no] http://deb.debian.org/debian sid main"
+        D_TAG=rmq43 D_NAME=ad43 D_PORT=58
+        ;;
+    *)
+        printf '[rabbitmq4.sh] ERROR: RABBITMQ4_SERIES=%s: use 4.0 or 4.3\n' "${RABBITMQ4_SERIES}" >&2
+        exit 2
+        ;;
+esac
+ROOT="${RABBITMQ4_ROOT:-${D_ROOT}}"
 ROOT="${ROOT%/}"
 SUITE="${RABBITMQ4_SUITE:-trixie}"
-NODE="${RABBITMQ4_NODE:-ad4single@localhost}"
+APT_SOURCE="${RABBITMQ4_APT_SOURCE-${D_APT_SOURCE}}"
+NODE="${RABBITMQ4_NODE:-${D_NAME}single@localhost}"
 SHORT="${NODE%@*}"
-AMQP_PORT="${RABBITMQ4_AMQP_PORT:-5741}"
-MGMT_PORT="${RABBITMQ4_MGMT_PORT:-15741}"
-DIST_PORT="${RABBITMQ4_DIST_PORT:-25741}"
-DIR="${RABBITMQ4_DIR:-/tmp/amqp-delay-rmq4}"
+AMQP_PORT="${RABBITMQ4_AMQP_PORT:-${D_PORT}41}"
+MGMT_PORT="${RABBITMQ4_MGMT_PORT:-1${D_PORT}41}"
+DIST_PORT="${RABBITMQ4_DIST_PORT:-2${D_PORT}41}"
+DIR="${RABBITMQ4_DIR:-/tmp/amqp-delay-${D_TAG}}"
 WAIT_SECS="${RABBITMQ4_WAIT_SECS:-120}"
 READY="${ROOT}/.amqp-delay-root-ready"
 RMQ_BIN=/usr/lib/rabbitmq/bin
@@ -132,7 +172,7 @@ build_root() {
         rm -rf --one-file-system "${part}"
     fi
     mkdir -p "$(dirname "${ROOT}")"
-    log "building a Debian ${SUITE} root in ${part} (debootstrap --variant=minbase; a few minutes)"
+    log "building a Debian ${SUITE} root for RabbitMQ ${SERIES} in ${part} (debootstrap --variant=minbase; a few minutes)"
     debootstrap --variant=minbase "${SUITE}" "${part}" >"${part}.log" 2>&1 ||
         { tail -n 30 "${part}.log" >&2; die "debootstrap failed (whole log: ${part}.log)"; }
     log "debootstrap done ($((SECONDS - t0))s)"
@@ -140,9 +180,16 @@ build_root() {
     printf '#!/bin/sh\nexit 101\n' >"${part}/usr/sbin/policy-rc.d"
     chmod 755 "${part}/usr/sbin/policy-rc.d"
     mount_proc "${part}"
+    if [[ -n "${APT_SOURCE}" ]]; then
+        log "apt source of the root: ${APT_SOURCE}"
+        printf '%s\n' "${APT_SOURCE}" >"${part}/etc/apt/sources.list"
+        rm -f "${part}"/etc/apt/sources.list.d/*.list "${part}"/etc/apt/sources.list.d/*.sources
+    fi
     log "installing rabbitmq-server in the root"
+    # Check-Valid-Until=false: sid's Release file as served here is past its Valid-Until date.
     if ! chroot "${part}" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive \
-        sh -c 'apt-get update -qq && apt-get install -y -qq --no-install-recommends rabbitmq-server' \
+        sh -c 'apt-get -o Acquire::Check-Valid-Until=false update -qq &&
+               apt-get install -y -qq --no-install-recommends rabbitmq-server' \
         >>"${part}.log" 2>&1; then
         umount "${part}/proc" || true
         tail -n 30 "${part}.log" >&2
@@ -152,7 +199,7 @@ build_root() {
     umount "${part}/proc"
     ver="$(chroot "${part}" dpkg-query -W -f '${Version}' rabbitmq-server)"
     [[ -x "${part}${RMQ_BIN}/rabbitmq-server" ]] || die "the root has no ${RMQ_BIN}/rabbitmq-server"
-    echo "rabbitmq-server ${ver}; built $(date -u '+%F %T') in $((SECONDS - t0))s" >"${part}/.amqp-delay-root-ready"
+    echo "rabbitmq-server ${ver}; built $(date -u '+%F %T') in $((SECONDS - t0))s; series ${SERIES}; source ${APT_SOURCE:-debootstrap ${SUITE}}" >"${part}/.amqp-delay-root-ready"
     mv "${part}" "${ROOT}"
     mv "${part}.log" "${ROOT}.build.log" 2>/dev/null || true
     log "root ready: ${ROOT} (rabbitmq-server ${ver}, built in $((SECONDS - t0))s)"
@@ -168,6 +215,13 @@ ensure_root() {
     fi
     root_ready || build_root
     mount_proc "${ROOT}"
+    # Erlang resolves the node's host (localhost) through the root's /etc/hosts. trixie's
+    # rabbitmq-server pulls in netbase, which ships one; sid's (4.3) does not, and without it
+    # the node's boot fails: "epmd error for host localhost: nxdomain".
+    if ! grep -qE '^127\.0\.0\.1[[:space:]].*\blocalhost\b' "${ROOT}/etc/hosts" 2>/dev/null; then
+        log "writing ${ROOT}/etc/hosts (127.0.0.1 localhost)"
+        printf '127.0.0.1\tlocalhost\n::1\t\tlocalhost ip6-localhost ip6-loopback\n' >>"${ROOT}/etc/hosts"
+    fi
     # One cookie for every node of the root, made before any starts (nodes started together
     # would each write a random one of their own).
     if [[ ! -s "${ROOT}${RMQ_HOME}/.erlang.cookie" ]]; then
@@ -433,22 +487,22 @@ cmd_down() {
 cluster_env() {
     cat <<EOF
 export CLUSTER_ROOT='${ROOT}'
-export CLUSTER_BASE_DIR='${RABBITMQ4_CLUSTER_DIR:-/tmp/amqp-delay-rmq4-cluster}'
-export CLUSTER_NODE_PREFIX='${RABBITMQ4_CLUSTER_PREFIX:-ad4c}'
-export CLUSTER_AMQP_PORT_BASE='${RABBITMQ4_CLUSTER_AMQP_BASE:-5750}'
-export CLUSTER_DIST_PORT_BASE='${RABBITMQ4_CLUSTER_DIST_BASE:-25750}'
-export CLUSTER_MGMT_PORT_BASE='${RABBITMQ4_CLUSTER_MGMT_BASE:-15750}'
+export CLUSTER_BASE_DIR='${RABBITMQ4_CLUSTER_DIR:-/tmp/amqp-delay-${D_TAG}-cluster}'
+export CLUSTER_NODE_PREFIX='${RABBITMQ4_CLUSTER_PREFIX:-${D_NAME}c}'
+export CLUSTER_AMQP_PORT_BASE='${RABBITMQ4_CLUSTER_AMQP_BASE:-${D_PORT}50}'
+export CLUSTER_DIST_PORT_BASE='${RABBITMQ4_CLUSTER_DIST_BASE:-2${D_PORT}50}'
+export CLUSTER_MGMT_PORT_BASE='${RABBITMQ4_CLUSTER_MGMT_BASE:-1${D_PORT}50}'
 EOF
 }
 
 tls_env() {
     cat <<EOF
 export TLS_NODE_ROOT='${ROOT}'
-export TLS_NODE_DIR='${RABBITMQ4_TLS_DIR:-/tmp/amqp-delay-rmq4-tls}'
-export TLS_NODE_NAME='${RABBITMQ4_TLS_NODE:-ad4tls@localhost}'
-export TLS_NODE_AMQP_PORT='${RABBITMQ4_TLS_AMQP_PORT:-5761}'
-export TLS_NODE_AMQPS_PORT='${RABBITMQ4_TLS_AMQPS_PORT:-5762}'
-export TLS_NODE_DIST_PORT='${RABBITMQ4_TLS_DIST_PORT:-25761}'
+export TLS_NODE_DIR='${RABBITMQ4_TLS_DIR:-/tmp/amqp-delay-${D_TAG}-tls}'
+export TLS_NODE_NAME='${RABBITMQ4_TLS_NODE:-${D_NAME}tls@localhost}'
+export TLS_NODE_AMQP_PORT='${RABBITMQ4_TLS_AMQP_PORT:-${D_PORT}61}'
+export TLS_NODE_AMQPS_PORT='${RABBITMQ4_TLS_AMQPS_PORT:-${D_PORT}62}'
+export TLS_NODE_DIST_PORT='${RABBITMQ4_TLS_DIST_PORT:-2${D_PORT}61}'
 EOF
 }
 
@@ -456,8 +510,9 @@ cmd_env() {
     cluster_env
     tls_env
     cat <<EOF
+export RABBITMQ4_SERIES='${SERIES}'
 export AMQP_URL='amqp://guest:guest@127.0.0.1:${AMQP_PORT}/%2f'
-export TEST_RABBITMQCTL='bash ${SCRIPT_DIR}/rabbitmq4.sh rabbitmqctl'
+export TEST_RABBITMQCTL='env RABBITMQ4_SERIES=${SERIES} bash ${SCRIPT_DIR}/rabbitmq4.sh rabbitmqctl'
 EOF
 }
 
@@ -517,6 +572,13 @@ case "${cmd}" in
     cluster) with_env cluster.sh "$@" ;;
     tls) with_env tls-node.sh "$@" ;;
     env) cmd_env ;;
+    series)
+        echo "SERIES=${SERIES}"
+        echo "ROOT=${ROOT}"
+        echo "SUITE=${SUITE}"
+        echo "APT_SOURCE=${APT_SOURCE}"
+        echo "VERSION=$(root_version)"
+        ;;
     -h | --help | help) usage ;;
     *) usage ;;
 esac

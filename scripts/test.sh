@@ -23,25 +23,34 @@
 #   3. Runs `cargo test "$@"` (unit, integration and doc tests, and the fault suite,
 #      tests/fault, which starts its own 3-node cluster with scripts/cluster.sh) with
 #      AMQP_URL exported: the suites on the machine's RabbitMQ (Debian 12's 3.10.8).
-#   4. Runs the broker suites again on RabbitMQ 4.x (Debian 13's 4.0.5, from the root that
-#      scripts/rabbitmq4.sh builds once and caches outside the clone): the integration suite
-#      against its single node (AMQP 5741; the TLS and permission tests on its 4.x TLS node),
-#      the fault suite on its 3-node cluster (5751..5753). Without arguments that is
+#   4. Runs the broker suites again on each RabbitMQ 4.x series, one after the other, each from
+#      the root that scripts/rabbitmq4.sh builds once and caches outside the clone:
+#        4.0  Debian 13's 4.0.5 (RABBITMQ4_SERIES=4.0; single node AMQP 5741, TLS node 5761/5762,
+#             cluster 5751..5753)
+#        4.3  Debian sid's 4.3.x (RABBITMQ4_SERIES=4.3; single node 5841, TLS node 5861/5862,
+#             cluster 5851..5853; Khepri is its metadata store)
+#      the integration suite against the series' single node (the TLS and permission tests on
+#      its TLS node), the fault suite on its 3-node cluster. Without arguments that is
 #      `cargo test --test it --test fault` (unit, doc and deploy tests need no broker and
-#      ran in step 3); with arguments, `cargo test "$@"` again.
-#   Exits non-zero when either run failed. Both runs happen even if the first fails, and each
+#      ran in step 3); with arguments, `cargo test "$@"` again. A series' nodes are stopped
+#      before the next series starts.
+#   Exits non-zero when any run failed. Every run happens even if an earlier one fails, and each
 #   runs every test binary (--no-fail-fast: a failing fault suite does not hide the
-#   integration suite's results).
+#   integration suite's results). The last lines say how long each run took.
 #   On exit, whatever happened, stops the throwaway nodes the tests may have started
-#   (`scripts/cluster.sh down`, `scripts/tls-node.sh down`, `scripts/rabbitmq4.sh all-down`);
-#   the main broker is left running.
+#   (`scripts/cluster.sh down`, `scripts/tls-node.sh down`, `scripts/rabbitmq4.sh all-down` of
+#   each series); the main broker is left running.
 #
 # Options / environment:
 #   --broker-only        (first argument) stop after step 1: only make sure the
 #                        broker is up. Same as BROKER_ONLY=1.
 #   AMQP_URL             broker the tests use in step 3; exported to cargo test.
-#   TEST_BROKERS         which runs: "3.10 4" (default), "3.10" (steps 1-3 only) or "4"
-#                        (step 4 only; the main broker is not needed then).
+#   TEST_BROKERS         which runs, in order (default "3.10 4.0 4.3"): 3.10 is steps 1-3, 4.0
+#                        and 4.3 (4 means 4.0) a run of step 4 each; the main broker is not
+#                        needed without 3.10. A 4.x entry may name its suites after a colon,
+#                        comma separated (it, fault), e.g. "3.10 4.0:fault 4.3" runs only the
+#                        fault suite on 4.0.5 (`cargo test --test fault`; ignored when
+#                        arguments are given).
 #   BROKER_WAIT_SECS     how long to wait for the broker to come up (default 120).
 #   Anything else (RUST_BACKTRACE, RUST_LOG, ...) passes through to cargo test.
 #
@@ -369,16 +378,25 @@ ensure_amqplib() {
 
 # --- main --------------------------------------------------------------------
 
-TEST_BROKERS="${TEST_BROKERS:-3.10 4}"
+TEST_BROKERS="${TEST_BROKERS:-3.10 4.0 4.3}"
 RUN_310=0
-RUN_4=0
+RUNS_4=()   # "SERIES SUITES" per 4.x run, in order (SUITES: comma separated, or "all")
 for b in ${TEST_BROKERS}; do
-    case "${b}" in
+    series="${b%%:*}"
+    suites="all"
+    [[ "${b}" == *:* ]] && suites="${b#*:}"
+    case "${series}" in
         3 | 3.10 | 3.10.*) RUN_310=1 ;;
-        4 | 4.*) RUN_4=1 ;;
-        *) die "TEST_BROKERS: unknown broker '${b}' (use 3.10 and/or 4)" ;;
+        4 | 4.0 | 4.0.*) RUNS_4+=("4.0 ${suites}") ;;
+        4.3 | 4.3.*) RUNS_4+=("4.3 ${suites}") ;;
+        *) die "TEST_BROKERS: unknown broker '${b}' (use 3.10, 4.0 and/or 4.3)" ;;
     esac
+    if [[ "${suites}" != all ]]; then
+        [[ "${series}" != 3* ]] || die "TEST_BROKERS: '${b}': only a 4.x run can name its suites"
+        [[ "${suites}" =~ ^(it|fault)(,(it|fault))*$ ]] || die "TEST_BROKERS: '${b}': suites are it and/or fault"
+    fi
 done
+RUN_4=${#RUNS_4[@]}
 ((RUN_310 + RUN_4 > 0)) || die "TEST_BROKERS names no broker"
 
 if ((RUN_310)) || [[ "${BROKER_ONLY}" == "1" ]]; then
@@ -403,11 +421,18 @@ stop_test_nodes() {
     bash "${SCRIPT_DIR}/cluster.sh" down >/dev/null 2>&1 || log "warning: scripts/cluster.sh down failed"
     bash "${SCRIPT_DIR}/tls-node.sh" down >/dev/null 2>&1 || log "warning: scripts/tls-node.sh down failed"
 }
+# stop_rabbitmq4_nodes SERIES...: every node of those series
 stop_rabbitmq4_nodes() {
-    bash "${SCRIPT_DIR}/rabbitmq4.sh" all-down >/dev/null 2>&1 || log "warning: scripts/rabbitmq4.sh all-down failed"
+    local series
+    for series in "$@"; do
+        RABBITMQ4_SERIES="${series}" bash "${SCRIPT_DIR}/rabbitmq4.sh" all-down >/dev/null 2>&1 ||
+            log "warning: RABBITMQ4_SERIES=${series} scripts/rabbitmq4.sh all-down failed"
+    done
 }
+SERIES_4=()
+for r in "${RUNS_4[@]}"; do SERIES_4+=("${r%% *}"); done
 if is_root; then
-    trap 'stop_test_nodes; ((RUN_4)) && stop_rabbitmq4_nodes' EXIT
+    trap 'stop_test_nodes; ((RUN_4)) && stop_rabbitmq4_nodes "${SERIES_4[@]}"' EXIT
 fi
 
 rc=0
@@ -427,17 +452,23 @@ if ((RUN_310)); then
     is_root && stop_test_nodes
 fi
 
-if ((RUN_4)); then
+for run in "${RUNS_4[@]}"; do
+    series="${run%% *}"
+    suites="${run#* }"
     t0=${SECONDS}
-    # builds the cached root when it is missing (a few minutes, once per machine)
-    if info4="$(bash "${SCRIPT_DIR}/rabbitmq4.sh" up)"; then
+    # builds the cached root when it is missing (a minute or a few, once per machine and series)
+    if info4="$(RABBITMQ4_SERIES="${series}" bash "${SCRIPT_DIR}/rabbitmq4.sh" up)"; then
         v4="$(sed -n 's/^VERSION=//p' <<<"${info4}")"
         args4=("$@")
-        ((${#args4[@]})) || args4=(--test it --test fault)
-        log "== RabbitMQ ${v4} (scripts/rabbitmq4.sh): cargo test ${args4[*]}"
+        if ((${#args4[@]} == 0)); then
+            [[ "${suites}" == all ]] && suites="it,fault"
+            IFS=, read -r -a names <<<"${suites}"
+            for n in "${names[@]}"; do args4+=(--test "${n}"); done
+        fi
+        log "== RabbitMQ ${v4} (RABBITMQ4_SERIES=${series} scripts/rabbitmq4.sh): cargo test ${args4[*]}"
         set +e
         (
-            eval "$(bash "${SCRIPT_DIR}/rabbitmq4.sh" env)"
+            eval "$(RABBITMQ4_SERIES="${series}" bash "${SCRIPT_DIR}/rabbitmq4.sh" env)"
             cargo test --no-fail-fast "${args4[@]}"
         )
         rc4=$?
@@ -445,12 +476,15 @@ if ((RUN_4)); then
         log "cargo test on RabbitMQ ${v4} exited with ${rc4} ($((SECONDS - t0))s)"
     else
         rc4=1
-        v4="4.x"
-        log "ERROR: scripts/rabbitmq4.sh up failed; the 4.x run did not happen"
+        v4="${series}.x"
+        args4=()
+        log "ERROR: RABBITMQ4_SERIES=${series} scripts/rabbitmq4.sh up failed; the ${series} run did not happen"
     fi
-    summary+=("RabbitMQ ${v4}: $([[ ${rc4} -eq 0 ]] && echo ok || echo "FAILED (${rc4})") in $((SECONDS - t0))s")
+    summary+=("RabbitMQ ${v4} (${args4[*]:-no tests}): $([[ ${rc4} -eq 0 ]] && echo ok || echo "FAILED (${rc4})") in $((SECONDS - t0))s")
     ((rc4 == 0)) || rc=${rc4}
-fi
+    # its nodes are done: free the machine for the next series
+    stop_rabbitmq4_nodes "${series}"
+done
 
 for line in "${summary[@]}"; do log "${line}"; done
 exit "${rc}"

@@ -37,7 +37,8 @@
 # and the layout overrides named above. TLS_NODE_ROOT: run the node from the RabbitMQ installed
 # in this root directory (chroot, its rabbitmq user and rabbitmqctl; /proc mounted in it), with
 # TLS_NODE_DIR inside the root and the same path on the host a symlink to it;
-# `scripts/rabbitmq4.sh tls ...` sets it (4.0.5) with names and ports of its own.
+# `scripts/rabbitmq4.sh tls ...` sets it (4.0.5, or 4.3.x with RABBITMQ4_SERIES=4.3) with names and
+# ports of its own.
 
 set -euo pipefail
 
