@@ -77,16 +77,23 @@ pub fn is_reserved(name: &str) -> bool {
     is_ours(name) || name == NATIVE_DELIVERY_TIME
 }
 
-/// The quorum queues' count of earlier returns of a delivery (set by the broker).
+/// The quorum queues' count of earlier failed deliveries of a message (set by the broker; up to
+/// RabbitMQ 4.2 every return counts, a consumer's requeue too).
 pub const DELIVERY_COUNT: &str = "x-delivery-count";
+/// RabbitMQ 4.3's quorum queues: how many times a message was acquired by a consumer and came
+/// back, a consumer's requeue included, which no longer counts toward the delivery limit.
+pub const ACQUIRED_COUNT: &str = "x-acquired-count";
 
-/// How many times the broker says this delivery was returned to its queue before
-/// (`x-delivery-count`; 0 when absent, negative or not an integer).
+/// How many times the broker says this delivery was returned to its queue before: the larger of
+/// `x-delivery-count` and 4.3's `x-acquired-count` (0 when absent, negative or not an integer).
 pub fn delivery_count(table: Option<&FieldTable>) -> u64 {
-    table
-        .and_then(|t| get_int(t, DELIVERY_COUNT))
-        .and_then(|n| u64::try_from(n).ok())
-        .unwrap_or(0)
+    let count = |name| {
+        table
+            .and_then(|t| get_int(t, name))
+            .and_then(|n| u64::try_from(n).ok())
+            .unwrap_or(0)
+    };
+    count(DELIVERY_COUNT).max(count(ACQUIRED_COUNT))
 }
 
 /// The broker's dead-letter history headers.
@@ -113,10 +120,13 @@ pub fn is_routing_header(name: &str) -> bool {
 }
 
 /// Headers the broker adds on its own (the dead-letter history and the quorum queues'
-/// redelivery counter) or acts on at every publish (`CC`, `BCC`). Never carried into anything
+/// redelivery counters) or acts on at every publish (`CC`, `BCC`). Never carried into anything
 /// we re-publish.
 pub fn is_broker_header(name: &str) -> bool {
-    is_death_header(name) || name == DELIVERY_COUNT || is_routing_header(name)
+    is_death_header(name)
+        || name == DELIVERY_COUNT
+        || name == ACQUIRED_COUNT
+        || is_routing_header(name)
 }
 
 /// The `x-delay-*` headers that steer only the message that carries them — its delay, due
@@ -128,7 +138,7 @@ pub fn is_schedule_header(name: &str) -> bool {
 }
 
 /// Returns `table` without `x-death`, `x-first-death-*`, `x-last-death-*`,
-/// `x-delivery-count`, `CC` and `BCC`.
+/// `x-delivery-count`, `x-acquired-count`, `CC` and `BCC`.
 pub fn strip_death(table: &FieldTable) -> FieldTable {
     filter(table, |k| !is_broker_header(k))
 }
@@ -285,5 +295,11 @@ mod tests {
         assert_eq!(delivery_count(Some(&t)), 0);
         t.insert(DELIVERY_COUNT.into(), AMQPValue::LongString("7".into()));
         assert_eq!(delivery_count(Some(&t)), 0);
+        // 4.3 counts a requeue in x-acquired-count only
+        t.insert(ACQUIRED_COUNT.into(), AMQPValue::LongLongInt(5));
+        assert_eq!(delivery_count(Some(&t)), 5);
+        t.insert(DELIVERY_COUNT.into(), AMQPValue::LongInt(6));
+        assert_eq!(delivery_count(Some(&t)), 6);
+        assert!(is_broker_header(ACQUIRED_COUNT));
     }
 }

@@ -148,11 +148,21 @@ run() {
     fi
 }
 
+# RabbitMQ 4.3.1+ (and 4.2.7+) lets a passive declare through on any one right on the object:
+# each role writes (a right that is harmless there: the layout's signature exchange and the
+# batch and hold markers are exchanges bound to nothing, so nothing published to them goes
+# anywhere; a write on a queue only lets one bind it, which needs read on an exchange too) the
+# objects it checks and has no other right on. 3.x and 4.0-4.2.5 check nothing on a passive
+# declare; 4.2.6 and 4.3.0 want configure (README, "Broker versions").
+CHECKED="layout\\..+"
+marks() { printf '(parked|holds|batched)\\.(%s)' "$1"; }
 run set_permissions -p "${VHOST}" "${USER_PREFIX}-admin" "${ADMIN}" "${ADMIN}" "${ADMIN}"
-run set_permissions -p "${VHOST}" "${USER_PREFIX}-publisher" '^$' "^(${TIERS}|${P}\\.streams)\$" '^$'
+run set_permissions -p "${VHOST}" "${USER_PREFIX}-publisher" '^$' \
+    "^(${TIERS}|${P}\\.(streams|control|ledger|${CHECKED}|(holds|batched)\\..+))\$" '^$'
 if [[ -n "${Q}" ]]; then
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-worker" '^$' \
-        "^(${TIERS}|${P}\\.(streams|park))\$" "^(${Q}|${P}\\.(control|ledger))\$"
+        "^(${TIERS}|${P}\\.(streams|park|${CHECKED}|$(marks "${Q}")))\$" \
+        "^(${Q}|${P}\\.(control|ledger))\$"
 fi
 if [[ -n "${I}${AX}" ]]; then
     # the ingresses and targets of the configured pairs, and (following the pairs) every
@@ -160,13 +170,14 @@ if [[ -n "${I}${AX}" ]]; then
     GI="${I}${I:+|}"
     GT="${T}${T:+${AX:+|}}${AX}"
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-gateway" '^$' \
-        "^(${GI}${GT}|${P}\\.(gw\\..*|parking|streams|park)|${TIERS})\$" \
+        "^(${GI}${GT}|${P}\\.(gw\\..*|parking|streams|park|${CHECKED}|$(marks "${P}\\.gw\\..+"))|${TIERS})\$" \
         "^(${GI}${P}\\.gw\\..*|${P}\\.(control|ledger))\$"
 fi
 if [[ -n "${RS}" ]]; then
     # a relay is a worker of S that re-publishes into Q through the default exchange
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-relay" '^$' \
-        "^(amq\\.default|${TIERS}|${P}\\.(streams|park))\$" "^(${RS}|${P}\\.(control|ledger))\$"
+        "^(amq\\.default|${TIERS}|${P}\\.(streams|park|${CHECKED}|$(marks "${RS}")))\$" \
+        "^(${RS}|${P}\\.(control|ledger))\$"
 fi
 if [[ ${PROXY} -eq 1 ]]; then
     # declares the pairs (and the tiers when they are missing) under the prefix; only checks

@@ -517,12 +517,7 @@ impl Gateway {
         }
         let qargs = topology.consumed_queue_args();
         for p in &self.pairs {
-            if !broker::exchange_exists(conn, &p.target).await? {
-                return Err(Error::Missing {
-                    object: format!("target exchange '{}'", p.target),
-                    hint: "declare it, with the bindings your queues had on the delayed exchange, before starting the gateway".into(),
-                });
-            }
+            self.check_target(conn, p).await?;
             // What exists is used as it is (it may predate today's arguments, or have been
             // declared by an admin with `gateway --declare-only`, so that the gateway itself
             // needs no right to configure it).
@@ -575,6 +570,28 @@ impl Gateway {
             control::append(conn, &self.layout, &record).await?;
         }
         Ok(())
+    }
+
+    /// Fails when `pair`'s target exchange is missing. A user that may not check it is let
+    /// through: RabbitMQ 4.3 checks a passive declare against the user's rights on the
+    /// exchange, and an admin's `gateway --declare-only` or `delay-proxy` (whose client the
+    /// broker has just let declare it) has none on an application's exchange; the running
+    /// gateway, which writes it, checks it when it starts.
+    async fn check_target(&self, conn: &Connection, pair: &Pair) -> Result<()> {
+        match broker::exchange_exists(conn, &pair.target).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Error::Missing {
+                object: format!("target exchange '{}'", pair.target),
+                hint: "declare it, with the bindings your queues had on the delayed exchange, before starting the gateway".into(),
+            }),
+            Err(Error::Amqp { source, .. })
+                if broker::is_reply(&source, broker::ACCESS_REFUSED) =>
+            {
+                tracing::debug!(target = %pair.target, "not allowed to check the target exchange; the gateway checks it when it starts");
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Deletes what [`Gateway::declare`] created for the pairs (ingress exchanges, ingress, due

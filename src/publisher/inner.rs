@@ -504,12 +504,22 @@ impl Inner {
             Ok(()) => {}
             // A publisher with least privilege may not bind (that needs read on the delivery
             // exchange, which would let it bind a queue of its own there too): the admin's
-            // `declare --queue` bound the destination. It must exist, though.
+            // `declare --queue` bound the destination. It must exist, though, when the broker
+            // lets us look: RabbitMQ 4.3 checks a passive declare against the user's rights on
+            // the queue, which a publisher to any destination has not. Then a missing one is
+            // parked as unroutable at the delivery exchange, never lost.
             Err(e) if broker::is_reply(&e, ACCESS_REFUSED) => {
                 *admin = None;
                 let conn = self.connection().await?;
-                if broker::queue_state(&conn, destination).await?.is_none() {
-                    return Err(Error::UnknownDestination(destination.into()));
+                match broker::queue_state(&conn, destination).await {
+                    Ok(Some(_)) => {}
+                    Ok(None) => return Err(Error::UnknownDestination(destination.into())),
+                    Err(Error::Amqp { source, .. })
+                        if broker::is_reply(&source, ACCESS_REFUSED) =>
+                    {
+                        tracing::debug!(%destination, "not allowed to check the destination either");
+                    }
+                    Err(e) => return Err(e),
                 }
                 tracing::debug!(%destination, "not allowed to bind the destination; relying on `declare --queue`");
             }

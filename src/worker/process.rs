@@ -83,6 +83,10 @@ pub(super) async fn delivery<H: Handler>(
     if redelivered {
         ctx.counters.count(Event::Redelivered, queue);
     }
+    if returned_before > DELIVERY_LIMIT {
+        park_returned(raw, acker, queue, ctx, requeue).await;
+        return;
+    }
     let mut raw = raw;
     if !handler.reads_our_headers() {
         strip_our_headers(&mut raw);
@@ -121,6 +125,31 @@ pub(super) async fn delivery<H: Handler>(
         Ok(_) => settle(acker, queue, &id, Ok(()), requeue).await,
         Err(e) => settle(acker, queue, &id, Err(e), requeue).await,
     }
+}
+
+/// The quorum queues' delivery limit the queues we declare have (`x-delivery-limit`).
+const DELIVERY_LIMIT: u64 = crate::topology::DELIVERY_LIMIT.unsigned_abs();
+
+/// A delivery returned to its queue as often as the delivery limit allows, and delivered all
+/// the same: RabbitMQ 4.3 no longer counts a consumer's requeue toward the limit (up to 4.2 the
+/// broker dead-letters it into `<prefix>.parked` at the limit), so the worker parks it whole,
+/// without running it, as the broker did.
+async fn park_returned(
+    raw: lapin::message::Delivery,
+    acker: Settle,
+    queue: &str,
+    ctx: &TaskCtx,
+    requeue: Requeue<'_>,
+) {
+    let (key, exchange) = (raw.routing_key.to_string(), raw.exchange.to_string());
+    let (d, _) = envelope::decode(queue, raw.data, raw.properties, &key, &exchange, true);
+    let reason = format!(
+        "returned to its queue {} times without being settled: the queue's delivery limit ({DELIVERY_LIMIT})",
+        requeue.returned_before
+    );
+    tracing::warn!(queue, id = %d.message_id, %reason, "parking a message the broker keeps delivering");
+    let r = park(&d, &reason, "delivery_limit", ctx).await;
+    settle(acker, queue, &d.message_id, r, requeue).await;
 }
 
 /// Who owns a message with properties `props` (a plain one, or a batch member whose batch
@@ -297,7 +326,7 @@ async fn batch_delivery<H: Handler>(
 /// What `settle` needs to return a message it could not settle.
 #[derive(Clone, Copy)]
 struct Requeue<'a> {
-    /// The broker's count of this delivery's earlier returns (`x-delivery-count`).
+    /// The broker's count of this delivery's earlier returns ([`headers::delivery_count`]).
     returned_before: u64,
     /// `consumer.requeue_pause`: the pause before the first return.
     first_pause_ms: u64,

@@ -34,18 +34,21 @@ fn the_permission_script_prints_the_documented_sets() {
     // the shapes of tests/it/permissions.rs, which proves them on a real broker
     for line in [
         // no role has amq.default (it writes into any queue of the vhost): the streams and the
-        // parking queues have exchanges of their own
+        // parking queues have exchanges of their own; each role writes what it checks with a
+        // passive declare and may not otherwise touch (RabbitMQ 4.3 wants a right on it)
         r"set_permissions -p / p-admin '^(p\..*|q|i)$' '^(p\..*|q|i)$' '^(p\..*|q|i)$'".to_string(),
-        format!("set_permissions -p / p-publisher '^$' '^({tiers}|p\\.streams)$' '^$'"),
         format!(
-            "set_permissions -p / p-worker '^$' '^({tiers}|p\\.(streams|park))$' '^(q|p\\.(control|ledger))$'"
+            "set_permissions -p / p-publisher '^$' '^({tiers}|p\\.(streams|control|ledger|layout\\..+|(holds|batched)\\..+))$' '^$'"
+        ),
+        format!(
+            "set_permissions -p / p-worker '^$' '^({tiers}|p\\.(streams|park|layout\\..+|(parked|holds|batched)\\.(q)))$' '^(q|p\\.(control|ledger))$'"
         ),
         // following the pairs, the applications' exchanges are targets too
         format!(
-            "set_permissions -p / p-gateway '^$' '^(i|t|x1|x2|p\\.(gw\\..*|parking|streams|park)|{tiers})$' '^(i|p\\.gw\\..*|p\\.(control|ledger))$'"
+            "set_permissions -p / p-gateway '^$' '^(i|t|x1|x2|p\\.(gw\\..*|parking|streams|park|layout\\..+|(parked|holds|batched)\\.(p\\.gw\\..+))|{tiers})$' '^(i|p\\.gw\\..*|p\\.(control|ledger))$'"
         ),
         format!(
-            "set_permissions -p / p-relay '^$' '^(amq\\.default|{tiers}|p\\.(streams|park))$' '^(s|p\\.(control|ledger))$'"
+            "set_permissions -p / p-relay '^$' '^(amq\\.default|{tiers}|p\\.(streams|park|layout\\..+|(parked|holds|batched)\\.(s)))$' '^(s|p\\.(control|ledger))$'"
         ),
         r"set_permissions -p / p-proxy '^p\..*$' '^p\..*$' '^p\..*$'".to_string(),
         // an application writes its own pairs' ingresses, never p.gw.x.* as a whole

@@ -530,3 +530,44 @@ pub fn filler_headers(n: usize, pad: usize) -> FieldTable {
     }
     h
 }
+
+/// What was parked for reaching `queue`'s delivery limit, waiting up to `timeout`: dead-lettered
+/// by the broker into `<prefix>.parked` (RabbitMQ 3.x–4.2; `delivery_limit` in `x-death`), or
+/// parked by the worker in the queue's parking queue (4.3 no longer counts a consumer's requeue
+/// toward the limit; the worker parks what comes back over it, with the reason). Every message
+/// returned has one of those reasons.
+pub async fn parked_by_delivery_limit(
+    conn: &Connection,
+    layout: &Layout,
+    queue: &str,
+    timeout: Duration,
+) -> Vec<Received> {
+    let places = [layout.unroutable_queue(), layout.parked_queue(queue)];
+    let end = Instant::now() + timeout;
+    let mut got = Vec::new();
+    while got.is_empty() && Instant::now() < end {
+        for q in &places {
+            let ready = broker::queue_state(conn, q)
+                .await
+                .unwrap()
+                .map_or(0, |s| s.ready);
+            if ready > 0 {
+                let short = Duration::from_secs(2);
+                got.extend(
+                    collect(conn, q, ready as usize, short, Duration::from_millis(200)).await,
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for m in &got {
+        let by_broker = m.death_reasons().iter().any(|r| r == "delivery_limit");
+        let reason = m.text_header("x-delay-parked-reason").unwrap_or_default();
+        assert!(
+            by_broker || reason.contains("delivery limit"),
+            "parked for another reason: {:?} / {reason}",
+            m.death_reasons()
+        );
+    }
+    got
+}

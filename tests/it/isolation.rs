@@ -21,7 +21,7 @@ use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString};
 use lapin::{BasicProperties, Connection, ExchangeKind};
 
 use crate::harness::*;
-use crate::permissions::{Cleanup, cli_as, url, user};
+use crate::permissions::{Cleanup, cli_as, documented_sets, url, user};
 
 /// Node-wide names of one test: `<prefix>-<name>`.
 struct World {
@@ -101,32 +101,15 @@ fn apply_documented_sets(p: &str) {
         "--gateway-app".into(),
         format!("{}:{}", n("b2"), n("b-delayed")),
     ];
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../deploy/rabbitmq/permissions.sh"
-    );
-    let out = std::process::Command::new("bash")
-        .arg(script)
-        .args(&args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let words = shell_words::split(line).unwrap();
-        if let [_, cmd, _, vhost, who, c, w, r] = &words[..] {
-            assert_eq!((cmd.as_str(), vhost.as_str()), ("set_permissions", "/"));
-            // a worker with --forward X adds write on X by hand, as documented
-            let w = if who == &n("worker") {
-                w.replacen("^(", &format!("^({}|", n("fx")), 1)
-            } else {
-                w.clone()
-            };
-            user(who, c, &w, r);
-        }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    for (who, c, w, r) in documented_sets(&args) {
+        // a worker with --forward X adds write on X by hand, as documented
+        let w = if who == n("worker") {
+            w.replacen("^(", &format!("^({}|", n("fx")), 1)
+        } else {
+            w
+        };
+        user(&who, &c, &w, &r);
     }
 }
 

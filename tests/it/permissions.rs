@@ -42,6 +42,51 @@ pub(crate) fn user(user: &str, configure: &str, write: &str, read: &str) {
     ctl(&["set_permissions", "-p", "/", user, configure, write, read]);
 }
 
+/// A permission set: user, configure, write, read.
+pub(crate) type Set = (String, String, String, String);
+
+/// The sets `deploy/rabbitmq/permissions.sh` prints for `args` (on vhost `/`), each as it
+/// would run them.
+pub(crate) fn documented_sets(args: &[&str]) -> Vec<Set> {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/rabbitmq/permissions.sh"
+    );
+    let out = std::process::Command::new("bash")
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut sets = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let words = shell_words::split(line).unwrap();
+        if let [_, cmd, _, vhost, who, c, w, r] = &words[..] {
+            assert_eq!((cmd.as_str(), vhost.as_str()), ("set_permissions", "/"));
+            sets.push((who.clone(), c.clone(), w.clone(), r.clone()));
+        }
+    }
+    sets
+}
+
+/// The documented set of `user` among `sets`.
+pub(crate) fn set_of<'a>(sets: &'a [Set], user: &str) -> &'a Set {
+    sets.iter()
+        .find(|s| s.0 == user)
+        .unwrap_or_else(|| panic!("permissions.sh printed no set for {user}"))
+}
+
+/// Creates every user of `sets` on the test node with exactly its set.
+pub(crate) fn apply_sets(sets: &[Set]) {
+    for (who, c, w, r) in sets {
+        user(who, c, w, r);
+    }
+}
+
 pub(crate) fn url(user: &str, port: &str) -> String {
     format!("amqp://{user}:{user}-pw@127.0.0.1:{port}/%2f")
 }
@@ -136,35 +181,28 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     let port = node["AMQP_PORT"].clone();
     let p = random_prefix();
     let q = format!("{p}-orders");
-    let tiers = format!(r"{p}\.(level\d+|fixed\..+|overflow\d+|deliver)");
     let (ingress, target) = (format!("{p}-delayed"), format!("{p}-target"));
-    // the sets the README documents, exactly
-    let admin_set = format!(r"^({p}\..*|{q}|{ingress})$");
-    user(&format!("{p}-adm"), &admin_set, &admin_set, &admin_set);
-    let publisher_write = format!(r"^({tiers}|{p}\.streams)$");
-    user(&format!("{p}-pub"), "^$", &publisher_write, "^$");
+    // the sets the README documents, exactly as permissions.sh prints them
+    let sets = documented_sets(&[
+        "--prefix",
+        &p,
+        "--queue",
+        &q,
+        "--gateway",
+        &format!("{ingress}:{target}"),
+    ]);
+    apply_sets(&sets);
     // a publisher that may also have a queue of its own (configure and read on it)
+    let publisher_set = set_of(&sets, &format!("{p}-publisher"));
     user(
         &format!("{p}-pubq"),
         &format!("^{p}-evil$"),
-        &publisher_write,
+        &publisher_set.2,
         &format!("^{p}-evil$"),
-    );
-    user(
-        &format!("{p}-wrk"),
-        "^$",
-        &format!(r"^({tiers}|{p}\.(streams|park))$"),
-        &format!(r"^({q}|{p}\.(control|ledger))$"),
-    );
-    user(
-        &format!("{p}-gw"),
-        "^$",
-        &format!(r"^({ingress}|{target}|{p}\.(gw\..*|parking|streams|park)|{tiers})$"),
-        &format!(r"^({ingress}|{p}\.gw\..*|{p}\.(control|ledger))$"),
     );
     // the node's own administrator stands for the application, which owns the target exchange
     let root = url("guest", &port).replace("guest-pw", "guest");
-    let admin = url(&format!("{p}-adm"), &port);
+    let admin = url(&format!("{p}-admin"), &port);
     let mut settings = Settings {
         url: root.clone(),
         prefix: p.clone(),
@@ -197,7 +235,7 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
             settings.layout().unwrap().parked_queue(&q),
         ],
         exchanges: vec![target.clone()],
-        users: ["adm", "pub", "pubq", "wrk", "gw"]
+        users: ["admin", "publisher", "pubq", "worker", "gateway", "keda"]
             .iter()
             .map(|u| format!("{p}-{u}"))
             .collect(),
@@ -219,7 +257,7 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     let topo = amqp_delay::Topology::new(settings.layout().unwrap());
 
     // the publisher schedules and cancels with write rights on the tiers and amq.default only
-    let pub_url = url(&format!("{p}-pub"), &port);
+    let pub_url = url(&format!("{p}-publisher"), &port);
     let publisher = Publisher::connect(&Settings {
         url: pub_url.clone(),
         ..settings.clone()
@@ -287,7 +325,7 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     let log = h.log.clone();
     let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let worker = Worker::new(Settings {
-        url: url(&format!("{p}-wrk"), &port),
+        url: url(&format!("{p}-worker"), &port),
         ..settings.clone()
     })
     .subscribe(q.clone(), h);
@@ -348,7 +386,7 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     .await
     .unwrap();
     let gw_settings = Settings {
-        url: url(&format!("{p}-gw"), &port),
+        url: url(&format!("{p}-gateway"), &port),
         gateway: amqp_delay::settings::GatewaySettings::from_flags(
             std::slice::from_ref(&ingress),
             std::slice::from_ref(&target),

@@ -16,7 +16,7 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 
 use crate::harness::*;
-use crate::permissions::{Cleanup, cli_as, url, user};
+use crate::permissions::{Cleanup, cli_as, documented_sets, set_of, url, user};
 use crate::worker::Scripted;
 
 /// The users of one test, with the documented sets: an admin, two publishers, a worker of
@@ -60,27 +60,27 @@ async fn world() -> World {
     let port = node["AMQP_PORT"].clone();
     let p = random_prefix();
     let q = format!("{p}-orders");
-    let tiers = format!(r"{p}\.(level\d+|fixed\..+|overflow\d+|deliver)");
     let (ingress, target) = (format!("{p}-delayed"), format!("{p}-target"));
-    let admin_set = format!(r"^({p}\..*|{q}|{ingress})$");
-    user(&format!("{p}-adm"), &admin_set, &admin_set, &admin_set);
-    let publisher_write = format!(r"^({tiers}|{p}\.streams)$");
-    for who in ["alice", "mallory"] {
-        user(&format!("{p}-{who}"), "^$", &publisher_write, "^$");
+    // exactly the sets permissions.sh prints: alice and mallory are both publishers
+    let sets = documented_sets(&[
+        "--prefix",
+        &p,
+        "--user-prefix",
+        &p,
+        "--queue",
+        &q,
+        "--gateway",
+        &format!("{ingress}:{target}"),
+    ]);
+    let renamed = [("admin", "adm"), ("worker", "wrk"), ("gateway", "gw")];
+    for (role, who) in renamed {
+        let (_, c, w, r) = set_of(&sets, &format!("{p}-{role}"));
+        user(&format!("{p}-{who}"), c, w, r);
     }
-    let stream_read = format!(r"{p}\.(control|ledger)");
-    user(
-        &format!("{p}-wrk"),
-        "^$",
-        &format!(r"^({tiers}|{p}\.(streams|park))$"),
-        &format!(r"^({q}|{stream_read})$"),
-    );
-    user(
-        &format!("{p}-gw"),
-        "^$",
-        &format!(r"^({ingress}|{target}|{p}\.(gw\..*|parking|streams|park)|{tiers})$"),
-        &format!(r"^({ingress}|{p}\.gw\..*|{stream_read})$"),
-    );
+    let (_, c, w, r) = set_of(&sets, &format!("{p}-publisher"));
+    for who in ["alice", "mallory"] {
+        user(&format!("{p}-{who}"), c, w, r);
+    }
     let root = url("guest", &port).replace("guest-pw", "guest");
     let settings = Settings {
         url: root.clone(),

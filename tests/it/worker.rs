@@ -297,22 +297,14 @@ async fn a_message_put_back_for_ever_is_parked_by_the_delivery_limit_not_dropped
     p.schedule(Message::new(q.clone(), 1, "later").with_id("later"))
         .await
         .unwrap();
-    let parked = collect(
-        &env.conn,
-        &unroutable,
-        1,
-        Duration::from_secs(60),
-        Duration::from_millis(200),
-    )
-    .await;
+    let parked =
+        parked_by_delivery_limit(&env.conn, &env.layout(), &q, Duration::from_secs(60)).await;
     stop.send(()).unwrap();
     run.await.unwrap().unwrap();
     let runs = log.lock().unwrap().len();
     assert_eq!(parked.len(), 1, "not parked after {runs} runs");
     assert_eq!(parked[0].body, b"later");
-    // its deaths: the tier hop (expired), then the limit
-    let reasons = parked[0].death_reasons();
-    assert!(reasons.iter().any(|r| r == "delivery_limit"), "{reasons:?}");
+    let _ = unroutable;
     // the limit is the broker's count of returns: one run per delivery, at least 20
     assert!(runs >= 20, "{runs} runs");
     p.close().await;
@@ -381,10 +373,11 @@ async fn a_retry_that_cannot_be_published_is_returned_after_a_growing_pause() {
             "return {i}: ran again after {gap} ms, not {pause}: {gaps:?}"
         );
     }
-    // back in its queue, counted by the broker, not parked
+    // back in its queue, counted by the broker (4.3: as acquired), not parked
     let got = env.expect(&q, 1).await;
     assert_eq!(got.len(), 1);
-    assert!(got[0].int_header("x-delivery-count").unwrap_or(0) >= 3);
+    let counted = |h| got[0].int_header(h).unwrap_or(0);
+    assert!(counted("x-delivery-count").max(counted("x-acquired-count")) >= 3);
     env.assert_empty(&parked).await;
     env.cleanup().await;
 }
@@ -403,21 +396,13 @@ async fn a_retry_the_broker_keeps_refusing_is_parked_by_the_delivery_limit_not_d
     let log = h.log.clone();
     let (stop, run) = spawn_worker(&env, &q, h, retry(20, 2.0, 5));
     publish_plain(&env, &q, "refused", b"refused").await;
-    let limited = collect(
-        &env.conn,
-        &env.layout().unroutable_queue(),
-        1,
-        Duration::from_secs(90),
-        Duration::from_millis(200),
-    )
-    .await;
+    let limited =
+        parked_by_delivery_limit(&env.conn, &env.layout(), &q, Duration::from_secs(90)).await;
     stop.send(()).unwrap();
     run.await.unwrap().unwrap();
     let runs = log.lock().unwrap().clone();
     assert_eq!(limited.len(), 1, "not parked after {} runs", runs.len());
     assert_eq!(limited[0].body, b"refused");
-    let reasons = limited[0].death_reasons();
-    assert!(reasons.iter().any(|r| r == "delivery_limit"), "{reasons:?}");
     // one run per delivery, each the first attempt (no retry was ever published)
     assert!(runs.len() >= 20, "{} runs", runs.len());
     assert!(
@@ -425,7 +410,7 @@ async fn a_retry_the_broker_keeps_refusing_is_parked_by_the_delivery_limit_not_d
         "{runs:?}"
     );
     env.assert_empty(&q).await;
-    env.assert_empty(&parked).await;
+    let _ = parked;
     env.cleanup().await;
 }
 
