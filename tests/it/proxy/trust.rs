@@ -184,34 +184,17 @@ fn ctl(args: &[&str]) {
 
 /// Creates the users and applies to them what `permissions.sh` prints for them.
 fn documented_sets(p: &str, users: &[String]) {
-    for u in users {
-        ctl(&["add_user", u, &format!("{u}-pw")]);
+    let apps: Vec<String> = APPS
+        .iter()
+        .map(|(who, x, q)| format!("{p}-{who}:{p}-{x}:{p}-{q}"))
+        .collect();
+    let mut args = vec!["--prefix", p, "--user-prefix", p, "--proxy"];
+    for a in &apps {
+        args.extend(["--app", a.as_str()]);
     }
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../deploy/rabbitmq/permissions.sh"
-    );
-    let mut cmd = std::process::Command::new("bash");
-    cmd.args([script, "--prefix", p, "--user-prefix", p, "--proxy"]);
-    for (who, x, q) in APPS {
-        cmd.args(["--app", &format!("{p}-{who}:{p}-{x}:{p}-{q}")]);
-    }
-    let out = cmd.output().expect("running permissions.sh");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let words = shell_words::split(line).unwrap();
-        // set_permissions -p VHOST USER ...: only for the users of this test
-        if words.get(1).map(String::as_str) == Some("set_permissions")
-            && words.get(4).is_some_and(|u| users.contains(u))
-        {
-            let args: Vec<&str> = words[1..].iter().map(String::as_str).collect();
-            ctl(&args);
-        }
-    }
+    let sets = crate::permissions::documented_sets(&args);
+    let ours: Vec<_> = sets.into_iter().filter(|s| users.contains(&s.0)).collect();
+    crate::permissions::apply_sets(&ours);
 }
 
 /// The world: users with their documented sets, A's virtual host, the topology (declared by the
@@ -384,12 +367,14 @@ async fn own_answer_body(n: &Node) {
     n.served(&bx).await;
     let sent = b_publishes(n).await;
 
-    // A, in one write on one channel: a passive declare it may make, then a delayed declare
+    // A, in one write on one channel: a passive declare it may make (of its own exchange:
+    // RabbitMQ 4.3 checks a passive declare against the user's rights), then a delayed declare
     // of the delivery exchange, which the broker refuses
+    app_declares(n, "a", "a.x", "a.q").await;
     let (user, password) = (n.user("a"), format!("{}-pw", n.user("a")));
     let mut a = RawClient::login(n.proxy.port, &user, &password, "/", 131_072).await;
     a.open_channel(1).await;
-    let mut both = raw::declare(1, "amq.direct", "direct", true, FieldTable::default());
+    let mut both = raw::declare(1, &n.name("a.x"), "direct", true, FieldTable::default());
     both.extend(raw::delayed_declare(1, &deliver, "topic"));
     a.send(&both).await.unwrap();
     a.expect_method("the passive declare's declare-ok", |m| {
