@@ -65,10 +65,10 @@ pub fn is_ours(name: &str) -> bool {
     name.starts_with("x-delay-")
 }
 
-/// RabbitMQ's own publish-time delay for quorum queues (absolute epoch ms), announced for the
-/// release series after 4.x's current one, on AMQP 0-9-1 too. A message that carried it through
-/// our tiers would be delayed once more by a quorum destination on such a broker, so it is
-/// reserved like our own names (docs/DESIGN.md, "A native backend").
+/// RabbitMQ's own publish-time delay for quorum queues (absolute epoch ms; 4.4, ignored on an
+/// AMQP 0-9-1 publish by 4.3). A message that carried it through our tiers would be delayed
+/// once more by a quorum destination on such a broker, so it is reserved like our own names
+/// (docs/DESIGN.md, "A native backend").
 pub const NATIVE_DELIVERY_TIME: &str = "x-opt-delivery-time";
 
 /// Whether an application may not set `name` on a message that goes through the tiers: one of
