@@ -7,6 +7,7 @@
 #   node        adtls@localhost            (TLS_NODE_NAME)
 #   AMQP        127.0.0.1:5721             (TLS_NODE_AMQP_PORT)
 #   AMQPS       127.0.0.1:5722             (TLS_NODE_AMQPS_PORT)
+#   management  127.0.0.1:15721            (TLS_NODE_MGMT_PORT; the HTTP API the KEDA role reads)
 #   dist port   25721                      (TLS_NODE_DIST_PORT)
 #   files       /tmp/amqp-delay-tls/       (TLS_NODE_DIR)
 #     ca.pem ca.key                 throwaway CA ("amqp-delay test CA")
@@ -27,7 +28,7 @@
 #                       KEY=VALUE lines (shell-sourceable):
 #                         TLS_NODE=  AMQP_PORT=  AMQPS_PORT=  CA_CERT=  WRONG_CA_CERT=
 #                         CLIENT_CERT=  CLIENT_KEY=  WRONG_CLIENT_CERT=  WRONG_CLIENT_KEY=
-#                         SERVER_CERT=  AMQP_URL=  AMQPS_URL=
+#                         SERVER_CERT=  AMQP_URL=  AMQPS_URL=  MGMT_PORT=
 #                       Idempotent: if the node already runs and answers TLS, only prints.
 #   tls-node.sh down    stop the node (by name) and delete TLS_NODE_DIR. Safe when nothing runs.
 #   tls-node.sh print   print the KEY=VALUE lines without starting anything.
@@ -47,6 +48,7 @@ NODE="${TLS_NODE_NAME:-adtls@localhost}"
 AMQP_PORT="${TLS_NODE_AMQP_PORT:-5721}"
 AMQPS_PORT="${TLS_NODE_AMQPS_PORT:-5722}"
 DIST_PORT="${TLS_NODE_DIST_PORT:-25721}"
+MGMT_PORT="${TLS_NODE_MGMT_PORT:-15721}"
 WAIT_SECS="${TLS_NODE_WAIT_SECS:-90}"
 NDIR="${DIR}/node"
 SHORT="${NODE%@*}"
@@ -223,6 +225,8 @@ ssl_options.certfile = ${DIR}/server.pem
 ssl_options.keyfile = ${DIR}/server.key
 ssl_options.verify = verify_peer
 ssl_options.fail_if_no_peer_cert = false
+management.tcp.ip = 127.0.0.1
+management.tcp.port = ${MGMT_PORT}
 vm_memory_high_watermark.absolute = 512MiB
 disk_free_limit.absolute = 20MB
 log.file.level = info
@@ -232,7 +236,7 @@ EOF
         printf '# from TLS_NODE_CONF_EXTRA\n%s\n' "${TLS_NODE_CONF_EXTRA}" >>"${NDIR}/rabbitmq.conf"
     fi
     echo "[]." >"${NDIR}/advanced.config"
-    echo "[]." >"${NDIR}/enabled_plugins"
+    echo "[rabbitmq_management]." >"${NDIR}/enabled_plugins"
     env_lines | sed -E "s/^([A-Z_]+)=(.*)$/\\1='\\2'/" >"${NDIR}/rabbitmq-env.conf"
 }
 
@@ -313,6 +317,7 @@ WRONG_CLIENT_KEY=${DIR}/wrong-client.key
 SERVER_CERT=${DIR}/server.pem
 AMQP_URL=amqp://guest:guest@127.0.0.1:${AMQP_PORT}/%2f
 AMQPS_URL=amqps://guest:guest@localhost:${AMQPS_PORT}/%2f
+MGMT_PORT=${MGMT_PORT}
 EOF
 }
 

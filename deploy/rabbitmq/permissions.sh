@@ -130,7 +130,7 @@ AX="$(alt ${APP_X[@]+"${APP_X[@]}"})"
 # admin: everything under the prefix, the destination queues and the gateway ingresses (the
 # control stream's records go through the stream exchange P.streams; no role needs amq.default,
 # which writes into any queue of the vhost)
-ADMIN="^(${P}\\..*${Q:+|${Q}}${I:+|${I}})\$"
+ADMIN="^(${P}\\..*${Q:+|${Q}}${RS:+|${RS}}${I:+|${I}})\$"
 
 run() {
     if [[ ${APPLY} -eq 1 ]]; then

@@ -524,3 +524,174 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     publisher.close().await;
     let _ = conn.close(200, "bye".into()).await;
 }
+
+/// KEDA's user, with the `monitoring` tag and no right in the vhost as permissions.sh sets it
+/// up, reads a queue's depth from the management API (what KEDA's rabbitmq trigger asks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keda_reads_a_queue_depth_with_the_monitoring_tag_alone() {
+    let node = crate::security::tls_node();
+    let (port, mgmt) = (node["AMQP_PORT"].clone(), node["MGMT_PORT"].clone());
+    let p = random_prefix();
+    let keda = format!("{p}-keda");
+    let sets = documented_sets(&["--prefix", &p]);
+    let (_, c, w, r) = set_of(&sets, &keda);
+    assert_eq!((c.as_str(), w.as_str(), r.as_str()), ("^$", "^$", "^$"));
+    user(&keda, c, w, r);
+    ctl(&["set_user_tags", &keda, "monitoring"]);
+    let q = format!("{p}-depth");
+    let root = url("guest", &port).replace("guest-pw", "guest");
+    let _cleanup = Cleanup {
+        cfg: temp_path(&p, "keda.toml"),
+        root: root.clone(),
+        queues: vec![q.clone()],
+        exchanges: Vec::new(),
+        users: vec![keda.clone()],
+    };
+    let conn = amqp_delay::connection::connect(&root, "keda test")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    amqp_delay::broker::declare_queue(&ch, &q, FieldTable::default())
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        ch.basic_publish(
+            "".into(),
+            q.as_str().into(),
+            Default::default(),
+            b"x",
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    }
+    let api = format!("http://127.0.0.1:{mgmt}/api/queues/%2F/{q}");
+    let (user, pw) = (keda.clone(), format!("{keda}-pw"));
+    let depth = move || {
+        let auth = base64_basic(&user, &pw);
+        let mut res = ureq::get(&api)
+            .header("authorization", &auth)
+            .call()
+            .map_err(|e| e.to_string())?;
+        let text = res.body_mut().read_to_string().map_err(|e| e.to_string())?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+        Ok::<_, String>(v["messages"].as_u64())
+    };
+    let mut last = Err("not asked".to_string());
+    for _ in 0..60 {
+        last = tokio::task::spawn_blocking(depth.clone()).await.unwrap();
+        if last == Ok(Some(3)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(last, Ok(Some(3)), "what KEDA's user read of {q}");
+    let _ = conn.close(200, "bye".into()).await;
+}
+
+/// An HTTP Basic `authorization` header.
+fn base64_basic(user: &str, password: &str) -> String {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+    format!("Basic {b64}")
+}
+
+/// A relay (`delay-consumer --queue S --relay R`) with exactly its documented set moves what
+/// falls due in S into R, a plain queue whose consumer is not ours; a publisher's message
+/// arrives there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_works_with_its_permission_set() {
+    let node = crate::security::tls_node();
+    let port = node["AMQP_PORT"].clone();
+    let p = random_prefix();
+    let (s, r) = (format!("{p}-staging"), format!("{p}-plain"));
+    let sets = documented_sets(&["--prefix", &p, "--relay", &format!("{s}:{r}")]);
+    for role in ["admin", "publisher", "relay"] {
+        let (who, c, w, rd) = set_of(&sets, &format!("{p}-{role}"));
+        user(who, c, w, rd);
+    }
+    let root = url("guest", &port).replace("guest-pw", "guest");
+    let t = small_topology();
+    let cfg = temp_path(&p, "relay.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "prefix = \"{p}\"\n[topology]\nradix = {}\nunit = {}\nmax_delay = {}\nfixed_levels = [150]\nmax_tier_ttl = {}\n",
+            t.radix,
+            t.unit.as_millis(),
+            t.max_delay.as_millis(),
+            t.max_tier_ttl.as_millis()
+        ),
+    )
+    .unwrap();
+    let parked = Settings {
+        prefix: p.clone(),
+        topology: t,
+        ..Settings::default()
+    }
+    .layout()
+    .unwrap()
+    .parked_queue(&s);
+    let _cleanup = Cleanup {
+        cfg: cfg.clone(),
+        root: root.clone(),
+        queues: vec![s.clone(), r.clone(), parked],
+        exchanges: Vec::new(),
+        users: ["admin", "publisher", "relay"]
+            .iter()
+            .map(|u| format!("{p}-{u}"))
+            .collect(),
+    };
+    let admin = url(&format!("{p}-admin"), &port);
+    cli_as("the admin's declare", &cfg, &admin, &["declare"]).await;
+    let args = ["declare", "--queue", &s, "--worker"];
+    cli_as(
+        "the admin's declare --queue S --worker",
+        &cfg,
+        &admin,
+        &args,
+    )
+    .await;
+    let conn = amqp_delay::connection::connect(&root, "relay test")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    amqp_delay::broker::declare_queue(&ch, &r, FieldTable::default())
+        .await
+        .unwrap();
+    let relay = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-consumer"))
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--url", &url(&format!("{p}-relay"), &port)])
+        .args(["--queue", &s, "--relay", &r])
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let publisher = url(&format!("{p}-publisher"), &port);
+    let send = [
+        "send", "--queue", &s, "--delay", "200", "--id", "relayed", "--body", "r",
+    ];
+    cli_as("the publisher's send", &cfg, &publisher, &send).await;
+    let got = collect(
+        &conn,
+        &r,
+        1,
+        Duration::from_secs(20),
+        Duration::from_millis(300),
+    )
+    .await;
+    let out = {
+        let mut relay = relay;
+        relay.start_kill().ok();
+        relay.wait_with_output().await.unwrap()
+    };
+    let ids: Vec<String> = got.iter().map(Received::id).collect();
+    assert_eq!(
+        ids,
+        ["relayed"],
+        "the relay did not relay with its permission set:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = conn.close(200, "bye".into()).await;
+}
