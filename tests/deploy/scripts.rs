@@ -36,7 +36,8 @@ fn the_permission_script_prints_the_documented_sets() {
         // no role has amq.default (it writes into any queue of the vhost): the streams and the
         // parking queues have exchanges of their own; each role writes what it checks with a
         // passive declare and may not otherwise touch (RabbitMQ 4.3 wants a right on it)
-        r"set_permissions -p / p-admin '^(p\..*|q|s|i)$' '^(p\..*|q|s|i)$' '^(p\..*|q|s|i)$'".to_string(),
+        r"set_permissions -p / p-admin '^(p\..*|q|s|i)$' '^(p\..*|q|s|i)$' '^(p\..*|q|s|i)$'"
+            .to_string(),
         format!(
             "set_permissions -p / p-publisher '^$' '^({tiers}|p\\.(streams|control|ledger|layout\\..+|(holds|batched)\\..+))$' '^$'"
         ),
