@@ -229,6 +229,13 @@ impl Run {
                 Err(e) => return Err(self.stopped(e, dels.len() + to_delete.len())),
             };
             self.took(took);
+            tracing::debug!(
+                deleted = dels.len(),
+                read = answer.entries.len(),
+                node_ms = answer.node_us / 1000,
+                call_ms = took.as_millis() as u64,
+                "rabbitmqctl call"
+            );
             self.deleted(&answer.deleted);
             self.counts.plugin_holds = answer.size;
             match answer.next {
