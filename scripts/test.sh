@@ -33,7 +33,8 @@
 #   runs every test binary (--no-fail-fast: a failing fault suite does not hide the
 #   integration suite's results).
 #   On exit, whatever happened, stops the throwaway nodes the tests may have started
-#   (`scripts/cluster.sh down`, `scripts/tls-node.sh down`, `scripts/rabbitmq4.sh all-down`);
+#   (`scripts/cluster.sh down`, `scripts/tls-node.sh down`, `scripts/plugin-node.sh 3.10|4.0 down`,
+#   `scripts/rabbitmq4.sh all-down`);
 #   the main broker is left running.
 #
 # Options / environment:
@@ -402,6 +403,9 @@ ensure_amqplib
 stop_test_nodes() {
     bash "${SCRIPT_DIR}/cluster.sh" down >/dev/null 2>&1 || log "warning: scripts/cluster.sh down failed"
     bash "${SCRIPT_DIR}/tls-node.sh" down >/dev/null 2>&1 || log "warning: scripts/tls-node.sh down failed"
+    # the delayed-message plugin's nodes of tests/it/import.rs
+    bash "${SCRIPT_DIR}/plugin-node.sh" 3.10 down >/dev/null 2>&1 || log "warning: scripts/plugin-node.sh 3.10 down failed"
+    bash "${SCRIPT_DIR}/plugin-node.sh" 4.0 down >/dev/null 2>&1 || log "warning: scripts/plugin-node.sh 4.0 down failed"
 }
 stop_rabbitmq4_nodes() {
     bash "${SCRIPT_DIR}/rabbitmq4.sh" all-down >/dev/null 2>&1 || log "warning: scripts/rabbitmq4.sh all-down failed"
