@@ -651,3 +651,82 @@ async fn survives_kill_9_on_3_10() {
 async fn survives_kill_9_on_4_0() {
     survives_kill_9("4.0").await;
 }
+
+/// A copy whose original the plugin delivered before the delete reached it: counted as a
+/// duplicate, and each such message arrives twice (the plugin's delivery and the copy), the
+/// others once. The deleting call is held back (a `--rabbitmqctl` wrapper that sleeps before a
+/// call with deletes) until the plugin has delivered everything.
+async fn counts_what_the_plugin_delivered_meanwhile(series: &'static str) {
+    const N: usize = 60;
+    let mut w = World::new(series, "").await;
+    let q = w.queue("q", &["k"]).await;
+    w.start_gateway();
+    for i in 0..N {
+        let props = BasicProperties::default()
+            .with_headers(x_delay_props(12_000 + (i as i64 * 31) % 2_000))
+            .with_message_id(format!("m{i}").into());
+        w.publish("k", b"x", props).await;
+    }
+    let wrapper = std::env::temp_dir().join(format!("{}-slow-delete.sh", w.settings.prefix));
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/usr/bin/env bash\ncase \"$*\" in *'Dels = <<\"'[A-Za-z0-9+/]*) sleep 20;; esac\nexec bash {SCRIPT} {series} ctl \"$@\"\n"
+        ),
+    )
+    .unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .arg("--config")
+        .arg(&w.config)
+        .args([
+            "--url",
+            &w.url,
+            "import-plugin",
+            "--declare-pairs",
+            "--leave",
+            "5s",
+        ])
+        .args(["--exchange", &w.exchange, "--rabbitmqctl"])
+        .arg(format!("bash {}", wrapper.display()))
+        .output()
+        .await
+        .unwrap();
+    let _ = std::fs::remove_file(&wrapper);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains(&format!("moved 0, duplicates {N};")),
+        "{text}"
+    );
+    let got = collect(
+        &w.conn,
+        &q,
+        2 * N,
+        Duration::from_secs(60),
+        Duration::from_secs(1),
+    )
+    .await;
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for g in &got {
+        *seen.entry(g.id()).or_default() += 1;
+    }
+    assert_eq!(seen.len(), N, "lost: {}", N - seen.len());
+    assert!(seen.values().all(|&n| n == 2), "{seen:?}");
+    assert_eq!(w.pending(), 0);
+    w.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counts_what_the_plugin_delivered_meanwhile_on_3_10() {
+    counts_what_the_plugin_delivered_meanwhile("3.10").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counts_what_the_plugin_delivered_meanwhile_on_4_0() {
+    counts_what_the_plugin_delivered_meanwhile("4.0").await;
+}
