@@ -38,8 +38,8 @@
 #   runs every test binary (--no-fail-fast: a failing fault suite does not hide the
 #   integration suite's results). The last lines say how long each run took.
 #   On exit, whatever happened, stops the throwaway nodes the tests may have started
-#   (`scripts/cluster.sh down`, `scripts/tls-node.sh down`, `scripts/rabbitmq4.sh all-down` of
-#   each series); the main broker is left running.
+#   (`scripts/cluster.sh down`, `scripts/tls-node.sh down`, `scripts/plugin-node.sh 3.10|4.0 down`,
+#   `scripts/rabbitmq4.sh all-down` of each series); the main broker is left running.
 #
 # Options / environment:
 #   --broker-only        (first argument) stop after step 1: only make sure the
@@ -420,6 +420,9 @@ ensure_amqplib
 stop_test_nodes() {
     bash "${SCRIPT_DIR}/cluster.sh" down >/dev/null 2>&1 || log "warning: scripts/cluster.sh down failed"
     bash "${SCRIPT_DIR}/tls-node.sh" down >/dev/null 2>&1 || log "warning: scripts/tls-node.sh down failed"
+    # the delayed-message plugin's nodes of tests/it/import.rs
+    bash "${SCRIPT_DIR}/plugin-node.sh" 3.10 down >/dev/null 2>&1 || log "warning: scripts/plugin-node.sh 3.10 down failed"
+    bash "${SCRIPT_DIR}/plugin-node.sh" 4.0 down >/dev/null 2>&1 || log "warning: scripts/plugin-node.sh 4.0 down failed"
 }
 # stop_rabbitmq4_nodes SERIES...: every node of those series
 stop_rabbitmq4_nodes() {

@@ -45,9 +45,11 @@ const LAYERS: &[(&str, u8)] = &[
 const TOOL_LAYERS: &[(&str, u8)] = &[
     ("jsonl", 0),
     ("logline", 0),
+    ("plugin_store", 0),
     ("actions", 2),
     ("admin", 2),
     ("bulk", 2),
+    ("import", 2),
     ("observe", 2),
     ("proxy", 2),
     ("cli", 3),

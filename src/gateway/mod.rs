@@ -325,17 +325,18 @@ impl GatewayHandler {
             Ok(ms) => (ms, None),
             Err(reason) => (0, Some(reason)),
         };
-        let mut props = stash(&d.properties, &d.routing_key, invalid.as_deref());
-        // the gateway's copy names its owner, so that the owner's cancels stop it
         let owner = ingress_owner(d, ctx);
-        if let Some(owner) = &owner {
-            let mut h = props.headers().clone().unwrap_or_default();
-            h.insert(OWNER.into(), AMQPValue::LongString(owner.as_str().into()));
-            props = props.with_headers(h);
-        }
-        let mut msg = Message::new(c.pair.due_queue.clone(), delay_ms, d.body.clone())
-            .with_properties(props)
-            .internal();
+        let mut msg = due_message(
+            &c.pair,
+            Ingress {
+                properties: &d.properties,
+                routing_key: &d.routing_key,
+                invalid: invalid.as_deref(),
+                owner: owner.as_deref(),
+            },
+            d.body.clone(),
+            delay_ms,
+        );
         // held by the worker until now, its due time ([`GatewayHandler::due_at`])
         if let Some(due_at_ms) = d.due_at_ms.filter(|_| invalid.is_none()) {
             // what could not cross the tiers is parked whatever its delay, as it would be
@@ -444,6 +445,37 @@ impl GatewayHandler {
             )),
         }
     }
+}
+
+/// An application's message as a gateway's ingress reads it.
+pub struct Ingress<'a> {
+    /// Its properties as published.
+    pub properties: &'a lapin::BasicProperties,
+    /// The routing key it was published with.
+    pub routing_key: &'a str,
+    /// Why it must be parked instead of delivered (a refused `x-delay`).
+    pub invalid: Option<&'a str>,
+    /// Who owns it: whose cancels (and admins') stop it.
+    pub owner: Option<&'a str>,
+}
+
+/// What a gateway's ingress writes into `pair`'s due queue for `ingress` with `body`, due in
+/// `delay_ms`: its properties stashed ([`stash`]: what the tiers must not carry moves into
+/// `x-delay-*` headers, `CC` and `BCC` too) and its owner named in `x-delay-owner`, so that the
+/// due stage delivers it to the target as published and its owner's cancels stop it. Written by
+/// a gateway's user or one of `trust.peers` (the due stage believes no one else).
+/// `import-plugin` writes the same for each message it moves out of the plugin.
+pub fn due_message(pair: &Pair, ingress: Ingress<'_>, body: Vec<u8>, delay_ms: u64) -> Message {
+    let mut props = stash(ingress.properties, ingress.routing_key, ingress.invalid);
+    // the gateway's copy names its owner, so that the owner's cancels stop it
+    if let Some(owner) = ingress.owner {
+        let mut h = props.headers().clone().unwrap_or_default();
+        h.insert(OWNER.into(), AMQPValue::LongString(owner.into()));
+        props = props.with_headers(h);
+    }
+    Message::new(pair.due_queue.clone(), delay_ms, body)
+        .with_properties(props)
+        .internal()
 }
 
 /// A message that cannot travel (headers or body too large) is parked with the reason.

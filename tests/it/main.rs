@@ -13,6 +13,7 @@ mod core;
 mod gateway;
 mod harness;
 mod hostile;
+mod import;
 mod isolation;
 mod observe;
 mod permissions;

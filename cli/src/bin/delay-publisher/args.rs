@@ -60,6 +60,10 @@ pub(crate) enum Cmd {
     /// exchange, get them on the target exchange with their routing key after the delay.
     /// Declares what it needs; runs until SIGTERM/SIGINT
     Gateway(GatewayArgs),
+    /// Move the delayed-message plugin's pending messages into amqp-delay (through the
+    /// gateway pairs of their exchanges), nothing lost: each is deleted from the plugin only
+    /// once its copy is confirmed. Reads the plugin's store with `rabbitmqctl eval`
+    ImportPlugin(ImportArgs),
     /// Delete every exchange and queue of the topology, or with --queue one destination
     Teardown {
         /// Delete even if tiers or the parking queue still hold messages (they are lost)
@@ -141,4 +145,43 @@ pub(crate) struct GatewayArgs {
     /// records, e.g. delay-proxy's): `gateway.follow = true`
     #[arg(long)]
     pub(crate) follow_pairs: bool,
+}
+
+#[derive(clap::Args)]
+#[command(
+    after_help = "The plugin's node is reached with `rabbitmqctl eval` (the operator's own access; \
+--url is the broker the copies go to: the same one, or a new cluster). The importing user must be the \
+gateway's user or one of its trust.peers (the due stage delivers nothing else), and may write what a \
+gateway writes. Exit code 1 when anything was left in the plugin (listed with its reason); \
+messages due within --leave are left to the plugin, which delivers them itself."
+)]
+pub(crate) struct ImportArgs {
+    /// Only the messages of this exchange (of --url's virtual host); repeatable [default: all]
+    #[arg(long = "exchange", value_name = "NAME")]
+    pub(crate) exchanges: Vec<String>,
+    /// Count what would move (by exchange and due period); copy and delete nothing
+    #[arg(long)]
+    pub(crate) dry_run: bool,
+    /// The plugin's node, passed to rabbitmqctl as -n NAME [default: rabbitmqctl's own]
+    #[arg(long, value_name = "NAME")]
+    pub(crate) node: Option<String>,
+    /// The command that runs rabbitmqctl, e.g. "kubectl exec -i rabbitmq-0 -- rabbitmqctl"
+    #[arg(long, value_name = "CMD", default_value = "rabbitmqctl")]
+    pub(crate) rabbitmqctl: String,
+    /// Leave to the plugin what falls due within this (raised to three times the slowest call)
+    #[arg(long, value_name = "DURATION", default_value = "10s")]
+    pub(crate) leave: DurationMs,
+    /// Entries read per rabbitmqctl call
+    #[arg(long, value_name = "N", default_value_t = 4000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub(crate) batch: u32,
+    /// Body bytes read per call, at most (a batch ends early past it)
+    #[arg(long, value_name = "BYTES", default_value_t = 16 << 20)]
+    pub(crate) batch_bytes: usize,
+    /// Declare a missing gateway pair <prefix>.gw.x.<exchange> -> <exchange> (as delay-proxy
+    /// does; served by gateways with --follow-pairs) instead of leaving its messages
+    #[arg(long)]
+    pub(crate) declare_pairs: bool,
+    /// Longest a rabbitmqctl call may take
+    #[arg(long, value_name = "DURATION", default_value = "5m")]
+    pub(crate) call_timeout: DurationMs,
 }

@@ -3,6 +3,7 @@
 //! in the library; each subcommand is one function here or in `send` / `topology`.
 
 mod args;
+mod import;
 mod send;
 mod topology;
 
@@ -44,6 +45,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
         Cmd::Gateway(a) => gateway(settings, a).await,
         Cmd::Cancel(a) => send::cancel(&settings, a).await,
         Cmd::Send(a) => send::send(&settings, a).await,
+        Cmd::ImportPlugin(a) => import::import_plugin(&settings, a).await,
     }
 }
 
