@@ -34,19 +34,7 @@ impl Refusing {
         let p = random_prefix();
         let q = format!("{p}-orders");
         let root = url("guest", &port).replace("guest-pw", "guest");
-        let t = small_topology();
-        let cfg = temp_path(&p, "files.toml");
-        std::fs::write(
-            &cfg,
-            format!(
-                "prefix = \"{p}\"\n[topology]\nradix = {}\nunit = {}\nmax_delay = {}\nfixed_levels = [150]\nmax_tier_ttl = {}\n",
-                t.radix,
-                t.unit.as_millis(),
-                t.max_delay.as_millis(),
-                t.max_tier_ttl.as_millis()
-            ),
-        )
-        .unwrap();
+        let cfg = small_config(&p, "files.toml", "");
         // the documented publisher set without `{p}.deliver`
         let sets = documented_sets(&["--prefix", &p]);
         let (_, c, w, r) = set_of(&sets, &format!("{p}-publisher"));

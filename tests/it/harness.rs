@@ -571,3 +571,25 @@ pub async fn parked_by_delivery_limit(
     }
     got
 }
+
+/// A `--config` file for prefix `p` with the small topology and `extra` TOML after it, at
+/// `temp_path(p, name)`.
+pub fn small_config(p: &str, name: &str, extra: &str) -> std::path::PathBuf {
+    let t = small_topology();
+    let fixed: Vec<String> = t
+        .fixed_levels
+        .iter()
+        .map(|f| f.as_millis().to_string())
+        .collect();
+    let path = temp_path(p, name);
+    let text = format!(
+        "prefix = \"{p}\"\n[topology]\nradix = {}\nunit = {}\nmax_delay = {}\nfixed_levels = [{}]\nmax_tier_ttl = {}\n{extra}",
+        t.radix,
+        t.unit.as_millis(),
+        t.max_delay.as_millis(),
+        fixed.join(", "),
+        t.max_tier_ttl.as_millis(),
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}

@@ -133,30 +133,21 @@ async fn world() -> World {
     apply_documented_sets(&p);
     let root = url("guest", &port).replace("guest-pw", "guest");
     let n = |s: &str| format!("{p}-{s}");
+    let extra = format!(
+        "[consumer]\nshutdown_grace = \"1s\"\n[trust]\nadmins = [\"{}\"]\npeers = [\"{}\"]\n\n\
+         [[gateway.pairs]]\ningress = \"{}\"\ntarget = \"{}\"\nwriters = [\"{}\"]\n\n\
+         [[gateway.pairs]]\ningress = \"{}\"\ntarget = \"{}\"\nwriters = [\"{}\"]\n",
+        n("admin"),
+        n("proxy"),
+        n("a-delayed"),
+        n("a-target"),
+        n("a2"),
+        n("b-delayed"),
+        n("b-target"),
+        n("b2"),
+    );
+    let cfg = small_config(&p, "isolation.toml", &extra);
     let topology = small_topology();
-    let cfg = temp_path(&p, "isolation.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "prefix = \"{p}\"\n[topology]\nradix = {}\nunit = {}\nmax_delay = {}\nfixed_levels = [150]\nmax_tier_ttl = {}\n\
-             [consumer]\nshutdown_grace = \"1s\"\n[trust]\nadmins = [\"{}\"]\npeers = [\"{}\"]\n\n\
-             [[gateway.pairs]]\ningress = \"{}\"\ntarget = \"{}\"\nwriters = [\"{}\"]\n\n\
-             [[gateway.pairs]]\ningress = \"{}\"\ntarget = \"{}\"\nwriters = [\"{}\"]\n",
-            topology.radix,
-            topology.unit.as_millis(),
-            topology.max_delay.as_millis(),
-            topology.max_tier_ttl.as_millis(),
-            n("admin"),
-            n("proxy"),
-            n("a-delayed"),
-            n("a-target"),
-            n("a2"),
-            n("b-delayed"),
-            n("b-target"),
-            n("b2"),
-        ),
-    )
-    .unwrap();
     let layout = amqp_delay::Settings {
         prefix: p.clone(),
         topology,

@@ -211,19 +211,7 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     };
     settings.consumer.retry.base = amqp_delay::time::DurationMs(20);
     settings.consumer.retry.jitter = 0.0;
-    let t = &settings.topology;
-    let cfg = temp_path(&p, "perm.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "prefix = \"{p}\"\n[topology]\nradix = {}\nunit = {}\nmax_delay = {}\nfixed_levels = [150]\nmax_tier_ttl = {}\n",
-            t.radix,
-            t.unit.as_millis(),
-            t.max_delay.as_millis(),
-            t.max_tier_ttl.as_millis()
-        ),
-    )
-    .unwrap();
+    let cfg = small_config(&p, "perm.toml", "");
     let out = format!("{p}-out");
     let _cleanup = Cleanup {
         cfg: cfg.clone(),
@@ -611,22 +599,10 @@ async fn a_relay_works_with_its_permission_set() {
         user(who, c, w, rd);
     }
     let root = url("guest", &port).replace("guest-pw", "guest");
-    let t = small_topology();
-    let cfg = temp_path(&p, "relay.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "prefix = \"{p}\"\n[topology]\nradix = {}\nunit = {}\nmax_delay = {}\nfixed_levels = [150]\nmax_tier_ttl = {}\n",
-            t.radix,
-            t.unit.as_millis(),
-            t.max_delay.as_millis(),
-            t.max_tier_ttl.as_millis()
-        ),
-    )
-    .unwrap();
+    let cfg = small_config(&p, "relay.toml", "");
     let parked = Settings {
         prefix: p.clone(),
-        topology: t,
+        topology: small_topology(),
         ..Settings::default()
     }
     .layout()

@@ -88,19 +88,10 @@ async fn world() -> World {
         topology: small_topology(),
         ..Settings::default()
     };
-    let t = &settings.topology;
-    let cfg = temp_path(&p, "trust.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "prefix = \"{p}\"\n[topology]\nradix = {}\nunit = {}\nmax_delay = {}\nfixed_levels = [150]\nmax_tier_ttl = {}\n[trust]\nadmins = [\"{p}-adm\"]\n\n[[gateway.pairs]]\ningress = \"{ingress}\"\ntarget = \"{target}\"\n",
-            t.radix,
-            t.unit.as_millis(),
-            t.max_delay.as_millis(),
-            t.max_tier_ttl.as_millis()
-        ),
-    )
-    .unwrap();
+    let pair = format!(
+        "[trust]\nadmins = [\"{p}-adm\"]\n\n[[gateway.pairs]]\ningress = \"{ingress}\"\ntarget = \"{target}\"\n"
+    );
+    let cfg = small_config(&p, "trust.toml", &pair);
     let layout = settings.layout().unwrap();
     let _cleanup = Cleanup {
         cfg: cfg.clone(),
