@@ -141,8 +141,13 @@ impl Fault {
     }
 
     /// `delay-publisher send --jsonl -` (lines come on its stdin) writing its re-send files to
-    /// `unsent` and `maybe`, once it has connected to a node: the child and its pid.
+    /// `unsent` and `maybe`, once it has connected to a node: the child and its pid. The files
+    /// of an earlier attempt that sent nothing are removed first (a send never writes through a
+    /// file it did not create).
     pub async fn bulk_send(&self, unsent: &Path, maybe: &Path) -> (Child, u32) {
+        for f in [unsent, maybe] {
+            let _ = std::fs::remove_file(f);
+        }
         let child = self
             .command(
                 env!("CARGO_BIN_EXE_delay-publisher"),
