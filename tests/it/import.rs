@@ -330,7 +330,7 @@ async fn moves_everything_intact(series: &'static str) {
     let other = w.queue("other", &["zz"]).await;
     let mut sent: HashMap<String, Sent> = HashMap::new();
     for i in 0..200u64 {
-        let delay = 15_000 + (i * 97) % 10_000;
+        let delay = 60_000 + (i * 97) % 10_000;
         let mut h = x_delay_props(delay as i64);
         h.insert(
             "tenant".into(),
@@ -370,7 +370,7 @@ async fn moves_everything_intact(series: &'static str) {
         sent.insert(id.unwrap_or_else(|| format!("noid-{i}")), s);
     }
     // CC and BCC: routed once, when due, to the queues of k1, k2 and k4
-    let mut h = x_delay_props(16_000);
+    let mut h = x_delay_props(61_000);
     h.insert("CC".into(), array(&["k2"]));
     h.insert("BCC".into(), array(&["k4"]));
     let props = BasicProperties::default()
@@ -379,7 +379,7 @@ async fn moves_everything_intact(series: &'static str) {
     let at_ms = w.publish("k1", b"cc-bcc", props.clone()).await;
     let cc_sent = Sent {
         at_ms,
-        delay_ms: 16_000,
+        delay_ms: 61_000,
         key: "k1".into(),
         body: b"cc-bcc".to_vec(),
         props,
@@ -387,13 +387,13 @@ async fn moves_everything_intact(series: &'static str) {
     // due within the leave window: the plugin keeps and delivers these two
     for i in 0..2 {
         let props = BasicProperties::default()
-            .with_headers(x_delay_props(4_000))
+            .with_headers(x_delay_props(25_000))
             .with_message_id(format!("soon{i}").into());
         w.publish("k1", b"soon", props).await;
     }
     assert_eq!(w.pending(), 203);
 
-    let (code, out, err) = w.import(&["--dry-run", "--leave", "10s"]).await;
+    let (code, out, err) = w.import(&["--dry-run", "--leave", "40s"]).await;
     assert_eq!(
         code,
         Some(1),
@@ -401,7 +401,7 @@ async fn moves_everything_intact(series: &'static str) {
     );
     assert!(out.contains("left 201: no gateway pair"), "{out}");
     let (code, out, err) = w
-        .import(&["--dry-run", "--leave", "10s", "--declare-pairs"])
+        .import(&["--dry-run", "--leave", "40s", "--declare-pairs"])
         .await;
     assert_eq!(code, Some(0), "{out}\n{err}");
     assert!(out.contains("would move 201; skipped 2"), "{out}");
@@ -414,7 +414,7 @@ async fn moves_everything_intact(series: &'static str) {
 
     w.start_gateway();
     let (code, out, err) = w
-        .import(&["--leave", "10s", "--declare-pairs", "--batch", "50"])
+        .import(&["--leave", "40s", "--declare-pairs", "--batch", "50"])
         .await;
     assert_eq!(code, Some(0), "{out}\n{err}");
     assert!(out.contains("moved 201, duplicates 0; skipped 2"), "{out}");
@@ -424,7 +424,7 @@ async fn moves_everything_intact(series: &'static str) {
         &w.conn,
         &main,
         203,
-        Duration::from_secs(60),
+        Duration::from_secs(120),
         Duration::from_millis(500),
     )
     .await;
@@ -586,7 +586,7 @@ async fn survives_kill_9(series: &'static str) {
     w.start_gateway();
     let mut due: HashMap<String, u64> = HashMap::new();
     for i in 0..N {
-        let delay = 25_000 + (i * 37) % 10_000;
+        let delay = 60_000 + (i * 37) % 10_000;
         let props = BasicProperties::default()
             .with_headers(x_delay_props(delay as i64))
             .with_message_id(format!("m{i}").into());
@@ -620,7 +620,7 @@ async fn survives_kill_9(series: &'static str) {
         &w.conn,
         &q,
         N as usize,
-        Duration::from_secs(90),
+        Duration::from_secs(150),
         Duration::from_secs(2),
     )
     .await;
