@@ -730,3 +730,114 @@ async fn counts_what_the_plugin_delivered_meanwhile_on_3_10() {
 async fn counts_what_the_plugin_delivered_meanwhile_on_4_0() {
     counts_what_the_plugin_delivered_meanwhile("4.0").await;
 }
+
+/// Blue-green (MIGRATING, runbook B): the plugin's 4.0 node is the old cluster, the suite's
+/// broker the new one (3.10.8, 4.0.5 or 4.3.6, whichever this run targets), with the
+/// application's exchange of its real type there and a gateway following the pairs.
+/// `import-plugin --url NEW` reaches the old node through rabbitmqctl and moves everything:
+/// each message arrives once at the new cluster's queue, as published and none early, and the
+/// plugin is left empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blue_green_to_the_suites_broker() {
+    const N: u64 = 60;
+    let mut old = World::new("4.0", "").await;
+    let new_url = crate::harness::broker_url();
+    let new = amqp_delay::connection::connect(&new_url, "blue-green new cluster")
+        .await
+        .expect("NO RABBITMQ BROKER for the new cluster (AMQP_URL)");
+    let layout = old.settings.layout().unwrap();
+    amqp_delay::Topology::new(layout.clone())
+        .declare(&new)
+        .await
+        .expect("declare on the new cluster");
+    // step 0: the application's exchange with its real type and binding, on the new cluster
+    let q = format!("{}-q", old.settings.prefix);
+    let ch = broker::open(&new).await.unwrap();
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.exchange_declare(
+        old.exchange.as_str().into(),
+        ExchangeKind::Direct,
+        durable,
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    broker::declare_queue(&ch, &q, FieldTable::default())
+        .await
+        .unwrap();
+    broker::bind_queue(&ch, &q, &old.exchange, "k")
+        .await
+        .unwrap();
+    broker::close(&ch, "ok").await;
+    // the old cluster's plugin holds the backlog
+    let mut due = HashMap::new();
+    for i in 0..N {
+        let delay = 60_000 + (i * 53) % 5_000;
+        let props = BasicProperties::default()
+            .with_headers(x_delay_props(delay as i64))
+            .with_message_id(format!("m{i}").into());
+        let at = old.publish("k", format!("b{i}").as_bytes(), props).await;
+        due.insert(format!("m{i}"), at + delay);
+    }
+    // step 1: a gateway on the new cluster; step 3: the import, --url the new cluster
+    let mut gateway = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .arg("--config")
+        .arg(&old.config)
+        .args(["--url", &new_url, "gateway", "--follow-pairs"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .arg("--config")
+        .arg(&old.config)
+        .args([
+            "--url",
+            &new_url,
+            "import-plugin",
+            "--rabbitmqctl",
+            &old.ctl(),
+        ])
+        .args(["--declare-pairs", "--exchange", &old.exchange])
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{said}\n{err}");
+    assert!(said.contains(&format!("moved {N}, duplicates 0")), "{said}");
+    // step 4: the old node holds nothing of the exchange
+    assert_eq!(old.pending(), 0, "left in the old cluster's plugin");
+    let got = collect(
+        &new,
+        &q,
+        N as usize,
+        Duration::from_secs(150),
+        Duration::from_secs(2),
+    )
+    .await;
+    let _ = gateway.kill().await;
+    let mut seen = HashSet::new();
+    for g in &got {
+        assert!(g.arrived_ms >= due[&g.id()], "{} early", g.id());
+        assert!(seen.insert(g.id()), "{} twice", g.id());
+    }
+    assert_eq!(seen.len() as u64, N, "{said}");
+    // what the test made on the new cluster, then on the old node
+    let ch = broker::open(&new).await.unwrap();
+    let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+    let _ = ch
+        .exchange_delete(old.exchange.as_str().into(), Default::default())
+        .await;
+    broker::close(&ch, "bye").await;
+    amqp_delay_cli::admin::teardown(&new, &layout, None, true)
+        .await
+        .expect("teardown on the new cluster");
+    let _ = new.close(200, "bye".into()).await;
+    old.queues.clear();
+    old.cleanup().await;
+}
