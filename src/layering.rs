@@ -76,8 +76,8 @@ const PURE_FILES: &[&str] = &[
     "src/gateway/x_delay.rs",
     "cli/src/jsonl.rs",
     "cli/src/proxy/frames.rs",
-    "cli/src/bin/delay-bench/hops.rs",
-    "cli/src/bin/delay-bench/search.rs",
+    "bench/src/hops.rs",
+    "bench/src/search.rs",
 ];
 
 /// What broker I/O looks like in the source.
