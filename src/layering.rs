@@ -56,13 +56,15 @@ const TOOL_LAYERS: &[(&str, u8)] = &[
     ("cli", 3),
 ];
 
-/// Crates only the tools use: never a normal, non-optional dependency of the library.
+/// Crates only the tools or the benchmark use: never a normal, non-optional dependency of the
+/// library.
 const TOOLS_ONLY_DEPS: &[&str] = &[
     "clap",
     "axum",
     "ureq",
     "indicatif",
     "hdrhistogram",
+    "mimalloc",
     "tracing-subscriber",
     "shell-words",
     "nix",
