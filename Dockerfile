@@ -9,7 +9,8 @@
 #   docker run --rm -e AMQP_URL=amqp://user:pass@host:5672/%2f amqp-delay \
 #       delay-consumer --queue orders.timeout --log --metrics-addr 0.0.0.0:9464
 #
-# delay-bench is not in the image (it is a benchmark: `cargo run --release --bin delay-bench`).
+# delay-bench is not in the image: it is the benchmark, a crate of its own (bench/):
+#   cargo run --release -p amqp-delay-bench -- --help
 
 # ---- build ------------------------------------------------------------------
 # The toolchain must be at least Cargo.toml's rust-version (1.88).

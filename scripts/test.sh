@@ -20,18 +20,20 @@
 #      really answers the AMQP protocol header, not just until a process exists.
 #   2. Makes sure Python 3 can `import pika` and Node has `amqplib` (the integration tests
 #      drive Python and Node AMQP clients as independent peers).
-#   3. Runs `cargo test "$@"` (unit, integration and doc tests, and the fault suite,
-#      tests/fault, which starts its own 3-node cluster with scripts/cluster.sh) with
-#      AMQP_URL exported: the suites on the machine's RabbitMQ (Debian 12's 3.10.8).
+#   3. Runs `cargo test "$@"` (unit, integration and doc tests, the benchmark's smoke test,
+#      bench/tests/smoke.rs, and the fault suite, tests/fault, which starts its own 3-node
+#      cluster with scripts/cluster.sh) with AMQP_URL exported: the suites on the machine's
+#      RabbitMQ (Debian 12's 3.10.8).
 #   4. Runs the broker suites again on each RabbitMQ 4.x series, one after the other, each from
 #      the root that scripts/rabbitmq4.sh builds once and caches outside the clone:
 #        4.0  Debian 13's 4.0.5 (RABBITMQ4_SERIES=4.0; single node AMQP 5741, TLS node 5761/5762,
 #             cluster 5751..5753)
 #        4.3  Debian sid's 4.3.x (RABBITMQ4_SERIES=4.3; single node 5841, TLS node 5861/5862,
 #             cluster 5851..5853; Khepri is its metadata store)
-#      the integration suite against the series' single node (the TLS and permission tests on
-#      its TLS node), the fault suite on its 3-node cluster. Without arguments that is
-#      `cargo test --test it --test fault -- --skip _on_3_10 --skip _on_4_0` (unit, doc and
+#      the integration suite and the benchmark's smoke test (a tiny delay-bench run, under a
+#      minute) against the series' single node (the TLS and permission tests on its TLS node),
+#      the fault suite on its 3-node cluster. Without arguments that is `cargo test --test it
+#      --test fault --test smoke -- --skip _on_3_10 --skip _on_4_0` (unit, doc and
 #      deploy tests need no broker and ran in step 3; so did the import tests that copy within
 #      the plugin's own nodes, the same whatever the series); with arguments, `cargo test "$@"` again. A series' nodes are stopped
 #      before the next series starts.
@@ -49,7 +51,7 @@
 #   TEST_BROKERS         which runs, in order (default "3.10 4.0 4.3"): 3.10 is steps 1-3, 4.0
 #                        and 4.3 (4 means 4.0) a run of step 4 each; the main broker is not
 #                        needed without 3.10. A 4.x entry may name its suites after a colon,
-#                        comma separated (it, fault), e.g. "3.10 4.0:fault 4.3" runs only the
+#                        comma separated (it, fault, smoke), e.g. "3.10 4.0:fault 4.3" runs only the
 #                        fault suite on 4.0.5 (`cargo test --test fault`; ignored when
 #                        arguments are given).
 #   BROKER_WAIT_SECS     how long to wait for the broker to come up (default 120).
@@ -394,7 +396,7 @@ for b in ${TEST_BROKERS}; do
     esac
     if [[ "${suites}" != all ]]; then
         [[ "${series}" != 3* ]] || die "TEST_BROKERS: '${b}': only a 4.x run can name its suites"
-        [[ "${suites}" =~ ^(it|fault)(,(it|fault))*$ ]] || die "TEST_BROKERS: '${b}': suites are it and/or fault"
+        [[ "${suites}" =~ ^(it|fault|smoke)(,(it|fault|smoke))*$ ]] || die "TEST_BROKERS: '${b}': suites are it, fault and/or smoke"
     fi
 done
 RUN_4=${#RUNS_4[@]}
@@ -465,7 +467,7 @@ for run in "${RUNS_4[@]}"; do
         v4="$(sed -n 's/^VERSION=//p' <<<"${info4}")"
         args4=("$@")
         if ((${#args4[@]} == 0)); then
-            [[ "${suites}" == all ]] && suites="it,fault"
+            [[ "${suites}" == all ]] && suites="it,fault,smoke"
             IFS=, read -r -a names <<<"${suites}"
             for n in "${names[@]}"; do args4+=(--test "${n}"); done
             # the import tests that copy within the plugin's own 3.10 and 4.0 nodes run the same

@@ -1,11 +1,12 @@
-//! The layer rules of ARCHITECTURE.md, checked on the source of both crates: in each, every
-//! `crate::<module>` reference points to the same or a lower layer and the module graph has no
-//! cycle; the library's pure core does no broker I/O (no `async`, no tokio, no lapin connection
-//! or channel) and the planner, layout, time and retry rules know nothing about lapin at all.
-//! Files that are pure inside a layer that is not (`PURE_FILES`) are held to the same no-I/O
-//! rule. The library never names the tools' crate, and its normal dependencies leave out what
-//! only the tools use (`TOOLS_ONLY_DEPS`).
-
+//! The layer rules of ARCHITECTURE.md, checked on the source of the library and the tools: in
+//! each, every `crate::<module>` reference points to the same or a lower layer and the module
+//! graph has no cycle; the library's pure core does no broker I/O (no `async`, no tokio, no lapin
+//! connection or channel) and the planner, layout, time and retry rules know nothing about lapin
+//! at all. Files that are pure inside a layer that is not (`PURE_FILES`) are held to the same
+//! no-I/O rule. The library never names the tools' crate, and its normal dependencies leave out
+//! what only the tools use (`TOOLS_ONLY_DEPS`). The benchmark (`bench/`) sits on top: it may use
+//! the library and the tools, nothing uses it, its module graph has no cycle, and it alone picks
+//! a global allocator.
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
@@ -55,13 +56,15 @@ const TOOL_LAYERS: &[(&str, u8)] = &[
     ("cli", 3),
 ];
 
-/// Crates only the tools use: never a normal, non-optional dependency of the library.
+/// Crates only the tools or the benchmark use: never a normal, non-optional dependency of the
+/// library.
 const TOOLS_ONLY_DEPS: &[&str] = &[
     "clap",
     "axum",
     "ureq",
     "indicatif",
     "hdrhistogram",
+    "mimalloc",
     "tracing-subscriber",
     "shell-words",
     "nix",
@@ -76,8 +79,8 @@ const PURE_FILES: &[&str] = &[
     "src/gateway/x_delay.rs",
     "cli/src/jsonl.rs",
     "cli/src/proxy/frames.rs",
-    "cli/src/bin/delay-bench/hops.rs",
-    "cli/src/bin/delay-bench/search.rs",
+    "bench/src/hops.rs",
+    "bench/src/search.rs",
 ];
 
 /// What broker I/O looks like in the source.
@@ -257,6 +260,68 @@ fn the_library_does_not_depend_on_what_only_the_tools_use() {
 fn the_module_graph_has_no_cycle() {
     no_cycle(&edges(&sources()));
     no_cycle(&edges(&sources_in(&root().join("cli/src"))));
+    no_cycle(&edges(&sources_in(&root().join("bench/src"))));
+}
+
+/// Every `.rs` file under `dir` (binaries included; not this file, whose messages name what they
+/// forbid), comments removed, keyed by path relative to the library's root.
+fn files_in(dir: &Path) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs")
+                && !path.ends_with("src/layering.rs")
+            {
+                let rel = path.strip_prefix(root()).unwrap_or(&path);
+                out.insert(rel.display().to_string(), code_of(&path));
+            }
+        }
+    }
+    out
+}
+
+/// The library's and the tools' code, binaries included: everything below the benchmark.
+fn below_the_bench() -> BTreeMap<String, String> {
+    let mut out = files_in(&root().join("src"));
+    out.extend(files_in(&root().join("cli/src")));
+    out
+}
+
+#[test]
+fn nothing_uses_the_bench() {
+    for (file, code) in below_the_bench() {
+        assert!(
+            !code.contains("amqp_delay_bench"),
+            "{file} names the benchmark's crate: the benchmark sits on top, nothing uses it"
+        );
+    }
+    for manifest in ["Cargo.toml", "cli/Cargo.toml"] {
+        let text = std::fs::read_to_string(root().join(manifest)).unwrap();
+        let deps = text
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .filter(|l| l.trim_start().starts_with("amqp-delay-bench"));
+        assert_eq!(
+            deps.count(),
+            0,
+            "{manifest} depends on amqp-delay-bench: the benchmark sits on top, nothing uses it"
+        );
+    }
+}
+
+#[test]
+fn only_the_bench_picks_an_allocator() {
+    for (file, code) in below_the_bench() {
+        assert!(
+            !code.contains("global_allocator"),
+            "{file} sets a global allocator: the library and the tools leave it to the system \
+             (or the application); only the benchmark picks its own"
+        );
+    }
 }
 
 fn no_cycle(g: &BTreeMap<String, BTreeSet<String>>) {

@@ -5,7 +5,6 @@
 mod actions;
 mod attacks;
 mod batching;
-mod bench_smoke;
 mod cancel;
 mod cli;
 mod cli_files;

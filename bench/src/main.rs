@@ -1,4 +1,4 @@
-//! `delay-bench`: throughput, lateness and capacity of the delay topology (issue 5), measured
+//! `delay-bench`: throughput, lateness and capacity of the delay topology, measured
 //! against the raw broker on the same machine in one run, under its own random prefix. This file
 //! is the command line only; the modules below do the work.
 //!
@@ -62,6 +62,14 @@
 //! The binary reaches the library only through its public API (`amqp_delay::...`).
 //!
 //! [`Publisher::publish_confirmed`]: amqp_delay::Publisher::publish_confirmed
+
+/// The bench allocates with mimalloc: with glibc's malloc, about a fifth of delay-bench's CPU on
+/// the gateway scenario (its publisher, gateway and consumer) went to `malloc_consolidate`,
+/// `unlink_chunk` and the aligned allocations of runtime tasks (`perf record` of
+/// `delay-bench --scenarios gateway_long`, docs/PERFORMANCE.md). The choice is the bench's own:
+/// the tools and the library leave the allocator to the system (or the application).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod amqp;
 mod cleanup;

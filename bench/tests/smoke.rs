@@ -2,7 +2,9 @@
 //! through the library's worker, relay and gateway in process): the JSON has the promised shape,
 //! nothing was lost, duplicated beyond the report or early, every unbatched message took exactly
 //! its planned hops, the batched scenarios packed messages into fewer broker messages, and the
-//! run deleted what it declared. No timing assertions. Fails (never skips) when no broker answers.
+//! run deleted what it declared. No timing assertions. Fails (never skips) when no broker answers
+//! at `AMQP_URL` (the library's default URL when unset, as in the product's suites; `./scripts/test.sh`
+//! starts one).
 
 use std::time::Duration;
 
@@ -10,7 +12,10 @@ use serde_json::Value;
 
 use amqp_delay::layout::{Layout, TopologySettings};
 
-use crate::harness::broker_url;
+/// The broker under test: `AMQP_URL`, else the library's default, as the suites in `tests/` pick it.
+fn broker_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| amqp_delay::settings::DEFAULT_URL.into())
+}
 
 fn number(v: &Value, path: &str) -> f64 {
     v.as_f64()
