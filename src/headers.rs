@@ -68,7 +68,7 @@ pub fn is_ours(name: &str) -> bool {
 /// RabbitMQ's own publish-time delay for quorum queues (absolute epoch ms; 4.4, ignored on an
 /// AMQP 0-9-1 publish by 4.3). A message that carried it through our tiers would be delayed
 /// once more by a quorum destination on such a broker, so it is reserved like our own names
-/// (docs/DESIGN.md, "A native backend").
+/// (DESIGN rule 16).
 pub const NATIVE_DELIVERY_TIME: &str = "x-opt-delivery-time";
 
 /// Whether an application may not set `name` on a message that goes through the tiers: one of
