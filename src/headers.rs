@@ -1,6 +1,6 @@
 //! Header rules, pure: the headers we set on every scheduled message, the reserved names, the
-//! stripping of the broker's dead-letter history before anything is re-published (docs/DESIGN.md
-//! rule 3), and conversion of JSON header values into AMQP field values.
+//! stripping of the broker's dead-letter history before anything is re-published
+//! (docs/DESIGN.md rule 3), and conversion of JSON header values into AMQP field values.
 
 use std::collections::BTreeMap;
 
@@ -121,7 +121,8 @@ pub fn is_routing_header(name: &str) -> bool {
 
 /// Headers the broker adds on its own (the dead-letter history and the quorum queues'
 /// redelivery counters) or acts on at every publish (`CC`, `BCC`). Never carried into anything
-/// we re-publish.
+/// we re-publish (DESIGN rules 3 and 14: a kept `x-death` can make the broker drop or strand the
+/// copy, a kept `CC`/`BCC` routes a copy per key at every hop).
 pub fn is_broker_header(name: &str) -> bool {
     is_death_header(name)
         || name == DELIVERY_COUNT
