@@ -1,6 +1,6 @@
 //! Batches, pure: many delayed messages that share a destination and fall due within their
 //! lateness budgets travel through the tiers as ONE broker message, so the broker's cost per hop
-//! (three to five raw passes, docs/DESIGN.md) is paid once per batch instead of once per message.
+//! (about three raw passes, docs/DESIGN.md) is paid once per batch instead of once per message.
 //!
 //! # The envelope, version 1
 //!

@@ -208,8 +208,9 @@ pub(crate) fn copy_properties(p: &BasicProperties, omit: Omit) -> BasicPropertie
 }
 
 /// Properties for anything a worker re-publishes (retry, park, forward): `headers` replaced,
-/// `expiration` dropped (it would make a scheduled copy fail and a parked copy vanish) and
-/// `user_id` dropped (the broker refuses a publish whose user_id is not the connection's user).
+/// `expiration` dropped (it would make a scheduled copy fail and a parked copy vanish:
+/// DESIGN rule 1) and `user_id` dropped (the broker refuses a publish whose user_id is not the
+/// connection's user: DESIGN rule 15).
 pub(crate) fn republish_properties(p: &BasicProperties, headers: FieldTable) -> BasicProperties {
     copy_properties(
         p,
@@ -224,8 +225,9 @@ pub(crate) fn republish_properties(p: &BasicProperties, headers: FieldTable) -> 
 }
 
 /// Headers for re-scheduling a message owned by `owner`: the original ones without the
-/// broker's death history, our schedule headers (set again by the publisher) and parking
-/// headers, naming its owner ([`headers::OWNER`]) for whoever reads the copy.
+/// broker's death history (DESIGN rule 3: a retry revisits tiers it has seen), `CC` and `BCC`
+/// (DESIGN rule 14), our schedule headers (set again by the publisher) and parking headers,
+/// naming its owner ([`headers::OWNER`]) for whoever reads the copy.
 pub(crate) fn headers_for_reschedule(
     original: Option<&FieldTable>,
     owner: Option<&str>,

@@ -1,6 +1,6 @@
 //! Header rules, pure: the headers we set on every scheduled message, the reserved names, the
-//! stripping of the broker's dead-letter history before anything is re-published (docs/DESIGN.md
-//! rule 3), and conversion of JSON header values into AMQP field values.
+//! stripping of the broker's dead-letter history before anything is re-published
+//! (docs/DESIGN.md rule 3), and conversion of JSON header values into AMQP field values.
 
 use std::collections::BTreeMap;
 
@@ -68,7 +68,7 @@ pub fn is_ours(name: &str) -> bool {
 /// RabbitMQ's own publish-time delay for quorum queues (absolute epoch ms; 4.4, ignored on an
 /// AMQP 0-9-1 publish by 4.3). A message that carried it through our tiers would be delayed
 /// once more by a quorum destination on such a broker, so it is reserved like our own names
-/// (docs/DESIGN.md, "A native backend").
+/// (DESIGN rule 16).
 pub const NATIVE_DELIVERY_TIME: &str = "x-opt-delivery-time";
 
 /// Whether an application may not set `name` on a message that goes through the tiers: one of
@@ -121,7 +121,8 @@ pub fn is_routing_header(name: &str) -> bool {
 
 /// Headers the broker adds on its own (the dead-letter history and the quorum queues'
 /// redelivery counters) or acts on at every publish (`CC`, `BCC`). Never carried into anything
-/// we re-publish.
+/// we re-publish (DESIGN rules 3 and 14: a kept `x-death` can make the broker drop or strand the
+/// copy, a kept `CC`/`BCC` routes a copy per key at every hop).
 pub fn is_broker_header(name: &str) -> bool {
     is_death_header(name)
         || name == DELIVERY_COUNT

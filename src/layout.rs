@@ -22,9 +22,10 @@ mod names;
 
 /// The broker's limit for `x-message-ttl` (milliseconds, unsigned 32-bit).
 pub const BROKER_MAX_TTL_MS: u64 = u32::MAX as u64;
-/// Topic routing keys are at most 255 bytes.
+/// Topic routing keys are at most 255 bytes (DESIGN rule 9).
 pub const MAX_ROUTING_KEY_LEN: usize = 255;
-/// Upper bound on the overflow chain, so a misconfiguration cannot create thousands of queues.
+/// Upper bound on the overflow chain, so a misconfiguration cannot create thousands of queues
+/// (each quorum queue holds broker file handles: DESIGN rule 11).
 pub const MAX_OVERFLOW_QUEUES: u64 = 64;
 /// Digit alphabet of routing-key words (radix up to 36).
 const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
@@ -79,7 +80,7 @@ impl Default for TopologySettings {
 #[serde(rename_all = "lowercase")]
 pub enum QueueType {
     /// Quorum queues, `x-dead-letter-strategy=at-least-once`, `x-overflow=reject-publish`:
-    /// nothing is lost on dead-lettering (duplicates are possible).
+    /// nothing is lost on dead-lettering (duplicates are possible; DESIGN rule 4).
     #[default]
     Quorum,
     /// Classic queues: dead-lettering is at-most-once (a message can be lost if the broker
@@ -116,7 +117,8 @@ pub struct Tier {
     pub queue: String,
     /// Queue-level `x-message-ttl` in milliseconds.
     pub ttl_ms: u64,
-    /// Exchange the queue dead-letters into (routing key kept).
+    /// Exchange the queue dead-letters into (routing key kept, so the key carries the rest of
+    /// the route: DESIGN rule 2).
     pub dead_letter_exchange: String,
 }
 

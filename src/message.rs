@@ -127,6 +127,7 @@ impl Message {
             }
             let reserved = h.inner().keys().find(|k| headers::is_reserved(k.as_str()));
             if let (false, Some(k)) = (self.internal, reserved) {
+                // DESIGN rule 16: RabbitMQ's own delay would act again at the destination
                 return Err(if k.as_str() == headers::NATIVE_DELIVERY_TIME {
                     format!(
                         "header '{k}' is reserved: it is RabbitMQ's own publish-time delay, which \
@@ -145,6 +146,7 @@ impl Message {
             }
         }
         if self.body.len() > max_body_bytes {
+            // DESIGN rule 12: RabbitMQ 4.x's max_message_size
             return Err(format!(
                 "the body is {} bytes; at most {max_body_bytes} are accepted (publisher.max_message_bytes; RabbitMQ 4.x refuses messages over 16 MiB by default)",
                 self.body.len()

@@ -104,8 +104,9 @@ impl RetryPolicy {
 /// not confirmed) before returning it to its queue, from the first pause
 /// (`consumer.requeue_pause`, 1 s by default) and the broker's count of its earlier returns:
 /// doubling, at most [`REQUEUE_PAUSE_CAP`] times the first. Every return counts toward the
-/// quorum queues' delivery limit (20, then the message is parked), so the pause grows: the
-/// limit is reached after 481 first pauses of failures (about 8 minutes at 1 s), not 20.
+/// quorum queues' delivery limit (20, then the message is parked: DESIGN rule 12), so the
+/// pause grows: the limit is reached after 481 first pauses of failures (about 8 minutes at
+/// 1 s), not 20.
 pub(crate) fn requeue_pause_ms(first_ms: u64, returned_before: u64) -> u64 {
     // 2^5 is past the cap already
     first_ms

@@ -1,7 +1,8 @@
 //! Counting delayed messages rather than broker messages (pure; the I/O is in `ledger`).
 //!
 //! A batch is one broker message holding many delayed messages, so queue depths count
-//! batches. The ledger stream `<prefix>.ledger` counts messages instead: every publisher
+//! batches, and a tier's messages cannot be looked into without taking them out
+//! (DESIGN rule 8). The ledger stream `<prefix>.ledger` counts messages instead: every publisher
 //! appends, every few seconds, how many messages it put into the tiers and when each broker
 //! message leaves them ([`Entry::Scheduled`], due times to the second). A reader sums what is
 //! not yet due. Records are kept for the longest delay plus a week, so summing from the start
@@ -509,8 +510,9 @@ mod tests {
     }
 
     /// The bound `compact` promises, and that a snapshot of it is one message RabbitMQ 4.x
-    /// accepts (16 MiB by default): messages due in every second of the next two hours and in
-    /// every minute of the rest of a year, which fills every pair `compact` can keep.
+    /// accepts (16 MiB by default, DESIGN rule 12): messages due in every second of the next
+    /// two hours and in every minute of the rest of a year, which fills every pair `compact`
+    /// can keep.
     #[test]
     fn a_year_of_pending_messages_fits_one_snapshot() {
         let now_s = 1_000_000_000;

@@ -51,7 +51,8 @@ impl Topology {
         crate::ledger::declare(conn, l).await?;
 
         // Parking first: the delivery exchange's alternate exchange must exist before anything
-        // can be delivered.
+        // can be delivered (DESIGN rule 5: a dead-lettered message that routes nowhere is
+        // dropped or stuck in its tier).
         self.declare_parking_exchanges(conn, &ch).await?;
 
         let mut ae = FieldTable::default();
@@ -336,7 +337,8 @@ impl Topology {
     }
 
     /// Arguments of a queue our workers consume (a destination `declare --queue` creates, the
-    /// gateway's queues): a message that reaches the delivery limit is dead-lettered into the
+    /// gateway's queues; DESIGN rules 4 and 12: at-least-once dead-lettering, a delivery
+    /// limit): a message that reaches the delivery limit is dead-lettered into the
     /// parking exchange, so it lands in `<prefix>.parked` with the reason (`delivery_limit`) in
     /// `x-death`, never lost. Quorum queues get the limit (`DELIVERY_LIMIT`, 20) explicitly (4.x's
     /// default; 3.x has none): a message that can never be received (a header frame over
@@ -375,6 +377,8 @@ impl Topology {
             "x-message-ttl".into(),
             AMQPValue::LongLongInt(t.ttl_ms as i64),
         );
+        // DESIGN rule 2: no `x-dead-letter-routing-key`, so the message keeps its routing key,
+        // which carries the rest of its route.
         a.insert(
             "x-dead-letter-exchange".into(),
             broker::long_string(&t.dead_letter_exchange),
@@ -397,7 +401,8 @@ impl Topology {
 }
 
 /// The delivery limit of the quorum queues our workers consume (RabbitMQ 4.x's default for
-/// every quorum queue): a message delivered this many times without an ack is parked.
+/// every quorum queue, DESIGN rule 12): a message delivered this many times without an ack is
+/// parked.
 pub(crate) const DELIVERY_LIMIT: i64 = 20;
 
 fn not_declared(l: &Layout, detail: &str) -> Error {

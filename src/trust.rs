@@ -1,8 +1,9 @@
 //! Who wrote a record or a message, and what that lets it do, pure. The broker checks the
 //! AMQP `user_id` property of every publish against the publishing connection's user (unless
-//! that user has the `impersonator` tag), so a `user_id` on a stream record or a message is
-//! the name of the user who wrote it; every record and message of ours carries one. What a
-//! follower, a worker or a gateway believes of what it reads follows from that name:
+//! that user has the `impersonator` tag; DESIGN rule 15), so a `user_id` on a stream record
+//! or a message is the name of the user who wrote it; every record and message of ours
+//! carries one. What a follower, a worker or a gateway believes of what it reads follows from
+//! that name:
 //!
 //! * a **cancel** (tombstone) stops a message only when its writer is the message's owner or
 //!   an admin (`trust.admins`);

@@ -257,8 +257,8 @@ impl<'a> Bench<'a> {
 
     /// On a local RabbitMQ 3.x, every quorum queue takes [`HANDLES_PER_QUORUM_QUEUE`] of the
     /// broker's file handles (`file_handle_cache`, sized from its open-file limit). When they
-    /// run out the broker stops accepting connections without an error, so refuse to declare
-    /// a topology that does not fit.
+    /// run out the broker stops accepting connections without an error (DESIGN rule 11), so
+    /// refuse to declare a topology that does not fit.
     async fn ensure_file_handles(&mut self, queues: usize) -> Result<()> {
         if !self.local_node || self.cfg.settings.topology.queue_type != QueueType::Quorum {
             return Ok(());

@@ -439,6 +439,7 @@ async fn forward(
         return Outcome::Retry(reason);
     }
     let empty = lapin::types::FieldTable::default();
+    // DESIGN rules 3 and 14: the copy carries no `x-death`, `CC` or `BCC`
     let h = headers::filter(d.headers().unwrap_or(&empty), |k| {
         !headers::is_broker_header(k) && k != headers::ROUTING_KEY
     });
@@ -466,6 +467,7 @@ async fn forward(
 
 async fn relay(ctx: &Context, queue: &str, d: &Delivery) -> Outcome {
     let empty = lapin::types::FieldTable::default();
+    // DESIGN rules 3 and 14: the copy carries no `x-death`, `CC` or `BCC`
     let h = headers::filter(d.headers().unwrap_or(&empty), |k| {
         !headers::is_broker_header(k)
     });

@@ -96,14 +96,15 @@ pub fn parse_x_delay(value: Option<&AMQPValue>, max_delay_ms: u64) -> Result<u64
 }
 
 /// Properties for the trip through the tiers: the application's, with what the tiers must not
-/// carry moved into headers — the routing key, `expiration` (it would expire inside a tier),
-/// `delivery_mode` (the tiers are persistent), `user_id` (see the module doc), `CC` and `BCC`
-/// (the broker would route a copy per key at every hop, docs/DESIGN.md rule 14), and markers
-/// for an absent `message_id` (the publisher generates one) or `headers` table. `x-delay-*`
-/// headers the application set, `x-opt-delivery-time` (the broker's native delay, which would
-/// delay the message again at the target) and those the broker adds (`x-death` history,
-/// `x-delivery-count`) are removed. `invalid` is
-/// the reason the message must be parked instead of delivered.
+/// carry moved into headers — the routing key, `expiration` (it would expire inside a tier,
+/// DESIGN rule 1), `delivery_mode` (the tiers are persistent), `user_id` (see the module doc;
+/// DESIGN rule 15), `CC` and `BCC` (the broker would route a copy per key at every hop,
+/// docs/DESIGN.md rule 14), and markers for an absent `message_id` (the publisher generates
+/// one) or `headers` table. `x-delay-*` headers the application set, `x-opt-delivery-time`
+/// (the broker's native delay, which would delay the message again at the target:
+/// DESIGN rule 16) and those the broker adds (`x-death` history, `x-delivery-count`:
+/// DESIGN rule 3) are removed. `invalid` is the reason the message must be parked instead of
+/// delivered.
 pub(crate) fn stash(
     p: &BasicProperties,
     routing_key: &str,
@@ -170,7 +171,7 @@ fn short(name: &str, v: String) -> Result<ShortString, String> {
 /// and properties, the `expiration` and `delivery_mode` it had, its `CC` and `BCC` back (the
 /// broker routes them once, at the target, as the plugin does), no `message_id` or `headers`
 /// if it had none, our `x-delay-*` headers (but [`USER_ID`]) and the broker's (`x-death`
-/// history, `x-delivery-count`) removed,
+/// history, `x-delivery-count`: DESIGN rule 3) removed,
 /// and `x-delay` rewritten to minus the delay when there was one (as the plugin does; a zero or
 /// negative `x-delay` is left as it was). An error names what is missing or malformed.
 pub(crate) fn restore(p: &BasicProperties) -> Result<(String, BasicProperties), String> {

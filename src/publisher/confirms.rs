@@ -34,7 +34,8 @@ const KEEP_UNMATCHED: Duration = Duration::from_secs(5);
 pub(super) enum Outcome {
     Ack,
     Nack,
-    /// Unroutable (mandatory): the broker dropped it after returning it.
+    /// Unroutable (mandatory): the broker dropped it after returning it. Its confirm is an ack
+    /// all the same (DESIGN rule 6).
     Returned(Box<BasicReturnMessage>),
 }
 

@@ -178,7 +178,7 @@ impl Inner {
     }
 
     /// `props` with this publisher's user as `user_id` (whatever the caller set: the broker
-    /// refuses any other), so that readers know who wrote it ([`crate::trust`]).
+    /// refuses any other, DESIGN rule 15), so that readers know who wrote it ([`crate::trust`]).
     pub(super) fn signed(&self, props: BasicProperties) -> BasicProperties {
         match &self.user {
             Some(u) => props.with_user_id(u.clone()),
@@ -309,6 +309,8 @@ impl Inner {
             .basic_publish_noting(
                 exchange.into(),
                 key,
+                // DESIGN rule 6: the broker confirms an unroutable publish too; only
+                // `mandatory` makes it return it
                 BasicPublishOptions {
                     mandatory: true,
                     ..BasicPublishOptions::default()

@@ -40,7 +40,8 @@ pub struct ConsumerSettings {
     pub requeue_pause: DurationMs,
     /// A handler running longer counts as a retryable failure.
     pub handler_timeout: DurationMs,
-    /// The broker's `consumer_timeout` as the worker assumes it: RabbitMQ's default, 30 min.
+    /// The broker's `consumer_timeout` (DESIGN rule 10) as the worker assumes it: RabbitMQ's
+    /// default, 30 min.
     /// `handler_timeout` and `requeue_hold` are checked to stay below it, or the broker closes
     /// the channel under a slow handler. It describes the broker, it tunes nothing: set it only
     /// where the broker's `consumer_timeout` was changed (a worker cannot read the broker's

@@ -15,7 +15,7 @@ use crate::broker;
 use crate::error::{Error, Result, ResultExt};
 
 /// Prefetch acks: one `multiple` ack every this many records (acking each made reading
-/// several times slower).
+/// several times slower: DESIGN rule 13).
 const ACK_EVERY: u64 = 500;
 /// How soon after a careful reader asks for a record a frame error counts against that
 /// record ([`poison`]): one that exists is sent at once (well within this on a loaded

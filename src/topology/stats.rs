@@ -1,6 +1,7 @@
 //! `stats`: the depth of every tier queue and of the parking queues, from a passive declare of
 //! each queue (whether it exists, its ready messages, now), and from the management API when
 //! there is one (unacknowledged, dead-lettered, leader; every destination's parking queue too).
+//! Never a consumer or a `basic.get` on a tier: delivery beats expiry (DESIGN rule 8).
 
 #[cfg(feature = "management")]
 use std::collections::HashMap;

@@ -1,5 +1,5 @@
 //! Coalesced acks: one `basic.ack` with `multiple` for a run of settled deliveries of a
-//! consumer channel, instead of one per delivery.
+//! consumer channel, instead of one per delivery (DESIGN rule 13).
 //!
 //! A quorum queue turns every `basic.ack` frame into a log entry (and releases one prefetch
 //! credit at a time): consuming 50 000 persistent messages at prefetch 256 cost RabbitMQ 3.10

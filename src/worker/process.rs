@@ -533,6 +533,7 @@ fn hold_sleep(now: u64, target: u64, may_skip: bool) -> Option<u64> {
 async fn run_handler<H: Handler>(d: &Delivery, handler: &H, ctx: &TaskCtx) -> Option<Outcome> {
     let metrics = crate::metrics::global();
     let label = Metrics::queue(&d.queue);
+    // DESIGN rule 10: both stay below the broker's consumer_timeout (checked in settings)
     let timeout = ctx.settings.handler_timeout.as_duration();
     let hold = ctx.settings.requeue_hold.as_duration();
     let hctx = Context {
@@ -654,6 +655,7 @@ async fn reschedule(
 /// Parks a copy of `d` in its queue's parking queue with the reason, confirmed.
 async fn park(d: &Delivery, reason: &str, kind: &str, ctx: &TaskCtx) -> Result<()> {
     let empty = FieldTable::default();
+    // DESIGN rules 3 and 14: no dead-letter history, `CC` or `BCC` on the parked copy
     let mut h = headers::strip_death(d.headers().unwrap_or(&empty));
     h.insert(
         headers::PARKED_REASON.into(),

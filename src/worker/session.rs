@@ -314,7 +314,8 @@ impl<'w, H: Handler> Session<'w, H> {
 
     /// Ends the session: on a stop (or the end of a careful spell), cancels the consumers,
     /// lets the handlers in flight finish within the grace and flushes their acks; on a loss,
-    /// aborts them (the broker redelivers what was not acked). Then closes everything.
+    /// aborts them (the broker redelivers what was not acked: DESIGN rule 10). Then closes
+    /// everything.
     async fn finish(mut self, end: &SessionEnd) {
         crate::metrics::global().connected.set(0);
         if let SessionEnd::Stopped | SessionEnd::Careful = end {
@@ -337,7 +338,7 @@ impl<'w, H: Handler> Session<'w, H> {
     /// (nacked one by one, hundreds of deliveries in hand made the broker drop the last acks:
     /// see `acks`), then flushes the acks of what finished.
     async fn drain(&mut self, stopping: bool) {
-        // before any task can see `stopping`, so none of them nacks
+        // before any task can see `stopping`, so none of them nacks (DESIGN rule 13)
         for a in &self.all_acks {
             a.stop();
         }

@@ -153,6 +153,7 @@ fn compose_files_run_what_the_code_accepts() {
 
 fn check_compose_broker(svc: &Value, dir: &Path, what: &str) {
     assert_broker_image(s(&svc["image"]), what);
+    // DESIGN rule 11: every quorum queue holds broker file handles
     let nofile = &svc["ulimits"]["nofile"];
     for k in ["soft", "hard"] {
         let n = nofile[k]

@@ -414,10 +414,10 @@ impl ClientSide {
     }
 
     /// The delayed publish's content header `h` with the client's user as `user_id` (which the
-    /// broker checks against the connection's, so the gateway knows who wrote it) and the
-    /// header [`ADDED_USER_ID`] (so that the target's copy does not name it, as the plugin's
-    /// would not); `None` (sent as it came) when it has a `user_id` already (the broker checks
-    /// that one), the user is unknown, or the frame would outgrow `frame_max`.
+    /// broker checks against the connection's, DESIGN rule 15, so the gateway knows who wrote
+    /// it) and the header [`ADDED_USER_ID`] (so that the target's copy does not name it, as the
+    /// plugin's would not); `None` (sent as it came) when it has a `user_id` already (the
+    /// broker checks that one), the user is unknown, or the frame would outgrow `frame_max`.
     fn with_user_id(&self, channel: u16, h: AMQPContentHeader) -> Option<Vec<u8>> {
         if h.properties.user_id().is_some() {
             return None;
