@@ -516,7 +516,7 @@ mod tests {
         assert!(decode(&body).is_err());
     }
 
-    /// Attack 7 of issue 23: a 3 MB body announcing 300 000 ten-byte members (its header says
+    /// A hostile batch: a 3 MB body announcing 300 000 ten-byte members (its header says
     /// 300 000 as well) is refused by its count alone, before anything per member.
     #[test]
     fn a_batch_announcing_more_members_than_a_batch_may_hold_is_refused_up_front() {

@@ -33,8 +33,8 @@
 //! deliveries to the queue although their acks reached it (RabbitMQ 3.10.8 and 4.0.5,
 //! `rabbit_fifo_client`'s `unsent_commands`). A stop that nacked the hundreds of deliveries a
 //! worker holds (`consumer.hold_prefetch`) one by one sent hundreds of frames within a few
-//! milliseconds and then its last acks, which the close dropped: finished messages ran again
-//! (issue 22). Left to the close, they cost no frame at all.
+//! milliseconds and then its last acks, which the close dropped: finished messages ran again.
+//! Left to the close, they cost no frame at all.
 //!
 //! What a worker dies with (at most [`FLUSH_AFTER`] of done deliveries) is delivered again:
 //! at-least-once, as a worker dying between a handler and its ack always was. A stopping
