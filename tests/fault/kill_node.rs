@@ -13,10 +13,9 @@ use crate::harness::*;
 const N: usize = 1500;
 const MAX_MS: u64 = 3000;
 
-// Until 2026-12-01 this lost one confirmed message in 9 of 117 runs: a message the tiers
-// nacked during the election got another publish's ack, because lapin could number concurrent
-// publishes on one channel in another order than it sent them (fixed: broker::SharedChannel;
-// OPERATIONS.md "Found and fixed: the kill -9 loss"). When messages are missing 30 s after the
+// A message the tiers nack during the election must never get another publish's ack: lapin
+// can number concurrent publishes on one channel in another order than it sends them, hence
+// broker::SharedChannel (docs/reports/2026-12-01-kill-9-loss.md). When messages are missing 30 s after the
 // node is back the scenario first checks for stopped tiers (OPERATIONS.md "Dead-lettered
 // messages that do not move") and applies the remedy; FAULT_RUST_LOG=warn,amqp_delay=trace
 // logs every confirm with its id, route and exchange.
