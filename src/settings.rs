@@ -17,11 +17,9 @@ use crate::time::DurationMs;
 
 mod consumer;
 mod gateway;
-mod renamed;
 
 pub use consumer::{ConsumerSettings, RouteConfig};
 pub use gateway::{GatewaySettings, PairConfig};
-use renamed::{RenamedKey, Renaming};
 
 /// Default broker URL.
 pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -306,9 +304,7 @@ pub const CLI_ONLY_VARIABLES: &[&str] = &["AMQP_DELAY_LOG_FORMAT"];
 
 impl Settings {
     /// Loads defaults, then `file` (TOML) if given, then `AMQP_DELAY_*` environment variables.
-    /// An old key name (`topology.unit_ms`, `topology.max_tier_ttl_ms`, `precision.lateness_ms`,
-    /// `publisher.binding_cache_secs`: from before every duration was a [`DurationMs`]) is read
-    /// as its new one, with a warning naming both.
+    /// A key that is no setting (a typo, a key of another version) is an error naming it.
     pub fn load(file: Option<&Path>) -> Result<Settings, SettingsError> {
         Self::load_with_env(file, None)
     }
@@ -318,33 +314,6 @@ impl Settings {
         file: Option<&Path>,
         env: Option<std::collections::HashMap<String, String>>,
     ) -> Result<Settings, SettingsError> {
-        let (settings, renamed) = Self::load_renaming(file, env)?;
-        for key in renamed {
-            tracing::warn!(
-                old = key.old,
-                new = key.new,
-                "configuration: {} is read as {}{}; rename it (the old name will go)",
-                key.old,
-                key.new,
-                settings
-                    .get_duration(key.new)
-                    .map(|d| format!(" = \"{d}\""))
-                    .unwrap_or_default()
-            );
-        }
-        Ok(settings)
-    }
-
-    /// The settings, and the old key names that were read as their new ones.
-    fn load_renaming(
-        file: Option<&Path>,
-        env: Option<std::collections::HashMap<String, String>>,
-    ) -> Result<(Settings, Vec<RenamedKey>), SettingsError> {
-        let found = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let renaming = |inner: Box<dyn config::Source + Send + Sync>| Renaming {
-            inner,
-            found: found.clone(),
-        };
         let defaults = config::Config::try_from(&Settings::default())?;
         let mut b = config::Config::builder().add_source(defaults);
         if let Some(path) = file {
@@ -354,11 +323,11 @@ impl Settings {
                     path.display()
                 )));
             }
-            b = b.add_source(renaming(Box::new(
+            b = b.add_source(
                 config::File::from(path)
                     .format(config::FileFormat::Toml)
                     .required(true),
-            )));
+            );
         }
         let mut envsrc = config::Environment::with_prefix("AMQP_DELAY")
             .prefix_separator("_")
@@ -380,22 +349,10 @@ impl Settings {
             .filter(|(k, _)| !CLI_ONLY_VARIABLES.contains(&k.as_str()))
             .collect();
         envsrc = envsrc.source(Some(map));
-        let cfg = b.add_source(renaming(Box::new(envsrc))).build()?;
+        let cfg = b.add_source(envsrc).build()?;
         let s: Settings = cfg.try_deserialize()?;
         s.validate()?;
-        let renamed = found.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        Ok((s, renamed))
-    }
-
-    /// The value of a renamed duration key, for the warning.
-    fn get_duration(&self, key: &str) -> Option<DurationMs> {
-        Some(match key {
-            "topology.unit" => self.topology.unit,
-            "topology.max_tier_ttl" => self.topology.max_tier_ttl,
-            "precision.lateness" => self.precision.lateness,
-            "publisher.binding_cache" => self.publisher.binding_cache,
-            _ => return None,
-        })
+        Ok(s)
     }
 
     /// Checks everything that can be checked without a broker.
