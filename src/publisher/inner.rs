@@ -159,13 +159,13 @@ impl Inner {
                 .with_content_type("application/json".into()),
         );
         let written = self
-            .publish_confirmed(&self.streams_exchange, stream, &log.encode(&entry), props)
+            .publish_confirmed(log.exchange(), stream, &log.encode(&entry), props)
             .await;
         match written.map_err(|e| log.or_missing(e)) {
             Ok(()) => {}
-            Err(Error::NotDeclared { .. }) => {
+            Err(e @ Error::NotDeclared { .. }) => {
                 self.ledger_on.store(false, Ordering::Relaxed);
-                tracing::warn!(%stream, "the ledger stream is gone: `stats` counts broker messages only until `delay-publisher declare` adds it back");
+                tracing::warn!(%stream, "no longer writing the ledger, `stats` counts broker messages only: {}", crate::error::chain(&e));
             }
             Err(e) if last => {
                 tracing::warn!(%stream, "could not write the ledger before closing: `stats` counts the messages of its last seconds only as broker messages: {}", crate::error::chain(&e));
