@@ -154,17 +154,18 @@ impl Topology {
         if broker::queue_state(conn, &name).await?.is_none() {
             broker::declare_queue_spread(conn, &name, self.parked_args()).await?;
         }
-        // a worker parks through the park exchange (declared by `declare`; an older topology
-        // gets it here), with the destination's name as the key. A worker or gateway with
-        // least privilege may not bind: an admin's `declare --queue Q --worker` or `gateway
-        // --declare-only` did
-        let ch = open(conn).await?;
+        // a worker parks through the park exchange (declared by `declare`), with the
+        // destination's name as the key. A worker or gateway with least privilege may not
+        // bind: an admin's `declare --queue Q --worker` or `gateway --declare-only` did
         let park = self.layout.park_exchange();
-        let bound = async {
-            declare_exchange(&ch, &park, ExchangeKind::Direct, FieldTable::default()).await?;
-            bind_queue(&ch, &name, &park, queue).await
+        if !broker::exchange_exists(conn, &park).await? {
+            return Err(not_declared(
+                &self.layout,
+                &format!(": the park exchange '{park}' is missing"),
+            ));
         }
-        .await;
+        let ch = open(conn).await?;
+        let bound = bind_queue(&ch, &name, &park, queue).await;
         broker::close(&ch, "declared").await;
         match bound {
             Err(Error::Amqp { source, .. })
