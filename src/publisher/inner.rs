@@ -447,8 +447,9 @@ impl Inner {
         Ok(reads)
     }
 
-    /// What `destination`'s markers say its consumers read (the hold marker is looked for only
-    /// when grains are on).
+    /// What `destination`'s markers say its consumers read: with grains, the hold marker says
+    /// they hold grain batches; without, the batch marker says they read exact batches (a
+    /// worker declares both).
     async fn markers_of(&self, destination: &str) -> Result<Reads> {
         if !self.settings.batching() {
             return Ok(Reads::Plain);
@@ -463,13 +464,11 @@ impl Inner {
                 }
             }
         };
-        if self.settings.grain().is_some() && exists(self.layout.hold_marker(destination)).await? {
-            return Ok(Reads::Holds);
-        }
-        if exists(self.layout.batch_marker(destination)).await? {
-            return Ok(Reads::Batches);
-        }
-        Ok(Reads::Plain)
+        Ok(match self.settings.grain() {
+            Some(_) if exists(self.layout.hold_marker(destination)).await? => Reads::Holds,
+            None if exists(self.layout.batch_marker(destination)).await? => Reads::Batches,
+            _ => Reads::Plain,
+        })
     }
 
     /// Binds `destination` on the delivery exchange, on the binding channel `admin` (opened
