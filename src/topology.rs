@@ -258,8 +258,6 @@ impl Topology {
         let l = &self.layout;
         let mut queues: Vec<String> = l.tiers().into_iter().map(|t| t.queue).collect();
         queues.push(l.unroutable_queue());
-        // the marker of versions before 0.2 was a classic queue of the same name
-        queues.push(l.layout_marker());
         queues.push(l.control_stream());
         queues.push(l.ledger_stream());
         let mut exchanges: Vec<String> = (0..l.levels()).map(|k| l.level_exchange(k)).collect();
@@ -409,7 +407,7 @@ fn not_declared(l: &Layout, detail: &str) -> Error {
 }
 
 /// The signature a signature exchange's name carries (`p.layout.r16.u1` → `r=16 u=1`), or the
-/// name as it is when it carries a hash (or an old marker's plain signature).
+/// name as it is when it carries a hash.
 fn signature_of(name: &str) -> String {
     let Some(slug) = name.rsplit_once(".layout.").map(|(_, s)| s) else {
         return name.to_string();

@@ -550,9 +550,8 @@ impl Gateway {
         let qargs = topology.consumed_queue_args();
         for p in &self.pairs {
             self.check_target(conn, p).await?;
-            // What exists is used as it is (it may predate today's arguments, or have been
-            // declared by an admin with `gateway --declare-only`, so that the gateway itself
-            // needs no right to configure it).
+            // What exists is used as it is (an admin may have declared it with `gateway
+            // --declare-only`, so that the gateway itself needs no right to configure it).
             let ch = broker::open(conn).await?;
             if !broker::exchange_exists(conn, &p.ingress).await? {
                 match broker::declare_exchange(
