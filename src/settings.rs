@@ -176,24 +176,24 @@ pub struct PublisherSettings {
     pub batch_max_bytes: usize,
     /// How long a single `schedule` call may wait for concurrent calls to share its batch
     /// (never past its lateness budget); 0 = do not wait. Every publisher but the gateway's,
-    /// which lingers `gateway.batch_linger` instead.
+    /// which lingers the grain's linger instead ([`PublisherSettings::gateway_linger`]).
     pub batch_linger: DurationMs,
     /// The timing wheel's last grain: to a destination whose consumers hold early messages
     /// until they are due (ours: a worker, a relay, a gateway's due stage), messages due in
     /// the same window of this width travel through the tiers together, one batch, on a
     /// coarse route that reaches the consumer before the first of them is due; the consumer
     /// runs each at its exact due time. 0 = exact routes only (every member due within its
-    /// lateness budget, the behaviour before grains).
+    /// lateness budget).
+    ///
+    /// It also sets how grain batches are timed: a batch is planned to reach its consumer a
+    /// fifth of a grain before its first member is due (the lead: room for its route's own
+    /// latency, dead-letter hops and the delivery, a few ms each on an idle broker, more under
+    /// load), and while messages to a destination arrive steadily (the previous one less than
+    /// `batch_linger` ago) one waits in the publisher up to a tenth of a grain (at most 1 s)
+    /// for others of its window (the linger), never past its due time − the lead; a
+    /// `schedule` call returns when its batch is confirmed. An occasional message waits
+    /// `batch_linger` only.
     pub grain: DurationMs,
-    /// How long before its first member is due a grain batch is planned to reach the consumer:
-    /// the room for its route's own latency (dead-letter hops and the delivery, a few ms each
-    /// on an idle broker, more under load).
-    pub grain_lead: DurationMs,
-    /// While messages to a destination arrive steadily (the previous one less than
-    /// `batch_linger` ago), how long one may wait in the publisher for others of its grain
-    /// window, never past its window's slack (its due time − `grain_lead`); a `schedule` call
-    /// returns when its batch is confirmed. An occasional message waits `batch_linger` only.
-    pub grain_linger: DurationMs,
     /// Largest body accepted (RabbitMQ 4.x's default `max_message_size` is 16 MiB; 3.x's
     /// 128 MiB); larger is refused before anything is published.
     pub max_message_bytes: usize,
@@ -214,8 +214,6 @@ impl Default for PublisherSettings {
             batch_max_bytes: 1 << 20,
             batch_linger: DurationMs(5),
             grain: DurationMs(1_000),
-            grain_lead: DurationMs(200),
-            grain_linger: DurationMs(100),
             max_message_bytes: 16 << 20,
             reconnect_timeout: DurationMs(60_000),
         }
@@ -246,34 +244,60 @@ impl PublisherSettings {
                 self.batch_max_bytes
             ));
         }
-        if self.batch_linger.as_millis() > 1_000 {
+        if self.batch_linger.as_millis() > MAX_LINGER_MS {
             return Err(format!(
-                "publisher.batch_linger must be at most 1s, got {}",
+                "publisher.batch_linger must be at most {}, got {}",
+                DurationMs(MAX_LINGER_MS),
                 self.batch_linger
             ));
         }
-        if self.grain.as_millis() > MAX_GRAIN_MS {
+        let grain = self.grain.as_millis();
+        if grain != 0 && !(MIN_GRAIN_MS..=MAX_GRAIN_MS).contains(&grain) {
             return Err(format!(
-                "publisher.grain must be at most {} (a consumer holds a grain's messages unacked, in memory), got {}",
+                "publisher.grain must be 0 (exact routes only) or between {} and {}, got {}: a grain batch is planned to arrive a fifth of a grain before it is due, which below {} leaves no room for its route's own latency (dead-letter hops, a few ms each), and a consumer holds a grain's messages unacked, in memory",
+                DurationMs(MIN_GRAIN_MS),
                 DurationMs(MAX_GRAIN_MS),
-                self.grain
-            ));
-        }
-        if self.grain_lead.as_millis() > 10_000 || self.grain_linger.as_millis() > 1_000 {
-            return Err(format!(
-                "publisher.grain_lead must be at most 10s and publisher.grain_linger at most 1s, got {} and {}",
-                self.grain_lead, self.grain_linger
+                self.grain,
+                DurationMs(MIN_GRAIN_MS),
             ));
         }
         Ok(())
     }
 
-    /// The grain batches are formed with (`None`: exact routes only).
+    /// The grain batches are formed with (`None`: exact routes only): `grain` wide, planned
+    /// to reach their consumer [`PublisherSettings::grain_lead`] before their first member is
+    /// due.
     pub fn grain(&self) -> Option<crate::batch::Grain> {
         (self.grain.as_millis() > 0).then_some(crate::batch::Grain {
             width_ms: self.grain.as_millis(),
-            lead_ms: self.grain_lead.as_millis(),
+            lead_ms: self.grain_lead().as_millis(),
         })
+    }
+
+    /// How long before its first member is due a grain batch is planned to reach its
+    /// consumer: a fifth of `grain` (200 ms at the default 1 s), the room for its route's own
+    /// latency.
+    pub fn grain_lead(&self) -> DurationMs {
+        DurationMs(self.grain.as_millis() / 5)
+    }
+
+    /// While messages to a destination arrive steadily, how long one may wait in the
+    /// publisher for others of its grain window: a tenth of `grain` (100 ms at the default
+    /// 1 s), at most [`MAX_LINGER_MS`] (a `schedule` call waits that long); 0 without grains.
+    pub fn grain_linger(&self) -> DurationMs {
+        DurationMs((self.grain.as_millis() / 10).min(MAX_LINGER_MS))
+    }
+
+    /// How long the gateway's publisher lets an ingress message wait to share a batch (never
+    /// past a member's deadline): the grain's linger, or `batch_linger` without grains. Here
+    /// the ingress message waits, not an application's call, so it may wait longer than a
+    /// caller of `schedule`.
+    pub fn gateway_linger(&self) -> DurationMs {
+        if self.grain.as_millis() == 0 {
+            self.batch_linger
+        } else {
+            self.grain_linger()
+        }
     }
 
     /// Whether messages are batched at all.
@@ -284,6 +308,14 @@ impl PublisherSettings {
 
 /// Longest `publisher.grain`: its messages wait unacked in a consumer for up to a grain.
 pub const MAX_GRAIN_MS: u64 = 60_000;
+
+/// Longest a message waits in a publisher to share a batch (`publisher.batch_linger`, the
+/// grain's linger): a `schedule` call returns only when its batch is confirmed.
+pub const MAX_LINGER_MS: u64 = 1_000;
+
+/// Shortest `publisher.grain` (but 0): its lead, a fifth of it (10 ms), is still room for a
+/// route's own latency.
+pub const MIN_GRAIN_MS: u64 = 50;
 
 /// A settings problem, with the key and value named.
 #[derive(Debug, thiserror::Error)]
@@ -364,10 +396,10 @@ impl Settings {
             self.validate_gateway().map_err(SettingsError::Invalid)?;
         }
         self.publisher.validate().map_err(SettingsError::Invalid)?;
-        let early = self.publisher.grain.as_millis() + self.publisher.grain_lead.as_millis();
+        let early = self.publisher.grain.as_millis() + self.publisher.grain_lead().as_millis();
         if early >= self.consumer.max_hold.as_millis() {
             return Err(SettingsError::Invalid(format!(
-                "consumer.max_hold ({}) must be longer than publisher.grain + publisher.grain_lead ({}): a grain batch reaches its consumer up to that early",
+                "consumer.max_hold ({}) must be longer than publisher.grain and its lead, a fifth of it ({}): a grain batch reaches its consumer up to that early",
                 self.consumer.max_hold,
                 DurationMs(early)
             )));

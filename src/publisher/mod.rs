@@ -108,7 +108,7 @@ struct Prepared {
     /// Due time + lateness budget.
     deadline_ms: u64,
     /// The latest it may leave the batcher: its deadline, or, to a destination that holds
-    /// early messages, its due time − `grain_lead`.
+    /// early messages, its due time − the grain's lead.
     leave_by_ms: u64,
     message_id: String,
     properties: BasicProperties,

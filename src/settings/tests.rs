@@ -32,19 +32,22 @@ fn deploy_example_config_loads() {
     assert_eq!(s.consumer.routes.len(), 3);
     assert_eq!(s.consumer.routes[0].queue, "orders.timeout");
     assert_eq!(s.consumer.routes[2].relay.as_deref(), Some("billing.due"));
-    assert_eq!(s.gateway.batch_linger, defaults.gateway.batch_linger);
+    assert_eq!(s.gateway.hold, defaults.gateway.hold);
     assert_eq!(s.gateway.pairs.len(), 1);
 }
 
 #[test]
 fn the_gateway_lingers_longer_than_a_caller_and_holds_short_delays_bounded() {
     let s = Settings::load_with_env(None, env(&[])).unwrap();
-    assert_eq!(s.gateway.batch_linger, DurationMs(100));
-    assert!(s.gateway.batch_linger > s.publisher.batch_linger);
+    assert_eq!(s.publisher.gateway_linger(), DurationMs(100));
+    assert!(s.publisher.gateway_linger() > s.publisher.batch_linger);
     assert_eq!(s.gateway.hold, DurationMs(100));
+    // without grains the gateway lingers as any publisher
+    let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_PUBLISHER__GRAIN", "0")])).unwrap();
+    assert_eq!(s.publisher.gateway_linger(), DurationMs(5));
     let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__BATCH_LINGER", "2s")]));
     let e = s.unwrap_err().to_string();
-    assert!(e.contains("gateway.batch_linger must be at most 1s"), "{e}");
+    assert!(e.contains("batch_linger"), "no such key: {e}");
     let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__HOLD", "1500ms")]));
     let e = s.unwrap_err().to_string();
     assert!(e.contains("gateway.hold must be at most 1s"), "{e}");
@@ -55,6 +58,67 @@ fn the_gateway_lingers_longer_than_a_caller_and_holds_short_delays_bounded() {
     let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__MAX_HELD", "0")]));
     let e = s.unwrap_err().to_string();
     assert!(e.contains("gateway.max_held must be at least 1"), "{e}");
+}
+
+#[test]
+fn the_grain_sets_its_lead_and_its_linger() {
+    let s = Settings::load_with_env(None, env(&[])).unwrap();
+    let p = &s.publisher;
+    assert_eq!(p.grain, DurationMs(1_000));
+    assert_eq!(
+        (p.grain_lead(), p.grain_linger()),
+        (DurationMs(200), DurationMs(100))
+    );
+    assert_eq!(
+        p.grain(),
+        Some(crate::batch::Grain {
+            width_ms: 1_000,
+            lead_ms: 200
+        })
+    );
+    let at = |grain: &str| {
+        Settings::load_with_env(None, env(&[("AMQP_DELAY_PUBLISHER__GRAIN", grain)]))
+            .map(|s| s.publisher)
+    };
+    let p = at("0").unwrap();
+    assert_eq!((p.grain(), p.grain_linger()), (None, DurationMs(0)));
+    let p = at("50ms").unwrap();
+    assert_eq!(
+        (p.grain_lead(), p.grain_linger()),
+        (DurationMs(10), DurationMs(5))
+    );
+    // a long grain: the lead grows with it, a caller's wait stops at 1 s
+    let file = TempToml::new(
+        "long-grain",
+        "[publisher]\ngrain = \"20s\"\n[consumer]\nmax_hold = \"30s\"\n",
+    );
+    let p = Settings::load_with_env(Some(&file.0), env(&[]))
+        .unwrap()
+        .publisher;
+    assert_eq!(
+        (p.grain_lead(), p.grain_linger()),
+        (DurationMs(4_000), DurationMs(1_000))
+    );
+    for bad in ["49ms", "61s"] {
+        let e = at(bad).unwrap_err().to_string();
+        assert!(
+            e.contains("publisher.grain must be 0 (exact routes only) or between 50ms and"),
+            "{bad}: {e}"
+        );
+    }
+    // the lead counts in how early a grain batch may come
+    let e = at("9s").unwrap_err().to_string();
+    assert!(
+        e.contains("consumer.max_hold (10s) must be longer than publisher.grain and its lead"),
+        "{e}"
+    );
+    for gone in ["GRAIN_LEAD", "GRAIN_LINGER"] {
+        let key = format!("AMQP_DELAY_PUBLISHER__{gone}");
+        let e = Settings::load_with_env(None, env(&[(key.as_str(), "100ms")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&gone.to_lowercase()), "no such key: {e}");
+    }
 }
 
 #[test]
