@@ -265,9 +265,9 @@ pub async fn declare_queue(ch: &Channel, name: &str, args: FieldTable) -> Result
 }
 
 /// Declares a durable queue spread over the cluster: with `x-queue-leader-locator: balanced`
-/// (the node with the fewest leaders leads it, on RabbitMQ 3.10 and 4.x alike) when the queue is
-/// new. A queue that exists without the argument (declared by an earlier version) is declared
-/// again without it rather than refused. Uses a channel of its own (a refusal closes it).
+/// (the node with the fewest leaders leads it). A broker that refuses the argument for the
+/// queue's type (RabbitMQ 3.10 knows it for quorum queues only: "invalid arg" for a classic
+/// one) gets the queue without it. Uses a channel of its own (a refusal closes it).
 pub(crate) async fn declare_queue_spread(
     conn: &Connection,
     name: &str,

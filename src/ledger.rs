@@ -117,7 +117,7 @@ pub struct Counted {
 }
 
 /// Counts the messages publishers put into the tiers that are not yet due. `None` when the
-/// topology has no ledger stream (declared by a version before it: `declare` adds it).
+/// topology has no ledger stream (deleted since `declare`, which adds it back).
 ///
 /// Reads the last [`READ_WINDOW_MS`] from the newest snapshot in it that `trust` (with the
 /// connection's own user) lets count, or the whole stream when there is none; leaves a

@@ -17,11 +17,9 @@ use crate::time::DurationMs;
 
 mod consumer;
 mod gateway;
-mod renamed;
 
 pub use consumer::{ConsumerSettings, RouteConfig};
 pub use gateway::{GatewaySettings, PairConfig};
-use renamed::{RenamedKey, Renaming};
 
 /// Default broker URL.
 pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -178,24 +176,24 @@ pub struct PublisherSettings {
     pub batch_max_bytes: usize,
     /// How long a single `schedule` call may wait for concurrent calls to share its batch
     /// (never past its lateness budget); 0 = do not wait. Every publisher but the gateway's,
-    /// which lingers `gateway.batch_linger` instead.
+    /// which lingers the grain's linger instead ([`PublisherSettings::gateway_linger`]).
     pub batch_linger: DurationMs,
     /// The timing wheel's last grain: to a destination whose consumers hold early messages
     /// until they are due (ours: a worker, a relay, a gateway's due stage), messages due in
     /// the same window of this width travel through the tiers together, one batch, on a
     /// coarse route that reaches the consumer before the first of them is due; the consumer
     /// runs each at its exact due time. 0 = exact routes only (every member due within its
-    /// lateness budget, the behaviour before grains).
+    /// lateness budget).
+    ///
+    /// It also sets how grain batches are timed: a batch is planned to reach its consumer a
+    /// fifth of a grain before its first member is due (the lead: room for its route's own
+    /// latency, dead-letter hops and the delivery, a few ms each on an idle broker, more under
+    /// load), and while messages to a destination arrive steadily (the previous one less than
+    /// `batch_linger` ago) one waits in the publisher up to a tenth of a grain (at most 1 s)
+    /// for others of its window (the linger), never past its due time − the lead; a
+    /// `schedule` call returns when its batch is confirmed. An occasional message waits
+    /// `batch_linger` only.
     pub grain: DurationMs,
-    /// How long before its first member is due a grain batch is planned to reach the consumer:
-    /// the room for its route's own latency (dead-letter hops and the delivery, a few ms each
-    /// on an idle broker, more under load).
-    pub grain_lead: DurationMs,
-    /// While messages to a destination arrive steadily (the previous one less than
-    /// `batch_linger` ago), how long one may wait in the publisher for others of its grain
-    /// window, never past its window's slack (its due time − `grain_lead`); a `schedule` call
-    /// returns when its batch is confirmed. An occasional message waits `batch_linger` only.
-    pub grain_linger: DurationMs,
     /// Largest body accepted (RabbitMQ 4.x's default `max_message_size` is 16 MiB; 3.x's
     /// 128 MiB); larger is refused before anything is published.
     pub max_message_bytes: usize,
@@ -216,8 +214,6 @@ impl Default for PublisherSettings {
             batch_max_bytes: 1 << 20,
             batch_linger: DurationMs(5),
             grain: DurationMs(1_000),
-            grain_lead: DurationMs(200),
-            grain_linger: DurationMs(100),
             max_message_bytes: 16 << 20,
             reconnect_timeout: DurationMs(60_000),
         }
@@ -248,34 +244,60 @@ impl PublisherSettings {
                 self.batch_max_bytes
             ));
         }
-        if self.batch_linger.as_millis() > 1_000 {
+        if self.batch_linger.as_millis() > MAX_LINGER_MS {
             return Err(format!(
-                "publisher.batch_linger must be at most 1s, got {}",
+                "publisher.batch_linger must be at most {}, got {}",
+                DurationMs(MAX_LINGER_MS),
                 self.batch_linger
             ));
         }
-        if self.grain.as_millis() > MAX_GRAIN_MS {
+        let grain = self.grain.as_millis();
+        if grain != 0 && !(MIN_GRAIN_MS..=MAX_GRAIN_MS).contains(&grain) {
             return Err(format!(
-                "publisher.grain must be at most {} (a consumer holds a grain's messages unacked, in memory), got {}",
+                "publisher.grain must be 0 (exact routes only) or between {} and {}, got {}: a grain batch is planned to arrive a fifth of a grain before it is due, which below {} leaves no room for its route's own latency (dead-letter hops, a few ms each), and a consumer holds a grain's messages unacked, in memory",
+                DurationMs(MIN_GRAIN_MS),
                 DurationMs(MAX_GRAIN_MS),
-                self.grain
-            ));
-        }
-        if self.grain_lead.as_millis() > 10_000 || self.grain_linger.as_millis() > 1_000 {
-            return Err(format!(
-                "publisher.grain_lead must be at most 10s and publisher.grain_linger at most 1s, got {} and {}",
-                self.grain_lead, self.grain_linger
+                self.grain,
+                DurationMs(MIN_GRAIN_MS),
             ));
         }
         Ok(())
     }
 
-    /// The grain batches are formed with (`None`: exact routes only).
+    /// The grain batches are formed with (`None`: exact routes only): `grain` wide, planned
+    /// to reach their consumer [`PublisherSettings::grain_lead`] before their first member is
+    /// due.
     pub fn grain(&self) -> Option<crate::batch::Grain> {
         (self.grain.as_millis() > 0).then_some(crate::batch::Grain {
             width_ms: self.grain.as_millis(),
-            lead_ms: self.grain_lead.as_millis(),
+            lead_ms: self.grain_lead().as_millis(),
         })
+    }
+
+    /// How long before its first member is due a grain batch is planned to reach its
+    /// consumer: a fifth of `grain` (200 ms at the default 1 s), the room for its route's own
+    /// latency.
+    pub fn grain_lead(&self) -> DurationMs {
+        DurationMs(self.grain.as_millis() / 5)
+    }
+
+    /// While messages to a destination arrive steadily, how long one may wait in the
+    /// publisher for others of its grain window: a tenth of `grain` (100 ms at the default
+    /// 1 s), at most [`MAX_LINGER_MS`] (a `schedule` call waits that long); 0 without grains.
+    pub fn grain_linger(&self) -> DurationMs {
+        DurationMs((self.grain.as_millis() / 10).min(MAX_LINGER_MS))
+    }
+
+    /// How long the gateway's publisher lets an ingress message wait to share a batch (never
+    /// past a member's deadline): the grain's linger, or `batch_linger` without grains. Here
+    /// the ingress message waits, not an application's call, so it may wait longer than a
+    /// caller of `schedule`.
+    pub fn gateway_linger(&self) -> DurationMs {
+        if self.grain.as_millis() == 0 {
+            self.batch_linger
+        } else {
+            self.grain_linger()
+        }
     }
 
     /// Whether messages are batched at all.
@@ -286,6 +308,14 @@ impl PublisherSettings {
 
 /// Longest `publisher.grain`: its messages wait unacked in a consumer for up to a grain.
 pub const MAX_GRAIN_MS: u64 = 60_000;
+
+/// Longest a message waits in a publisher to share a batch (`publisher.batch_linger`, the
+/// grain's linger): a `schedule` call returns only when its batch is confirmed.
+pub const MAX_LINGER_MS: u64 = 1_000;
+
+/// Shortest `publisher.grain` (but 0): its lead, a fifth of it (10 ms), is still room for a
+/// route's own latency.
+pub const MIN_GRAIN_MS: u64 = 50;
 
 /// A settings problem, with the key and value named.
 #[derive(Debug, thiserror::Error)]
@@ -306,9 +336,7 @@ pub const CLI_ONLY_VARIABLES: &[&str] = &["AMQP_DELAY_LOG_FORMAT"];
 
 impl Settings {
     /// Loads defaults, then `file` (TOML) if given, then `AMQP_DELAY_*` environment variables.
-    /// An old key name (`topology.unit_ms`, `topology.max_tier_ttl_ms`, `precision.lateness_ms`,
-    /// `publisher.binding_cache_secs`: from before every duration was a [`DurationMs`]) is read
-    /// as its new one, with a warning naming both.
+    /// A key that is no setting (a typo, a key of another version) is an error naming it.
     pub fn load(file: Option<&Path>) -> Result<Settings, SettingsError> {
         Self::load_with_env(file, None)
     }
@@ -318,33 +346,6 @@ impl Settings {
         file: Option<&Path>,
         env: Option<std::collections::HashMap<String, String>>,
     ) -> Result<Settings, SettingsError> {
-        let (settings, renamed) = Self::load_renaming(file, env)?;
-        for key in renamed {
-            tracing::warn!(
-                old = key.old,
-                new = key.new,
-                "configuration: {} is read as {}{}; rename it (the old name will go)",
-                key.old,
-                key.new,
-                settings
-                    .get_duration(key.new)
-                    .map(|d| format!(" = \"{d}\""))
-                    .unwrap_or_default()
-            );
-        }
-        Ok(settings)
-    }
-
-    /// The settings, and the old key names that were read as their new ones.
-    fn load_renaming(
-        file: Option<&Path>,
-        env: Option<std::collections::HashMap<String, String>>,
-    ) -> Result<(Settings, Vec<RenamedKey>), SettingsError> {
-        let found = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let renaming = |inner: Box<dyn config::Source + Send + Sync>| Renaming {
-            inner,
-            found: found.clone(),
-        };
         let defaults = config::Config::try_from(&Settings::default())?;
         let mut b = config::Config::builder().add_source(defaults);
         if let Some(path) = file {
@@ -354,11 +355,11 @@ impl Settings {
                     path.display()
                 )));
             }
-            b = b.add_source(renaming(Box::new(
+            b = b.add_source(
                 config::File::from(path)
                     .format(config::FileFormat::Toml)
                     .required(true),
-            )));
+            );
         }
         let mut envsrc = config::Environment::with_prefix("AMQP_DELAY")
             .prefix_separator("_")
@@ -380,22 +381,10 @@ impl Settings {
             .filter(|(k, _)| !CLI_ONLY_VARIABLES.contains(&k.as_str()))
             .collect();
         envsrc = envsrc.source(Some(map));
-        let cfg = b.add_source(renaming(Box::new(envsrc))).build()?;
+        let cfg = b.add_source(envsrc).build()?;
         let s: Settings = cfg.try_deserialize()?;
         s.validate()?;
-        let renamed = found.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        Ok((s, renamed))
-    }
-
-    /// The value of a renamed duration key, for the warning.
-    fn get_duration(&self, key: &str) -> Option<DurationMs> {
-        Some(match key {
-            "topology.unit" => self.topology.unit,
-            "topology.max_tier_ttl" => self.topology.max_tier_ttl,
-            "precision.lateness" => self.precision.lateness,
-            "publisher.binding_cache" => self.publisher.binding_cache,
-            _ => return None,
-        })
+        Ok(s)
     }
 
     /// Checks everything that can be checked without a broker.
@@ -407,10 +396,10 @@ impl Settings {
             self.validate_gateway().map_err(SettingsError::Invalid)?;
         }
         self.publisher.validate().map_err(SettingsError::Invalid)?;
-        let early = self.publisher.grain.as_millis() + self.publisher.grain_lead.as_millis();
+        let early = self.publisher.grain.as_millis() + self.publisher.grain_lead().as_millis();
         if early >= self.consumer.max_hold.as_millis() {
             return Err(SettingsError::Invalid(format!(
-                "consumer.max_hold ({}) must be longer than publisher.grain + publisher.grain_lead ({}): a grain batch reaches its consumer up to that early",
+                "consumer.max_hold ({}) must be longer than publisher.grain and its lead, a fifth of it ({}): a grain batch reaches its consumer up to that early",
                 self.consumer.max_hold,
                 DurationMs(early)
             )));

@@ -106,8 +106,7 @@ pub(crate) struct StreamLog<R> {
     kind: &'static str,
     name: String,
     prefix: String,
-    /// The exchange appends go through: the topology's stream exchange, or the default
-    /// exchange for a topology declared before it had one ([`StreamLog::resolve`]).
+    /// The exchange appends go through: the topology's stream exchange.
     exchange: String,
     /// The largest record worth decoding: what the stream's largest record of ours can be.
     max_record_bytes: usize,
@@ -186,18 +185,14 @@ impl<R: LogRecord> StreamLog<R> {
         &self.exchange
     }
 
-    /// The same log, appending through the default exchange when the topology has no stream
-    /// exchange yet (declared by a version before it; `declare` adds it): a publish to a
-    /// missing exchange would close the channel.
-    pub(crate) async fn resolve(mut self, conn: &Connection) -> Result<Self> {
-        if !self.exchange.is_empty() && !broker::exchange_exists(conn, &self.exchange).await? {
-            tracing::info!(
-                exchange = %self.exchange,
-                "the topology has no stream exchange (declared by an earlier version): appending through the default exchange until `delay-publisher declare` adds it"
-            );
-            self.exchange = String::new();
+    /// Checks that the stream exchange exists (a publish to a missing one would close the
+    /// channel): [`StreamLog::exchange_missing`] when it does not.
+    pub(crate) async fn check_exchange(&self, conn: &Connection) -> Result<()> {
+        if broker::exchange_exists(conn, &self.exchange).await? {
+            Ok(())
+        } else {
+            Err(self.exchange_missing())
         }
-        Ok(self)
     }
 
     /// The error for the stream's missing: the topology is not (fully) declared.
@@ -208,11 +203,28 @@ impl<R: LogRecord> StreamLog<R> {
         }
     }
 
-    /// `e`, or [`StreamLog::missing`] when it is a returned append (a publish to the default
-    /// exchange comes back only when no queue has the stream's name).
+    /// The error for the stream exchange's missing: the topology is not (fully) declared.
+    pub(crate) fn exchange_missing(&self) -> Error {
+        Error::NotDeclared {
+            prefix: self.prefix.clone(),
+            detail: format!(": the stream exchange '{}' is missing", self.exchange),
+        }
+    }
+
+    /// `e`, or [`StreamLog::missing`] when it is a returned append (the stream exchange routes
+    /// it nowhere only when the stream, and its binding with it, is gone), or
+    /// [`StreamLog::exchange_missing`] when the broker closed the channel because the stream
+    /// exchange does not exist.
     pub(crate) fn or_missing(&self, e: Error) -> Error {
         match e {
             Error::Returned { .. } => self.missing(),
+            Error::Amqp { ref source, .. }
+                if broker::reply(source).is_some_and(|(code, text)| {
+                    code == broker::NOT_FOUND && text.contains(&format!("'{}'", self.exchange))
+                }) =>
+            {
+                self.exchange_missing()
+            }
             e => e,
         }
     }
@@ -232,9 +244,6 @@ impl<R: LogRecord> StreamLog<R> {
         let ch = broker::open(conn).await?;
         let r = async {
             broker::declare_queue(&ch, &self.name, args).await?;
-            if self.exchange.is_empty() {
-                return Ok(());
-            }
             let direct = lapin::ExchangeKind::Direct;
             broker::declare_exchange(&ch, &self.exchange, direct, FieldTable::default()).await?;
             broker::bind_queue(&ch, &self.name, &self.exchange, &self.name).await
@@ -251,8 +260,7 @@ impl<R: LogRecord> StreamLog<R> {
 
     /// Appends `record` on a confirm channel of its own (see [`StreamLog::append_on`]).
     pub(crate) async fn append(&self, conn: &Connection, record: &R) -> Result<()> {
-        let log = self.clone().resolve(conn).await?;
-        let log = log.writing_as(crate::connection::user_of(conn));
+        let log = self.clone().writing_as(crate::connection::user_of(conn));
         let ch = SharedChannel::new(broker::open(conn).await?);
         let r = match ch
             .confirm_select(ConfirmSelectOptions::default())
@@ -267,7 +275,8 @@ impl<R: LogRecord> StreamLog<R> {
     }
 
     /// Appends `record` on `ch` (confirms on) and waits for the broker's confirm, at most
-    /// [`CONFIRM_TIMEOUT`]. A missing stream is [`StreamLog::missing`].
+    /// [`CONFIRM_TIMEOUT`]. A missing stream or stream exchange is [`StreamLog::or_missing`]'s
+    /// error.
     pub(crate) async fn append_on(&self, ch: &SharedChannel, record: &R) -> Result<()> {
         let body = self.encode(record);
         let stream = self.name.as_str();
@@ -303,6 +312,7 @@ impl<R: LogRecord> StreamLog<R> {
             }
             Ok(())
         };
+        let appended = async { appended.await.map_err(|e| self.or_missing(e)) };
         tokio::time::timeout(CONFIRM_TIMEOUT, appended)
             .await
             .unwrap_or_else(|_| {

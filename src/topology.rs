@@ -155,17 +155,18 @@ impl Topology {
         if broker::queue_state(conn, &name).await?.is_none() {
             broker::declare_queue_spread(conn, &name, self.parked_args()).await?;
         }
-        // a worker parks through the park exchange (declared by `declare`; an older topology
-        // gets it here), with the destination's name as the key. A worker or gateway with
-        // least privilege may not bind: an admin's `declare --queue Q --worker` or `gateway
-        // --declare-only` did
-        let ch = open(conn).await?;
+        // a worker parks through the park exchange (declared by `declare`), with the
+        // destination's name as the key. A worker or gateway with least privilege may not
+        // bind: an admin's `declare --queue Q --worker` or `gateway --declare-only` did
         let park = self.layout.park_exchange();
-        let bound = async {
-            declare_exchange(&ch, &park, ExchangeKind::Direct, FieldTable::default()).await?;
-            bind_queue(&ch, &name, &park, queue).await
+        if !broker::exchange_exists(conn, &park).await? {
+            return Err(not_declared(
+                &self.layout,
+                &format!(": the park exchange '{park}' is missing"),
+            ));
         }
-        .await;
+        let ch = open(conn).await?;
+        let bound = bind_queue(&ch, &name, &park, queue).await;
         broker::close(&ch, "declared").await;
         match bound {
             Err(Error::Amqp { source, .. })
@@ -258,8 +259,6 @@ impl Topology {
         let l = &self.layout;
         let mut queues: Vec<String> = l.tiers().into_iter().map(|t| t.queue).collect();
         queues.push(l.unroutable_queue());
-        // the marker of versions before 0.2 was a classic queue of the same name
-        queues.push(l.layout_marker());
         queues.push(l.control_stream());
         queues.push(l.ledger_stream());
         let mut exchanges: Vec<String> = (0..l.levels()).map(|k| l.level_exchange(k)).collect();
@@ -413,7 +412,7 @@ fn not_declared(l: &Layout, detail: &str) -> Error {
 }
 
 /// The signature a signature exchange's name carries (`p.layout.r16.u1` → `r=16 u=1`), or the
-/// name as it is when it carries a hash (or an old marker's plain signature).
+/// name as it is when it carries a hash.
 fn signature_of(name: &str) -> String {
     let Some(slug) = name.rsplit_once(".layout.").map(|(_, s)| s) else {
         return name.to_string();

@@ -244,10 +244,8 @@ impl Cancellations {
         opts: FollowOptions,
     ) -> Result<Cancellations> {
         let user = crate::connection::user_of(conn);
-        let log = control::log(layout)
-            .resolve(conn)
-            .await?
-            .writing_as(user.clone());
+        let log = control::log(layout).writing_as(user.clone());
+        log.check_exchange(conn).await?;
         let trust = Trust::new(user, &opts.trust);
         let channel = broker::open(conn).await?;
         channel

@@ -270,8 +270,8 @@ impl Handler for GatewayHandler {
 
     /// An ingress message waits for its batch to be confirmed (or, held, for one publish):
     /// bounded by the ingress prefetch, it takes no permit. One held through that wait would
-    /// cap the ingress at `consumer.io_concurrency` messages per `gateway.batch_linger` and
-    /// confirm, whatever the machine.
+    /// cap the ingress at `consumer.io_concurrency` messages per linger (a tenth of
+    /// `publisher.grain`) and confirm, whatever the machine.
     fn takes_permit(&self, _d: &Delivery) -> bool {
         !self.ingress
     }
@@ -550,9 +550,8 @@ impl Gateway {
         let qargs = topology.consumed_queue_args();
         for p in &self.pairs {
             self.check_target(conn, p).await?;
-            // What exists is used as it is (it may predate today's arguments, or have been
-            // declared by an admin with `gateway --declare-only`, so that the gateway itself
-            // needs no right to configure it).
+            // What exists is used as it is (an admin may have declared it with `gateway
+            // --declare-only`, so that the gateway itself needs no right to configure it).
             let ch = broker::open(conn).await?;
             if !broker::exchange_exists(conn, &p.ingress).await? {
                 match broker::declare_exchange(
@@ -639,7 +638,7 @@ impl Gateway {
         let handler_ms = self.settings.consumer.handler_timeout.as_millis();
         let confirm_timeout = Duration::from_millis((handler_ms / 2).clamp(1, 30_000));
         let mut settings = self.settings.clone();
-        settings.publisher.batch_linger = settings.gateway.batch_linger;
+        settings.publisher.batch_linger = settings.publisher.gateway_linger();
         // Messages held until due (`gateway.hold`) wait in the worker's hold, as early grain
         // batches do, each in a prefetch slot: `gateway.max_held` more of those, so that
         // holding never takes the slots of the messages in flight to the tiers.
@@ -649,7 +648,7 @@ impl Gateway {
         }
         // Ingress messages wait in the batcher for their batch's confirm, each in a prefetch
         // slot and without a handler permit ([`Handler::takes_permit`]): the batcher may hold
-        // every ingress delivery in hand, so that only `gateway.batch_linger` (or a message's
+        // every ingress delivery in hand, so that only the linger (or a message's
         // slack) decides when a batch leaves, never a count reached first; with many pairs at
         // most `publisher.max_pending` (each round of the batcher looks at all it holds).
         let ingress_prefetch =

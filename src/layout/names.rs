@@ -113,9 +113,9 @@ impl Layout {
     }
     /// The exchange whose existence says that the consumers of `queue` also hold an early
     /// message until it is due (the timing wheel's last grain, `publisher.grain`): publishers
-    /// then send it grain batches on coarse routes. Declared with the batch marker by this
-    /// version's workers; a queue with only the batch marker (older workers) gets exact batches.
-    /// `None` when the name would not fit 255 bytes.
+    /// then send it grain batches on coarse routes. Declared by the worker together with the
+    /// batch marker, which publishers without grains look for instead. `None` when the name
+    /// would not fit 255 bytes.
     pub fn hold_marker(&self, queue: &str) -> Option<String> {
         let name = format!("{}.holds.{queue}", self.prefix);
         (name.len() <= 255).then_some(name)

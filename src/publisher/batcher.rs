@@ -13,8 +13,8 @@ use crate::batch::{self, Candidate, Limits};
 use crate::time::now_ms;
 
 /// The batcher: holds prepared messages — a whole chunk from `schedule_all` leaves at once,
-/// a single `schedule` call may wait up to `batch_linger` (never past its deadline), or
-/// `grain_linger` while messages to its destination arrive steadily (never past its grain's
+/// a single `schedule` call may wait up to `batch_linger` (never past its deadline), or the
+/// grain's linger while messages to its destination arrive steadily (never past its grain's
 /// slack) — and publishes them grouped per destination and firing window, one broker message
 /// per group, concurrently. Each group leaves when one of its members must: a group of messages that
 /// fall due later keeps collecting members while an earlier one leaves (flushing everything
@@ -79,7 +79,7 @@ struct Held {
 struct Linger {
     /// `batch_linger`: what an occasional message waits.
     short: Duration,
-    /// `grain_linger`: what a message to a destination with a steady flow waits.
+    /// The grain's linger: what a message to a destination with a steady flow waits.
     long: Duration,
     /// When a single message to each destination last came (pruned as it grows).
     last: HashMap<String, Instant>,
@@ -89,7 +89,7 @@ impl Linger {
     fn new(inner: &Inner) -> Self {
         let short = inner.settings.batch_linger.as_duration();
         let long = match inner.settings.grain() {
-            Some(_) => inner.settings.grain_linger.as_duration().max(short),
+            Some(_) => inner.settings.grain_linger().as_duration().max(short),
             None => short,
         };
         Linger {

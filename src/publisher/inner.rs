@@ -159,13 +159,13 @@ impl Inner {
                 .with_content_type("application/json".into()),
         );
         let written = self
-            .publish_confirmed(&self.streams_exchange, stream, &log.encode(&entry), props)
+            .publish_confirmed(log.exchange(), stream, &log.encode(&entry), props)
             .await;
         match written.map_err(|e| log.or_missing(e)) {
             Ok(()) => {}
-            Err(Error::NotDeclared { .. }) => {
+            Err(e @ Error::NotDeclared { .. }) => {
                 self.ledger_on.store(false, Ordering::Relaxed);
-                tracing::warn!(%stream, "the ledger stream is gone: `stats` counts broker messages only until `delay-publisher declare` adds it back");
+                tracing::warn!(%stream, "no longer writing the ledger, `stats` counts broker messages only: {}", crate::error::chain(&e));
             }
             Err(e) if last => {
                 tracing::warn!(%stream, "could not write the ledger before closing: `stats` counts the messages of its last seconds only as broker messages: {}", crate::error::chain(&e));
@@ -449,8 +449,9 @@ impl Inner {
         Ok(reads)
     }
 
-    /// What `destination`'s markers say its consumers read (the hold marker is looked for only
-    /// when grains are on).
+    /// What `destination`'s markers say its consumers read: with grains, the hold marker says
+    /// they hold grain batches; without, the batch marker says they read exact batches (a
+    /// worker declares both).
     async fn markers_of(&self, destination: &str) -> Result<Reads> {
         if !self.settings.batching() {
             return Ok(Reads::Plain);
@@ -465,13 +466,11 @@ impl Inner {
                 }
             }
         };
-        if self.settings.grain().is_some() && exists(self.layout.hold_marker(destination)).await? {
-            return Ok(Reads::Holds);
-        }
-        if exists(self.layout.batch_marker(destination)).await? {
-            return Ok(Reads::Batches);
-        }
-        Ok(Reads::Plain)
+        Ok(match self.settings.grain() {
+            Some(_) if exists(self.layout.hold_marker(destination)).await? => Reads::Holds,
+            None if exists(self.layout.batch_marker(destination)).await? => Reads::Batches,
+            _ => Reads::Plain,
+        })
     }
 
     /// Binds `destination` on the delivery exchange, on the binding channel `admin` (opened

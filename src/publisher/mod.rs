@@ -72,16 +72,14 @@ struct Inner {
     turn: std::sync::atomic::AtomicU64,
     /// What it put into the tiers since it last wrote the ledger.
     ledger: crate::ledger::Recorder,
-    /// Whether the topology has a ledger stream (declared by this version or later).
+    /// Whether it writes the ledger: the stream exists (checked when it starts; an operator
+    /// may delete it while it runs).
     ledger_on: std::sync::atomic::AtomicBool,
     /// The connection's user: the `user_id` on everything it writes into the topology (tier
     /// messages, batches, stream records), which the broker checks (see [`crate::trust`]).
     user: Option<lapin::types::ShortString>,
     /// `[trust]`: whose ledger snapshots its counts start from.
     trust: crate::settings::TrustSettings,
-    /// Where its stream records go: the stream exchange, or the default exchange in a
-    /// topology declared before it had one ([`crate::stream_log`]).
-    streams_exchange: String,
 }
 
 /// What the publisher knows of a destination, refreshed every `publisher.binding_cache`.
@@ -110,7 +108,7 @@ struct Prepared {
     /// Due time + lateness budget.
     deadline_ms: u64,
     /// The latest it may leave the batcher: its deadline, or, to a destination that holds
-    /// early messages, its due time − `grain_lead`.
+    /// early messages, its due time − the grain's lead.
     leave_by_ms: u64,
     message_id: String,
     properties: BasicProperties,
@@ -249,12 +247,7 @@ impl Publisher {
             .inner
             .signed(BasicProperties::default().with_delivery_mode(2));
         self.inner
-            .publish_confirmed(
-                &self.inner.streams_exchange,
-                log.name(),
-                &log.encode(record),
-                props,
-            )
+            .publish_confirmed(log.exchange(), log.name(), &log.encode(record), props)
             .await
             .map_err(|e| log.or_missing(e))
     }
@@ -288,26 +281,17 @@ impl Publisher {
         let (precision, settings) = (all.precision, all.publisher.clone());
         settings.validate().map_err(Error::config)?;
         Topology::new(layout.clone()).verify(&conn).await?;
-        let ledger_on = crate::broker::queue_state(&conn, &layout.ledger_stream())
-            .await?
-            .is_some();
-        if !ledger_on {
-            tracing::info!(
-                stream = %layout.ledger_stream(),
-                "the topology has no ledger stream (declared by an earlier version): `stats` counts broker messages only until `delay-publisher declare` adds it"
-            );
+        // what it appends to: the ledger stream and the stream exchange in front of it
+        let ledger = crate::ledger::log(&layout);
+        if !ledger.exists(&conn).await? {
+            return Err(ledger.missing());
         }
-        let streams_exchange = crate::control::log(&layout)
-            .resolve(&conn)
-            .await?
-            .exchange()
-            .to_string();
+        ledger.check_exchange(&conn).await?;
         let channel = open_confirm_channel(&conn).await?;
         let user = crate::connection::user_of(&conn).map(|u| u.as_str().into());
         let inner = Arc::new(Inner {
             user,
             trust: all.trust.clone(),
-            streams_exchange,
             conn: tokio::sync::RwLock::new(conn),
             url,
             channel: tokio::sync::RwLock::new(channel),
@@ -319,7 +303,7 @@ impl Publisher {
             bound: Mutex::new(HashMap::new()),
             turn: std::sync::atomic::AtomicU64::new(0),
             ledger: crate::ledger::Recorder::default(),
-            ledger_on: std::sync::atomic::AtomicBool::new(ledger_on),
+            ledger_on: std::sync::atomic::AtomicBool::new(true),
         });
         let (stop, stopped) = tokio::sync::oneshot::channel();
         let ledger_task = Some(tokio::spawn(run_ledger(inner.clone(), stopped)));

@@ -14,8 +14,8 @@ pub struct ConsumerSettings {
     /// its publish confirm; also their prefetch. Independent of `concurrency`.
     pub io_concurrency: usize,
     /// Deliveries a queue's consumer may hold unacked, on top of its prefetch, while they
-    /// wait for their due time (grain batches reach the worker up to `publisher.grain` +
-    /// `publisher.grain_lead` early).
+    /// wait for their due time (grain batches reach the worker up to `publisher.grain` and a
+    /// fifth of it early).
     pub hold_prefetch: u16,
     /// Messages (batch members count one each) a worker keeps in hand at once, over all its
     /// queues, running or waiting for their due time: past it, it takes no more deliveries

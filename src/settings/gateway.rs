@@ -8,11 +8,6 @@ use super::*;
 pub struct GatewaySettings {
     /// `[[gateway.pairs]]`: ingress exchange → target exchange.
     pub pairs: Vec<PairConfig>,
-    /// How long an ingress message may wait in the gateway to share a batch (never past a
-    /// member's deadline): the gateway's publisher uses it in place of
-    /// `publisher.batch_linger`. One mechanism, two keys, because the defaults differ: here the
-    /// ingress message waits, not an application's call, so it may wait longer.
-    pub batch_linger: DurationMs,
     /// A message whose `x-delay` is at most this is held by the gateway's worker (unacked in the
     /// ingress queue, so nothing is lost if the gateway dies; in the hold early grain batches
     /// use) and published to its target when due, without the tiers. 0 sends every message
@@ -31,7 +26,6 @@ impl Default for GatewaySettings {
     fn default() -> Self {
         GatewaySettings {
             pairs: Vec::new(),
-            batch_linger: DurationMs(100),
             hold: DurationMs(100),
             max_held: 1536,
             follow: false,
@@ -83,12 +77,6 @@ impl GatewaySettings {
 
     /// Checks what can be checked without the layout or a broker.
     pub fn validate(&self) -> Result<(), String> {
-        if self.batch_linger.as_millis() > 1_000 {
-            return Err(format!(
-                "gateway.batch_linger must be at most 1s, got {}",
-                self.batch_linger
-            ));
-        }
         if self.hold.as_millis() > 1_000 {
             return Err(format!(
                 "gateway.hold must be at most 1s, got {}",

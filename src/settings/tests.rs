@@ -1,4 +1,4 @@
-//! Unit tests of the settings: loading, old key names, validation, the docs table.
+//! Unit tests of the settings: loading, unknown keys, validation, the docs table.
 
 use super::*;
 use std::collections::HashMap;
@@ -15,11 +15,7 @@ fn env(pairs: &[(&str, &str)]) -> Option<HashMap<String, String>> {
 #[test]
 fn deploy_example_config_loads() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/amqp-delay.toml");
-    let (s, renamed) = Settings::load_renaming(Some(&path), env(&[])).unwrap();
-    assert!(
-        renamed.is_empty(),
-        "the example uses an old key name: {renamed:?}"
-    );
+    let s = Settings::load_with_env(Some(&path), env(&[])).unwrap();
     // every value shown is the default (but the routes and pairs, which are examples)
     let defaults = Settings::default();
     assert_eq!(s.topology, defaults.topology);
@@ -36,19 +32,22 @@ fn deploy_example_config_loads() {
     assert_eq!(s.consumer.routes.len(), 3);
     assert_eq!(s.consumer.routes[0].queue, "orders.timeout");
     assert_eq!(s.consumer.routes[2].relay.as_deref(), Some("billing.due"));
-    assert_eq!(s.gateway.batch_linger, defaults.gateway.batch_linger);
+    assert_eq!(s.gateway.hold, defaults.gateway.hold);
     assert_eq!(s.gateway.pairs.len(), 1);
 }
 
 #[test]
 fn the_gateway_lingers_longer_than_a_caller_and_holds_short_delays_bounded() {
     let s = Settings::load_with_env(None, env(&[])).unwrap();
-    assert_eq!(s.gateway.batch_linger, DurationMs(100));
-    assert!(s.gateway.batch_linger > s.publisher.batch_linger);
+    assert_eq!(s.publisher.gateway_linger(), DurationMs(100));
+    assert!(s.publisher.gateway_linger() > s.publisher.batch_linger);
     assert_eq!(s.gateway.hold, DurationMs(100));
+    // without grains the gateway lingers as any publisher
+    let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_PUBLISHER__GRAIN", "0")])).unwrap();
+    assert_eq!(s.publisher.gateway_linger(), DurationMs(5));
     let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__BATCH_LINGER", "2s")]));
     let e = s.unwrap_err().to_string();
-    assert!(e.contains("gateway.batch_linger must be at most 1s"), "{e}");
+    assert!(e.contains("batch_linger"), "no such key: {e}");
     let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__HOLD", "1500ms")]));
     let e = s.unwrap_err().to_string();
     assert!(e.contains("gateway.hold must be at most 1s"), "{e}");
@@ -59,6 +58,67 @@ fn the_gateway_lingers_longer_than_a_caller_and_holds_short_delays_bounded() {
     let s = Settings::load_with_env(None, env(&[("AMQP_DELAY_GATEWAY__MAX_HELD", "0")]));
     let e = s.unwrap_err().to_string();
     assert!(e.contains("gateway.max_held must be at least 1"), "{e}");
+}
+
+#[test]
+fn the_grain_sets_its_lead_and_its_linger() {
+    let s = Settings::load_with_env(None, env(&[])).unwrap();
+    let p = &s.publisher;
+    assert_eq!(p.grain, DurationMs(1_000));
+    assert_eq!(
+        (p.grain_lead(), p.grain_linger()),
+        (DurationMs(200), DurationMs(100))
+    );
+    assert_eq!(
+        p.grain(),
+        Some(crate::batch::Grain {
+            width_ms: 1_000,
+            lead_ms: 200
+        })
+    );
+    let at = |grain: &str| {
+        Settings::load_with_env(None, env(&[("AMQP_DELAY_PUBLISHER__GRAIN", grain)]))
+            .map(|s| s.publisher)
+    };
+    let p = at("0").unwrap();
+    assert_eq!((p.grain(), p.grain_linger()), (None, DurationMs(0)));
+    let p = at("50ms").unwrap();
+    assert_eq!(
+        (p.grain_lead(), p.grain_linger()),
+        (DurationMs(10), DurationMs(5))
+    );
+    // a long grain: the lead grows with it, a caller's wait stops at 1 s
+    let file = TempToml::new(
+        "long-grain",
+        "[publisher]\ngrain = \"20s\"\n[consumer]\nmax_hold = \"30s\"\n",
+    );
+    let p = Settings::load_with_env(Some(&file.0), env(&[]))
+        .unwrap()
+        .publisher;
+    assert_eq!(
+        (p.grain_lead(), p.grain_linger()),
+        (DurationMs(4_000), DurationMs(1_000))
+    );
+    for bad in ["49ms", "61s"] {
+        let e = at(bad).unwrap_err().to_string();
+        assert!(
+            e.contains("publisher.grain must be 0 (exact routes only) or between 50ms and"),
+            "{bad}: {e}"
+        );
+    }
+    // the lead counts in how early a grain batch may come
+    let e = at("9s").unwrap_err().to_string();
+    assert!(
+        e.contains("consumer.max_hold (10s) must be longer than publisher.grain and its lead"),
+        "{e}"
+    );
+    for gone in ["GRAIN_LEAD", "GRAIN_LINGER"] {
+        let key = format!("AMQP_DELAY_PUBLISHER__{gone}");
+        let e = Settings::load_with_env(None, env(&[(key.as_str(), "100ms")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&gone.to_lowercase()), "no such key: {e}");
+    }
 }
 
 #[test]
@@ -137,140 +197,20 @@ impl Drop for TempToml {
 }
 
 #[test]
-fn old_duration_keys_are_read_as_the_new_ones() {
-    let file = TempToml::new(
-        "old-keys",
-        "[topology]\nunit_ms = 2\nmax_tier_ttl_ms = 20000\nmax_delay = \"60s\"\nfixed_levels = []\n\
-         [precision]\nlateness_ms = 7\n\
-         [publisher]\nbinding_cache_secs = 90\n",
-    );
-    let (s, renamed) = Settings::load_renaming(Some(&file.0), env(&[])).unwrap();
-    assert_eq!(s.topology.unit, DurationMs(2));
-    assert_eq!(s.topology.max_tier_ttl, DurationMs(20_000));
-    assert_eq!(s.precision.lateness, DurationMs(7));
-    assert_eq!(s.publisher.binding_cache, DurationMs(90_000), "seconds");
-    let mut names: Vec<_> = renamed.iter().map(|k| (k.old, k.new)).collect();
-    names.sort();
-    assert_eq!(
-        names,
-        [
-            ("precision.lateness_ms", "precision.lateness"),
-            ("publisher.binding_cache_secs", "publisher.binding_cache"),
-            ("topology.max_tier_ttl_ms", "topology.max_tier_ttl"),
-            ("topology.unit_ms", "topology.unit"),
-        ]
-    );
-    // the environment's old names too, and a later source still wins over an earlier one
-    let (s, renamed) = Settings::load_renaming(
-        Some(&file.0),
-        env(&[
-            ("AMQP_DELAY_PUBLISHER__BINDING_CACHE_SECS", "5"),
-            ("AMQP_DELAY_PRECISION__LATENESS", "3ms"),
-        ]),
-    )
-    .unwrap();
-    assert_eq!(s.publisher.binding_cache, DurationMs(5_000));
-    assert_eq!(s.precision.lateness, DurationMs(3));
-    assert_eq!(
-        renamed.len(),
-        4,
-        "each old key is reported once: {renamed:?}"
-    );
-    // the new names need no renaming
-    let (s, renamed) = Settings::load_renaming(
-        None,
-        env(&[
-            ("AMQP_DELAY_PUBLISHER__BINDING_CACHE", "2m"),
-            ("AMQP_DELAY_TOPOLOGY__UNIT", "1"),
-        ]),
-    )
-    .unwrap();
-    assert_eq!(s.publisher.binding_cache, DurationMs(120_000));
-    assert!(renamed.is_empty(), "{renamed:?}");
-}
-
-#[test]
-fn an_old_key_beside_its_new_one_or_out_of_range_is_refused() {
+fn a_key_that_is_no_setting_is_refused_by_name() {
+    // the names of durations before they took a unit are no settings either
+    let file = TempToml::new("old-keys", "[topology]\nunit_ms = 2\n");
+    let e = Settings::load_with_env(Some(&file.0), env(&[]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unknown field `unit_ms`"), "{e}");
     let e = Settings::load_with_env(
         None,
-        env(&[
-            ("AMQP_DELAY_PRECISION__LATENESS_MS", "5"),
-            ("AMQP_DELAY_PRECISION__LATENESS", "5ms"),
-        ]),
+        env(&[("AMQP_DELAY_PUBLISHER__BINDING_CACHE_SECS", "90")]),
     )
     .unwrap_err()
     .to_string();
-    assert!(
-        e.contains("precision.lateness_ms and precision.lateness are both set"),
-        "{e}"
-    );
-    let e = Settings::load_with_env(
-        None,
-        env(&[("AMQP_DELAY_PUBLISHER__BINDING_CACHE_SECS", "-1")]),
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(e.contains("must not be negative"), "{e}");
-    let e = Settings::load_with_env(
-        None,
-        env(&[(
-            "AMQP_DELAY_PUBLISHER__BINDING_CACHE_SECS",
-            "18446744073709551",
-        )]),
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(
-        e.contains("publisher.binding_cache_secs is too large"),
-        "{e}"
-    );
-}
-
-/// What `tracing` prints while `f` runs.
-fn logged(f: impl FnOnce()) -> String {
-    #[derive(Clone, Default)]
-    struct Buf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-    impl std::io::Write for Buf {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(b);
-            Ok(b.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let buf = Buf::default();
-    let out = buf.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || out.clone())
-        .with_ansi(false)
-        .finish();
-    tracing::subscriber::with_default(subscriber, f);
-    let bytes = buf.0.lock().unwrap().clone();
-    String::from_utf8(bytes).unwrap()
-}
-
-#[test]
-fn an_old_key_is_warned_about_once_naming_both_names() {
-    let file = TempToml::new("warn", "[publisher]\nbinding_cache_secs = 90\n");
-    let text = logged(|| {
-        Settings::load_with_env(
-            Some(&file.0),
-            env(&[("AMQP_DELAY_PUBLISHER__BINDING_CACHE_SECS", "30")]),
-        )
-        .unwrap();
-    });
-    let lines: Vec<&str> = text.lines().filter(|l| l.contains("WARN")).collect();
-    assert_eq!(lines.len(), 1, "{text}");
-    assert!(
-        lines[0]
-            .contains("publisher.binding_cache_secs is read as publisher.binding_cache = \"30s\""),
-        "{text}"
-    );
-    let text = logged(|| {
-        Settings::load_with_env(None, env(&[("AMQP_DELAY_TOPOLOGY__RADIX", "8")])).unwrap();
-    });
-    assert!(!text.contains("WARN"), "{text}");
+    assert!(e.contains("binding_cache_secs"), "{e}");
 }
 
 #[test]

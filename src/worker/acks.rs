@@ -54,7 +54,8 @@ pub(super) const FLUSH_AFTER: Duration = Duration::from_millis(10);
 
 /// Longest time a done delivery behind a running one waits for the run to reach it, before it
 /// is acked alone: longer than a gateway ingress message waits for its batch and confirm
-/// (`gateway.batch_linger`, 100 ms by default, and a few ms), so that those acks go in runs.
+/// (its linger, a tenth of `publisher.grain`: 100 ms by default, and a few ms), so that those
+/// acks go in runs.
 pub(super) const BEHIND_AFTER: Duration = Duration::from_millis(200);
 
 /// Frames (acks and nacks) one channel sent within the last [`RECENT`] or so, past which its

@@ -32,9 +32,9 @@ pub(super) struct TaskCtx {
     pub cancels: Arc<Cancellations>,
     /// Whose messages are whose ([`crate::trust`]).
     pub trust: Arc<Trust>,
-    /// The park exchange, when the topology has one (declared by an earlier version, it has
-    /// not: parking then goes through the default exchange).
-    pub park_exchange: Option<String>,
+    /// The park exchange: each destination's parking queue is bound to it with the
+    /// destination's name as the key.
+    pub park_exchange: String,
     pub publisher: Arc<Publisher>,
     pub settings: ConsumerSettings,
     /// The most members a batch may announce (no publisher of ours sends more).
@@ -682,28 +682,11 @@ async fn park(d: &Delivery, reason: &str, kind: &str, ctx: &TaskCtx) -> Result<(
     }
     let props = envelope::republish_properties(&d.properties, h).with_delivery_mode(2);
     let target = ctx.layout.parked_queue(&d.queue);
-    let publisher = &ctx.publisher;
-    let parked = match &ctx.park_exchange {
-        Some(park) => match publisher
-            .publish_confirmed(park, &d.queue, &d.body, props.clone())
-            .await
-        {
-            // a parking queue declared before it had a binding there (an earlier version's
-            // `declare --queue`): through the default exchange, as it was
-            Err(crate::error::Error::Returned { .. }) => {
-                publisher
-                    .publish_confirmed("", &target, &d.body, props)
-                    .await
-            }
-            other => other,
-        },
-        None => {
-            publisher
-                .publish_confirmed("", &target, &d.body, props)
-                .await
-        }
-    };
-    parked?;
+    // a parking queue missing or unbound (deleted since it was declared) returns it: the
+    // delivery is not settled, it comes back to the queue
+    ctx.publisher
+        .publish_confirmed(&ctx.park_exchange, &d.queue, &d.body, props)
+        .await?;
     ctx.counters.count(Event::Parked(kind), &d.queue);
     tracing::warn!(queue = %d.queue, id = %d.message_id, parked_in = %target, %reason, "message parked");
     Ok(())

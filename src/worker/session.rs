@@ -104,10 +104,8 @@ impl<'w, H: Handler> Session<'w, H> {
             }
             Err(e) => return Err(e),
         };
-        let park = layout.park_exchange();
-        let park_exchange = broker::exchange_exists(conn, &park).await?.then_some(park);
         let ctx = Arc::new(process::TaskCtx {
-            park_exchange,
+            park_exchange: layout.park_exchange(),
             trust: Arc::new(cancels.trust()),
             cancels,
             publisher: publisher.clone(),

@@ -405,7 +405,8 @@ async fn stats_count_messages_not_broker_messages() {
         "{text}"
     );
 
-    // a topology declared before the ledger: publishing works, stats says what it cannot count
+    // the ledger stream deleted (by an operator): a publisher refuses to start, naming it and
+    // what adds it back; stats says what it cannot count
     let ch = amqp_delay::broker::open(&env.conn).await.unwrap();
     ch.queue_delete(
         layout.ledger_stream().as_str().into(),
@@ -414,11 +415,21 @@ async fn stats_count_messages_not_broker_messages() {
     .await
     .unwrap();
     amqp_delay::broker::close(&ch, "ok").await;
-    let p = env.publisher().await;
-    p.schedule(Message::new(q.clone(), 30_000, "late".to_string()))
-        .await
-        .expect("scheduled without a ledger");
-    p.close().await;
+    let refused = |what: String| {
+        let settings = env.settings.clone();
+        async move {
+            let e = match Publisher::connect(&settings).await {
+                Ok(_) => panic!("a publisher started without {what}"),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                e.contains(&format!("{what} is missing"))
+                    && e.contains("run `delay-publisher declare`"),
+                "{e}"
+            );
+        }
+    };
+    refused(format!("the ledger stream '{}'", layout.ledger_stream())).await;
     assert_eq!(
         amqp_delay::ledger::count(&env.conn, &layout, &Default::default())
             .await
@@ -430,5 +441,41 @@ async fn stats_count_messages_not_broker_messages() {
         text.contains("messages not yet due: unknown (the topology has no ledger stream"),
         "{text}"
     );
+    // so does the stream exchange, which the ledger and control records go through
+    Topology::new(layout.clone())
+        .declare(&env.conn)
+        .await
+        .unwrap();
+    let ch = amqp_delay::broker::open(&env.conn).await.unwrap();
+    ch.exchange_delete(
+        layout.stream_exchange().as_str().into(),
+        lapin::options::ExchangeDeleteOptions::default(),
+    )
+    .await
+    .unwrap();
+    amqp_delay::broker::close(&ch, "ok").await;
+    refused(format!(
+        "the stream exchange '{}'",
+        layout.stream_exchange()
+    ))
+    .await;
+    // an append on a channel of its own says the same (the broker closed the channel)
+    let record = amqp_delay::control::Record::Barrier { nonce: "n".into() };
+    let e = amqp_delay::control::append(&env.conn, &layout, &record)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!(
+            "the stream exchange '{}' is missing",
+            layout.stream_exchange()
+        )),
+        "{e}"
+    );
+    // (teardown reads the control stream up to a barrier of its own: it needs it too)
+    Topology::new(layout.clone())
+        .declare(&env.conn)
+        .await
+        .unwrap();
     env.cleanup().await;
 }

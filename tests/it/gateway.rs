@@ -11,6 +11,7 @@ use amqp_delay::Settings;
 use amqp_delay::broker;
 use amqp_delay::gateway::{Gateway, Pair};
 use amqp_delay::settings::GatewaySettings;
+use amqp_delay::time::DurationMs;
 
 use crate::harness::*;
 use lapin::options::{
@@ -607,16 +608,21 @@ async fn watch_due_queue(env: &Env, pair: &Pair) -> (lapin::Channel, lapin::Cons
 }
 
 /// The ingress waits for its batch without a handler permit: with `consumer.io_concurrency = 1`
-/// and a `gateway.batch_linger` of 1 s, 24 messages of 1 200 ms published within 0.2 s are in
-/// the batcher together and reach the due queue in a few batches (with a permit each, one at a
-/// time, they left one by one: 24 batches). The test's single active consumer of the due queue
-/// counts the batches, then lets them go to the gateway: all 24 arrive, none early.
+/// and a `publisher.grain` of 10 s (the gateway lingers a tenth of it, at most 1 s; the lead,
+/// 2 s, leaves the messages room to wait), 24 messages of 4 s (tiers up to 60 s) published
+/// within 0.2 s are in the batcher together and reach the due queue in a few batches (with a
+/// permit each, one at a time, they left one by one: 24 batches). The test's single active
+/// consumer of the due queue counts the batches, then lets them go to the gateway: all 24
+/// arrive, none early.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ingress_messages_gather_into_batches_without_a_handler_permit_each() {
     within(async {
         use futures::StreamExt;
         require_pika();
-        let env = Env::new(small_topology()).await;
+        let mut topology = small_topology();
+        topology.max_delay = DurationMs(60_000);
+        topology.max_tier_ttl = DurationMs(20_000);
+        let env = Env::new(topology).await;
         let p = env.settings.prefix.clone();
         let (x_in, x_t, _objects) = one_pair(&env).await;
         let pairs = [(x_in.as_str(), x_t.as_str())];
@@ -624,7 +630,7 @@ async fn ingress_messages_gather_into_batches_without_a_handler_permit_each() {
         let (watch, mut on_due) = watch_due_queue(&env, &pair[0]).await;
         let config = write_config(
             &env,
-            "io_concurrency = 1\n\n[gateway]\nbatch_linger = \"1s\"\n",
+            "io_concurrency = 1\nmax_hold = \"20s\"\n\n[publisher]\ngrain = \"10s\"\n",
         );
         let gw = GatewayProc::start(&env, &config.0, &pairs, "gw");
         wait_for_consumers(&env.conn, &pair, 1, &[&gw]).await;
@@ -632,7 +638,7 @@ async fn ingress_messages_gather_into_batches_without_a_handler_permit_each() {
         let app = start_app(
             "stream",
             serde_json::json!({"prefix": p, "ingress": x_in, "target": x_t, "n": 24,
-                               "publish_seconds": 0.2, "delay": 1200, "timeout": 30}),
+                               "publish_seconds": 0.2, "delay": 4000, "timeout": 30}),
         );
         let (mut batches, mut members) = (0, 0);
         while members < 24 {

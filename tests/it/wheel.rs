@@ -3,7 +3,8 @@
 //! before they are due, and the worker holds each until its exact due time. What a user sees:
 //! a trickle costs a handful of broker messages, nothing runs early, nothing is lost (also
 //! when the worker dies holding them, or may take only one message at a time), a held
-//! message can be cancelled, and plain queues and older publishers are served as before.
+//! message can be cancelled, and plain queues and publishers without grains are served with
+//! exact routes.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -273,50 +274,28 @@ async fn wait_for_consumer(env: &Env, q: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_plain_queue_and_a_queue_of_older_workers_get_exact_messages_never_early() {
+async fn a_plain_queue_gets_exact_messages_never_early() {
     let mut env = Env::new(small_topology()).await;
     let plain = env.queue("plainq").await;
-    let older = env.queue("olderq").await;
-    // an older worker declared only the batch marker: exact batches, never early on arrival
-    let marker = env.layout().batch_marker(&older).unwrap();
-    let ch = env.conn.create_channel().await.unwrap();
-    ch.exchange_declare(
-        marker.as_str().into(),
-        lapin::ExchangeKind::Fanout,
-        lapin::options::ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        Default::default(),
-    )
-    .await
-    .unwrap();
     let p = env.publisher().await;
     let mut msgs = Vec::new();
     for (i, d) in [0u64, 40, 300, 700, 1_100].iter().enumerate() {
-        for q in [&plain, &older] {
-            msgs.push(Message::new(q.clone(), *d, "x").with_id(format!("{q}-{i}")));
-        }
+        msgs.push(Message::new(plain.clone(), *d, "x").with_id(format!("{plain}-{i}")));
     }
     for r in p.schedule_batch(msgs).await {
         r.unwrap();
     }
-    for q in [&plain, &older] {
-        // a raw consumer: what arrives is run as it arrives, so it must never be early
-        let got = env.expect(q, 5).await;
-        for m in &got {
-            let due = m.int_header("x-delay-due-at").expect("due time");
-            assert!(
-                m.arrived_ms as i64 >= due,
-                "{} arrived {} ms early at {q}",
-                m.id(),
-                due - m.arrived_ms as i64
-            );
-        }
+    // a raw consumer: what arrives is run as it arrives, so it must never be early
+    let got = env.expect(&plain, 5).await;
+    for m in &got {
+        let due = m.int_header("x-delay-due-at").expect("due time");
+        assert!(
+            m.arrived_ms as i64 >= due,
+            "{} arrived {} ms early at {plain}",
+            m.id(),
+            due - m.arrived_ms as i64
+        );
     }
-    let _ = ch
-        .exchange_delete(marker.as_str().into(), Default::default())
-        .await;
     p.close().await;
     env.cleanup().await;
 }
@@ -331,7 +310,7 @@ async fn an_exact_route_publisher_and_a_grain_publisher_share_a_destination() {
     let (log, dues) = (h.log.clone(), h.dues.clone());
     let (stop, run) = spawn_worker(&env, &q, h, retry(20, 2.0, 3));
     let grain = env.publisher().await;
-    // the publisher of the previous version: exact routes, batches only within the budget
+    // a publisher without grains: exact routes, batches only within the budget
     let mut old = env.settings.clone();
     old.publisher.grain = DurationMs(0);
     let exact = Publisher::connect(&old).await.expect("exact publisher");

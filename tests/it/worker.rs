@@ -311,6 +311,39 @@ async fn a_message_put_back_for_ever_is_parked_by_the_delivery_limit_not_dropped
     env.cleanup().await;
 }
 
+/// A topology without its park exchange (deleted since `declare`): the worker does not start,
+/// and says what is missing and what declares it, rather than parking nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_without_the_park_exchange_says_to_declare_it() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("nopark").await;
+    env.parked_queue(&q);
+    let park = env.layout().park_exchange();
+    let ch = env.conn.create_channel().await.unwrap();
+    ch.exchange_delete(park.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    let _ = ch.close(200, "ok".into()).await;
+    let (_stop, run) = spawn_worker(
+        &env,
+        &q,
+        Scripted::new(|_| Outcome::Success),
+        retry(20, 2.0, 3),
+    );
+    let e = tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("the worker gave up")
+        .unwrap()
+        .expect_err("a worker without the park exchange")
+        .to_string();
+    assert!(
+        e.contains(&format!("the park exchange '{park}' is missing"))
+            && e.contains("run `delay-publisher declare`"),
+        "{e}"
+    );
+    env.cleanup().await;
+}
+
 /// A destination of `env` whose retries cannot be published: every tier deleted, exact routes
 /// (a grain route for a 20 ms backoff would go straight back to the queue: it needs no tier).
 /// Returns the queue and its parking queue.

@@ -95,7 +95,7 @@ impl Fault {
     }
 
     /// Exact routes for this scenario's publishers (`publisher.grain = 0`): every message its
-    /// own broker message, through every level its delay needs, as before grains.
+    /// own broker message, through every level its delay needs.
     pub fn exact_routes(&self) {
         let mut text = std::fs::read_to_string(&self.config).unwrap();
         text.push_str("[publisher]\ngrain = \"0s\"\n");

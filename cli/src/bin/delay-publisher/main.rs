@@ -105,8 +105,8 @@ fn plan(settings: &Settings, delay_ms: u64) -> amqp_delay::Result<i32> {
 /// `gateway`: declares the pairs (`--declare-only`) or runs the gateway until a signal.
 async fn gateway(mut settings: Settings, a: GatewayArgs) -> amqp_delay::Result<i32> {
     if !a.ingress.is_empty() || !a.target.is_empty() {
-        // the flags name the pairs; `gateway.batch_linger` and `gateway.hold` still come from
-        // the configuration
+        // the flags name the pairs; `gateway.hold` and `gateway.max_held` still come from the
+        // configuration
         settings.gateway.pairs = GatewaySettings::from_flags(&a.ingress, &a.target)
             .map_err(Error::Invalid)?
             .pairs;
