@@ -16,7 +16,8 @@
 # --ctl is a command that runs rabbitmqctl against the node (the peek experiment uses
 # `rabbitmqctl eval rabbit_quorum_queue:peek/3`, and the policy experiment set_policy and
 # clear_policy, on a pattern that matches only this probe's queues). Without it those two are
-# skipped. Queue names start with `spk47-` (--prefix) and every queue is deleted afterwards.
+# skipped. The policy experiment runs only when --only names it (never on a shared broker).
+# Queue names start with `spk47-` (--prefix) and every queue is deleted afterwards.
 # Needs pika.
 import argparse
 import re
@@ -605,7 +606,9 @@ if args.list:
         print(k)
     sys.exit(0)
 
-only = [s for s in args.only.split(",") if s] or list(EXPERIMENTS)
+# the policy experiment changes the broker's policies (on this probe's queue only): run it only
+# when named, and never on a broker that is not yours
+only = [s for s in args.only.split(",") if s] or [k for k in EXPERIMENTS if k != "policy"]
 conn = connect()
 out(f"# {args.label}: broker {conn._impl.server_properties.get('version', b'?')!r},"
     f" {args.n} messages per queue, {args.rounds} browses, run {RUN}")
