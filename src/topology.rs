@@ -112,7 +112,9 @@ impl Topology {
         let fanout = FieldTable::default();
         declare_exchange(ch, &l.parking_exchange(), ExchangeKind::Fanout, fanout).await?;
         let parked = l.unroutable_queue();
-        broker::declare_queue_spread(conn, &parked, self.parked_args()).await?;
+        if broker::queue_state(conn, &parked).await?.is_none() {
+            broker::declare_queue_spread(conn, &parked, self.parked_args()).await?;
+        }
         bind_queue(ch, &parked, &l.parking_exchange(), "").await?;
         let direct = FieldTable::default();
         declare_exchange(ch, &l.park_exchange(), ExchangeKind::Direct, direct).await
@@ -364,8 +366,17 @@ impl Topology {
         a
     }
 
+    /// Arguments of a parking queue (`<prefix>.parked`, `<prefix>.parked.<queue>`): quorum ones
+    /// get a delivery limit no browse reaches ([`PARKED_DELIVERY_LIMIT`]).
     fn parked_args(&self) -> FieldTable {
-        self.base_queue_args()
+        let mut a = self.base_queue_args();
+        if self.layout.queue_type() == QueueType::Quorum {
+            a.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongLongInt(PARKED_DELIVERY_LIMIT),
+            );
+        }
+        a
     }
 
     /// Arguments of a tier queue (DESIGN rules 1, 4 and 7: one queue-level TTL, at-least-once
@@ -403,6 +414,14 @@ impl Topology {
 /// every quorum queue, DESIGN rule 12): a message delivered this many times without an ack is
 /// parked.
 pub(crate) const DELIVERY_LIMIT: i64 = 20;
+
+/// The delivery limit of the parking queues: none that looking at a parked message reaches.
+/// RabbitMQ 4.x gives a quorum queue declared without one a limit of 20 and, with no
+/// dead-letter exchange (a parking queue has none), drops a message returned more often: 21
+/// looks (the management UI's "Get messages", a `basic.get` given back) deleted it on 4.0.5,
+/// and on 4.3.6 through a reject or a closed channel. `-1` (unlimited on 4.x) makes 3.10 drop a
+/// message at its first return. Measured: docs/reports/2026-12-06-parked-browse.md.
+pub(crate) const PARKED_DELIVERY_LIMIT: i64 = 1_000_000_000;
 
 fn not_declared(l: &Layout, detail: &str) -> Error {
     Error::NotDeclared {

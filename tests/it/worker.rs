@@ -975,3 +975,66 @@ async fn a_slow_message_does_not_hold_back_the_acks_of_those_after_it() {
     assert_eq!(ready(&env, &q).await, 0);
     env.cleanup().await;
 }
+
+/// Looking at a parked message never uses it up: 25 looks that count as a return on every
+/// broker version (`basic.get`, then `basic.reject` with requeue; the management UI's "Get
+/// messages" does the same) leave it in its parking queue. On RabbitMQ 4.x a quorum queue
+/// without a delivery limit of its own has one of 20 and drops what goes past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_message_survives_being_looked_at() {
+    use lapin::options::{BasicGetOptions, BasicRejectOptions};
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("looked").await;
+    let parked = env.parked_queue(&q);
+    amqp_delay::Topology::new(env.layout())
+        .declare_parking(&env.conn, &q)
+        .await
+        .unwrap();
+    let ch = env.conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    ch.basic_publish(
+        env.layout().park_exchange().as_str().into(),
+        q.as_str().into(),
+        BasicPublishOptions {
+            mandatory: true,
+            ..Default::default()
+        },
+        b"parked",
+        lapin::BasicProperties::default().with_delivery_mode(2),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    for look in 1..=26 {
+        // a return is applied through the queue's log: wait for it to be back
+        let mut got = None;
+        for _ in 0..100 {
+            got = ch
+                .basic_get(parked.as_str().into(), BasicGetOptions { no_ack: false })
+                .await
+                .unwrap();
+            if got.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let m =
+            got.unwrap_or_else(|| panic!("the parked message is gone after {} looks", look - 1));
+        assert_eq!(m.delivery.data, b"parked");
+        if look < 26 {
+            ch.basic_reject(
+                m.delivery.delivery_tag,
+                BasicRejectOptions { requeue: true },
+            )
+            .await
+            .unwrap();
+        } else {
+            ch.basic_ack(m.delivery.delivery_tag, Default::default())
+                .await
+                .unwrap();
+        }
+    }
+    let _ = ch.close(200, "ok".into()).await;
+    env.cleanup().await;
+}
