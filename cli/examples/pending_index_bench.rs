@@ -115,6 +115,23 @@ fn status(key: &str) -> String {
         .unwrap_or_else(|| "?".into())
 }
 
+/// Each file of `dir` and its size, for the report.
+fn files(dir: &Path) -> String {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            format!(
+                "{} {}",
+                e.file_name().to_string_lossy(),
+                e.metadata().unwrap().len()
+            )
+        })
+        .collect();
+    v.sort();
+    v.join(", ")
+}
+
 fn disk_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
         .unwrap()
@@ -246,6 +263,7 @@ fn main() {
         status("VmHWM:"),
         status("VmRSS:")
     );
+    println!("files: {}", files(&a.dir));
     assert_eq!(ix.position().unwrap(), Some(a.rows));
 
     // ---- show ----
@@ -512,8 +530,9 @@ fn main() {
     );
     assert_eq!(n, finish);
     println!(
-        "end: disk {} bytes; VmHWM {} VmRSS {}",
+        "end: disk {} bytes ({}); VmHWM {} VmRSS {}",
         disk_bytes(&a.dir),
+        files(&a.dir),
         status("VmHWM:"),
         status("VmRSS:")
     );

@@ -745,6 +745,7 @@ impl PendingIndex {
              PRAGMA cache_size = -{cache_kib};
              PRAGMA mmap_size = 0;
              PRAGMA temp_store = FILE;
+             PRAGMA journal_size_limit = 67108864;
              PRAGMA soft_heap_limit = {};",
             if options.durable { "NORMAL" } else { "OFF" },
             options.cache_bytes + (16 << 20),
@@ -801,10 +802,30 @@ impl PendingIndex {
         if !self.rebuilding {
             return Ok(());
         }
+        // The sorts take as much memory as the page cache is allowed: halve the cache meanwhile,
+        // so the two together stay within `cache_bytes`.
+        let cache: i64 = self
+            .conn
+            .query_row("PRAGMA cache_size", [], |r| r.get(0))?;
+        self.conn
+            .execute_batch(&format!("PRAGMA cache_size = {};", cache / 2))?;
+        let result = self.sort_indexes();
+        self.conn
+            .execute_batch(&format!("PRAGMA cache_size = {cache};"))?;
+        result?;
+        // the rebuild's last transaction went to the WAL whole: give the space back
+        self.conn
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+        self.rebuilding = false;
+        Ok(())
+    }
+
+    fn sort_indexes(&mut self) -> Result<()> {
         let tx = self.conn.transaction()?;
+        // a temporary table: its pages live in a temporary file, not as free pages of the index
         tx.execute_batch(
-            "DROP TABLE IF EXISTS hdr_stage;
-             CREATE TABLE hdr_stage (h INTEGER, due INTEGER, own INTEGER, rk INTEGER, dest INTEGER);",
+            "DROP TABLE IF EXISTS temp.hdr_stage;
+             CREATE TEMP TABLE hdr_stage (h INTEGER, due INTEGER, own INTEGER, rk INTEGER, dest INTEGER);",
         )?;
         {
             let w = Writer {
@@ -833,12 +854,11 @@ impl PendingIndex {
             "DELETE FROM hdr;
              INSERT INTO hdr (h, due, own, rk, dest)
                  SELECT h, due, own, rk, dest FROM hdr_stage ORDER BY h, due, own, rk;
-             DROP TABLE hdr_stage;
+             DROP TABLE temp.hdr_stage;
              {LIST_INDEXES}
              DELETE FROM meta WHERE k = 'rebuilding';"
         ))?;
         tx.commit()?;
-        self.rebuilding = false;
         Ok(())
     }
 
