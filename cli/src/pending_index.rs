@@ -662,7 +662,7 @@ impl Plan {
     /// `FROM ... WHERE ...` and its parameters. `hdr` drives when the header index can, then
     /// the index of the narrowest given filter; every one of them is sorted by
     /// `(due, own, rk)` within its equality prefix, so the ORDER BY is a range scan.
-    fn from_where(&self, join_rows: bool) -> (String, Vec<(&'static str, Value)>) {
+    fn sql_from_where(&self, join_rows: bool) -> (String, Vec<(&'static str, Value)>) {
         let mut p: Vec<(&'static str, Value)> = Vec::new();
         let (mut sql, t) = if let Some(h) = self.hash {
             p.push((":h", Value::Integer(h)));
@@ -804,9 +804,7 @@ impl PendingIndex {
         }
         // The sorts take as much memory as the page cache is allowed: halve the cache meanwhile,
         // so the two together stay within `cache_bytes`.
-        let cache: i64 = self
-            .conn
-            .query_row("PRAGMA cache_size", [], |r| r.get(0))?;
+        let cache: i64 = self.conn.query_row("PRAGMA cache_size", [], |r| r.get(0))?;
         self.conn
             .execute_batch(&format!("PRAGMA cache_size = {};", cache / 2))?;
         let result = self.sort_indexes();
@@ -1126,7 +1124,7 @@ impl PendingIndex {
                 next: None,
             });
         };
-        let (fw, p) = plan.from_where(true);
+        let (fw, p) = plan.sql_from_where(true);
         let sql = format!("SELECT {ROW_COLUMNS} {fw}{}", plan.order());
         let mut raws = Vec::with_capacity(filter.limit + 1);
         {
@@ -1169,12 +1167,11 @@ impl PendingIndex {
             return Ok(0);
         };
         plan.after = None;
-        if plan.header.is_some() && plan.hash.is_none() {
-            let (fw, p) = plan.from_where(true);
+        if let (Some(h), None) = (&plan.header, plan.hash) {
+            let (fw, p) = plan.sql_from_where(true);
             let sql = format!("SELECT r.hdrs {fw}");
             let mut stmt = self.conn.prepare_cached(&sql)?;
             let mut rows = stmt.query(&*bind(&p))?;
-            let h = plan.header.as_ref().expect("a header filter");
             let mut n = 0;
             while let Some(r) = rows.next()? {
                 let b: Option<Vec<u8>> = r.get(0)?;
@@ -1186,7 +1183,7 @@ impl PendingIndex {
             }
             return Ok(n);
         }
-        let (fw, p) = plan.from_where(false);
+        let (fw, p) = plan.sql_from_where(false);
         let sql = format!("SELECT count(*) {fw}");
         let n: i64 = self
             .conn

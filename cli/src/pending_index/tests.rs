@@ -588,7 +588,7 @@ fn the_list_plans_are_index_range_scans_never_a_full_sort() {
         f.after = Some(cursor);
         f.due_before = Some(100);
         let plan = ix.plan(&f).unwrap().unwrap();
-        let (fw, p) = plan.from_where(true);
+        let (fw, p) = plan.sql_from_where(true);
         let sql = format!(
             "EXPLAIN QUERY PLAN SELECT {ROW_COLUMNS} {fw}{}",
             plan.order()
