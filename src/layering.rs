@@ -52,6 +52,7 @@ const TOOL_LAYERS: &[(&str, u8)] = &[
     ("bulk", 2),
     ("import", 2),
     ("observe", 2),
+    ("pending_index", 2),
     ("proxy", 2),
     ("cli", 3),
 ];
@@ -68,6 +69,7 @@ const TOOLS_ONLY_DEPS: &[&str] = &[
     "tracing-subscriber",
     "shell-words",
     "nix",
+    "rusqlite",
 ];
 
 /// Core modules that must not even name lapin.

@@ -3,7 +3,8 @@
 //! codes ([`cli`]), log lines no value can forge ([`logline`]), the worker's business
 //! [`actions`], bulk JSONL ([`bulk`], [`jsonl`]), the move off the delayed-message plugin
 //! ([`import`], [`plugin_store`]), declare/stats/teardown ([`admin`]), the metrics endpoint
-//! ([`observe`]) and the proxy ([`proxy`]). Applications use the `amqp-delay` library instead.
+//! ([`observe`]), the proxy ([`proxy`]) and the on-disk index of what is pending
+//! ([`pending_index`]). Applications use the `amqp-delay` library instead.
 
 pub mod actions;
 pub mod admin;
@@ -13,5 +14,6 @@ pub mod import;
 pub mod jsonl;
 pub mod logline;
 pub mod observe;
+pub mod pending_index;
 pub mod plugin_store;
 pub mod proxy;
