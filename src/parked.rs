@@ -215,14 +215,14 @@ fn copy_of(d: &lapin::message::Delivery, dest: &str, delay_ms: u64) -> Message {
         .internal()
 }
 
+/// The ids of `asked` not in `found`, each once, in the order asked.
 fn missing(asked: &[String], found: &[String]) -> Vec<String> {
-    let mut out: Vec<String> = asked
+    let mut seen = BTreeSet::new();
+    asked
         .iter()
-        .filter(|id| !found.contains(id))
+        .filter(|id| !found.contains(id) && seen.insert(id.as_str()))
         .cloned()
-        .collect();
-    out.dedup();
-    out
+        .collect()
 }
 
 fn id_of(d: &lapin::message::Delivery) -> String {
@@ -392,4 +392,32 @@ async fn rotate_locked(
         }
     }
     r.map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_id_not_found_is_named_once_in_the_order_asked() {
+        let v = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            missing(&v(&["b", "x", "a", "x", "y"]), &v(&["a", "b"])),
+            v(&["x", "y"])
+        );
+        assert!(missing(&v(&["a"]), &v(&["a"])).is_empty());
+    }
+
+    #[test]
+    fn each_parking_queue_has_its_own_lock() {
+        let layout = crate::settings::Settings::default().layout().unwrap();
+        assert_eq!(queue_name(&layout, Some("q")), layout.parked_queue("q"));
+        assert_eq!(queue_name(&layout, None), layout.unroutable_queue());
+        let p = "amqp-delay";
+        assert_eq!(
+            layout.parked_lock_queue(Some("q")),
+            format!("{p}.parked-lock.q")
+        );
+        assert_eq!(layout.parked_lock_queue(None), format!("{p}.parked-lock"));
+    }
 }

@@ -190,9 +190,10 @@ pub(crate) struct ImportArgs {
 }
 
 const PARKED_HELP: &str = "For the admin role: reading a parking queue needs `read` on it (and `configure` on \
-<prefix>.parked-lock.*, retry and drop also `write`), which the documented publisher and worker sets do not have. \
+<prefix>.parked-lock.*; retry also a publisher's rights), which the documented publisher and worker sets do not have. \
 Every command reads the whole parking queue (at most 10000 messages) under a lock and gives back what it \
-does not change, in its order; a second parked command on the same queue meanwhile is refused. \
+does not change, in its order; a second parked command on the same queue meanwhile is refused, and so is a \
+queue with a consumer attached. \
 Exit code 1 when an id is not found.";
 
 /// Which parking queue a `parked` command reads.
