@@ -17,7 +17,9 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use futures::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
 
@@ -275,12 +277,22 @@ async fn rotate(
 ) -> Result<()> {
     let lock = lock(conn, layout, queue).await?;
     let r = rotate_locked(conn, &queue_name(layout, queue), act).await;
+    // an exclusive queue lives as long as its connection, which a library caller may keep:
+    // delete it (a crash releases it with the connection)
+    let _ = tokio::time::timeout(
+        Duration::from_secs(2),
+        lock.queue_delete(
+            layout.parked_lock_queue(queue).as_str().into(),
+            QueueDeleteOptions::default(),
+        ),
+    )
+    .await;
     broker::close(&lock, "parked command done").await;
     r
 }
 
-/// Takes the lock on parking queue `name`: an exclusive, auto-delete queue on a channel of its
-/// own, which goes away with the channel's connection.
+/// Takes the lock on the parking queue of `queue`: an exclusive, auto-delete queue declared on
+/// a channel of its own; [`rotate`] deletes it, and it goes away with the connection.
 async fn lock(conn: &Connection, layout: &Layout, queue: Option<&str>) -> Result<lapin::Channel> {
     let name = queue_name(layout, queue);
     let lock_name = layout.parked_lock_queue(queue);

@@ -182,6 +182,15 @@ async fn parked_messages_are_listed_in_order_and_only_the_chosen_ones_change() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(ids(&listed(&cfg, &q).await), ["m0", "m1"]);
 
+    // the library on a connection that stays open lets go of the lock when done
+    let all = amqp_delay::parked::list(&env.conn, &env.layout(), Some(&q), 10, 4)
+        .await
+        .unwrap();
+    assert_eq!(all.len(), 2);
+    assert_eq!((all[0].body.as_slice(), all[0].size), (&b"body"[..], 10));
+    assert_eq!(all[0].reason.as_deref(), Some("handler said no to m0"));
+    assert_eq!(ids(&listed(&cfg, &q).await), ["m0", "m1"]);
+
     // neither --queue nor --unroutable: a usage error
     let (code, _, _) = publisher_cli(&cfg, &["parked", "list"]).await;
     assert_eq!(code, Some(2));
