@@ -35,6 +35,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("management", 1),
     ("topology", 1),
     ("publisher", 1),
+    ("parked", 1),
     ("stream_log", 1),
     ("worker", 1),
     ("gateway", 2),

@@ -26,7 +26,8 @@
 //! [`connection`] (brokers' URLs, connecting and reconnecting), [`broker`] (the AMQP
 //! primitives the library is built on), [`control`] (the control stream's records: gateway
 //! pairs, batch markers, cancels), [`cancel`] (following the cancels), [`ledger`] (counting
-//! the messages that wait) and [`gateway`] (the `x-delay` gateway's pairs); with the
+//! the messages that wait), [`parked`] (list, retry and drop parked messages; an admin's
+//! tool) and [`gateway`] (the `x-delay` gateway's pairs); with the
 //! `management` feature, `management` (RabbitMQ's HTTP API, to count messages its dead-letter
 //! worker holds).
 //!
@@ -59,6 +60,7 @@ pub mod control;
 pub mod ledger;
 #[cfg(feature = "management")]
 pub mod management;
+pub mod parked;
 mod publisher;
 // the one log both streams use
 mod stream_log;

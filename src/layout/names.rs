@@ -73,6 +73,14 @@ impl Layout {
     pub fn parked_queue(&self, queue: &str) -> String {
         format!("{}{queue}", self.parked_prefix())
     }
+    /// The lock a `parked` command holds while it reads the parking queue of `queue` (`None`:
+    /// of [`Layout::unroutable_queue`]): an exclusive queue, `<prefix>.parked-lock.<queue>`.
+    pub fn parked_lock_queue(&self, queue: Option<&str>) -> String {
+        match queue {
+            Some(q) => format!("{}.parked-lock.{q}", self.prefix),
+            None => format!("{}.parked-lock", self.prefix),
+        }
+    }
     /// What the name of every destination's parking queue ([`Layout::parked_queue`]) starts with.
     pub fn parked_prefix(&self) -> String {
         format!("{}.parked.", self.prefix)

@@ -15,6 +15,7 @@ mod hostile;
 mod import;
 mod isolation;
 mod observe;
+mod parked;
 mod permissions;
 mod proxy;
 mod security;

@@ -64,6 +64,9 @@ pub(crate) enum Cmd {
     /// gateway pairs of their exchanges), nothing lost: each is deleted from the plugin only
     /// once its copy is confirmed. Reads the plugin's store with `rabbitmqctl eval`
     ImportPlugin(ImportArgs),
+    /// See, retry and drop the messages parked in <prefix>.parked.<queue> (an admin's tool)
+    #[command(subcommand)]
+    Parked(ParkedCmd),
     /// Delete every exchange and queue of the topology, or with --queue one destination
     Teardown {
         /// Delete even if tiers or the parking queue still hold messages (they are lost)
@@ -184,4 +187,75 @@ pub(crate) struct ImportArgs {
     /// Longest a rabbitmqctl call may take
     #[arg(long, value_name = "DURATION", default_value = "5m")]
     pub(crate) call_timeout: DurationMs,
+}
+
+const PARKED_HELP: &str = "For the admin role: reading a parking queue needs `read` on it (and `configure` on \
+<prefix>.parked-lock.*; retry also a publisher's rights), which the documented publisher and worker sets do not have. \
+Every command reads the whole parking queue (at most 10000 messages) under a lock and gives back what it \
+does not change, in its order; a second parked command on the same queue meanwhile is refused, and so is a \
+queue with a consumer attached. \
+Exit code 1 when an id is not found.";
+
+/// Which parking queue a `parked` command reads.
+#[derive(clap::Args)]
+#[group(required = true, multiple = false)]
+pub(crate) struct ParkedQueue {
+    /// The destination queue whose parking queue <prefix>.parked.QUEUE to read
+    #[arg(long, value_name = "QUEUE")]
+    pub(crate) queue: Option<String>,
+    /// Read <prefix>.parked: what no destination took
+    #[arg(long)]
+    pub(crate) unroutable: bool,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum ParkedCmd {
+    /// One line per parked message, in queue order: position, id, reason, attempts, parked at, size
+    #[command(after_help = PARKED_HELP)]
+    List {
+        #[command(flatten)]
+        queue: ParkedQueue,
+        /// Show at most N messages
+        #[arg(long, value_name = "N", default_value_t = 1000)]
+        limit: usize,
+        /// One JSON object per line
+        #[arg(long)]
+        json: bool,
+    },
+    /// Every header and the whole body of one parked message (UTF-8, else base64)
+    #[command(after_help = PARKED_HELP)]
+    Show {
+        /// Its message id
+        id: String,
+        #[command(flatten)]
+        queue: ParkedQueue,
+        /// One JSON object
+        #[arg(long)]
+        json: bool,
+    },
+    /// Schedule each message again to the queue it was parked from, attempt 0, then remove it
+    /// from the parking queue once its copy is confirmed
+    #[command(after_help = PARKED_HELP)]
+    Retry {
+        /// Message ids
+        #[arg(required = true)]
+        ids: Vec<String>,
+        #[command(flatten)]
+        queue: ParkedQueue,
+        /// Deliver after this delay (1500, 30s, 1h ...)
+        #[arg(long, default_value = "0")]
+        delay: DurationMs,
+    },
+    /// Remove messages from the parking queue for good
+    #[command(after_help = PARKED_HELP)]
+    Drop {
+        /// Message ids
+        #[arg(required = true)]
+        ids: Vec<String>,
+        #[command(flatten)]
+        queue: ParkedQueue,
+        /// Do not ask (required when stdin is not a terminal)
+        #[arg(long)]
+        yes: bool,
+    },
 }

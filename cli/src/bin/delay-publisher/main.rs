@@ -4,6 +4,7 @@
 
 mod args;
 mod import;
+mod parked;
 mod send;
 mod topology;
 
@@ -46,6 +47,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
         Cmd::Cancel(a) => send::cancel(&settings, a).await,
         Cmd::Send(a) => send::send(&settings, a).await,
         Cmd::ImportPlugin(a) => import::import_plugin(&settings, a).await,
+        Cmd::Parked(c) => parked::run(&settings, c).await,
     }
 }
 
