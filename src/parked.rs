@@ -34,6 +34,10 @@ use crate::publisher::Publisher;
 /// The most messages one rotation takes: above it, commands refuse and say what to do.
 pub const MAX_MESSAGES: u32 = 10_000;
 
+/// The most body bytes one rotation holds: past it, it gives everything back and says so
+/// (every message it reads stays in memory until the rotation ends).
+pub const MAX_BYTES: usize = 256 << 20;
+
 /// How many body bytes [`list`] keeps of each message.
 pub const PREVIEW_BYTES: usize = 256;
 
@@ -360,10 +364,24 @@ async fn rotate_locked(
         .await
         .context(|| format!("consuming '{name}'"))?;
     let mut taken = Vec::with_capacity(state.ready as usize);
+    let mut bytes = 0usize;
     let mut short = None;
     while taken.len() < state.ready as usize {
         match tokio::time::timeout(TAKE_TIMEOUT, consumer.next()).await {
-            Ok(Some(Ok(d))) => taken.push(d),
+            Ok(Some(Ok(d))) => {
+                bytes = bytes.saturating_add(d.data.len());
+                taken.push(d);
+                if bytes > MAX_BYTES {
+                    short = Some(format!(
+                        "its bodies pass {} MiB after {} of {} messages, more than a parked \
+                         command holds at once; purge it or use the management UI",
+                        MAX_BYTES >> 20,
+                        taken.len(),
+                        state.ready
+                    ));
+                    break;
+                }
+            }
             Ok(Some(Err(e))) => {
                 short = Some(format!("the consumer failed: {e}"));
                 break;
