@@ -112,9 +112,7 @@ impl Topology {
         let fanout = FieldTable::default();
         declare_exchange(ch, &l.parking_exchange(), ExchangeKind::Fanout, fanout).await?;
         let parked = l.unroutable_queue();
-        if broker::queue_state(conn, &parked).await?.is_none() {
-            broker::declare_queue_spread(conn, &parked, self.parked_args()).await?;
-        }
+        broker::declare_queue_spread(conn, &parked, self.parked_args()).await?;
         bind_queue(ch, &parked, &l.parking_exchange(), "").await?;
         let direct = FieldTable::default();
         declare_exchange(ch, &l.park_exchange(), ExchangeKind::Direct, direct).await
