@@ -363,44 +363,7 @@ async fn rotate_locked(
         )
         .await
         .context(|| format!("consuming '{name}'"))?;
-    let mut taken = Vec::with_capacity(state.ready as usize);
-    let mut bytes = 0usize;
-    let mut short = None;
-    while taken.len() < state.ready as usize {
-        match tokio::time::timeout(TAKE_TIMEOUT, consumer.next()).await {
-            Ok(Some(Ok(d))) => {
-                bytes = bytes.saturating_add(d.data.len());
-                taken.push(d);
-                if bytes > MAX_BYTES {
-                    short = Some(format!(
-                        "its bodies pass {} MiB after {} of {} messages, more than a parked \
-                         command holds at once; purge it or use the management UI",
-                        MAX_BYTES >> 20,
-                        taken.len(),
-                        state.ready
-                    ));
-                    break;
-                }
-            }
-            Ok(Some(Err(e))) => {
-                short = Some(format!("the consumer failed: {e}"));
-                break;
-            }
-            Ok(None) => {
-                short = Some("the consumer was cancelled".into());
-                break;
-            }
-            Err(_) => {
-                short = Some(format!(
-                    "no message for {} s after {} of {}",
-                    TAKE_TIMEOUT.as_secs(),
-                    taken.len(),
-                    state.ready
-                ));
-                break;
-            }
-        }
-    }
+    let (taken, short) = take_all(&mut consumer, state.ready).await;
     let r = match short {
         // never act on part of the queue: give it all back
         Some(why) => Err(Error::Stopped(format!(
@@ -413,6 +376,49 @@ async fn rotate_locked(
     // a quorum queue applies the return through its log: hold the lock until it is back, so
     // that the next command reads the whole queue, not the part already returned
     let back = taken.len().saturating_sub(*r.as_ref().unwrap_or(&0));
+    wait_until_ready(conn, name, back).await;
+    r.map(|_| ())
+}
+
+/// Takes the `ready` messages the queue said it holds, one by one; and why it stopped short
+/// (a failed or cancelled consumer, nothing for [`TAKE_TIMEOUT`], past [`MAX_BYTES`]).
+async fn take_all(
+    consumer: &mut lapin::Consumer,
+    ready: u32,
+) -> (Vec<lapin::message::Delivery>, Option<String>) {
+    let mut taken = Vec::with_capacity(ready as usize);
+    let mut bytes = 0usize;
+    while taken.len() < ready as usize {
+        let why = match tokio::time::timeout(TAKE_TIMEOUT, consumer.next()).await {
+            Ok(Some(Ok(d))) => {
+                bytes = bytes.saturating_add(d.data.len());
+                taken.push(d);
+                if bytes <= MAX_BYTES {
+                    continue;
+                }
+                format!(
+                    "its bodies pass {} MiB after {} of {ready} messages, more than a parked \
+                     command holds at once; purge it or use the management UI",
+                    MAX_BYTES >> 20,
+                    taken.len(),
+                )
+            }
+            Ok(Some(Err(e))) => format!("the consumer failed: {e}"),
+            Ok(None) => "the consumer was cancelled".into(),
+            Err(_) => format!(
+                "no message for {} s after {} of {ready}",
+                TAKE_TIMEOUT.as_secs(),
+                taken.len(),
+            ),
+        };
+        return (taken, Some(why));
+    }
+    (taken, None)
+}
+
+/// Waits (at most [`RETURN_TIMEOUT`]) until `name` holds `back` ready messages again: a quorum
+/// queue applies a return through its log.
+async fn wait_until_ready(conn: &Connection, name: &str, back: usize) {
     let deadline = tokio::time::Instant::now() + RETURN_TIMEOUT;
     while tokio::time::Instant::now() < deadline {
         match broker::queue_state(conn, name).await {
@@ -421,7 +427,6 @@ async fn rotate_locked(
             _ => break,
         }
     }
-    r.map(|_| ())
 }
 
 #[cfg(test)]
