@@ -16,6 +16,9 @@ use crate::settings::TrustSettings;
 use crate::stream_log::{LogRecord, StreamLog, skipped};
 use crate::trust::Trust;
 
+pub use crate::stream_log::{Entry, Start, Tail};
+crate::stream_log::tail_api!(Record);
+
 /// What the control stream is called in errors and metrics.
 pub(crate) const KIND: &str = "control stream";
 
@@ -90,6 +93,27 @@ pub enum Record {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         due_at_ms: Option<u64>,
     },
+    /// Every matching message scheduled before `scheduled_before_ms` must not run: honoured
+    /// like a cancel by every worker, gateway and relay (`pending purge`). A purge written by
+    /// a user who is no admin covers only that user's messages (`owner` is then ignored); an
+    /// admin's covers `owner`'s, or everyone's when it names none ([`crate::trust`]).
+    Purge(Purge),
+    /// Message `id` is to run at `due_at_ms` instead (`pending reschedule`): the copy that
+    /// arrives before is sent round the tiers again, one that arrives after is acked without
+    /// running (an earlier copy was published from the journal's kept body). Of the writer's
+    /// own message, or, written by an admin, of `owner`'s (anyone's when `None`).
+    Reschedule {
+        /// The message id.
+        id: String,
+        /// Whose message (an admin's record only).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        owner: Option<String>,
+        /// Its new due time (ms since the epoch).
+        due_at_ms: u64,
+        /// When the record is forgotten: the later of the old and the new due time, plus the
+        /// horizon.
+        until_ms: u64,
+    },
     /// Many cancels in one record (a bulk cancel): each `[id, until_ms]`.
     Cancels {
         /// The tombstones.
@@ -118,7 +142,65 @@ pub enum Record {
         /// cancels had owners: none of its tombstones counts).
         #[serde(default, skip_serializing_if = "String::is_empty")]
         by: String,
+        /// Purges live as of its begin record (whoever wrote them; each names its writer).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        purges: Vec<HeldPurge>,
+        /// Reschedules live as of its begin record.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        moves: Vec<Move>,
     },
+}
+
+/// What a purge covers: messages of one destination queue, scheduled before a time, due in
+/// a range, with a header.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Purge {
+    /// Unique per purge.
+    pub nonce: String,
+    /// The destination queue (a gateway's due queue for a gateway's messages).
+    pub queue: String,
+    /// Whose messages (an admin's purge only; `None`: everyone's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// Only messages due strictly after (ms since the epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub due_after_ms: Option<u64>,
+    /// Only messages due strictly before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub due_before_ms: Option<u64>,
+    /// Only messages with this user header (its value as text).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<(String, String)>,
+    /// Only messages scheduled before (ms since the epoch): when the purge was written.
+    pub scheduled_before_ms: u64,
+    /// When it is forgotten: no message it covers can fall due later.
+    pub until_ms: u64,
+}
+
+/// A purge as a follower holds it (and a checkpoint repeats it): with its writer.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct HeldPurge {
+    /// Who wrote it.
+    pub by: String,
+    /// The purge, its `owner` as its writer may name it (`trust`).
+    #[serde(flatten)]
+    pub purge: Purge,
+}
+
+/// A reschedule as a follower holds it (and a checkpoint repeats it).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Move {
+    /// Who wrote it.
+    pub by: String,
+    /// Whose message (`None`: anyone's, an admin's reschedule).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// The message id.
+    pub id: String,
+    /// Its new due time.
+    pub due_at_ms: u64,
+    /// When it is forgotten.
+    pub until_ms: u64,
 }
 
 impl LogRecord for Record {
@@ -185,6 +267,13 @@ pub async fn read_all(
         .await;
     reader.end("read").await;
     read.map(|_| named.out)
+}
+
+/// Follows the control stream from `from` (what `pending`'s index reads besides the journal:
+/// cancels, purges, reschedules).
+pub async fn tail(conn: &Connection, layout: &Layout, from: Start) -> Result<Tail<Record>> {
+    let reader = log(layout).open_reader(conn, from.value()).await?;
+    Ok(crate::stream_log::tail_of(reader))
 }
 
 /// Whether a read of the control or the ledger stream ([`read_all`], [`crate::ledger::count`])

@@ -31,6 +31,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("cancel", 1),
     ("connection", 1),
     ("control", 1),
+    ("journal", 1),
     ("ledger", 1),
     ("management", 1),
     ("topology", 1),

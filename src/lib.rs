@@ -57,6 +57,7 @@ pub mod broker;
 pub mod cancel;
 pub mod connection;
 pub mod control;
+pub mod journal;
 pub mod ledger;
 #[cfg(feature = "management")]
 pub mod management;

@@ -37,6 +37,14 @@ pub struct Message {
     problem: Option<String>,
     /// Set by the worker and the gateway, which carry our own `x-delay-*` headers on.
     pub(crate) internal: bool,
+    /// Whether the publisher journals it (not a worker's retry or a rescheduled copy: the
+    /// journal already has them).
+    pub(crate) journaled: bool,
+    /// A gateway's message: the target exchange it is published to when due (journaled).
+    pub(crate) target: Option<String>,
+    /// Due at exactly this time (ms since the epoch) rather than `delay_ms` from its publish:
+    /// a rescheduled copy, which its worker tells from the old copy by its due time.
+    pub(crate) due_at: Option<u64>,
 }
 
 impl Message {
@@ -50,6 +58,9 @@ impl Message {
             attempt: 0,
             problem: None,
             internal: false,
+            journaled: true,
+            target: None,
+            due_at: None,
         }
     }
     /// Sets the message id (default: a generated UUID v7); 1 to 255 bytes.
@@ -89,6 +100,12 @@ impl Message {
     /// `x-delay-*` headers are allowed.
     pub(crate) fn internal(mut self) -> Self {
         self.internal = true;
+        self
+    }
+
+    /// Marks a copy the journal already has (a retry, a rescheduled copy).
+    pub(crate) fn unjournaled(mut self) -> Self {
+        self.journaled = false;
         self
     }
 

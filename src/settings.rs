@@ -58,6 +58,8 @@ pub struct Settings {
     pub cancel: CancelSettings,
     /// Whose records and messages count for what (see `amqp_delay::trust`).
     pub trust: TrustSettings,
+    /// The journal of what is scheduled (`amqp_delay::journal`).
+    pub journal: JournalSettings,
 }
 
 impl Default for Settings {
@@ -76,7 +78,63 @@ impl Default for Settings {
             gateway: GatewaySettings::default(),
             cancel: CancelSettings::default(),
             trust: TrustSettings::default(),
+            journal: JournalSettings::default(),
         }
+    }
+}
+
+/// The largest body the journal keeps (`journal.max_body` is at most this).
+pub const MAX_KEPT_BODY: usize = 1 << 20;
+
+/// `[journal]`: what publishers and workers record of each scheduled message in the journal
+/// stream `<prefix>.journal`, which `pending` reads.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct JournalSettings {
+    /// Whether publishers and workers write the journal. Off, nothing is recorded and
+    /// `pending` lists nothing new; scheduling works the same.
+    pub enabled: bool,
+    /// Whether a scheduled message's body is kept in the journal (up to `journal.max_body`):
+    /// what lets `pending reschedule` move it earlier or run it now.
+    pub keep_body: bool,
+    /// The largest body kept, in bytes; a larger one is journaled without its body.
+    pub max_body: usize,
+    /// How long `pending` keeps a finished message (ran, cancelled) listed in its history: how
+    /// far back "did it run?" has an answer. At most 7 days, what the journal stream keeps
+    /// beyond the longest delay (its `x-max-age`, like the control stream's).
+    pub history: DurationMs,
+}
+
+impl Default for JournalSettings {
+    fn default() -> Self {
+        JournalSettings {
+            enabled: true,
+            keep_body: false,
+            max_body: 64 * 1024,
+            history: DurationMs(7 * 24 * 3600 * 1000),
+        }
+    }
+}
+
+impl JournalSettings {
+    /// A kept body fits one journal record with room for the rest; history is at least a
+    /// minute.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_body > MAX_KEPT_BODY {
+            return Err(format!(
+                "journal.max_body is at most {} bytes (one journal record holds the bodies of \
+                 many messages), got {}",
+                MAX_KEPT_BODY, self.max_body
+            ));
+        }
+        if !(60_000..=7 * 24 * 3600 * 1000).contains(&self.history.0) {
+            return Err(format!(
+                "journal.history is 1m to 7d (the journal stream keeps records 7 days beyond \
+                 the longest delay), got {}",
+                self.history
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -407,6 +465,7 @@ impl Settings {
         crate::endpoints::validate_urls(&self.url).map_err(SettingsError::Invalid)?;
         self.tls.validate().map_err(SettingsError::Invalid)?;
         self.trust.validate().map_err(SettingsError::Invalid)?;
+        self.journal.validate().map_err(SettingsError::Invalid)?;
         if self.cancel.notice.as_millis() == 0 {
             return Err(SettingsError::Invalid(
                 "cancel.notice must be positive".into(),

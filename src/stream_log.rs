@@ -29,6 +29,10 @@
 
 mod poison;
 mod reader;
+mod tail;
+
+pub use tail::{Entry, Start, Tail};
+pub(crate) use tail::{next_entry, tail_api, tail_of};
 
 use reader::{Credit, consume, offset_value};
 pub(crate) use reader::{Reader, is_record_over_frame_max};

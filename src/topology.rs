@@ -49,6 +49,7 @@ impl Topology {
         .await?;
         control::declare(conn, l).await?;
         crate::ledger::declare(conn, l).await?;
+        crate::journal::declare(conn, l).await?;
 
         // Parking first: the delivery exchange's alternate exchange must exist before anything
         // can be delivered (DESIGN rule 5: a dead-lettered message that routes nowhere is
@@ -261,6 +262,7 @@ impl Topology {
         queues.push(l.unroutable_queue());
         queues.push(l.control_stream());
         queues.push(l.ledger_stream());
+        queues.push(l.journal_stream());
         let mut exchanges: Vec<String> = (0..l.levels()).map(|k| l.level_exchange(k)).collect();
         exchanges.extend(l.tiers().into_iter().filter_map(|t| match t.kind {
             TierKind::Cascade { .. } => None,

@@ -32,7 +32,10 @@
 //! than the horizon still honours most cancels.
 
 mod state;
+mod steer;
 mod stream;
+
+pub use steer::{Steer, Subject};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -304,6 +307,18 @@ impl Cancellations {
     /// call [`Cancellations::sync_for`] first.
     pub fn is_cancelled(&self, id: &str, owner: Option<&str>) -> bool {
         !id.is_empty() && lock(&self.state).is_cancelled(id, owner, now_ms())
+    }
+
+    /// What the message `s` is to do when it falls due: run, or not (cancelled by its owner
+    /// or an admin, covered by a purge, moved by a reschedule). For the guarantee, call
+    /// [`Cancellations::sync_for`] first.
+    pub fn steer(&self, s: &Subject<'_>) -> Steer {
+        let now = now_ms();
+        let state = lock(&self.state);
+        if !s.id.is_empty() && state.is_cancelled(s.id, s.owner, now) {
+            return Steer::Cancelled;
+        }
+        state.rules.steer(s)
     }
 
     /// Until when the tombstone `by` wrote for `id` is live (ms since the epoch), if one is.

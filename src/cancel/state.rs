@@ -7,8 +7,9 @@ use std::sync::{Mutex, MutexGuard};
 use rand::Rng;
 use tokio::sync::oneshot;
 
+use super::steer::{MAX_MOVES, MAX_PURGES, PURGES_PER_PART, Rules};
 use super::{CHECKPOINT_PART, EXPIRED_KEPT, EXPIRED_KEPT_MS, MAX_LIVE};
-use crate::control::{MAX_ID_BYTES, MAX_ITEMS, Record};
+use crate::control::{HeldPurge, MAX_ID_BYTES, MAX_ITEMS, Move, Record};
 use crate::stream_log::skipped;
 use crate::trust::Trust;
 
@@ -25,7 +26,12 @@ pub(super) struct Limits {
 /// Parts of one checkpoint, at most: every tombstone a follower may hold, live and expired, in
 /// parts of [`CHECKPOINT_PART`], each part one writer's (a part more for each of up to
 /// [`MAX_WRITERS`] writers). A checkpoint announcing more is no follower's.
-const MAX_PARTS: u32 = ((MAX_LIVE + EXPIRED_KEPT) / CHECKPOINT_PART + 1 + MAX_WRITERS) as u32;
+const MAX_PARTS: u32 = ((MAX_LIVE + EXPIRED_KEPT) / CHECKPOINT_PART
+    + 1
+    + MAX_WRITERS
+    + MAX_MOVES / CHECKPOINT_PART
+    + MAX_PURGES / PURGES_PER_PART
+    + 2) as u32;
 /// Users writing cancels a checkpoint allows for: far more than a deployment has (users are
 /// broker accounts an administrator creates).
 const MAX_WRITERS: usize = 10_000;
@@ -51,6 +57,33 @@ impl Key {
 
 /// Tombstones as a follower hands them to its checkpoint: `(key, until_ms)`.
 pub(super) type Items = Vec<(Key, u64)>;
+
+/// Everything a checkpoint repeats: tombstones, purges, reschedules.
+#[derive(Debug, Default)]
+pub(super) struct Held {
+    pub(super) items: Items,
+    pub(super) purges: Vec<HeldPurge>,
+    pub(super) moves: Vec<Move>,
+}
+
+/// One checkpoint part's content: a writer's tombstones, or rules.
+pub(super) type Part = (String, Vec<(String, u64)>, Vec<HeldPurge>, Vec<Move>);
+
+/// `held` as checkpoint parts: the tombstones by writer ([`parts_of`]), then the reschedules
+/// in parts of `part`, then the purges in parts of [`PURGES_PER_PART`].
+pub(super) fn checkpoint_parts(held: Held, part: usize) -> Vec<Part> {
+    let mut out: Vec<Part> = parts_of(held.items, part)
+        .into_iter()
+        .map(|(by, items)| (by, items, Vec::new(), Vec::new()))
+        .collect();
+    for moves in held.moves.chunks(part) {
+        out.push((String::new(), Vec::new(), Vec::new(), moves.to_vec()));
+    }
+    for purges in held.purges.chunks(PURGES_PER_PART) {
+        out.push((String::new(), Vec::new(), purges.to_vec(), Vec::new()));
+    }
+    out
+}
 
 /// `items` as checkpoint parts carry them: by writer, at most `part` tombstones `(id, until)`
 /// a part, each part one writer's; one empty part when there is nothing.
@@ -86,6 +119,8 @@ pub(super) struct State {
     pub(super) trust: Trust,
     /// Tombstone → live until (ms since the epoch).
     pub(super) tombstones: HashMap<Key, u64>,
+    /// Purges and reschedules.
+    pub(super) rules: Rules,
     /// Expired tombstones still kept: key → kept until.
     pub(super) expired: HashMap<Key, u64>,
     /// The same, oldest first (a key may appear more than once; the map says which counts).
@@ -112,7 +147,7 @@ pub(super) struct State {
     pub(super) begun_at: Option<u64>,
     /// This follower's own checkpoint: its nonce, and where to hand the tombstones when its
     /// begin record is read back.
-    pub(super) own: Option<(String, Option<oneshot::Sender<Items>>)>,
+    pub(super) own: Option<(String, Option<oneshot::Sender<Held>>)>,
     /// Whether this follower has read everything up to its start barrier: only then may it
     /// write a checkpoint.
     pub(super) ready: bool,
@@ -129,6 +164,7 @@ impl State {
             limits,
             trust,
             tombstones: HashMap::new(),
+            rules: Rules::default(),
             expired: HashMap::new(),
             expired_order: VecDeque::new(),
             waiting: HashMap::new(),
@@ -237,6 +273,7 @@ impl State {
             self.tombstones.remove(&id);
             self.keep_expired(id, until.saturating_add(EXPIRED_KEPT_MS), now);
         }
+        self.rules.prune(now);
         self.trim_expired(now);
         self.last_prune = now;
     }
@@ -256,6 +293,16 @@ impl State {
             .get(key)
             .is_some_and(|until| until.saturating_add(EXPIRED_KEPT_MS) > now)
             || self.expired.get(key).is_some_and(|keep| *keep > now)
+    }
+
+    /// Everything a checkpoint repeats: [`State::snapshot`], the purges and reschedules.
+    pub(super) fn held(&self, now: u64) -> Held {
+        let (purges, moves) = self.rules.snapshot(now);
+        Held {
+            items: self.snapshot(now),
+            purges,
+            moves,
+        }
     }
 
     /// Every tombstone held, as checkpoint items: live ones with their `until`, expired ones
@@ -301,8 +348,16 @@ impl State {
     fn untrusted(&self, r: &Record, by: Option<&str>) -> Option<(&'static str, String)> {
         let who = || by.unwrap_or("no user_id");
         match r {
-            Record::Cancel { .. } | Record::Cancels { .. } if by.is_none_or(str::is_empty) => {
-                Some(("untrusted", "a cancel without user_id".into()))
+            Record::Cancel { .. }
+            | Record::Cancels { .. }
+            | Record::Purge(_)
+            | Record::Reschedule { .. }
+                if by.is_none_or(str::is_empty) =>
+            {
+                Some((
+                    "untrusted",
+                    "a cancel, purge or reschedule without user_id".into(),
+                ))
             }
             Record::CheckpointBegin { .. } | Record::Checkpoint { .. }
                 if !self.trust.may_compact(by) =>
@@ -324,6 +379,26 @@ impl State {
                     self.add(Key::new(by, &id), until_ms, now);
                 }
             }
+            Record::Purge(p) => {
+                let ahead = self.limits.ahead_ms;
+                if let Err(why) = self.rules.purge(p, by, &self.trust, now, ahead) {
+                    skipped(KIND, "rules_full", &why);
+                }
+            }
+            Record::Reschedule {
+                id,
+                owner,
+                due_at_ms,
+                until_ms,
+            } => {
+                let (ahead, t) = (self.limits.ahead_ms, &self.trust);
+                let r = self
+                    .rules
+                    .reschedule(by, owner, id, due_at_ms, until_ms, t, now, ahead);
+                if let Err(why) = r {
+                    skipped(KIND, "rules_full", &why);
+                }
+            }
             Record::Barrier { nonce } => {
                 if let Some(w) = self.waiting.remove(&nonce) {
                     let _ = w.send(());
@@ -335,7 +410,7 @@ impl State {
                     && *own == nonce
                     && let Some(tx) = tx.take()
                 {
-                    let _ = tx.send(self.snapshot(now));
+                    let _ = tx.send(self.held(now));
                 }
                 // begins whose parts never came (a writer that failed): forget the oldest
                 if self.open.len() >= 64 {
@@ -363,12 +438,25 @@ impl State {
                 parts,
                 items,
                 by,
+                purges,
+                moves,
             } => {
                 // a part of a checkpoint written before cancels had writers names none: its
                 // tombstones stop nothing (the checkpoint counts as a position all the same)
                 if !by.is_empty() {
                     for (id, until_ms) in items {
                         self.add(Key::new(&by, &id), until_ms, now);
+                    }
+                }
+                // the rules a trusted follower held, each with its writer
+                for p in purges {
+                    if let Err(why) = self.rules.hold_purge(p, now) {
+                        skipped(KIND, "rules_full", &why);
+                    }
+                }
+                for m in moves {
+                    if let Err(why) = self.rules.hold_move(m, now) {
+                        skipped(KIND, "rules_full", &why);
                     }
                 }
                 // a checkpoint has at least one part, and its first part read says how many
@@ -402,7 +490,7 @@ impl State {
     pub(super) fn begin_checkpoint(
         &mut self,
         every: u64,
-    ) -> Option<(String, oneshot::Receiver<Items>)> {
+    ) -> Option<(String, oneshot::Receiver<Held>)> {
         if !self.wants_checkpoint(every) {
             return None;
         }
@@ -433,6 +521,24 @@ fn insane(r: &Record) -> Option<(&'static str, String)> {
             Some((
                 "too_many_items",
                 format!("{} tombstones, more than {MAX_ITEMS}", items.len()),
+            ))
+        }
+        Record::Checkpoint { purges, moves, .. }
+            if purges.len() > PURGES_PER_PART || moves.len() > MAX_ITEMS =>
+        {
+            Some((
+                "too_many_items",
+                format!(
+                    "{} purges and {} reschedules in a checkpoint part, more than {PURGES_PER_PART} or {MAX_ITEMS}",
+                    purges.len(),
+                    moves.len()
+                ),
+            ))
+        }
+        Record::Purge(p) if p.queue.is_empty() || p.queue.len() > 255 || p.nonce.len() > 255 => {
+            Some((
+                "insane",
+                format!("a purge of a {}-byte queue name", p.queue.len()),
             ))
         }
         Record::Checkpoint { parts, .. } if *parts > MAX_PARTS => Some((

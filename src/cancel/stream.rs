@@ -10,7 +10,7 @@ use lapin::types::AMQPValue;
 use tokio::sync::oneshot;
 
 use super::CHECKPOINT_PART;
-use super::state::{Items, State, lock, parts_of};
+use super::state::{Held, State, checkpoint_parts, lock};
 use crate::broker::SharedChannel;
 use crate::control::Record;
 use crate::error::{Error, Result};
@@ -103,24 +103,29 @@ pub(super) async fn write_checkpoint(
     log: StreamLog<Record>,
     state: Arc<Mutex<State>>,
     nonce: String,
-    rx: oneshot::Receiver<Items>,
+    rx: oneshot::Receiver<Held>,
 ) {
     let r = async {
         let begin = Record::CheckpointBegin {
             nonce: nonce.clone(),
         };
         log.append_on(&channel, &begin).await?;
-        let items = wait_progress(&state, rx, "reading a checkpoint's begin record back").await?;
-        let held = items.len();
-        let chunks = parts_of(items, CHECKPOINT_PART);
+        let held = wait_progress(&state, rx, "reading a checkpoint's begin record back").await?;
+        let chunks = checkpoint_parts(held, CHECKPOINT_PART);
+        let held = chunks
+            .iter()
+            .map(|c| c.1.len() + c.2.len() + c.3.len())
+            .sum::<usize>();
         let parts = u32::try_from(chunks.len()).unwrap_or(u32::MAX);
-        for (part, (by, items)) in chunks.into_iter().enumerate() {
+        for (part, (by, items, purges, moves)) in chunks.into_iter().enumerate() {
             let part = Record::Checkpoint {
                 nonce: nonce.clone(),
                 part: u32::try_from(part).unwrap_or(u32::MAX),
                 parts,
                 items,
                 by,
+                purges,
+                moves,
             };
             log.append_on(&channel, &part).await?;
         }

@@ -473,9 +473,11 @@ pub fn due_message(pair: &Pair, ingress: Ingress<'_>, body: Vec<u8>, delay_ms: u
         h.insert(OWNER.into(), AMQPValue::LongString(owner.into()));
         props = props.with_headers(h);
     }
-    Message::new(pair.due_queue.clone(), delay_ms, body)
+    let mut m = Message::new(pair.due_queue.clone(), delay_ms, body)
         .with_properties(props)
-        .internal()
+        .internal();
+    m.target = Some(pair.target.clone());
+    m
 }
 
 /// A message that cannot travel (headers or body too large) is parked with the reason.

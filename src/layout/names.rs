@@ -107,6 +107,11 @@ impl Layout {
     pub fn ledger_stream(&self) -> String {
         format!("{}.ledger", self.prefix)
     }
+    /// The journal stream: what publishers scheduled and what workers did with it, which
+    /// `pending` reads (see `journal`). Kept as long as the control stream.
+    pub fn journal_stream(&self) -> String {
+        format!("{}.journal", self.prefix)
+    }
     /// How long the control stream keeps a record: the longest delay plus a week (for
     /// retries after it), in seconds.
     pub fn control_max_age_secs(&self) -> u64 {

@@ -52,11 +52,46 @@ impl Inner {
                 planner::plan_window(&self.layout, lo, l.saturating_sub(now).max(lo))
             }
         };
+        // journaled before it is published: a message the broker confirmed is in the journal
+        let ticket = match self.journal_intent(&mut members).await {
+            Ok(t) => t,
+            Err(e) => return self.settle(now, members, Err(e)),
+        };
         let result = match planned {
             Err(e) => Err(Error::from(e)),
             Ok(route) => self.publish_members(&mut members, route, earliest).await,
         };
+        if let (Some(j), Some(t)) = (&self.journal, ticket) {
+            let failed = match &result {
+                Ok(_) => Vec::new(),
+                Err(_) => members.iter().map(|m| m.message_id.clone()).collect(),
+            };
+            j.ended(t, failed);
+        }
         self.settle(now, members, result)
+    }
+
+    /// Journals what `members` carry for the journal (once: it is taken) before their publish.
+    async fn journal_intent(
+        &self,
+        members: &mut [Prepared],
+    ) -> Result<Option<super::journal::Ticket>> {
+        let Some(j) = &self.journal else {
+            return Ok(None);
+        };
+        let items: Vec<crate::journal::Item> = members
+            .iter_mut()
+            .filter_map(|m| m.journal.take())
+            .collect();
+        if items.is_empty() {
+            return Ok(None);
+        }
+        j.intent(items).await.map(Some).inspect_err(|e| {
+            tracing::warn!(
+                "could not journal messages before publishing them (not published): {}",
+                crate::error::chain(e)
+            );
+        })
     }
 
     /// Counts what `result` put into the tiers (in the ledger, by due time, while it is

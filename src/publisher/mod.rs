@@ -35,6 +35,7 @@ use crate::topology::Topology;
 mod batcher;
 mod confirms;
 mod inner;
+mod journal;
 mod refusal;
 use batcher::run_batcher;
 use inner::{PublishChannel, open_confirm_channel};
@@ -51,6 +52,8 @@ pub struct Publisher {
     /// publisher is dropped, which drops the sender).
     ledger_task: Option<tokio::task::JoinHandle<()>>,
     ledger_stop: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The journal writer's task: writes what is left once the writer stops.
+    journal_task: Option<tokio::task::JoinHandle<()>>,
 }
 
 struct Inner {
@@ -80,6 +83,10 @@ struct Inner {
     user: Option<lapin::types::ShortString>,
     /// `[trust]`: whose ledger snapshots its counts start from.
     trust: crate::settings::TrustSettings,
+    /// The journal writer (`None`: `journal.enabled` is off).
+    journal: Option<journal::JournalWriter>,
+    /// `[journal]`.
+    journal_settings: crate::settings::JournalSettings,
 }
 
 /// What the publisher knows of a destination, refreshed every `publisher.binding_cache`.
@@ -116,6 +123,8 @@ struct Prepared {
     /// A worker's retry (re-published by the library with an attempt count): counted as
     /// retried, not as scheduled again. A gateway's hop is scheduled once, as it should.
     retry: bool,
+    /// What the journal records of it (`None`: not journaled, or already written).
+    journal: Option<crate::journal::Item>,
     reply: oneshot::Sender<Result<Scheduled>>,
 }
 
@@ -239,6 +248,103 @@ impl Publisher {
         out
     }
 
+    /// Records `purge` in the control stream: every worker, gateway and relay then acks the
+    /// messages it covers without running them, like cancelled ones. `scheduled_before_ms` 0
+    /// means now; `until_ms` 0 means as long as a covered message can still fall due. A purge
+    /// of a user who is no admin covers only that user's messages.
+    pub async fn purge(&self, mut purge: crate::control::Purge) -> Result<crate::control::Purge> {
+        self.inner
+            .layout
+            .validate_destination(&purge.queue)
+            .map_err(Error::Invalid)?;
+        let now = now_ms();
+        if purge.scheduled_before_ms == 0 {
+            purge.scheduled_before_ms = now;
+        }
+        if purge.nonce.is_empty() {
+            purge.nonce = uuid::Uuid::now_v7().to_string();
+        }
+        if purge.until_ms == 0 {
+            let latest = now.saturating_add(self.inner.layout.max_delay_ms());
+            let latest = purge.due_before_ms.map_or(latest, |b| b.min(latest));
+            purge.until_ms = latest.saturating_add(self.cancel.horizon.as_millis());
+        }
+        self.append_control(&Record::Purge(purge.clone())).await?;
+        Ok(purge)
+    }
+
+    /// Moves message `id` (of `owner`, for an admin; `None`: the caller's own, or anyone's for
+    /// an admin), due at `from_due_ms`, to `due_at_ms`. Later: one control record; the worker
+    /// that takes the message at its old due time sends it round the tiers again. Earlier (or
+    /// now): `copy` — the message rebuilt from the journal's kept body — is published due at
+    /// `due_at_ms` first, then the record makes the old copy be acked without running. Without
+    /// `copy` an earlier time is refused: the body was not kept.
+    pub async fn reschedule(
+        &self,
+        id: &str,
+        owner: Option<&str>,
+        from_due_ms: u64,
+        due_at_ms: u64,
+        copy: Option<Message>,
+    ) -> Result<Cancelled> {
+        let now = now_ms();
+        if id.is_empty() || id.len() > crate::control::MAX_ID_BYTES {
+            return Err(Error::Invalid(format!(
+                "a message id is 1 to 255 bytes, got {}",
+                id.len()
+            )));
+        }
+        let due_at_ms = due_at_ms.max(now);
+        let latest = now.saturating_add(self.inner.layout.max_delay_ms());
+        if due_at_ms > latest {
+            return Err(Error::Invalid(format!(
+                "the new due time is further away than the topology's longest delay ({} ms)",
+                self.inner.layout.max_delay_ms()
+            )));
+        }
+        if due_at_ms < from_due_ms {
+            let Some(mut copy) = copy else {
+                return Err(Error::Invalid(format!(
+                    "message '{id}' can only be moved later: its body was not kept \
+                     (journal.keep_body is off, or it was larger than journal.max_body), so no \
+                     earlier copy can be sent"
+                )));
+            };
+            copy.due_at = Some(due_at_ms);
+            copy.delay_ms = due_at_ms.saturating_sub(now);
+            copy.attempt = 0;
+            self.schedule(copy.with_id(id).unjournaled()).await?;
+        }
+        let verdict = if from_due_ms >= now.saturating_add(self.cancel.notice.as_millis()) {
+            crate::cancel::Verdict::Honoured
+        } else {
+            crate::cancel::Verdict::TooLate
+        };
+        let until_ms = from_due_ms
+            .max(due_at_ms)
+            .min(latest)
+            .saturating_add(self.cancel.horizon.as_millis());
+        self.append_control(&Record::Reschedule {
+            id: id.to_string(),
+            owner: owner.map(str::to_string),
+            due_at_ms,
+            until_ms,
+        })
+        .await?;
+        Ok(Cancelled {
+            id: id.to_string(),
+            until_ms,
+            verdict,
+        })
+    }
+
+    /// Journals what a worker did with a message (batched; never waits).
+    pub(crate) fn journal_run(&self, run: crate::journal::Run) {
+        if let Some(j) = &self.inner.journal {
+            j.ran(run);
+        }
+    }
+
     /// Appends `record` to the control stream on this publisher's confirm channel (re-opened
     /// after a loss, unlike a stream log's own); a missing stream is the stream log's error.
     pub(crate) async fn append_control(&self, record: &Record) -> Result<()> {
@@ -287,9 +393,23 @@ impl Publisher {
             return Err(ledger.missing());
         }
         ledger.check_exchange(&conn).await?;
+        let journal_on = all.journal.enabled;
+        if journal_on {
+            let log = crate::journal::log(&layout);
+            if !log.exists(&conn).await? {
+                return Err(log.missing());
+            }
+        }
         let channel = open_confirm_channel(&conn).await?;
         let user = crate::connection::user_of(&conn).map(|u| u.as_str().into());
-        let inner = Arc::new(Inner {
+        let mut journal_task = None;
+        let inner = Arc::new_cyclic(|me| Inner {
+            journal: journal_on.then(|| {
+                let (writer, task) = journal::JournalWriter::start(me.clone());
+                journal_task = Some(task);
+                writer
+            }),
+            journal_settings: all.journal.clone(),
             user,
             trust: all.trust.clone(),
             conn: tokio::sync::RwLock::new(conn),
@@ -321,6 +441,7 @@ impl Publisher {
             batcher_task,
             ledger_task,
             ledger_stop: Some(stop),
+            journal_task,
         })
     }
 
@@ -463,12 +584,13 @@ impl Publisher {
         });
         let reads = inner.ensure_bound(&msg.destination).await?;
 
-        let due_at_ms = now_ms() + msg.delay_ms;
+        let due_at_ms = msg.due_at.unwrap_or_else(|| now_ms() + msg.delay_ms);
         headers::set_schedule_headers(&mut hdrs, msg.delay_ms, due_at_ms, msg.attempt);
         let message_id = match msg.properties.message_id() {
             Some(id) => id.to_string(),
             None => uuid::Uuid::now_v7().to_string(),
         };
+        let journal = self.journal_item(&msg, &message_id, due_at_ms);
         let properties = msg
             .properties
             .with_message_id(message_id.as_str().into())
@@ -491,10 +613,47 @@ impl Publisher {
                 properties,
                 body: msg.body,
                 retry: msg.internal && msg.attempt > 0,
+                journal,
                 reply,
             },
             reads,
         ))
+    }
+
+    /// What the journal records of `msg` (`None` when it journals nothing, or not this one).
+    fn journal_item(&self, msg: &Message, id: &str, due_ms: u64) -> Option<crate::journal::Item> {
+        let inner = &self.inner;
+        if inner.journal.is_none() || !msg.journaled || (msg.internal && msg.attempt > 0) {
+            return None;
+        }
+        let h = msg.properties.headers().as_ref();
+        let text = |name: &str| {
+            h.and_then(|h| h.inner().get(name))
+                .and_then(crate::journal::header_text)
+        };
+        // a gateway's copy names its owner and the routing key at the target
+        let (owner, routing_key) = match msg.internal {
+            true => (text(headers::OWNER), text(headers::ROUTING_KEY)),
+            false => (None, None),
+        };
+        let js = &inner.journal_settings;
+        let keep = js.keep_body && msg.body.len() <= js.max_body;
+        Some(crate::journal::Item {
+            id: id.to_string(),
+            owner,
+            queue: msg.destination.clone(),
+            exchange: msg.target.clone(),
+            routing_key,
+            due_ms,
+            size: msg.body.len() as u64,
+            content_type: msg
+                .properties
+                .content_type()
+                .as_ref()
+                .map(|c| c.to_string()),
+            headers: crate::journal::kept_headers(h),
+            body: keep.then(|| msg.body.clone()),
+        })
     }
 
     /// Publishes with `mandatory` and waits for the confirm; nack and return are errors.
@@ -518,9 +677,15 @@ impl Publisher {
         if let Some(t) = self.batcher_task.take() {
             let _ = t.await;
         }
-        // the ledger task writes what is left, then ends
+        // the ledger task writes what is left, then ends; so does the journal's
         drop(self.ledger_stop.take());
         if let Some(t) = self.ledger_task.take() {
+            let _ = t.await;
+        }
+        if let Some(j) = &self.inner.journal {
+            j.stop();
+        }
+        if let Some(t) = self.journal_task.take() {
             let _ = t.await;
         }
         let inner = &self.inner;

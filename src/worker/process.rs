@@ -14,10 +14,11 @@ use tokio::sync::Semaphore;
 use super::acks::Settle;
 use super::{Context, Counters, Event, Handler, Outcome};
 use crate::batch;
-use crate::cancel::Cancellations;
+use crate::cancel::{Cancellations, Steer, Subject};
 use crate::envelope::{self, Delivery};
 use crate::error::{Error, Result};
 use crate::headers;
+use crate::journal::{Run, RunOutcome};
 use crate::layout::Layout;
 use crate::message::Message;
 use crate::metrics::Metrics;
@@ -417,9 +418,8 @@ async fn one<H: Handler>(
     if ctx.cancels.sync_for(d.due_at_ms).await? {
         ctx.counters.count(Event::CancelSync, &d.queue);
     }
-    if ctx.cancels.is_cancelled(&d.message_id, d.owner.as_deref()) {
-        cancelled(&d, ctx, "acked without running");
-        return Ok((d, Done::Cancelled));
+    if let Some(done) = steered(&d, ctx).await? {
+        return Ok((d, done));
     }
     let Some(outcome) = run_handler(&d, handler, ctx).await else {
         cancelled(&d, ctx, "acked while held by \"not now\", not run again");
@@ -427,6 +427,62 @@ async fn one<H: Handler>(
     };
     let done = carry_out(&d, outcome, ctx).await?;
     Ok((d, done))
+}
+
+/// What the control stream says of `d` as it is about to run: `None` to run it; else it was
+/// cancelled, purged or moved (a reschedule) and is done.
+async fn steered(d: &Delivery, ctx: &TaskCtx) -> Result<Option<Done>> {
+    let (what, outcome) = match ctx.cancels.steer(&Subject::of(d)) {
+        Steer::Run => return Ok(None),
+        Steer::Cancelled => ("acked without running", RunOutcome::Cancelled),
+        Steer::Purged => ("purged: acked without running", RunOutcome::Cancelled),
+        Steer::Superseded => (
+            "rescheduled earlier: its earlier copy runs, this one is acked without running",
+            RunOutcome::Superseded,
+        ),
+        Steer::MoveTo(due) => {
+            move_later(d, due, ctx).await?;
+            ran(ctx, d, RunOutcome::Rescheduled { due_ms: due });
+            return Ok(Some(Done::Retried));
+        }
+    };
+    cancelled(d, ctx, what);
+    ran(ctx, d, outcome);
+    Ok(Some(Done::Cancelled))
+}
+
+/// Sends a copy of `d` round the tiers again, due at exactly `due` (a reschedule moved it
+/// later: the copy is told from the old one by its due time).
+async fn move_later(d: &Delivery, due: u64, ctx: &TaskCtx) -> Result<()> {
+    let props = envelope::republish_properties(
+        &d.properties,
+        envelope::headers_for_reschedule(d.headers(), d.owner.as_deref()),
+    );
+    let mut msg = Message::new(
+        d.queue.clone(),
+        due.saturating_sub(now_ms()),
+        d.body.clone(),
+    )
+    .with_properties(props)
+    .with_attempt(d.attempt)
+    .internal()
+    .unjournaled();
+    msg.due_at = Some(due);
+    ctx.publisher.schedule(msg).await?;
+    tracing::info!(queue = %d.queue, id = %d.message_id, due_at_ms = due, "rescheduled: sent round the tiers again");
+    Ok(())
+}
+
+/// Journals what became of `d` (batched with the publisher's records; never waits).
+fn ran(ctx: &TaskCtx, d: &Delivery, outcome: RunOutcome) {
+    ctx.publisher.journal_run(Run {
+        id: d.message_id.clone(),
+        owner: d.owner.clone(),
+        queue: d.queue.clone(),
+        due_ms: d.due_at_ms.unwrap_or_default(),
+        at_ms: now_ms(),
+        outcome,
+    });
 }
 
 /// Holds `d` until `due` (its cancel sync done on the way, half a notice before), never
@@ -586,6 +642,7 @@ async fn carry_out(d: &Delivery, outcome: Outcome, ctx: &TaskCtx) -> Result<Done
         Outcome::Success => {
             ctx.cancels.executed(&d.message_id, &d.queue);
             ctx.counters.count(Event::Succeeded, &d.queue);
+            ran(ctx, d, RunOutcome::Done);
             Done::Succeeded
         }
         Outcome::Retry(reason) if ctx.settings.retry.may_retry(d.attempt) => {
@@ -598,6 +655,8 @@ async fn carry_out(d: &Delivery, outcome: Outcome, ctx: &TaskCtx) -> Result<Done
                 .backoff_ms(d.attempt, random)
                 .min(ctx.layout.max_delay_ms());
             reschedule(d, &reason, ctx, d.attempt + 1, delay).await?;
+            let next_due_ms = now_ms().saturating_add(delay);
+            ran(ctx, d, RunOutcome::Retried { next_due_ms });
             Done::Retried
         }
         Outcome::Retry(reason) => {
@@ -645,7 +704,8 @@ async fn reschedule(
     let msg = Message::new(d.queue.clone(), delay, d.body.clone())
         .with_properties(props)
         .with_attempt(attempt)
-        .internal();
+        .internal()
+        .unjournaled();
     ctx.publisher.schedule(msg).await?;
     ctx.counters.count(Event::Retried, &d.queue);
     tracing::info!(queue = %d.queue, id = %d.message_id, attempt = d.attempt, delay_ms = delay, %reason, "retry scheduled");
@@ -688,6 +748,7 @@ async fn park(d: &Delivery, reason: &str, kind: &str, ctx: &TaskCtx) -> Result<(
         .publish_confirmed(&ctx.park_exchange, &d.queue, &d.body, props)
         .await?;
     ctx.counters.count(Event::Parked(kind), &d.queue);
+    ran(ctx, d, RunOutcome::Parked);
     tracing::warn!(queue = %d.queue, id = %d.message_id, parked_in = %target, %reason, "message parked");
     Ok(())
 }

@@ -111,6 +111,8 @@ fn a_checkpoint_of_no_parts_or_of_changing_parts_is_not_complete() {
         parts,
         items: vec![],
         by: W.into(),
+        purges: vec![],
+        moves: vec![],
     };
     s.apply_w(part(0, 0), 10);
     assert_eq!(s.complete_at, None, "zero parts");
@@ -130,6 +132,8 @@ fn a_checkpoint_counts_once_all_its_parts_follow_its_begin() {
         parts: 2,
         items,
         by: W.into(),
+        purges: vec![],
+        moves: vec![],
     };
     // parts without their begin: tombstones taken, no checkpoint
     s.apply_w(part(0, vec![("a".into(), 100)]), 10);
@@ -167,6 +171,8 @@ fn a_snapshot_read_back_restores_what_its_writer_held() {
             parts: 1,
             items,
             by,
+            purges: vec![],
+            moves: vec![],
         },
         2_000,
     );
@@ -267,6 +273,8 @@ fn tombstones_no_writer_of_ours_makes_are_skipped() {
         parts,
         items: vec![],
         by: W.into(),
+        purges: vec![],
+        moves: vec![],
     };
     s.apply_w(part(MAX_PARTS + 1), 10);
     assert_eq!(s.complete_at, None);
@@ -313,7 +321,7 @@ proptest::proptest! {
             let items: Vec<_> = items.into_iter().map(|(i, u)| (format!("i{i}"), u)).collect();
             let r = match kind {
                 0 => Record::Cancels { items },
-                1 => Record::Checkpoint { nonce: "k".into(), part: 0, parts: 1, items, by: W.into() },
+                1 => Record::Checkpoint { nonce: "k".into(), part: 0, parts: 1, items, by: W.into() , purges: vec![], moves: vec![]},
                 2 => Record::CheckpointBegin { nonce: "k".into() },
                 _ => match items.into_iter().next() {
                     Some((id, until_ms)) => Record::Cancel { id, until_ms, due_at_ms: None },
