@@ -14,6 +14,7 @@ mod harness;
 mod hostile;
 mod import;
 mod isolation;
+mod journal;
 mod observe;
 mod parked;
 mod permissions;
