@@ -343,7 +343,7 @@ impl GatewayHandler {
             if let Err(e) = ctx.publisher().check(&msg) {
                 return cannot_schedule(&e);
             }
-            let held = self.publish_held(d, owner.as_deref(), due_at_ms, &msg.properties, ctx);
+            let held = self.publish_held(d, owner.as_deref(), (due_at_ms, delay_ms), &msg, ctx);
             match held.await {
                 Held::Published => return Outcome::Success,
                 Held::Cancelled => return Outcome::Cancelled,
@@ -380,15 +380,34 @@ impl GatewayHandler {
         &self,
         d: &Delivery,
         owner: Option<&str>,
-        due_at_ms: u64,
-        props: &lapin::BasicProperties,
+        (due_at_ms, delay_ms): (u64, u64),
+        msg: &Message,
         ctx: &Context,
     ) -> Held {
         let c = &self.ctx;
+        let props = &msg.properties;
         match ctx.is_cancelled_as(&d.message_id, owner, due_at_ms).await {
             Ok(true) => return Held::Cancelled,
             Ok(false) => {}
             Err(_) => return Held::Failed,
+        }
+        // a purge covers it as the due queue's message it would have been; a reschedule is
+        // carried out by the due queue's worker
+        let subject = crate::cancel::Subject {
+            id: &d.message_id,
+            owner,
+            queue: &c.pair.due_queue,
+            due_at_ms: Some(due_at_ms),
+            delay_ms: Some(delay_ms),
+            attempt: 0,
+            headers: d.headers(),
+        };
+        match ctx.steer(&subject) {
+            crate::cancel::Steer::Run => {}
+            crate::cancel::Steer::Cancelled | crate::cancel::Steer::Purged => {
+                return Held::Cancelled;
+            }
+            _ => return Held::Failed,
         }
         let Ok((key, props)) = restore(props) else {
             return Held::Failed;

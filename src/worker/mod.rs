@@ -136,6 +136,12 @@ impl Context {
         Ok(self.cancels.is_cancelled(id, owner))
     }
 
+    /// What the message `s` is to do by the cancels, purges and reschedules read so far
+    /// (call [`Context::is_cancelled_as`] first for the guarantee: it syncs).
+    pub fn steer(&self, s: &crate::cancel::Subject<'_>) -> crate::cancel::Steer {
+        self.cancels.steer(s)
+    }
+
     /// Whose records and messages count for what ([`crate::trust`]).
     pub fn trust(&self) -> &Trust {
         &self.trust
