@@ -158,10 +158,10 @@ CHECKED="layout\\..+"
 marks() { printf '(parked|holds|batched)\\.(%s)' "$1"; }
 run set_permissions -p "${VHOST}" "${USER_PREFIX}-admin" "${ADMIN}" "${ADMIN}" "${ADMIN}"
 run set_permissions -p "${VHOST}" "${USER_PREFIX}-publisher" '^$' \
-    "^(${TIERS}|${P}\\.(streams|control|ledger|${CHECKED}|(holds|batched)\\..+))\$" '^$'
+    "^(${TIERS}|${P}\\.(streams|control|ledger|journal|${CHECKED}|(holds|batched)\\..+))\$" '^$'
 if [[ -n "${Q}" ]]; then
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-worker" '^$' \
-        "^(${TIERS}|${P}\\.(streams|park|${CHECKED}|$(marks "${Q}")))\$" \
+        "^(${TIERS}|${P}\\.(streams|park|journal|${CHECKED}|$(marks "${Q}")))\$" \
         "^(${Q}|${P}\\.(control|ledger))\$"
 fi
 if [[ -n "${I}${AX}" ]]; then
@@ -170,13 +170,13 @@ if [[ -n "${I}${AX}" ]]; then
     GI="${I}${I:+|}"
     GT="${T}${T:+${AX:+|}}${AX}"
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-gateway" '^$' \
-        "^(${GI}${GT}|${P}\\.(gw\\..*|parking|streams|park|${CHECKED}|$(marks "${P}\\.gw\\..+"))|${TIERS})\$" \
+        "^(${GI}${GT}|${P}\\.(gw\\..*|parking|streams|park|journal|${CHECKED}|$(marks "${P}\\.gw\\..+"))|${TIERS})\$" \
         "^(${GI}${P}\\.gw\\..*|${P}\\.(control|ledger))\$"
 fi
 if [[ -n "${RS}" ]]; then
     # a relay is a worker of S that re-publishes into Q through the default exchange
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-relay" '^$' \
-        "^(amq\\.default|${TIERS}|${P}\\.(streams|park|${CHECKED}|$(marks "${RS}")))\$" \
+        "^(amq\\.default|${TIERS}|${P}\\.(streams|park|journal|${CHECKED}|$(marks "${RS}")))\$" \
         "^(${RS}|${P}\\.(control|ledger))\$"
 fi
 if [[ ${PROXY} -eq 1 ]]; then

@@ -39,17 +39,17 @@ fn the_permission_script_prints_the_documented_sets() {
         r"set_permissions -p / p-admin '^(p\..*|q|s|i)$' '^(p\..*|q|s|i)$' '^(p\..*|q|s|i)$'"
             .to_string(),
         format!(
-            "set_permissions -p / p-publisher '^$' '^({tiers}|p\\.(streams|control|ledger|layout\\..+|(holds|batched)\\..+))$' '^$'"
+            "set_permissions -p / p-publisher '^$' '^({tiers}|p\\.(streams|control|ledger|journal|layout\\..+|(holds|batched)\\..+))$' '^$'"
         ),
         format!(
-            "set_permissions -p / p-worker '^$' '^({tiers}|p\\.(streams|park|layout\\..+|(parked|holds|batched)\\.(q)))$' '^(q|p\\.(control|ledger))$'"
+            "set_permissions -p / p-worker '^$' '^({tiers}|p\\.(streams|park|journal|layout\\..+|(parked|holds|batched)\\.(q)))$' '^(q|p\\.(control|ledger))$'"
         ),
         // following the pairs, the applications' exchanges are targets too
         format!(
-            "set_permissions -p / p-gateway '^$' '^(i|t|x1|x2|p\\.(gw\\..*|parking|streams|park|layout\\..+|(parked|holds|batched)\\.(p\\.gw\\..+))|{tiers})$' '^(i|p\\.gw\\..*|p\\.(control|ledger))$'"
+            "set_permissions -p / p-gateway '^$' '^(i|t|x1|x2|p\\.(gw\\..*|parking|streams|park|journal|layout\\..+|(parked|holds|batched)\\.(p\\.gw\\..+))|{tiers})$' '^(i|p\\.gw\\..*|p\\.(control|ledger))$'"
         ),
         format!(
-            "set_permissions -p / p-relay '^$' '^(amq\\.default|{tiers}|p\\.(streams|park|layout\\..+|(parked|holds|batched)\\.(s)))$' '^(s|p\\.(control|ledger))$'"
+            "set_permissions -p / p-relay '^$' '^(amq\\.default|{tiers}|p\\.(streams|park|journal|layout\\..+|(parked|holds|batched)\\.(s)))$' '^(s|p\\.(control|ledger))$'"
         ),
         r"set_permissions -p / p-proxy '^p\..*$' '^p\..*$' '^p\..*$'".to_string(),
         // an application writes its own pairs' ingresses, never p.gw.x.* as a whole
