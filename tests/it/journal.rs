@@ -266,3 +266,76 @@ async fn a_reschedule_moves_a_message_and_it_runs_once() {
     run.await.unwrap().unwrap();
     env.cleanup().await;
 }
+
+/// Journaled before published: with the journal stream gone nothing is published and the
+/// caller is told why; a publish the broker refuses after its intent was journaled is named
+/// failed in the journal, so nothing that was never scheduled is listed as pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_published_unjournaled_and_a_refused_publish_is_named_failed() {
+    let mut env = env().await;
+    let q = env.queue("before").await;
+    let l = env.layout();
+    let p = env.publisher().await;
+    let ch = env.conn.create_channel().await.unwrap();
+    // the level exchanges gone: the tiers refuse the publish after its intent is journaled
+    for k in 0..l.levels() {
+        ch.exchange_delete(l.level_exchange(k).as_str().into(), Default::default())
+            .await
+            .unwrap();
+    }
+    for &ms in l.fixed_ms() {
+        for s in 0..l.fixed_shards() {
+            let x = l.fixed_shard_exchange(ms, s);
+            ch.exchange_delete(x.as_str().into(), Default::default())
+                .await
+                .unwrap();
+        }
+    }
+    let e = p
+        .schedule(Message::new(q.clone(), 300, "x").with_id("refused"))
+        .await
+        .unwrap_err();
+    println!("refused by the tiers: {e}");
+    let seen = read_journal(&env, Duration::from_secs(10), |s| {
+        s.flush_of
+            .get("refused")
+            .is_some_and(|f| s.confirmed.contains(f))
+    })
+    .await;
+    assert!(seen.scheduled.contains_key("refused"), "journaled before");
+    let failed = failed_ids(&env).await;
+    assert!(failed.contains("refused"), "named failed: {failed:?}");
+    // the journal gone: nothing is published, and the error names the journal
+    ch.queue_delete(l.journal_stream().as_str().into(), Default::default())
+        .await
+        .unwrap();
+    let e = p
+        .schedule(Message::new(q.clone(), 0, "x").with_id("unjournaled"))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&l.journal_stream()), "{e}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    env.assert_empty(&q).await;
+    p.close().await;
+    env.cleanup().await;
+}
+
+/// The ids the journal's confirmations name as failed.
+async fn failed_ids(env: &Env) -> HashSet<String> {
+    let mut tail = journal::tail(&env.conn, &env.layout(), Start::First)
+        .await
+        .unwrap();
+    let mut failed = HashSet::new();
+    while let Ok(Some(Ok(e))) = tokio::time::timeout(Duration::from_millis(500), tail.next()).await
+    {
+        let flushes = match e.record {
+            Some(Record::Confirmed { flushes, .. }) => flushes,
+            Some(Record::Scheduled { confirmed, .. }) => confirmed,
+            _ => continue,
+        };
+        failed.extend(flushes.into_iter().flat_map(|f| f.failed));
+    }
+    tail.end().await;
+    failed
+}
