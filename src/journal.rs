@@ -86,14 +86,18 @@ pub enum Record {
     },
 }
 
-/// A flush whose publish ended: every item of it is scheduled but `failed`.
+/// A flush whose publish ended: every item of it is scheduled but `failed` and `unsure`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Flush {
     /// The flush's number.
     pub flush: u64,
-    /// Ids of its items that were not scheduled (refused, not confirmed).
+    /// Ids of its items that were surely not scheduled (refused, never sent).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub failed: Vec<String>,
+    /// Ids of its items whose confirm was lost: they may or may not be scheduled (a reader
+    /// keeps them unconfirmed until their due time passes).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unsure: Vec<String>,
 }
 
 /// One scheduled message, as journaled (short names on the wire: there may be millions).

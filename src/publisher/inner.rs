@@ -62,11 +62,15 @@ impl Inner {
             Ok(route) => self.publish_members(&mut members, route, earliest).await,
         };
         if let (Some(j), Some(t)) = (&self.journal, ticket) {
-            let failed = match &result {
-                Ok(_) => Vec::new(),
-                Err(_) => members.iter().map(|m| m.message_id.clone()).collect(),
-            };
-            j.ended(t, failed);
+            let ids = || members.iter().map(|m| m.message_id.clone()).collect();
+            match &result {
+                Ok(_) => j.ended(t, Vec::new(), Vec::new()),
+                // sent, but the confirm never came: it may be in the tiers
+                Err(Error::MaybeSent { .. } | Error::Timeout { .. }) => {
+                    j.ended(t, Vec::new(), ids())
+                }
+                Err(_) => j.ended(t, ids(), Vec::new()),
+            }
         }
         self.settle(now, members, result)
     }

@@ -32,8 +32,8 @@ struct Intent {
 /// ended, runs to write.
 #[derive(Default)]
 struct Shared {
-    /// Flush → (publishes still under way, ids they failed).
-    open: HashMap<u64, (usize, Vec<String>)>,
+    /// Flush → (publishes still under way, ids they failed, ids they are unsure of).
+    open: HashMap<u64, (usize, Vec<String>, Vec<String>)>,
     ended: Vec<Flush>,
     runs: Vec<Run>,
 }
@@ -77,21 +77,24 @@ impl JournalWriter {
         rx.await.unwrap_or_else(|_| Err(closing())).map(Ticket)
     }
 
-    /// The publish of `ticket` ended; `failed` are the ids it did not schedule.
-    pub(super) fn ended(&self, ticket: Ticket, failed: Vec<String>) {
+    /// The publish of `ticket` ended: `failed` are the ids it surely did not schedule,
+    /// `unsure` those whose confirm was lost.
+    pub(super) fn ended(&self, ticket: Ticket, failed: Vec<String>, unsure: Vec<String>) {
         let mut s = lock(&self.shared);
         let done = match s.open.get_mut(&ticket.0) {
-            Some((left, ids)) => {
+            Some((left, f, u)) => {
                 *left -= 1;
-                ids.extend(failed);
+                f.extend(failed);
+                u.extend(unsure);
                 *left == 0
             }
             None => false,
         };
-        if done && let Some((_, failed)) = s.open.remove(&ticket.0) {
+        if done && let Some((_, failed, unsure)) = s.open.remove(&ticket.0) {
             s.ended.push(Flush {
                 flush: ticket.0,
                 failed,
+                unsure,
             });
         }
     }
@@ -170,7 +173,7 @@ async fn write_intents(
 ) {
     let confirmed = {
         let mut s = lock(shared);
-        s.open.insert(flush, (round.len(), Vec::new()));
+        s.open.insert(flush, (round.len(), Vec::new(), Vec::new()));
         std::mem::take(&mut s.ended)
     };
     let mut replies = Vec::with_capacity(round.len());
