@@ -4,7 +4,7 @@
 //! whose publish ended in the next record or in a `Confirmed` record of their own, and writes
 //! the workers' `Ran` records in batches. Nothing here waits for a reader of the journal.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -35,7 +35,7 @@ struct Shared {
     /// Flush → (publishes still under way, ids they failed, ids they are unsure of).
     open: HashMap<u64, (usize, Vec<String>, Vec<String>)>,
     ended: Vec<Flush>,
-    runs: Vec<Run>,
+    runs: VecDeque<Run>,
 }
 
 /// The journal writer of one publisher.
@@ -103,14 +103,14 @@ impl JournalWriter {
     pub(super) fn ran(&self, run: Run) {
         let mut s = lock(&self.shared);
         if s.runs.len() >= MAX_RUNS_WAITING {
-            s.runs.remove(0);
+            s.runs.pop_front();
             crate::stream_log::skipped(
                 journal::KIND,
                 "runs_full",
                 &"a run the journal could not write in time",
             );
         }
-        s.runs.push(run);
+        s.runs.push_back(run);
     }
 }
 
@@ -230,6 +230,7 @@ async fn write_rest(inner: &Weak<Inner>, session: &str, shared: &Mutex<Shared>) 
             }
         }
     }
+    let runs = Vec::from(runs);
     for chunk in runs.chunks(journal::MAX_ITEMS) {
         let record = Record::Ran {
             items: chunk.to_vec(),
