@@ -52,6 +52,7 @@ const TOOL_LAYERS: &[(&str, u8)] = &[
     ("actions", 2),
     ("admin", 2),
     ("bulk", 2),
+    ("console", 2),
     ("import", 2),
     ("observe", 2),
     ("pending_index", 2),

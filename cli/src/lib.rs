@@ -3,13 +3,14 @@
 //! codes ([`cli`]), log lines no value can forge ([`logline`]), the worker's business
 //! [`actions`], bulk JSONL ([`bulk`], [`jsonl`]), the move off the delayed-message plugin
 //! ([`import`], [`plugin_store`]), declare/stats/teardown ([`admin`]), the metrics endpoint
-//! ([`observe`]), the proxy ([`proxy`]) and the on-disk index of what is pending
-//! ([`pending_index`]). Applications use the `amqp-delay` library instead.
+//! ([`observe`]), the proxy ([`proxy`]), the on-disk index of what is pending
+//! ([`pending_index`]) and the web console ([`console`]). Applications use the `amqp-delay` library instead.
 
 pub mod actions;
 pub mod admin;
 pub mod bulk;
 pub mod cli;
+pub mod console;
 pub mod import;
 pub mod jsonl;
 pub mod logline;

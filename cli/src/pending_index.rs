@@ -34,6 +34,7 @@
 //! only intents not confirmed yet.
 
 mod codec;
+mod summary;
 #[cfg(test)]
 mod tests;
 
@@ -46,6 +47,10 @@ use rusqlite::{Connection, OptionalExtension, ToSql, Transaction, params};
 
 pub use codec::{Cursor, MAX_ID_BYTES};
 use codec::{StoredId, decode_headers, encode_headers, header_hash};
+pub use summary::{
+    DUE_BUCKETS, DestinationSummary, LATER, MAX_DESTINATIONS, RECENT_RUNS, RECENT_WINDOW_MS,
+    Summary,
+};
 
 /// Rows a page holds at most.
 pub const MAX_LIMIT: usize = 10_000;

@@ -1,0 +1,181 @@
+//! `delay-console` (issue 48): one small web application to see and steer what is waiting.
+//!
+//! * **Login** is HTTP Basic with the broker's own users ([`auth`]): each login is checked by
+//!   opening an AMQP connection as that user (cached briefly), and every action runs on a
+//!   connection of that user, so the broker's permissions and the trust model decide what it
+//!   may do. A user sees what it owns; an admin (`trust.admins`) everything.
+//! * **Pages** ([`pages`]) read the pending index ([`crate::pending_index`]) through
+//!   [`store::Store`]: the destinations with their summary ([`summaries`], refreshed in the
+//!   background so that a page answers fast whatever the index holds), paged lists (keyset,
+//!   never OFFSET, at most [`MAX_PAGE`] rows), one message with its history and body.
+//! * **Actions** ([`steer`]) are the CLI's: cancel, reschedule, purge a filtered set (after a
+//!   confirmation page that counts), retry or drop parked messages (`amqp_delay::parked`).
+//!   Every POST carries a token tied to the user and must come from this console's own pages
+//!   (Origin or Referer naming this host) ([`csrf`]).
+//! * **HTML** comes from templates embedded at compile time and escaped by the engine
+//!   ([`view`]); charts are SVG drawn on the server; no script is needed, none is loaded from
+//!   elsewhere.
+//! * **Bounded**: request bodies are capped ([`MAX_BODY`]), pages hold at most [`MAX_PAGE`]
+//!   rows, summaries are bounded by the index ([`crate::pending_index::MAX_DESTINATIONS`]),
+//!   SQLite's caches by [`Config::cache_bytes`], the login cache by [`auth::MAX_CACHED`].
+
+pub mod auth;
+pub mod csrf;
+mod pages;
+pub mod search;
+mod steer;
+pub mod store;
+pub mod summaries;
+pub mod tls;
+pub mod view;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use amqp_delay::settings::Settings;
+use amqp_delay::{Error, Result};
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+
+use crate::pending_index::Viewer;
+
+/// Rows an HTML page lists at most.
+pub const MAX_PAGE: usize = 100;
+/// The largest request body accepted (a form post), in bytes.
+pub const MAX_BODY: usize = 16 * 1024;
+
+/// How the console runs.
+pub struct Config {
+    /// `HOST:PORT` to listen on.
+    pub listen: String,
+    /// The pending index file.
+    pub index: PathBuf,
+    /// SQLite's page caches in all, in bytes (split over the console's connections).
+    pub cache_bytes: u64,
+    /// Serve HTTPS with this certificate and key.
+    pub tls: Option<futures_rustls::TlsAcceptor>,
+}
+
+/// Everything a request handler needs.
+pub struct App {
+    /// The deployment's settings (URL without the login's credentials, prefix, trust).
+    pub settings: Settings,
+    /// The pending index.
+    pub store: store::Store,
+    /// Summaries per viewer, refreshed in the background.
+    pub summaries: summaries::Summaries,
+    /// Who may log in.
+    pub logins: Arc<dyn auth::Authenticate>,
+    /// The CSRF tokens' key.
+    pub csrf: csrf::Csrf,
+    /// Whether the console serves HTTPS (the origin a form post must come from).
+    pub https: bool,
+    /// The templates.
+    pub views: view::Views,
+}
+
+/// A logged-in user, as the auth layer puts it on each request.
+#[derive(Clone)]
+pub struct Login {
+    /// The user name.
+    pub user: String,
+    /// Its password, to act on the broker as that user (never logged, never shown).
+    pub password: auth::Secret,
+    /// What it sees.
+    pub viewer: Viewer,
+}
+
+impl Login {
+    /// Whether the user is an admin (sees and steers everything).
+    pub fn is_admin(&self) -> bool {
+        self.viewer == Viewer::Admin
+    }
+}
+
+/// A configuration error of the console (exit 2).
+pub(crate) fn config(why: String) -> Error {
+    amqp_delay::settings::SettingsError::Invalid(why).into()
+}
+
+/// The console's routes on `app`.
+pub fn router(app: Arc<App>) -> Router {
+    let authed = Router::new()
+        .route("/", get(pages::index))
+        .route("/messages", get(pages::messages))
+        .route("/message", get(pages::message))
+        .route("/purge", get(pages::purge_confirm).post(steer::purge))
+        .route("/message/cancel", post(steer::cancel))
+        .route("/message/reschedule", post(steer::reschedule))
+        .route("/parked/retry", post(steer::parked_retry))
+        .route("/parked/drop", post(steer::parked_drop))
+        .route_layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            auth::require_login,
+        ));
+    Router::new()
+        .merge(authed)
+        .route("/static/console.css", get(view::stylesheet))
+        .route("/static/favicon.svg", get(view::favicon))
+        .route("/favicon.ico", get(view::favicon))
+        .route("/healthz", get(pages::healthz))
+        .fallback(pages::not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(app)
+}
+
+/// Opens the index and builds the application of `settings` (logins checked on the broker).
+pub fn app(settings: Settings, config: &Config) -> Result<Arc<App>> {
+    let store = store::Store::open(&config.index, config.cache_bytes)?;
+    let logins: Arc<dyn auth::Authenticate> = Arc::new(auth::BrokerLogins::new(&settings)?);
+    Ok(Arc::new(App {
+        summaries: summaries::Summaries::new(store.clone()),
+        store,
+        logins,
+        csrf: csrf::Csrf::random(),
+        https: config.tls.is_some(),
+        views: view::Views::new(),
+        settings,
+    }))
+}
+
+/// Binds `config.listen` and serves `app` until `shutdown` completes; `bound` is told the
+/// address (port 0 picks a free one).
+pub async fn serve(
+    app: Arc<App>,
+    config: Config,
+    bound: impl FnOnce(SocketAddr),
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(&config.listen)
+        .await
+        .map_err(|e| config_err_listen(&config.listen, e))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| config_err_listen(&config.listen, e))?;
+    bound(addr);
+    let routes = router(app);
+    let served = match config.tls {
+        Some(acceptor) => {
+            let tls = tls::TlsListener::new(listener, acceptor);
+            axum::serve(tls, routes)
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+        None => {
+            axum::serve(listener, routes)
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+    };
+    served.map_err(|e| Error::Invalid(format!("serving the console: {e}")))
+}
+
+fn config_err_listen(listen: &str, e: std::io::Error) -> Error {
+    config(format!("listening on {listen}: {e}"))
+}
+
+#[cfg(test)]
+mod tests;

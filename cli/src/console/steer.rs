@@ -1,0 +1,324 @@
+//! The actions: cancel, reschedule, purge a filtered set, retry or drop a parked message. Each
+//! is a form post that must carry the user's CSRF token and come from this console's own
+//! pages ([`super::csrf`]); each runs on a broker connection of the logged-in user, by the
+//! same library calls as the CLI, so the broker's permissions and the trust model decide what
+//! it may do. What each did is logged with the user (never the password) and shown.
+
+use std::sync::Arc;
+
+use amqp_delay::Publisher;
+use amqp_delay::cancel::Verdict;
+use amqp_delay::connection::Connector;
+use amqp_delay::parked;
+use amqp_delay::settings::Settings;
+use axum::extract::{Extension, Form, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+
+use super::pages::notice;
+use super::search::{self, Query as Search};
+use super::{App, Login, auth, csrf};
+use crate::logline::escape_controls;
+
+/// A refused form post: 403 and why, as plain text.
+fn forbidden(why: &str) -> Response {
+    (
+        StatusCode::FORBIDDEN,
+        format!("Refused: {why}.\nReload the console's page and submit its form again.\n"),
+    )
+        .into_response()
+}
+
+/// The checks every action passes first: the user's token and this console's origin.
+fn guard(app: &App, login: &Login, headers: &HeaderMap, token: &str) -> Option<Response> {
+    if let Err(why) = csrf::same_origin(headers, app.https) {
+        return Some(forbidden(&why));
+    }
+    if !app.csrf.valid(&login.user, token) {
+        return Some(forbidden(
+            "the form's token is missing or not this user's (a page of another login, or of \
+             a console that has restarted since)",
+        ));
+    }
+    None
+}
+
+/// The deployment's settings acting as the login.
+fn as_user(app: &App, login: &Login) -> Result<Settings, Box<Response>> {
+    auth::settings_as(&app.settings, login).map_err(|e| {
+        Box::new(
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("acting as the user: {e}\n"),
+            )
+                .into_response(),
+        )
+    })
+}
+
+/// The page after an action that failed on the broker (or was refused by it).
+fn failed(app: &App, login: &Login, what: &str, e: &amqp_delay::Error, back: &str) -> Response {
+    let status = match e.kind() {
+        amqp_delay::ErrorKind::Usage => StatusCode::BAD_REQUEST,
+        amqp_delay::ErrorKind::Refused => StatusCode::FORBIDDEN,
+        _ => StatusCode::BAD_GATEWAY,
+    };
+    let text = format!("{what} failed: {}", amqp_delay::error_chain(e));
+    tracing::warn!(user = %escape_controls(&login.user), "console: {}", escape_controls(&text));
+    notice(app, login, status, "Not done", &text, Some(back))
+}
+
+fn message_page(id: &str, owner: &str) -> String {
+    let q = url::form_urlencoded::Serializer::new(String::new())
+        .append_pair("id", id)
+        .append_pair("owner", owner)
+        .finish();
+    format!("/message?{q}")
+}
+
+/// The form of a message's action.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct MessageForm {
+    csrf: String,
+    id: String,
+    owner: String,
+    due_at_ms: String,
+    at: String,
+}
+
+/// `POST /message/cancel`: a tombstone of the message, as `delay-publisher cancel` writes it.
+pub async fn cancel(
+    State(app): State<Arc<App>>,
+    Extension(login): Extension<Login>,
+    headers: HeaderMap,
+    Form(f): Form<MessageForm>,
+) -> Response {
+    if let Some(refused) = guard(&app, &login, &headers, &f.csrf) {
+        return refused;
+    }
+    let id = match search::message_id(&f.id) {
+        Ok(id) => id.to_string(),
+        Err(e) => return notice(&app, &login, StatusCode::BAD_REQUEST, "Not done", &e, None),
+    };
+    let due = f.due_at_ms.parse::<u64>().ok();
+    let back = message_page(&id, &f.owner);
+    let settings = match as_user(&app, &login) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
+    let result = async {
+        let publisher = Publisher::connect(&settings).await?;
+        let r = publisher.cancel(&id, due).await;
+        publisher.close().await;
+        r
+    }
+    .await;
+    match result {
+        Ok(c) => {
+            tracing::info!(user = %escape_controls(&login.user), id = %escape_controls(&id), "console: cancelled");
+            let how = match c.verdict {
+                Verdict::Honoured => "no worker runs it from now on",
+                Verdict::TooLate => "it was due too soon for the cancel to be certain: it may run",
+                Verdict::Unknown => "it does not run unless it has already",
+            };
+            let text = format!("Cancelled '{id}': {how}.");
+            notice(
+                &app,
+                &login,
+                StatusCode::OK,
+                "Cancelled",
+                &text,
+                Some(&back),
+            )
+        }
+        Err(e) => failed(&app, &login, "The cancel", &e, &back),
+    }
+}
+
+/// `POST /message/reschedule`: moves the message (`pending reschedule`).
+pub async fn reschedule(
+    State(app): State<Arc<App>>,
+    Extension(login): Extension<Login>,
+    headers: HeaderMap,
+    Form(f): Form<MessageForm>,
+) -> Response {
+    if let Some(refused) = guard(&app, &login, &headers, &f.csrf) {
+        return refused;
+    }
+    let back = message_page(&f.id, &f.owner);
+    if let Err(e) = search::parse_time(&f.at, amqp_delay::time::now_ms()) {
+        return notice(
+            &app,
+            &login,
+            StatusCode::BAD_REQUEST,
+            "Not done",
+            &e,
+            Some(&back),
+        );
+    }
+    notice(
+        &app,
+        &login,
+        StatusCode::NOT_IMPLEMENTED,
+        "Not done",
+        "Rescheduling needs the journal's reschedule record, which this build does not have yet.",
+        Some(&back),
+    )
+}
+
+/// The purge form: the filters of its confirmation page and the count it showed.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct PurgeForm {
+    csrf: String,
+    expected: String,
+    #[serde(flatten)]
+    query: Search,
+}
+
+/// `POST /purge`: one purge record for the filtered set (`pending purge`).
+pub async fn purge(
+    State(app): State<Arc<App>>,
+    Extension(login): Extension<Login>,
+    headers: HeaderMap,
+    Form(f): Form<PurgeForm>,
+) -> Response {
+    if let Some(refused) = guard(&app, &login, &headers, &f.csrf) {
+        return refused;
+    }
+    let now = amqp_delay::time::now_ms();
+    if let Err(e) = super::pages::purge_filter(&f.query, &login, now) {
+        return notice(&app, &login, StatusCode::BAD_REQUEST, "Not done", &e, None);
+    }
+    let _ = f.expected;
+    notice(
+        &app,
+        &login,
+        StatusCode::NOT_IMPLEMENTED,
+        "Not done",
+        "Purging needs the journal's purge record, which this build does not have yet.",
+        Some(&format!("/messages?{}", f.query.first_page())),
+    )
+}
+
+/// The form of a parked message's action.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct ParkedForm {
+    csrf: String,
+    id: String,
+    queue: String,
+    delay: String,
+}
+
+/// `POST /parked/retry`: sends the parked message back through the tiers (`parked retry`).
+pub async fn parked_retry(
+    State(app): State<Arc<App>>,
+    Extension(login): Extension<Login>,
+    headers: HeaderMap,
+    Form(f): Form<ParkedForm>,
+) -> Response {
+    parked_action(app, login, headers, f, true).await
+}
+
+/// `POST /parked/drop`: deletes the parked message (`parked drop`).
+pub async fn parked_drop(
+    State(app): State<Arc<App>>,
+    Extension(login): Extension<Login>,
+    headers: HeaderMap,
+    Form(f): Form<ParkedForm>,
+) -> Response {
+    parked_action(app, login, headers, f, false).await
+}
+
+async fn parked_action(
+    app: Arc<App>,
+    login: Login,
+    headers: HeaderMap,
+    f: ParkedForm,
+    retry: bool,
+) -> Response {
+    if let Some(refused) = guard(&app, &login, &headers, &f.csrf) {
+        return refused;
+    }
+    let bad = |e: &str| notice(&app, &login, StatusCode::BAD_REQUEST, "Not done", e, None);
+    let id = match search::message_id(&f.id) {
+        Ok(id) => id.to_string(),
+        Err(e) => return bad(&e),
+    };
+    if f.queue.is_empty() {
+        return bad("a parked message's action names its queue");
+    }
+    let delay_ms = match f.delay.trim() {
+        "" => 0,
+        d => match humantime::parse_duration(d) {
+            Ok(d) => d.as_millis() as u64,
+            Err(e) => return bad(&format!("delay '{d}': {e}")),
+        },
+    };
+    let back = format!(
+        "/messages?{}",
+        url::form_urlencoded::Serializer::new(String::new())
+            .append_pair("listing", "parked")
+            .append_pair("queue", &f.queue)
+            .finish()
+    );
+    let settings = match as_user(&app, &login) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
+    let result = parked_on_broker(&settings, &f.queue, &id, retry, delay_ms).await;
+    let what = if retry { "retried" } else { "dropped" };
+    match result {
+        Ok(c) if c.done.contains(&id) => {
+            tracing::info!(user = %escape_controls(&login.user), id = %escape_controls(&id), "console: parked message {what}");
+            let text = format!("'{id}' {what}.");
+            notice(&app, &login, StatusCode::OK, "Done", &text, Some(&back))
+        }
+        Ok(c) => {
+            let why =
+                c.failed.first().map(|(_, w)| w.clone()).unwrap_or_else(|| {
+                    format!("'{id}' is not in the parking queue of {}", f.queue)
+                });
+            notice(
+                &app,
+                &login,
+                StatusCode::NOT_FOUND,
+                "Not done",
+                &why,
+                Some(&back),
+            )
+        }
+        Err(e) => failed(&app, &login, &format!("The {what} action"), &e, &back),
+    }
+}
+
+async fn parked_on_broker(
+    settings: &Settings,
+    queue: &str,
+    id: &str,
+    retry: bool,
+    delay_ms: u64,
+) -> amqp_delay::Result<parked::Changed> {
+    let layout = settings.layout()?;
+    let conn = Connector::new(settings)?
+        .connect("amqp-delay console parked")
+        .await?;
+    let ids = [id.to_string()];
+    let r = if retry {
+        match Publisher::connect(settings).await {
+            Ok(p) => {
+                let r = parked::retry(&conn, &layout, &p, Some(queue), &ids, delay_ms).await;
+                p.close().await;
+                r
+            }
+            Err(e) => Err(e),
+        }
+    } else {
+        parked::drop(&conn, &layout, Some(queue), &ids).await
+    };
+    amqp_delay::broker::close_connection(&conn, "bye").await;
+    r
+}

@@ -1,0 +1,486 @@
+//! `delay-console` in a real browser (issue 48): headless Chromium through chromedriver, a real
+//! broker, the real binaries. 300 messages wait for A and 200 for B; a person logs in with the
+//! broker's guest credentials, sees A with 300 and B with 200, searches `b-7`, sees its
+//! destination and due time, cancels it from its page, and a worker never runs it (while b-8,
+//! due at the same time, runs). Without credentials the console answers 401, with TLS it
+//! serves HTTPS only, and the browser's console logs no error. A screenshot of each page goes
+//! to `target/console-screenshots/`.
+//!
+//! The test FAILS (never skips) when the broker, chromedriver or Chromium is missing.
+
+mod browser;
+mod harness;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use amqp_delay::time::{DurationMs, now_ms};
+use amqp_delay::{Message, QueueType, TopologySettings};
+use amqp_delay_cli::pending_index::{
+    Destination, Entry, Options, PendingIndex, Scheduled as IndexScheduled,
+};
+use browser::{Browser, free_port};
+use fantoccini::Locator;
+use harness::{Env, broker_url};
+use tokio::io::AsyncBufReadExt;
+
+/// Delays up to 15 minutes in 100 ms units, radix 4: seven levels of three quorum queues.
+fn console_topology() -> TopologySettings {
+    TopologySettings {
+        radix: 4,
+        unit: DurationMs(100),
+        max_delay: DurationMs(15 * 60_000),
+        fixed_levels: vec![],
+        fixed_shards: 1,
+        queue_type: QueueType::Quorum,
+        max_tier_length: None,
+        max_tier_ttl: DurationMs(3_600_000),
+    }
+}
+
+/// Where the screenshots go: `target/console-screenshots/`.
+fn screenshots() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/console-screenshots")
+}
+
+/// A running `delay-console`, killed on drop.
+struct ConsoleProc {
+    child: tokio::process::Child,
+    port: u16,
+    log: PathBuf,
+}
+
+impl ConsoleProc {
+    async fn start(env: &Env, cfg: &Path, index: &Path, extra: &[&str]) -> ConsoleProc {
+        let port = free_port();
+        let log = harness::temp_path(&env.settings.prefix, &format!("console-{port}.log"));
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-console"))
+            .arg("--config")
+            .arg(cfg)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .arg("--index")
+            .arg(index)
+            .args(extra)
+            .env("AMQP_URL", broker_url())
+            .env("RUST_LOG", "warn,amqp_delay=info,amqp_delay_cli=info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("starting delay-console");
+        ConsoleProc { child, port, log }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until the console answers /healthz on `scheme` (curl, which the TLS check needs
+    /// anyway), or fails with its log.
+    async fn wait_ready(&mut self, scheme: &str, ca: Option<&Path>) {
+        let started = Instant::now();
+        loop {
+            let mut c = std::process::Command::new("curl");
+            c.args(["-s", "-o", "/dev/null", "-w", "%{http_code}"]);
+            if let Some(ca) = ca {
+                c.arg("--cacert").arg(ca);
+            }
+            c.arg(format!("{scheme}://localhost:{}/healthz", self.port));
+            let code = c
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).to_string());
+            if code.is_ok_and(|c| c == "200") {
+                eprintln!("console ready in {:?}", started.elapsed());
+                return;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("delay-console exited ({status}):\n{}", self.log());
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "delay-console did not answer within 30 s:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// `curl` of `url` with `args`: (HTTP status, body).
+fn curl(url: &str, args: &[&str]) -> (String, String) {
+    let out = std::process::Command::new("curl")
+        .args(["-s", "-w", "\n%{http_code}"])
+        .args(args)
+        .arg(url)
+        .output()
+        .expect("curl (apt-get install -y curl)");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (code.to_string(), body.to_string())
+}
+
+/// Fills the index as the journal's follower would (until the follower runs in the console).
+fn feed_index(index: &Path, owner: &str, sent: &[(String, String, u64)]) {
+    let mut ix = PendingIndex::open(index, Options::default()).unwrap();
+    let now = now_ms();
+    let entries: Vec<Entry> = sent
+        .iter()
+        .map(|(q, id, due)| {
+            Entry::Scheduled(IndexScheduled {
+                id: id.clone(),
+                owner: owner.into(),
+                destination: Destination::Queue(q.clone()),
+                due_at_ms: *due,
+                scheduled_at_ms: now,
+                size: 7,
+                content_type: None,
+                headers: vec![],
+                body: None,
+                confirmed: true,
+            })
+        })
+        .collect();
+    ix.apply(&entries).unwrap();
+}
+
+/// Starts `delay-consumer --log` on `queue`: the ids it runs arrive on the returned lines.
+fn worker(cfg: &Path, queue: &str) -> (tokio::process::Child, tokio::sync::mpsc::Receiver<String>) {
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-consumer"))
+        .arg("--config")
+        .arg(cfg)
+        .args(["--queue", queue, "--log"])
+        .env("AMQP_URL", broker_url())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("starting delay-consumer");
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(1024);
+    tokio::spawn(async move {
+        let mut lines = tokio::io::BufReader::new(out).lines();
+        while let Ok(Some(l)) = lines.next_line().await {
+            let id = serde_json::from_str::<serde_json::Value>(&l)
+                .ok()
+                .and_then(|v| v["id"].as_str().map(str::to_string))
+                .unwrap_or_default();
+            if tx.send(id).await.is_err() {
+                return;
+            }
+        }
+    });
+    (child, rx)
+}
+
+/// The number in the pending column of `dest`'s row of the first page.
+fn pending_of(html: &str, dest: &str) -> Option<u64> {
+    let at = html.find(&format!(">{dest}</a>"))?;
+    let rest = &html[at..];
+    let cell = rest.find("class=\"num pending\">")? + "class=\"num pending\">".len();
+    rest[cell..].split('<').next()?.trim().parse().ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_person_sees_searches_and_cancels_in_chromium() {
+    let mut env = Env::new(console_topology()).await;
+    let a = env.queue("a").await;
+    let b = env.queue("b").await;
+    let cfg = env.write_config("");
+    let declared = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .arg("--config")
+        .arg(&cfg)
+        .args(["declare", "--queue", &b, "--worker"])
+        .env("AMQP_URL", broker_url())
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        declared.status.success(),
+        "{}",
+        String::from_utf8_lossy(&declared.stderr)
+    );
+    env.parked_queue(&b);
+
+    // 300 for A and 200 for B, due in 10 minutes; b-7 and b-8 in 40 seconds
+    let p = env.publisher().await;
+    let mut sent = Vec::new();
+    for (q, prefix, n) in [(&a, "a", 300), (&b, "b", 200)] {
+        let msgs: Vec<Message> = (0..n)
+            .map(|i| {
+                let delay = if prefix == "b" && (i == 7 || i == 8) {
+                    40_000
+                } else {
+                    600_000
+                };
+                Message::new(q.clone(), delay, format!("{prefix}-{i}"))
+                    .with_id(format!("{prefix}-{i}"))
+            })
+            .collect();
+        for r in p.schedule_batch(msgs).await {
+            let s = r.expect("scheduled");
+            sent.push((q.clone(), s.message_id, s.due_at_ms));
+        }
+    }
+    let b7_due = sent.iter().find(|(_, id, _)| id == "b-7").unwrap().2;
+    p.close().await;
+    let index = harness::temp_path(&env.settings.prefix, "index.db");
+    feed_index(&index, "guest", &sent);
+
+    let mut console = ConsoleProc::start(&env, &cfg, &index, &[]).await;
+    console.wait_ready("http", None).await;
+    let base = format!("http://127.0.0.1:{}", console.port);
+
+    // without credentials, or with a wrong password: 401
+    let (code, body) = curl(&format!("{base}/"), &[]);
+    assert_eq!(code, "401", "{body}");
+    let (code, _) = curl(&format!("{base}/"), &["-u", "guest:wrong"]);
+    assert_eq!(code, "401");
+
+    let (worker_proc, mut ran) = worker(&cfg, &b);
+    let browser = Browser::start(&screenshots()).await;
+    let c = &browser.client;
+    let login = format!("http://guest:guest@127.0.0.1:{}/", console.port);
+
+    // the first page: A with 300, B with 200
+    let started = Instant::now();
+    let mut html = String::new();
+    while started.elapsed() < Duration::from_secs(30) {
+        c.goto(&login).await.unwrap();
+        html = browser.source().await;
+        if pending_of(&html, &a) == Some(300) && pending_of(&html, &b) == Some(200) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!("A and B listed after {:?}", started.elapsed());
+    assert_eq!(pending_of(&html, &a), Some(300), "{html}");
+    assert_eq!(pending_of(&html, &b), Some(200), "{html}");
+    let first = browser.screenshot("1-destinations").await;
+
+    // B's list
+    c.find(Locator::LinkText(&b))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let list = browser.source().await;
+    assert!(
+        list.contains(">b-7</a>") || list.contains(">b-8</a>"),
+        "{list}"
+    );
+    browser.screenshot("2-pending-of-b").await;
+
+    // search b-7
+    let field = c
+        .find(Locator::Css("form.search input[name=id]"))
+        .await
+        .unwrap();
+    field.send_keys("b-7").await.unwrap();
+    c.find(Locator::Css("form.search button[type=submit]"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let page = browser.source().await;
+    let dest = c
+        .find(Locator::Css("td.destination"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(dest, b, "{page}");
+    let due = c
+        .find(Locator::Css("td.due"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let due_text = amqp_delay_cli::console::view::time(b7_due);
+    assert!(
+        due.starts_with(&due_text),
+        "due '{due}', expected {due_text}"
+    );
+    browser.screenshot("3-message-b-7").await;
+
+    // cancel it from its page
+    c.find(Locator::Id("cancel"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let done = browser.source().await;
+    assert!(
+        done.contains("Cancelled &#x27;b-7&#x27;") || done.contains("Cancelled 'b-7'"),
+        "{done}\n{}",
+        console.log()
+    );
+    browser.screenshot("4-cancelled").await;
+
+    // the purge confirmation counts A
+    c.goto(&format!(
+        "http://127.0.0.1:{}/purge?queue={a}",
+        console.port
+    ))
+    .await
+    .unwrap();
+    let confirm = c
+        .find(Locator::Id("purge-count"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(confirm, "300");
+    browser.screenshot("5-purge-confirmation").await;
+
+    // no JavaScript error, no failed load, in the browser's console
+    let logged = browser.console_log().await;
+    let errors: Vec<_> = logged
+        .iter()
+        .filter(|(level, _)| level == "SEVERE")
+        .collect();
+    assert!(errors.is_empty(), "the browser logged errors: {errors:?}");
+    browser.close().await;
+
+    // b-8 runs, b-7 never does
+    let deadline = Instant::now() + Duration::from_millis(b7_due.saturating_sub(now_ms()) + 30_000);
+    let mut seen = Vec::new();
+    while !seen.iter().any(|id: &String| id == "b-8") && Instant::now() < deadline {
+        if let Ok(Some(id)) = tokio::time::timeout(Duration::from_secs(1), ran.recv()).await {
+            seen.push(id);
+        }
+    }
+    // and a few seconds more for a b-7 that would run late
+    let linger = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < linger {
+        if let Ok(Some(id)) = tokio::time::timeout(Duration::from_millis(500), ran.recv()).await {
+            seen.push(id);
+        }
+    }
+    drop(worker_proc);
+    assert!(seen.iter().any(|id| id == "b-8"), "b-8 never ran: {seen:?}");
+    assert!(
+        !seen.iter().any(|id| id == "b-7"),
+        "the cancelled b-7 ran: {seen:?}"
+    );
+
+    eprintln!(
+        "screenshots in {} (the README's is {})",
+        screenshots().display(),
+        first.display()
+    );
+    drop(console);
+    let _ = std::fs::remove_file(&index);
+    env.cleanup().await;
+}
+
+/// A throwaway CA and a server certificate for localhost signed by it, with openssl.
+fn make_certs(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    std::fs::create_dir_all(dir).unwrap();
+    let p = |n: &str| dir.join(n);
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    std::fs::write(p("ext.cnf"), "subjectAltName=DNS:localhost,IP:127.0.0.1\n").unwrap();
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=amqp-delay console test CA",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+        "-out",
+        "server.pem",
+    ]);
+    (p("ca.pem"), p("server.pem"), p("server.key"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_certificate_the_console_serves_https_only() {
+    let env = Env::new(console_topology()).await;
+    let cfg = env.write_config("");
+    let dir = harness::temp_path(&env.settings.prefix, "tls");
+    let (ca, cert, key) = make_certs(&dir);
+    let index = dir.join("index.db");
+    let mut console = ConsoleProc::start(
+        &env,
+        &cfg,
+        &index,
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    )
+    .await;
+    console.wait_ready("https", Some(&ca)).await;
+    let https = format!("https://localhost:{}/", console.port);
+    let ca_arg = ca.to_str().unwrap();
+    let (code, body) = curl(&https, &["--cacert", ca_arg, "-u", "guest:guest"]);
+    assert_eq!(code, "200", "{body}\n{}", console.log());
+    assert!(body.contains("Destinations"), "{body}");
+    let (code, _) = curl(&https, &["--cacert", ca_arg]);
+    assert_eq!(code, "401");
+    // plain HTTP gets no page
+    let (code, body) = curl(
+        &format!("http://localhost:{}/healthz", console.port),
+        &["-m", "5"],
+    );
+    assert_ne!(code, "200", "{body}");
+    // the password is never logged
+    let log = console.log();
+    assert!(!log.contains("guest:guest"), "{log}");
+    drop(console);
+    let _ = std::fs::remove_dir_all(&dir);
+    env.cleanup().await;
+}
