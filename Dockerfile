@@ -24,8 +24,10 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     CARGO_PROFILE_RELEASE_STRIP=symbols \
     cargo build --release --locked --bin delay-publisher --bin delay-consumer --bin delay-proxy \
+        --bin delay-console \
     && mkdir -p /out \
-    && cp target/release/delay-publisher target/release/delay-consumer target/release/delay-proxy /out/
+    && cp target/release/delay-publisher target/release/delay-consumer target/release/delay-proxy \
+        target/release/delay-console /out/
 
 # ---- runtime ----------------------------------------------------------------
 # Debian slim rather than distroless: `delay-consumer --exec` runs commands, which need a
@@ -37,8 +39,10 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 amqp-delay \
     && useradd --system --uid 10001 --gid 10001 --no-create-home \
-        --shell /usr/sbin/nologin amqp-delay
-COPY --from=builder /out/delay-publisher /out/delay-consumer /out/delay-proxy /usr/local/bin/
+        --shell /usr/sbin/nologin amqp-delay \
+    && install -d -o 10001 -g 10001 /var/lib/amqp-delay
+COPY --from=builder /out/delay-publisher /out/delay-consumer /out/delay-proxy /out/delay-console \
+    /usr/local/bin/
 # Numeric, so that a runtime can verify "not root" without reading /etc/passwd.
 USER 10001:10001
 # Metrics and health on the port used throughout deploy/: the worker, relay, gateway and proxy

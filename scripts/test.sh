@@ -379,6 +379,22 @@ ensure_amqplib() {
         || die "npm could not install amqplib into ${dir}"
 }
 
+# The console's browser test (tests/console/) drives headless Chromium through chromedriver
+# (Debian's chromium and chromium-driver), and checks its HTTPS with curl.
+ensure_chromium() {
+    if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ] && have curl; then
+        return 0
+    fi
+    if is_root && have apt-get; then
+        log "chromium, chromedriver or curl is missing; installing chromium, chromium-driver and curl with apt-get"
+        apt_update_once
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver curl \
+            || die "apt-get could not install chromium, chromium-driver and curl"
+    else
+        die "the console's browser test needs Chromium, chromedriver and curl: apt-get install chromium chromium-driver curl"
+    fi
+}
+
 # --- main --------------------------------------------------------------------
 
 TEST_BROKERS="${TEST_BROKERS:-3.10 4.0 4.3}"
@@ -417,6 +433,7 @@ fi
 
 ensure_pika
 ensure_amqplib
+ensure_chromium
 
 # The fault suite's cluster and the TLS test node are throwaway: stop them however the
 # tests end (both scripts are safe to run when nothing is up, and never touch the main broker).

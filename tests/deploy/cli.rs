@@ -13,8 +13,10 @@ fn bin_path(name: &str) -> &'static str {
         "delay-publisher" => env!("CARGO_BIN_EXE_delay-publisher"),
         "delay-consumer" => env!("CARGO_BIN_EXE_delay-consumer"),
         "delay-proxy" => env!("CARGO_BIN_EXE_delay-proxy"),
+        "delay-console" => env!("CARGO_BIN_EXE_delay-console"),
         other => panic!(
-            "'{other}' is not one of our binaries (delay-publisher, delay-consumer, delay-proxy)"
+            "'{other}' is not one of our binaries (delay-publisher, delay-consumer, delay-proxy, \
+             delay-console)"
         ),
     }
 }

@@ -8,7 +8,12 @@ fn the_image_is_multi_stage_small_and_not_root() {
     let froms: Vec<&str> = d.lines().filter(|l| l.starts_with("FROM ")).collect();
     assert!(froms.len() >= 2, "a build stage and a runtime stage");
     assert!(froms.last().unwrap().contains("-slim"), "a slim runtime");
-    for bin in ["delay-publisher", "delay-consumer", "delay-proxy"] {
+    for bin in [
+        "delay-publisher",
+        "delay-consumer",
+        "delay-proxy",
+        "delay-console",
+    ] {
         assert!(
             d.contains(&format!("target/release/{bin}")),
             "{bin} in the image"

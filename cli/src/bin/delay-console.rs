@@ -18,14 +18,9 @@ struct Cli {
     /// Address the console listens on
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:8088")]
     listen: String,
-    /// The pending index file (SQLite), kept up to date from the journal
-    #[arg(
-        long,
-        value_name = "PATH",
-        env = "AMQP_DELAY_PENDING_INDEX",
-        default_value = "pending-index.db"
-    )]
-    index: std::path::PathBuf,
+    /// The console's pending index file (SQLite; made when missing), kept up to date from the journal
+    #[arg(long, value_name = "PATH")]
+    index: Option<std::path::PathBuf>,
     /// SQLite's page caches in all, in MiB (most of the console's memory)
     #[arg(long, value_name = "MIB", default_value_t = 96, value_parser = clap::value_parser!(u64).range(4..=4096))]
     cache_mb: u64,
@@ -52,9 +47,15 @@ async fn main() {
         },
         _ => None,
     };
+    let Some(index) = args.index else {
+        let e = amqp_delay::Error::Invalid(
+            "give the console's index file with --index PATH (made when missing)".into(),
+        );
+        cli::fail(&e, EXIT_USAGE);
+    };
     let config = Config {
         listen: args.listen,
-        index: args.index,
+        index,
         cache_bytes: args.cache_mb << 20,
         tls,
     };

@@ -156,6 +156,8 @@ pub async fn serve(
         .local_addr()
         .map_err(|e| config_err_listen(&config.listen, e))?;
     bound(addr);
+    // /readyz of --metrics-addr: the console answers
+    amqp_delay::metrics::global().connected.set(1);
     let routes = router(app);
     let served = match config.tls {
         Some(acceptor) => {
