@@ -181,16 +181,31 @@ fn pending_of(html: &str, dest: &str) -> Option<u64> {
     rest[cell..].split('<').next()?.trim().parse().ok()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_person_sees_searches_and_cancels_in_chromium() {
-    let mut env = Env::new(console_topology()).await;
-    let a = env.queue("a").await;
-    let b = env.queue("b").await;
-    let cfg = env.write_config("");
+/// The first element `locator` finds, waiting up to 10 s for the page to show it.
+async fn wait_for(c: &fantoccini::Client, locator: Locator<'_>) -> fantoccini::elements::Element {
+    c.wait()
+        .at_most(Duration::from_secs(10))
+        .for_element(locator)
+        .await
+        .unwrap_or_else(|e| panic!("{locator:?} did not show within 10 s: {e}"))
+}
+
+/// The text of the first element `css` finds (waiting for it).
+async fn text_of(c: &fantoccini::Client, css: &str) -> String {
+    wait_for(c, Locator::Css(css)).await.text().await.unwrap()
+}
+
+/// Clicks the first element `locator` finds.
+async fn click(c: &fantoccini::Client, locator: Locator<'_>) {
+    wait_for(c, locator).await.click().await.unwrap();
+}
+
+/// Declares `b` for a worker (its parking queue too).
+async fn declare_for_worker(env: &mut Env, cfg: &Path, b: &str) {
     let declared = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
         .arg("--config")
-        .arg(&cfg)
-        .args(["declare", "--queue", &b, "--worker"])
+        .arg(cfg)
+        .args(["declare", "--queue", b, "--worker"])
         .env("AMQP_URL", broker_url())
         .output()
         .await
@@ -200,145 +215,133 @@ async fn a_person_sees_searches_and_cancels_in_chromium() {
         "{}",
         String::from_utf8_lossy(&declared.stderr)
     );
-    env.parked_queue(&b);
+    env.parked_queue(b);
+}
 
-    // 300 for A and 200 for B, due in 10 minutes; b-7 and b-8 in 40 seconds
+/// Schedules 300 messages `a-N` for `a` and 200 `b-N` for `b`, due in 10 minutes, but b-7
+/// and b-8 in 40 seconds: `(queue, id, due)` of each.
+async fn schedule_500(env: &Env, a: &str, b: &str) -> Vec<(String, String, u64)> {
     let p = env.publisher().await;
     let mut sent = Vec::new();
-    for (q, prefix, n) in [(&a, "a", 300), (&b, "b", 200)] {
+    for (q, prefix, n) in [(a, "a", 300), (b, "b", 200)] {
         let msgs: Vec<Message> = (0..n)
             .map(|i| {
-                let delay = if prefix == "b" && (i == 7 || i == 8) {
-                    40_000
-                } else {
-                    600_000
-                };
-                Message::new(q.clone(), delay, format!("{prefix}-{i}"))
-                    .with_id(format!("{prefix}-{i}"))
+                let soon = prefix == "b" && (i == 7 || i == 8);
+                let delay = if soon { 40_000 } else { 600_000 };
+                Message::new(q, delay, format!("{prefix}-{i}")).with_id(format!("{prefix}-{i}"))
             })
             .collect();
         for r in p.schedule_batch(msgs).await {
             let s = r.expect("scheduled");
-            sent.push((q.clone(), s.message_id, s.due_at_ms));
+            sent.push((q.to_string(), s.message_id, s.due_at_ms));
         }
     }
-    let b7_due = sent.iter().find(|(_, id, _)| id == "b-7").unwrap().2;
     p.close().await;
-    let index = harness::temp_path(&env.settings.prefix, "index.db");
-    feed_index(&index, "guest", &sent);
+    sent
+}
 
-    let mut console = ConsoleProc::start(&env, &cfg, &index, &[]).await;
-    console.wait_ready("http", None).await;
-    let base = format!("http://127.0.0.1:{}", console.port);
-
-    // without credentials, or with a wrong password: 401
-    let (code, body) = curl(&format!("{base}/"), &[]);
-    assert_eq!(code, "401", "{body}");
-    let (code, _) = curl(&format!("{base}/"), &["-u", "guest:wrong"]);
-    assert_eq!(code, "401");
-
-    let (worker_proc, mut ran) = worker(&cfg, &b);
-    let browser = Browser::start(&screenshots()).await;
-    let c = &browser.client;
-    let login = format!("http://guest:guest@127.0.0.1:{}/", console.port);
-
-    // the first page: A with 300, B with 200
+/// Opens the first page as guest until it shows A with 300 and B with 200 (within 30 s).
+async fn first_page_shows_300_and_200(browser: &Browser, login: &str, a: &str, b: &str) {
     let started = Instant::now();
     let mut html = String::new();
     while started.elapsed() < Duration::from_secs(30) {
-        c.goto(&login).await.unwrap();
+        browser.client.goto(login).await.unwrap();
         html = browser.source().await;
-        if pending_of(&html, &a) == Some(300) && pending_of(&html, &b) == Some(200) {
+        if pending_of(&html, a) == Some(300) && pending_of(&html, b) == Some(200) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     eprintln!("A and B listed after {:?}", started.elapsed());
-    assert_eq!(pending_of(&html, &a), Some(300), "{html}");
-    assert_eq!(pending_of(&html, &b), Some(200), "{html}");
-    let first = browser.screenshot("1-destinations").await;
+    assert_eq!(pending_of(&html, a), Some(300), "{html}");
+    assert_eq!(pending_of(&html, b), Some(200), "{html}");
+}
 
-    // B's list
-    c.find(Locator::LinkText(&b))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+/// Lists `b`, searches b-7, checks its destination and due time, cancels it from its page.
+async fn search_and_cancel_b7(browser: &Browser, b: &str, b7_due: u64) {
+    let c = &browser.client;
+    click(c, Locator::LinkText(b)).await;
     let list = browser.source().await;
     assert!(
-        list.contains(">b-7</a>") || list.contains(">b-8</a>"),
+        list.contains(">b-7</a>") && list.contains(">b-8</a>"),
         "{list}"
     );
     browser.screenshot("2-pending-of-b").await;
-
-    // search b-7
     let field = c
         .find(Locator::Css("form.search input[name=id]"))
         .await
         .unwrap();
     field.send_keys("b-7").await.unwrap();
-    c.find(Locator::Css("form.search button[type=submit]"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    let page = browser.source().await;
-    let dest = c
-        .find(Locator::Css("td.destination"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert_eq!(dest, b, "{page}");
-    let due = c
-        .find(Locator::Css("td.due"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let due_text = amqp_delay_cli::console::view::time(b7_due);
+    click(c, Locator::Css("form.search button[type=submit]")).await;
+    assert_eq!(text_of(c, "td.id").await, "b-7");
+    assert_eq!(text_of(c, "td.destination").await, b);
+    let due = text_of(c, "td.due").await;
+    let expected = amqp_delay_cli::console::view::time(b7_due);
     assert!(
-        due.starts_with(&due_text),
-        "due '{due}', expected {due_text}"
+        due.starts_with(&expected),
+        "due '{due}', expected {expected}"
     );
     browser.screenshot("3-message-b-7").await;
-
-    // cancel it from its page
-    c.find(Locator::Id("cancel"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    let done = browser.source().await;
-    assert!(
-        done.contains("Cancelled &#x27;b-7&#x27;") || done.contains("Cancelled 'b-7'"),
-        "{done}\n{}",
-        console.log()
-    );
+    click(c, Locator::Id("cancel")).await;
+    let done = text_of(c, "main p.notice").await;
+    assert!(done.starts_with("Cancelled 'b-7'"), "{done}");
     browser.screenshot("4-cancelled").await;
+}
 
+/// Waits until b-8 ran (and 5 s more): b-7 must not have.
+async fn b8_runs_and_b7_never(ran: &mut tokio::sync::mpsc::Receiver<String>, b7_due: u64) {
+    let wait = Duration::from_millis(b7_due.saturating_sub(now_ms()) + 30_000);
+    let deadline = Instant::now() + wait;
+    let mut seen: Vec<String> = Vec::new();
+    let mut linger = None;
+    while Instant::now() < linger.unwrap_or(deadline) {
+        if let Ok(Some(id)) = tokio::time::timeout(Duration::from_millis(500), ran.recv()).await {
+            seen.push(id);
+        }
+        if linger.is_none() && seen.iter().any(|id| id == "b-8") {
+            // a few seconds more for a b-7 that would run late
+            linger = Some(Instant::now() + Duration::from_secs(5));
+        }
+    }
+    assert!(seen.iter().any(|id| id == "b-8"), "b-8 never ran: {seen:?}");
+    assert!(
+        !seen.iter().any(|id| id == "b-7"),
+        "the cancelled b-7 ran: {seen:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_person_sees_searches_and_cancels_in_chromium() {
+    let mut env = Env::new(console_topology()).await;
+    let a = env.queue("a").await;
+    let b = env.queue("b").await;
+    let cfg = env.write_config("");
+    declare_for_worker(&mut env, &cfg, &b).await;
+    let sent = schedule_500(&env, &a, &b).await;
+    let b7_due = sent.iter().find(|(_, id, _)| id == "b-7").unwrap().2;
+    let index = harness::temp_path(&env.settings.prefix, "index.db");
+    feed_index(&index, "guest", &sent);
+    let mut console = ConsoleProc::start(&env, &cfg, &index, &[]).await;
+    console.wait_ready("http", None).await;
+    let base = format!("http://127.0.0.1:{}", console.port);
+    // without credentials, or with a wrong password: 401
+    assert_eq!(curl(&format!("{base}/"), &[]).0, "401");
+    assert_eq!(curl(&format!("{base}/"), &["-u", "guest:wrong"]).0, "401");
+
+    let (worker_proc, mut ran) = worker(&cfg, &b);
+    let browser = Browser::start(&screenshots()).await;
+    let login = format!("http://guest:guest@127.0.0.1:{}/", console.port);
+    first_page_shows_300_and_200(&browser, &login, &a, &b).await;
+    let first = browser.screenshot("1-destinations").await;
+    search_and_cancel_b7(&browser, &b, b7_due).await;
     // the purge confirmation counts A
-    c.goto(&format!(
-        "http://127.0.0.1:{}/purge?queue={a}",
-        console.port
-    ))
-    .await
-    .unwrap();
-    let confirm = c
-        .find(Locator::Id("purge-count"))
-        .await
-        .unwrap()
-        .text()
+    browser
+        .client
+        .goto(&format!("{base}/purge?queue={a}"))
         .await
         .unwrap();
-    assert_eq!(confirm, "300");
+    assert_eq!(text_of(&browser.client, "#purge-count").await, "300");
     browser.screenshot("5-purge-confirmation").await;
-
     // no JavaScript error, no failed load, in the browser's console
     let logged = browser.console_log().await;
     let errors: Vec<_> = logged
@@ -348,30 +351,10 @@ async fn a_person_sees_searches_and_cancels_in_chromium() {
     assert!(errors.is_empty(), "the browser logged errors: {errors:?}");
     browser.close().await;
 
-    // b-8 runs, b-7 never does
-    let deadline = Instant::now() + Duration::from_millis(b7_due.saturating_sub(now_ms()) + 30_000);
-    let mut seen = Vec::new();
-    while !seen.iter().any(|id: &String| id == "b-8") && Instant::now() < deadline {
-        if let Ok(Some(id)) = tokio::time::timeout(Duration::from_secs(1), ran.recv()).await {
-            seen.push(id);
-        }
-    }
-    // and a few seconds more for a b-7 that would run late
-    let linger = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < linger {
-        if let Ok(Some(id)) = tokio::time::timeout(Duration::from_millis(500), ran.recv()).await {
-            seen.push(id);
-        }
-    }
+    b8_runs_and_b7_never(&mut ran, b7_due).await;
     drop(worker_proc);
-    assert!(seen.iter().any(|id| id == "b-8"), "b-8 never ran: {seen:?}");
-    assert!(
-        !seen.iter().any(|id| id == "b-7"),
-        "the cancelled b-7 ran: {seen:?}"
-    );
-
     eprintln!(
-        "screenshots in {} (the README's is {})",
+        "screenshots in {} (first: {})",
         screenshots().display(),
         first.display()
     );
