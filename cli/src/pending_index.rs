@@ -34,6 +34,7 @@
 //! only intents not confirmed yet.
 
 mod codec;
+mod purge;
 mod summary;
 #[cfg(test)]
 mod tests;
@@ -47,6 +48,7 @@ use rusqlite::{Connection, OptionalExtension, ToSql, Transaction, params};
 
 pub use codec::{Cursor, MAX_ID_BYTES};
 use codec::{StoredId, decode_headers, encode_headers, header_hash};
+pub use purge::Purge;
 pub use summary::{
     DUE_BUCKETS, DestinationSummary, LATER, MAX_DESTINATIONS, RECENT_RUNS, RECENT_WINDOW_MS,
     Summary,
@@ -202,6 +204,18 @@ pub enum Entry {
         /// How the run ended.
         outcome: Outcome,
     },
+    /// The broker refused the schedule of `(owner, id)` made at `scheduled_at_ms` (a failed
+    /// flush): the intent was never scheduled and is never listed as pending.
+    Refused {
+        /// The message's owner.
+        owner: String,
+        /// The message id.
+        id: String,
+        /// When the refused schedule was made: a later schedule of the id is left alone.
+        scheduled_at_ms: u64,
+    },
+    /// A purge: every matching pending message cancelled at once ([`Purge`]).
+    Purged(Purge),
     /// `by` moved it to `due_at_ms`.
     Rescheduled {
         /// The message's owner.
@@ -249,6 +263,8 @@ pub enum State {
     Done,
     /// Parked after a permanent failure or its last attempt.
     Parked,
+    /// Journaled before its publish, which the broker then refused: never scheduled.
+    Refused,
 }
 
 impl State {
@@ -259,6 +275,7 @@ impl State {
             State::Cancelled => 2,
             State::Done => 3,
             State::Parked => 4,
+            State::Refused => 5,
         }
     }
 
@@ -268,6 +285,7 @@ impl State {
             1 => State::Pending,
             2 => State::Cancelled,
             3 => State::Done,
+            5 => State::Refused,
             _ => State::Parked,
         }
     }
@@ -277,7 +295,7 @@ impl State {
         match self {
             State::Unconfirmed | State::Pending => Some(1),
             State::Parked => Some(2),
-            State::Cancelled | State::Done => None,
+            State::Cancelled | State::Done | State::Refused => None,
         }
     }
 }
@@ -609,6 +627,18 @@ fn check_id(id: &str) -> Result<()> {
     Ok(())
 }
 
+/// A meta key the follower may set: not one of the index's own (`rebuilding`).
+fn check_mark(k: &str) -> Result<()> {
+    if k.is_empty()
+        || k.len() > 64
+        || !k.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+        || k == "rebuilding"
+    {
+        return Err(Error::Invalid(format!("'{k}' is not a mark name")));
+    }
+    Ok(())
+}
+
 fn check_user(user: &str, what: &str) -> Result<()> {
     if user.is_empty() {
         return Err(Error::Invalid(format!("{what} is empty")));
@@ -883,16 +913,23 @@ impl PendingIndex {
 
     /// Applies `entries` in order, in one transaction.
     pub fn apply(&mut self, entries: &[Entry]) -> Result<()> {
-        self.apply_inner(entries, None)
+        self.apply_marked(entries, &[])
     }
 
     /// Applies `entries` in order and records `position` (the journal offset after the last
     /// of them) in the same transaction: after a crash the file holds both or neither.
     pub fn apply_at(&mut self, entries: &[Entry], position: u64) -> Result<()> {
-        self.apply_inner(entries, Some(position))
+        self.apply_marked(entries, &[("position", Some(position))])
     }
 
-    fn apply_inner(&mut self, entries: &[Entry], position: Option<u64>) -> Result<()> {
+    /// Applies `entries` in order and sets (`Some`) or clears (`None`) each of `marks` in the
+    /// same transaction: the follower's positions in its streams ([`PendingIndex::mark`]).
+    /// `"position"` is the journal offset of [`PendingIndex::apply_at`]; a name is 1 to 64 bytes
+    /// of `[a-z_]`.
+    pub fn apply_marked(&mut self, entries: &[Entry], marks: &[(&str, Option<u64>)]) -> Result<()> {
+        for (k, _) in marks {
+            check_mark(k)?;
+        }
         let result = (|| -> Result<()> {
             let tx = self.conn.transaction()?;
             let mut w = Writer {
@@ -904,17 +941,35 @@ impl PendingIndex {
             for e in entries {
                 w.apply(e)?;
             }
-            if let Some(p) = position {
-                set_position(&tx, p)?;
+            for (k, v) in marks {
+                match v {
+                    Some(v) => {
+                        tx.prepare_cached("INSERT OR REPLACE INTO meta (k, v) VALUES (?1, ?2)")?
+                            .execute(params![k, ms(*v, "a stream position")?])?;
+                    }
+                    None => {
+                        tx.prepare_cached("DELETE FROM meta WHERE k = ?1")?
+                            .execute([k])?;
+                    }
+                }
             }
             tx.commit()?;
             Ok(())
         })();
         if result.is_err() {
-            // names interned in the rolled-back transaction are gone from the file
             self.names.clear();
         }
         result
+    }
+
+    /// A mark [`PendingIndex::apply_marked`] set (`None`: never, or cleared).
+    pub fn mark(&self, key: &str) -> Result<Option<u64>> {
+        check_mark(key)?;
+        let v: Option<i64> = self
+            .conn
+            .query_row("SELECT v FROM meta WHERE k = ?1", [key], |r| r.get(0))
+            .optional()?;
+        Ok(v.map(|v| v as u64))
     }
 
     /// The journal offset applied so far (`None`: nothing yet; rebuild from the start).
@@ -1288,6 +1343,20 @@ impl Writer<'_> {
     fn apply(&mut self, e: &Entry) -> Result<()> {
         match e {
             Entry::Scheduled(s) => self.schedule(s),
+            Entry::Purged(p) => self.purge(p).map(|_| ()),
+            Entry::Refused {
+                owner,
+                id,
+                scheduled_at_ms,
+            } => {
+                if let Some(cur) = self.current(owner, id)?
+                    && cur.state == State::Unconfirmed
+                    && cur.sched == ms(*scheduled_at_ms, "a schedule time")?
+                {
+                    self.move_to(&cur, State::Refused, cur.due, Some(cur.sched))?;
+                }
+                Ok(())
+            }
             Entry::Confirmed { owner, id } => {
                 if let Some(cur) = self.current(owner, id)?
                     && cur.state == State::Unconfirmed

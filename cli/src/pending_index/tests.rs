@@ -785,3 +785,186 @@ fn a_rebuild_ends_with_the_same_pages_as_applying_one_by_one() {
         }
     }
 }
+
+fn purge_of(queue: &str, owner: Option<&str>) -> Purge {
+    Purge {
+        owner: owner.map(Into::into),
+        destination: q(queue),
+        due_after_ms: None,
+        due_before_ms: None,
+        header: None,
+        scheduled_before_ms: 10_000,
+        by: "root".into(),
+        at_ms: 3_000,
+    }
+}
+
+#[test]
+fn a_purge_cancels_exactly_what_it_covers() {
+    let t = Temp::new();
+    let mut ix = t.open();
+    for (owner, id, queue, due) in [
+        ("alice", "a1", "orders", 5_000),
+        ("alice", "a2", "orders", 6_000),
+        ("alice", "a3", "orders", 9_000),
+        ("alice", "a4", "other", 5_000),
+        ("bob", "b1", "orders", 5_000),
+    ] {
+        put(&mut ix, owner, id, queue, due);
+    }
+    let mut late = sched("alice", "a5", "orders", 5_000);
+    late.scheduled_at_ms = 20_000; // after the purge was recorded
+    let mut tenant2 = sched("alice", "a6", "orders", 5_000);
+    tenant2.headers = vec![("tenant".into(), "t2".into())];
+    let mut unconfirmed = sched("alice", "a7", "orders", 5_500);
+    unconfirmed.confirmed = false;
+    ix.apply(&[
+        Entry::Scheduled(late),
+        Entry::Scheduled(tenant2),
+        Entry::Scheduled(unconfirmed),
+    ])
+    .unwrap();
+    let mut p = purge_of("orders", Some("alice"));
+    p.due_before_ms = Some(8_000);
+    p.header = Some(("tenant".into(), "t1".into()));
+    ix.apply(&[Entry::Purged(p.clone())]).unwrap();
+    let mut f = Filter::new(Viewer::Admin);
+    let mut left = ids(&ix.list(&f).unwrap());
+    left.sort();
+    assert_eq!(left, ["a3", "a4", "a5", "a6", "b1"]);
+    for id in ["a1", "a2", "a7"] {
+        let r = &ix.show(id, &Viewer::Admin).unwrap()[0];
+        assert_eq!(r.row.state, State::Cancelled, "{id}");
+        assert_eq!(
+            r.history.last(),
+            Some(&Event::Cancelled {
+                at_ms: 3_000,
+                by: "root".into()
+            })
+        );
+    }
+    // the header index lost exactly the purged rows
+    f.header = Some(("tenant".into(), "t1".into()));
+    assert_eq!(ix.count(&f).unwrap(), 4);
+    let mut with_header = ids(&ix.list(&f).unwrap());
+    with_header.sort();
+    assert_eq!(with_header, ["a3", "a4", "a5", "b1"]);
+    // again: nothing more; an unknown destination or owner: nothing
+    ix.apply(&[
+        Entry::Purged(p),
+        Entry::Purged(purge_of("nowhere", None)),
+        Entry::Purged(purge_of("orders", Some("nobody"))),
+    ])
+    .unwrap();
+    assert_eq!(ix.count(&Filter::new(Viewer::Admin)).unwrap(), 5);
+    // everyone's (an admin's purge without an owner)
+    ix.apply(&[Entry::Purged(purge_of("orders", None))])
+        .unwrap();
+    let mut left = ids(&ix.list(&Filter::new(Viewer::Admin)).unwrap());
+    left.sort();
+    assert_eq!(left, ["a4", "a5"]);
+}
+
+#[test]
+fn a_purge_of_many_rows_is_one_transaction_and_keeps_the_indexes_right() {
+    let t = Temp::new();
+    let mut ix = t.open();
+    let n = 20_000u64;
+    let batch: Vec<Entry> = (0..n)
+        .map(|i| {
+            let mut s = sched("alice", &format!("m{i}"), "orders", 5_000 + i);
+            s.headers = vec![("tenant".into(), format!("t{}", i % 2))];
+            Entry::Scheduled(s)
+        })
+        .collect();
+    ix.apply(&batch).unwrap();
+    put(&mut ix, "alice", "kept", "other", 5_000);
+    let mut p = purge_of("orders", None);
+    p.header = Some(("tenant".into(), "t0".into()));
+    let started = std::time::Instant::now();
+    ix.apply_at(&[Entry::Purged(p)], 77).unwrap();
+    println!("purged {} rows in {:?}", n / 2, started.elapsed());
+    assert_eq!(ix.position().unwrap(), Some(77));
+    let mut f = Filter::new(Viewer::Admin);
+    assert_eq!(ix.count(&f).unwrap(), n / 2 + 1);
+    f.header = Some(("tenant".into(), "t0".into()));
+    assert_eq!(ix.count(&f).unwrap(), 0);
+    assert!(ix.list(&f).unwrap().rows.is_empty());
+    // `kept` has tenant=t1 too
+    f.header = Some(("tenant".into(), "t1".into()));
+    assert_eq!(ix.count(&f).unwrap(), n / 2 + 1);
+    assert_eq!(all_pages(&mut ix, &f).len() as u64, n / 2 + 1);
+}
+
+#[test]
+fn a_refused_intent_is_never_listed_and_a_later_schedule_stays() {
+    let t = Temp::new();
+    let mut ix = t.open();
+    let mut s = sched("alice", "x", "orders", 5_000);
+    s.confirmed = false;
+    let mut y = sched("alice", "y", "orders", 5_000);
+    y.confirmed = false;
+    ix.apply(&[Entry::Scheduled(s.clone()), Entry::Scheduled(y)])
+        .unwrap();
+    // a refusal of another schedule of the id changes nothing
+    ix.apply(&[Entry::Refused {
+        owner: "alice".into(),
+        id: "x".into(),
+        scheduled_at_ms: 999,
+    }])
+    .unwrap();
+    assert_eq!(ix.count(&Filter::new(Viewer::Admin)).unwrap(), 2);
+    ix.apply(&[
+        Entry::Refused {
+            owner: "alice".into(),
+            id: "x".into(),
+            scheduled_at_ms: s.scheduled_at_ms,
+        },
+        Entry::Refused {
+            owner: "nobody".into(),
+            id: "x".into(),
+            scheduled_at_ms: s.scheduled_at_ms,
+        },
+    ])
+    .unwrap();
+    assert_eq!(ids(&ix.list(&Filter::new(Viewer::Admin)).unwrap()), ["y"]);
+    assert_eq!(
+        ix.show("x", &user("alice")).unwrap()[0].row.state,
+        State::Refused
+    );
+    // a confirmed message is never refused
+    put(&mut ix, "alice", "z", "orders", 5_000);
+    ix.apply(&[Entry::Refused {
+        owner: "alice".into(),
+        id: "z".into(),
+        scheduled_at_ms: 1_000,
+    }])
+    .unwrap();
+    assert_eq!(
+        ix.show("z", &user("alice")).unwrap()[0].row.state,
+        State::Pending
+    );
+    // it expires with the finished ones (and y, an intent long past its due time)
+    assert_eq!(ix.expire(10, 1_000_000).unwrap(), 2);
+    assert!(ix.show("x", &user("alice")).unwrap().is_empty());
+}
+
+#[test]
+fn marks_commit_with_their_entries_and_survive_a_reopen() {
+    let t = Temp::new();
+    {
+        let mut ix = t.open();
+        ix.apply_marked(
+            &[Entry::Scheduled(sched("alice", "x", "orders", 5_000))],
+            &[("control_position", Some(12)), ("replay_from", Some(3))],
+        )
+        .unwrap();
+        ix.apply_marked(&[], &[("replay_from", None)]).unwrap();
+        assert!(ix.apply_marked(&[], &[("rebuilding", Some(1))]).is_err());
+        assert!(ix.mark("Bad Name").is_err());
+    }
+    let ix = t.open();
+    assert_eq!(ix.mark("control_position").unwrap(), Some(12));
+    assert_eq!(ix.mark("replay_from").unwrap(), None);
+    assert_eq!(ix.position().unwrap(), None);
+}
