@@ -15,6 +15,7 @@ pub mod import;
 pub mod jsonl;
 pub mod logline;
 pub mod observe;
+pub mod pending;
 pub mod pending_index;
 pub mod plugin_store;
 pub mod proxy;

@@ -1,0 +1,402 @@
+//! Journal and control records into the index's entries, pure: what each record counts for
+//! follows from its broker-checked writer (`amqp_delay::trust`), exactly as the workers decide.
+//!
+//! * A `Scheduled` record counts for its writer `by`: each item is owned by `by`, or by the
+//!   item's `owner` when `by` is a forwarder (a gateway, a worker: `Trust::owner`). Its items are
+//!   intents (listed as unconfirmed) until a `Confirmed` record of the same `(by, session)`
+//!   names their flush; a flush's `failed` ids were never scheduled and are marked refused.
+//!   Which items a flush holds is kept in a bounded map ([`Flushes`]); a confirm that arrives
+//!   after its flush was forgotten leaves the intent unconfirmed until its due time passes.
+//! * A `Ran` record counts only from a writer that may stand for others (`Trust::may_compact`:
+//!   our own user, admins, peers).
+//! * A cancel, a purge and a reschedule of the control stream cover the writer's own messages,
+//!   or, from an admin, anyone's (the purge's and reschedule's `owner` is believed only then).
+//! * Anything without a writer, or with a field the index cannot hold (an empty or overlong id,
+//!   a time past any real one), is skipped and counted.
+
+use std::collections::{HashMap, VecDeque};
+
+use amqp_delay::trust::Trust;
+
+use super::contract::control::Record as ControlRecord;
+use super::contract::journal::{Flush, Item, Record, Run, RunOutcome};
+use crate::pending_index::{Destination, Entry, MAX_ID_BYTES, Outcome, Purge, Scheduled};
+
+/// Items of unconfirmed flushes kept at most: far more than the publishers of a deployment
+/// have in flight (a flush is confirmed within about a second).
+pub const MAX_FLUSH_MEMBERS: usize = 200_000;
+/// How long (by the journal's own times) a flush waits for its confirm before it is forgotten.
+pub const FLUSH_WINDOW_MS: u64 = 5 * 60_000;
+/// Header pairs of one item kept at most, and their bytes: the journal's copy is bounded by its
+/// writer, a forged record is bounded here.
+const MAX_HEADERS: usize = 64;
+const MAX_HEADER_BYTES: usize = 16 << 10;
+/// The latest time the index can hold (SQLite's integers are signed).
+const MAX_MS: u64 = i64::MAX as u64;
+
+/// A flush waiting for its confirm.
+#[derive(Debug)]
+struct Waiting {
+    /// The journal offset of its `Scheduled` record: a follower restarted after a crash reads
+    /// again from the oldest of these, so that their confirms still find them.
+    offset: u64,
+    at_ms: u64,
+    members: Vec<(String, String)>,
+}
+
+type FlushKey = (String, String, u64);
+
+/// The unconfirmed flushes by `(writer, session, flush)`, oldest first, bounded in members
+/// ([`MAX_FLUSH_MEMBERS`]) and age ([`FLUSH_WINDOW_MS`]).
+#[derive(Debug, Default)]
+pub struct Flushes {
+    map: HashMap<FlushKey, Waiting>,
+    order: VecDeque<FlushKey>,
+    members: usize,
+    newest_ms: u64,
+}
+
+impl Flushes {
+    fn insert(&mut self, key: FlushKey, w: Waiting) {
+        self.newest_ms = self.newest_ms.max(w.at_ms);
+        self.members += w.members.len();
+        if let Some(old) = self.map.insert(key.clone(), w) {
+            self.members -= old.members.len();
+        } else {
+            self.order.push_back(key);
+        }
+        self.trim();
+    }
+
+    fn take(&mut self, key: &FlushKey) -> Option<Waiting> {
+        let w = self.map.remove(key)?;
+        self.members -= w.members.len();
+        self.trim();
+        Some(w)
+    }
+
+    /// Forgets the oldest while over the bounds, and drops keys already taken from the front
+    /// (and from anywhere, when they pile up behind a flush that waits long).
+    fn trim(&mut self) {
+        if self.order.len() > 2 * self.map.len() + 1_024 {
+            let map = &self.map;
+            self.order.retain(|k| map.contains_key(k));
+        }
+        while let Some(front) = self.order.front() {
+            let stale = match self.map.get(front) {
+                None => true,
+                Some(w) => {
+                    self.members > MAX_FLUSH_MEMBERS
+                        || w.at_ms.saturating_add(FLUSH_WINDOW_MS) < self.newest_ms
+                }
+            };
+            if !stale {
+                return;
+            }
+            if let Some(key) = self.order.pop_front()
+                && let Some(w) = self.map.remove(&key)
+            {
+                self.members -= w.members.len();
+            }
+        }
+    }
+
+    /// The offset of the oldest flush still waiting: where a restarted follower reads from.
+    pub fn replay_from(&self) -> Option<u64> {
+        // the front is live (`trim`), and flushes are met in offset order
+        self.order
+            .front()
+            .and_then(|k| self.map.get(k))
+            .map(|w| w.offset)
+    }
+
+    /// Items waiting for a confirm.
+    pub fn members(&self) -> usize {
+        self.members
+    }
+}
+
+/// Translates records for the index, with the trust of the follower's process.
+#[derive(Debug)]
+pub struct Translator {
+    trust: Trust,
+    flushes: Flushes,
+    skipped: u64,
+}
+
+impl Translator {
+    /// A translator believing what `trust` lets it.
+    pub fn new(trust: Trust) -> Translator {
+        Translator {
+            trust,
+            flushes: Flushes::default(),
+            skipped: 0,
+        }
+    }
+
+    /// Records and items skipped so far (no writer, not trusted, or unfit for the index).
+    pub fn skipped(&self) -> u64 {
+        self.skipped
+    }
+
+    /// The unconfirmed flushes.
+    pub fn flushes(&self) -> &Flushes {
+        &self.flushes
+    }
+
+    /// The entries of the journal record at `offset` written by `by`.
+    pub fn journal(&mut self, offset: u64, by: Option<&str>, record: &Record) -> Vec<Entry> {
+        let Some(by) = by.filter(|b| !b.is_empty()) else {
+            self.skipped += 1;
+            return Vec::new();
+        };
+        match record {
+            Record::Scheduled {
+                session,
+                flush,
+                at_ms,
+                items,
+                confirmed,
+            } => {
+                let mut out = self.scheduled(offset, by, session, *flush, *at_ms, items);
+                out.extend(self.confirmed(by, session, confirmed));
+                out
+            }
+            Record::Confirmed { session, flushes } => self.confirmed(by, session, flushes),
+            Record::Ran { items } => {
+                if !self.trust.may_compact(Some(by)) {
+                    self.skipped += 1;
+                    return Vec::new();
+                }
+                items.iter().filter_map(|r| self.ran(by, r)).collect()
+            }
+            Record::Barrier { .. } => Vec::new(),
+        }
+    }
+
+    fn scheduled(
+        &mut self,
+        offset: u64,
+        by: &str,
+        session: &str,
+        flush: u64,
+        at_ms: u64,
+        items: &[Item],
+    ) -> Vec<Entry> {
+        if at_ms > MAX_MS {
+            self.skipped += 1;
+            return Vec::new();
+        }
+        let mut out = Vec::with_capacity(items.len());
+        let mut members = Vec::with_capacity(items.len());
+        for item in items {
+            let Some(s) = self.item(by, at_ms, item) else {
+                self.skipped += 1;
+                continue;
+            };
+            members.push((s.owner.clone(), s.id.clone()));
+            out.push(Entry::Scheduled(s));
+        }
+        if !members.is_empty() {
+            let key = (by.to_string(), session.to_string(), flush);
+            let w = Waiting {
+                offset,
+                at_ms,
+                members,
+            };
+            self.flushes.insert(key, w);
+        }
+        out
+    }
+
+    fn item(&self, by: &str, at_ms: u64, item: &Item) -> Option<Scheduled> {
+        let owner = self.trust.owner(Some(by), item.owner.as_deref())?;
+        if !fits_id(&item.id) || item.due_ms > MAX_MS || item.size > MAX_MS {
+            return None;
+        }
+        let destination = match item.exchange.as_deref().filter(|e| !e.is_empty()) {
+            Some(exchange) => Destination::Exchange {
+                exchange: exchange.to_string(),
+                routing_key: item.routing_key.clone().unwrap_or_default(),
+            },
+            None if !item.queue.is_empty() => Destination::Queue(item.queue.clone()),
+            None => return None,
+        };
+        Some(Scheduled {
+            id: item.id.clone(),
+            owner,
+            destination,
+            due_at_ms: item.due_ms,
+            scheduled_at_ms: at_ms,
+            size: item.size,
+            content_type: item.content_type.clone(),
+            headers: bounded_headers(&item.headers),
+            body: item.body.clone(),
+            confirmed: false,
+        })
+    }
+
+    fn confirmed(&mut self, by: &str, session: &str, flushes: &[Flush]) -> Vec<Entry> {
+        let mut out = Vec::new();
+        for f in flushes {
+            let key = (by.to_string(), session.to_string(), f.flush);
+            let Some(w) = self.flushes.take(&key) else {
+                continue;
+            };
+            for (owner, id) in w.members {
+                out.push(if f.failed.contains(&id) {
+                    Entry::Refused {
+                        owner,
+                        id,
+                        scheduled_at_ms: w.at_ms,
+                    }
+                } else {
+                    Entry::Confirmed { owner, id }
+                });
+            }
+        }
+        out
+    }
+
+    fn ran(&mut self, by: &str, r: &Run) -> Option<Entry> {
+        let owner = r.owner.clone().filter(|o| !o.is_empty());
+        if owner.is_none() || !fits_id(&r.id) || r.at_ms > MAX_MS || r.due_ms > MAX_MS {
+            self.skipped += 1;
+            return None;
+        }
+        let (owner, id, at_ms) = (owner?, r.id.clone(), r.at_ms);
+        let ran = |outcome| Entry::Ran {
+            owner: owner.clone(),
+            id: id.clone(),
+            at_ms,
+            lateness_ms: at_ms.saturating_sub(r.due_ms),
+            outcome,
+        };
+        Some(match r.outcome {
+            RunOutcome::Done => ran(Outcome::Done),
+            RunOutcome::Parked => ran(Outcome::Parked),
+            RunOutcome::Retried { next_due_ms } if next_due_ms <= MAX_MS => ran(Outcome::Retried {
+                next_due_at_ms: next_due_ms,
+            }),
+            RunOutcome::Cancelled => Entry::Cancelled {
+                owner: Some(owner),
+                id,
+                by: by.to_string(),
+                at_ms,
+            },
+            RunOutcome::Rescheduled { due_ms } if due_ms <= MAX_MS => Entry::Rescheduled {
+                owner,
+                id,
+                due_at_ms: due_ms,
+                by: by.to_string(),
+                at_ms,
+            },
+            // a newer copy of the message took over: the index follows that one
+            RunOutcome::Superseded
+            | RunOutcome::Retried { .. }
+            | RunOutcome::Rescheduled { .. } => {
+                return None;
+            }
+        })
+    }
+
+    /// The entries of a control record written by `by`, read at `now_ms` (control records carry
+    /// no time of their own).
+    pub fn control(&mut self, by: Option<&str>, record: &ControlRecord, now_ms: u64) -> Vec<Entry> {
+        let Some(by) = by.filter(|b| !b.is_empty()) else {
+            if is_steering(record) {
+                self.skipped += 1;
+            }
+            return Vec::new();
+        };
+        let admin = self.trust.is_admin(by);
+        let cancel = |id: &str| Entry::Cancelled {
+            owner: (!admin).then(|| by.to_string()),
+            id: id.to_string(),
+            by: by.to_string(),
+            at_ms: now_ms,
+        };
+        match record {
+            ControlRecord::Cancel { id, .. } if fits_id(id) => vec![cancel(id)],
+            ControlRecord::Cancels { items } => items
+                .iter()
+                .filter(|(id, _)| fits_id(id))
+                .map(|(id, _)| cancel(id))
+                .collect(),
+            ControlRecord::Purge {
+                queue,
+                owner,
+                due_after_ms,
+                due_before_ms,
+                header,
+                scheduled_before_ms,
+                ..
+            } if !queue.is_empty() => vec![Entry::Purged(Purge {
+                owner: if admin {
+                    owner.clone()
+                } else {
+                    Some(by.to_string())
+                },
+                destination: Destination::Queue(queue.clone()),
+                due_after_ms: due_after_ms.map(|v| v.min(MAX_MS)),
+                due_before_ms: due_before_ms.map(|v| v.min(MAX_MS)),
+                header: header.clone(),
+                scheduled_before_ms: (*scheduled_before_ms).min(MAX_MS),
+                by: by.to_string(),
+                at_ms: now_ms,
+            })],
+            ControlRecord::Reschedule {
+                id,
+                owner,
+                due_at_ms,
+                ..
+            } if fits_id(id) && *due_at_ms <= MAX_MS => vec![Entry::Rescheduled {
+                owner: match owner {
+                    Some(o) if admin && !o.is_empty() => o.clone(),
+                    _ => by.to_string(),
+                },
+                id: id.clone(),
+                due_at_ms: *due_at_ms,
+                by: by.to_string(),
+                at_ms: now_ms,
+            }],
+            ControlRecord::Cancel { .. }
+            | ControlRecord::Purge { .. }
+            | ControlRecord::Reschedule { .. } => {
+                self.skipped += 1;
+                Vec::new()
+            }
+            // barriers, checkpoints, gateway pairs, batch markers: nothing for the index
+            _ => Vec::new(),
+        }
+    }
+}
+
+fn is_steering(r: &ControlRecord) -> bool {
+    matches!(
+        r,
+        ControlRecord::Cancel { .. }
+            | ControlRecord::Cancels { .. }
+            | ControlRecord::Purge { .. }
+            | ControlRecord::Reschedule { .. }
+    )
+}
+
+fn fits_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= MAX_ID_BYTES
+}
+
+fn bounded_headers(h: &[(String, String)]) -> Vec<(String, String)> {
+    let mut bytes = 0;
+    h.iter()
+        .take(MAX_HEADERS)
+        .take_while(|(k, v)| {
+            bytes += k.len() + v.len();
+            bytes <= MAX_HEADER_BYTES
+        })
+        .cloned()
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;
