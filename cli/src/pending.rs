@@ -4,8 +4,10 @@
 //! the rights of the user who asks; [`auth`] checks an HTTP login against the broker.
 //! [`translate`] is the pure part: which record counts for what, by its writer.
 
+pub mod auth;
 mod contract;
 pub mod follow;
+pub mod http;
 pub mod service;
 pub mod translate;
 pub mod when;
