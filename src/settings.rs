@@ -60,6 +60,8 @@ pub struct Settings {
     pub trust: TrustSettings,
     /// The journal of what is scheduled (`amqp_delay::journal`).
     pub journal: JournalSettings,
+    /// The `pending` commands and `pending serve` (the tools' index of what is scheduled).
+    pub pending: PendingSettings,
 }
 
 impl Default for Settings {
@@ -79,6 +81,30 @@ impl Default for Settings {
             cancel: CancelSettings::default(),
             trust: TrustSettings::default(),
             journal: JournalSettings::default(),
+            pending: PendingSettings::default(),
+        }
+    }
+}
+
+/// `[pending]`: where the `pending` commands find an index, and how `pending serve` runs.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PendingSettings {
+    /// A running `pending serve` the `pending` commands ask (`http://HOST:PORT`); without one
+    /// they read the journal into a temporary index of their own (fine at thousands pending).
+    pub index_url: Option<String>,
+    /// Where `pending serve` listens (`HOST:PORT`).
+    pub listen: String,
+    /// The index file of `pending serve` (made, and rebuilt from the journal, when missing).
+    pub index: Option<std::path::PathBuf>,
+}
+
+impl Default for PendingSettings {
+    fn default() -> Self {
+        PendingSettings {
+            index_url: None,
+            listen: "127.0.0.1:8471".into(),
+            index: None,
         }
     }
 }

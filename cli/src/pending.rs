@@ -5,6 +5,7 @@
 //! [`translate`] is the pure part: which record counts for what, by its writer.
 
 pub mod auth;
+pub mod client;
 mod contract;
 pub mod follow;
 pub mod http;

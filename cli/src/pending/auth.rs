@@ -223,8 +223,10 @@ mod tests {
 
     #[test]
     fn every_url_logs_in_as_the_user_with_special_characters_escaped() {
-        let mut s = Settings::default();
-        s.url = "amqp://guest:guest@a:5672/%2f,amqps://b/vh".into();
+        let s = Settings {
+            url: "amqp://guest:guest@a:5672/%2f,amqps://b/vh".into(),
+            ..Settings::default()
+        };
         let as_user = settings_as(&s, &Login::new("al ice", "p@ss/w:rd")).unwrap();
         let urls = amqp_delay::connection::split_urls(&as_user.url);
         assert_eq!(urls.len(), 2);

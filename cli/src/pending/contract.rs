@@ -11,7 +11,7 @@ use amqp_delay::{Error, Layout, Message, Publisher, Result};
 pub mod journal {
     use serde::{Deserialize, Serialize};
 
-    pub use super::{Entry, Start, Tail, end_offset_of as end_offset, tail};
+    pub use super::{Entry, end_offset_of as end_offset, tail};
 
     #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
     #[serde(tag = "type", rename_all = "snake_case")]

@@ -138,6 +138,18 @@ impl Status {
         s
     }
 
+    /// The status of an index read up to the journal's `end` and complete there (a one-off
+    /// read: nothing behind).
+    pub fn settled(end: u64) -> Status {
+        let s = Status::new();
+        s.update(|i| {
+            i.lag.journal_position = Some(end);
+            i.lag.journal_end = Some(end);
+            i.lag.last_applied_ms = Some(now_ms());
+        });
+        s
+    }
+
     fn update(&self, f: impl FnOnce(&mut StatusInner)) {
         let mut i = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         f(&mut i);

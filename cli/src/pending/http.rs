@@ -4,7 +4,7 @@
 //! |---|---|
 //! | `GET /api/v1/pending?queue=&due_after=&due_before=&header=K=V&limit=&after=` | one page |
 //! | `GET /api/v1/pending/{id}?owner=` | one message (per owner, for an admin) with its history |
-//! | `POST /api/v1/pending/purge` | `{"queue", "owner"?, "due_after"?, "due_before"?, "header"?}`: how many it covers |
+//! | `POST /api/v1/pending/purge` | `{"queue", "owner"?, "due_after"?, "due_before"?, "header"?, "dry_run"?}`: how many it covers |
 //! | `POST /api/v1/pending/{id}/reschedule` | `{"delay": "10m"}` or `{"at": "2026-12-24T18:00:00Z"}`, `"owner"?` |
 //! | `POST /api/v1/pending/{id}/cancel` | `{"owner"?}` (or no body) |
 //! | `GET /api/v1/status` | how far behind the index is |
@@ -182,20 +182,17 @@ async fn login(
 }
 
 /// The pairs of a query string, each name at most once, names from `known` only.
-fn params(
-    raw: Option<&str>,
-    known: &[&str],
-) -> std::result::Result<Vec<(String, String)>, Response> {
+fn params(raw: Option<&str>, known: &[&str]) -> std::result::Result<Vec<(String, String)>, String> {
     let mut out: Vec<(String, String)> = Vec::new();
     for (k, v) in url::form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
         if !known.contains(&k.as_ref()) {
-            return Err(error(
-                400,
-                format!("unknown parameter '{k}': known are {}", known.join(", ")),
+            return Err(format!(
+                "unknown parameter '{k}': known are {}",
+                known.join(", ")
             ));
         }
         if out.iter().any(|(n, _)| *n == k) {
-            return Err(error(400, format!("parameter '{k}' is given twice")));
+            return Err(format!("parameter '{k}' is given twice"));
         }
         out.push((k.into_owned(), v.into_owned()));
     }
@@ -249,10 +246,9 @@ async fn list(
         "limit",
         "after",
     ];
-    let q = match params(raw.as_deref(), &known).map(query_of) {
-        Ok(Ok(q)) => q,
-        Ok(Err(why)) => return error(400, why),
-        Err(r) => return r,
+    let q = match params(raw.as_deref(), &known).and_then(query_of) {
+        Ok(q) => q,
+        Err(why) => return error(400, why),
     };
     match api.service.list(api.service.viewer(&user), &q).await {
         Ok(page) => json(StatusCode::OK, &page),
@@ -272,7 +268,7 @@ async fn show(
     };
     let owner = match params(raw.as_deref(), &["owner"]) {
         Ok(p) => p.into_iter().next().map(|(_, v)| v),
-        Err(r) => return r,
+        Err(why) => return error(400, why),
     };
     match api
         .service
@@ -313,6 +309,8 @@ struct PurgeBody {
     due_before: Option<TimeArg>,
     #[serde(default)]
     header: Option<String>,
+    #[serde(default)]
+    dry_run: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -333,11 +331,11 @@ struct CancelBody {
     owner: Option<String>,
 }
 
-fn body_of<T: serde::de::DeserializeOwned + Default>(b: &[u8]) -> std::result::Result<T, Response> {
+fn body_of<T: serde::de::DeserializeOwned + Default>(b: &[u8]) -> std::result::Result<T, String> {
     if b.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
-    serde_json::from_slice(b).map_err(|e| error(400, format!("the JSON body: {e}")))
+    serde_json::from_slice(b).map_err(|e| format!("the JSON body: {e}"))
 }
 
 fn purge_query(b: PurgeBody) -> std::result::Result<PurgeQuery, String> {
@@ -351,6 +349,7 @@ fn purge_query(b: PurgeBody) -> std::result::Result<PurgeQuery, String> {
         due_after_ms: b.due_after.map(|t| t.ms(now)).transpose()?,
         due_before_ms: b.due_before.map(|t| t.ms(now)).transpose()?,
         header: b.header.as_deref().map(header_filter).transpose()?,
+        dry_run: b.dry_run,
     })
 }
 
@@ -396,7 +395,7 @@ async fn reschedule(
     };
     let b: RescheduleBody = match body_of(&body) {
         Ok(b) => b,
-        Err(r) => return r,
+        Err(why) => return error(400, why),
     };
     let to = match move_to(&b) {
         Ok(t) => t,
@@ -424,7 +423,7 @@ async fn cancel(
     };
     let b: CancelBody = match body_of(&body) {
         Ok(b) => b,
-        Err(r) => return r,
+        Err(why) => return error(400, why),
     };
     match api.service.cancel(&as_user, &id, b.owner.as_deref()).await {
         Ok(out) => json(StatusCode::OK, &out),

@@ -152,6 +152,9 @@ pub struct PurgeQuery {
     pub due_before_ms: Option<u64>,
     /// Only with this user header `(key, value)`.
     pub header: Option<(String, String)>,
+    /// Only count what it would cover; write nothing.
+    #[serde(default)]
+    pub dry_run: bool,
 }
 
 /// Where a reschedule moves a message.
@@ -283,7 +286,7 @@ impl Service {
     }
 
     /// Cancels every pending message `p` covers with one control record written as the user of
-    /// `as_user`; how many the index knows of.
+    /// `as_user` (with `dry_run`, writes nothing); how many the index knows of.
     pub async fn purge(&self, as_user: &Settings, p: &PurgeQuery) -> Result<PurgeOut, Failure> {
         let user = acting_user(as_user)?;
         let admin = viewer_of(&self.settings, &user) == Viewer::Admin;
@@ -302,6 +305,14 @@ impl Service {
             after: None,
         };
         let covered = self.count(viewer, &q).await?;
+        if p.dry_run {
+            return Ok(PurgeOut {
+                covered,
+                queue: p.queue.clone(),
+                written: false,
+                lag: self.status.lag(),
+            });
+        }
         let purge = control::Purge {
             queue: p.queue.clone(),
             owner,
@@ -316,6 +327,7 @@ impl Service {
         Ok(PurgeOut {
             covered,
             queue: p.queue.clone(),
+            written: true,
             lag: self.status.lag(),
         })
     }

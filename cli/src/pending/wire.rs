@@ -270,6 +270,8 @@ pub struct PurgeOut {
     pub covered: u64,
     /// The destination queue.
     pub queue: String,
+    /// Whether the purge record was written (not on a dry run).
+    pub written: bool,
     /// How far behind the index is (what it does not know yet is covered too, but not
     /// counted).
     pub lag: Lag,

@@ -67,6 +67,10 @@ pub(crate) enum Cmd {
     /// See, retry and drop the messages parked in <prefix>.parked.<queue> (an admin's tool)
     #[command(subcommand)]
     Parked(ParkedCmd),
+    /// See and steer what is scheduled and not yet run: list, show, purge, reschedule, cancel;
+    /// `pending serve` keeps an index of it and serves it over HTTP
+    #[command(subcommand)]
+    Pending(PendingCmd),
     /// Delete every exchange and queue of the topology, or with --queue one destination
     Teardown {
         /// Delete even if tiers or the parking queue still hold messages (they are lost)
@@ -257,5 +261,150 @@ pub(crate) enum ParkedCmd {
         /// Do not ask (required when stdin is not a terminal)
         #[arg(long)]
         yes: bool,
+    },
+}
+
+const PENDING_HELP: &str = "Answers come from a running `pending serve` when --index-url (pending.index_url) \
+names one, asked as the user of --url; else the journal and the control stream are read into a temporary \
+index for this command (fine at thousands pending). A user sees and steers only what it scheduled; \
+trust.admins everything. Times: RFC 3339 (2026-12-24T18:00:00Z, ...+01:00), ms since the epoch, now, \
+or from now (+10m, -1h).";
+
+/// Where the `pending` commands get their answers.
+#[derive(clap::Args)]
+pub(crate) struct IndexSource {
+    /// A running `pending serve` to ask (http://HOST:PORT) [config: pending.index_url]
+    #[arg(long, value_name = "URL")]
+    pub(crate) index_url: Option<String>,
+}
+
+/// Which messages a list or a purge covers.
+#[derive(clap::Args)]
+pub(crate) struct PendingFilter {
+    /// Only due after this time
+    #[arg(long, value_name = "TIME", value_parser = time_arg, allow_hyphen_values = true)]
+    pub(crate) due_after: Option<u64>,
+    /// Only due before this time
+    #[arg(long, value_name = "TIME", value_parser = time_arg, allow_hyphen_values = true)]
+    pub(crate) due_before: Option<u64>,
+    /// Only with this user header
+    #[arg(long, value_name = "NAME=VALUE", value_parser = header_arg)]
+    pub(crate) header: Option<(String, String)>,
+}
+
+fn time_arg(s: &str) -> Result<u64, String> {
+    amqp_delay_cli::pending::when::parse_time(s, amqp_delay::time::now_ms())
+}
+
+fn header_arg(s: &str) -> Result<(String, String), String> {
+    amqp_delay_cli::pending::http::header_filter(s)
+}
+
+#[derive(Subcommand)]
+pub(crate) enum PendingCmd {
+    /// Pending messages by due time, one page (--after continues)
+    #[command(after_help = PENDING_HELP)]
+    List {
+        /// Only messages to this queue
+        #[arg(long, value_name = "QUEUE")]
+        queue: Option<String>,
+        #[command(flatten)]
+        filter: PendingFilter,
+        /// Messages a page holds (1 to 1000)
+        #[arg(long, value_name = "N", default_value_t = 100, value_parser = clap::value_parser!(u16).range(1..=1000))]
+        limit: u16,
+        /// Continue after this cursor (what the previous page printed as next)
+        #[arg(long, value_name = "CURSOR")]
+        after: Option<String>,
+        /// Print the page as one JSON object
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        source: IndexSource,
+    },
+    /// Every field, the kept body and the history of one message
+    #[command(after_help = PENDING_HELP)]
+    Show {
+        /// Its message id
+        id: String,
+        /// An admin: only the message of this owner
+        #[arg(long, value_name = "USER")]
+        owner: Option<String>,
+        /// Print one JSON object
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        source: IndexSource,
+    },
+    /// Cancel every pending message of a queue (narrowed by the filters) with one record that
+    /// every worker, relay and gateway honours like a cancel
+    #[command(after_help = PENDING_HELP)]
+    Purge {
+        /// The destination queue
+        #[arg(long, value_name = "QUEUE")]
+        queue: String,
+        /// An admin: only this owner's messages (default: everyone's)
+        #[arg(long, value_name = "USER")]
+        owner: Option<String>,
+        #[command(flatten)]
+        filter: PendingFilter,
+        /// Do not ask (required when stdin is not a terminal)
+        #[arg(long)]
+        yes: bool,
+        #[command(flatten)]
+        source: IndexSource,
+    },
+    /// Move one pending message: later always; earlier or now only when its body was kept
+    /// (journal.keep_body)
+    #[command(after_help = PENDING_HELP)]
+    Reschedule {
+        /// Its message id
+        id: String,
+        /// Due this long from now (1500, 30s, 10m, 24h ...)
+        #[arg(
+            long,
+            value_name = "DURATION",
+            required_unless_present = "at",
+            conflicts_with = "at"
+        )]
+        delay: Option<DurationMs>,
+        /// Due at this time
+        #[arg(long, value_name = "TIME", value_parser = time_arg, allow_hyphen_values = true)]
+        at: Option<u64>,
+        /// An admin: the message of this owner
+        #[arg(long, value_name = "USER")]
+        owner: Option<String>,
+        #[command(flatten)]
+        source: IndexSource,
+    },
+    /// Cancel one pending message by id, with its due time from the index
+    #[command(after_help = PENDING_HELP)]
+    Cancel {
+        /// Its message id
+        id: String,
+        /// An admin: the message of this owner (an admin's cancel stops every owner's message of
+        /// the id)
+        #[arg(long, value_name = "USER")]
+        owner: Option<String>,
+        #[command(flatten)]
+        source: IndexSource,
+    },
+    /// How far behind the index is
+    Status {
+        /// Print one JSON object
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        source: IndexSource,
+    },
+    /// Keep an index of what is pending (following the journal) and serve it over HTTP (the
+    /// JSON API under /api/v1/, HTTP Basic logins checked by the broker); runs until SIGTERM
+    Serve {
+        /// Where to listen [config: pending.listen, default 127.0.0.1:8471]
+        #[arg(long, value_name = "HOST:PORT")]
+        listen: Option<String>,
+        /// The index file (made, and rebuilt from the journal, when missing) [config: pending.index]
+        #[arg(long, value_name = "PATH")]
+        index: Option<PathBuf>,
     },
 }

@@ -5,6 +5,7 @@
 mod args;
 mod import;
 mod parked;
+mod pending;
 mod send;
 mod topology;
 
@@ -48,6 +49,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
         Cmd::Send(a) => send::send(&settings, a).await,
         Cmd::ImportPlugin(a) => import::import_plugin(&settings, a).await,
         Cmd::Parked(c) => parked::run(&settings, c).await,
+        Cmd::Pending(c) => pending::run(settings, c).await,
     }
 }
 

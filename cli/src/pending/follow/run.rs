@@ -200,8 +200,9 @@ async fn expire(index: SharedIndex, options: FollowOptions) {
 
 /// Reads both streams from their start, once, into a new in-memory index: the journal up to
 /// its end as it is now, then the control stream up to a barrier of our own. What `pending`
-/// answers from when no index server is named (at the scale of thousands).
-pub async fn build_once(settings: &Settings, conn: &Connection) -> Result<PendingIndex> {
+/// answers from when no index server is named (at the scale of thousands). With the journal's
+/// end it read to.
+pub async fn build_once(settings: &Settings, conn: &Connection) -> Result<(PendingIndex, u64)> {
     let layout = settings.layout()?;
     let trust = trust_of(settings);
     let mut ix = PendingIndex::open(std::path::Path::new(":memory:"), Default::default())
@@ -253,7 +254,7 @@ pub async fn build_once(settings: &Settings, conn: &Connection) -> Result<Pendin
     drop(ct);
     Arc::try_unwrap(index)
         .map_err(|_| Error::Stopped("the temporary index is still in use".into()))
-        .map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()))
+        .map(|m| (m.into_inner().unwrap_or_else(|p| p.into_inner()), end))
 }
 
 /// Reads `tail` until `last` says a record is the last, applying what `translate` makes of
@@ -285,7 +286,7 @@ async fn read_until<R>(
         entries.extend(translate(&e));
         read += 1;
         let done = last(&e);
-        if done || read % BATCH == 0 {
+        if done || read.is_multiple_of(BATCH) {
             apply(index, std::mem::take(&mut entries), Vec::new()).await?;
         }
         if done {
