@@ -6,7 +6,6 @@
 
 pub mod auth;
 pub mod client;
-mod contract;
 pub mod follow;
 pub mod http;
 pub mod service;

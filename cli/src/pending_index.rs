@@ -218,8 +218,9 @@ pub enum Entry {
     Purged(Purge),
     /// `by` moved it to `due_at_ms`.
     Rescheduled {
-        /// The message's owner.
-        owner: String,
+        /// The message's owner (`None`: every owner's message of the id, an admin's reschedule
+        /// naming none).
+        owner: Option<String>,
         /// The message id.
         id: String,
         /// The new due time (ms since the epoch).
@@ -1375,21 +1376,7 @@ impl Writer<'_> {
             } => {
                 check_id(id)?;
                 let at = ms(*at_ms, "a cancel's time")?;
-                let targets = match owner {
-                    Some(o) => self.current(o, id)?.into_iter().collect::<Vec<_>>(),
-                    None => {
-                        let owners: Vec<i64> = self
-                            .tx
-                            .prepare_cached("SELECT nid FROM names WHERE kind = ?1")?
-                            .query_map([OWNER], |r| r.get(0))?
-                            .collect::<rusqlite::Result<_>>()?;
-                        let mut v = Vec::new();
-                        for own in owners {
-                            v.extend(self.current_of(own, &StoredId::of(id))?);
-                        }
-                        v
-                    }
-                };
+                let targets = self.targets(owner.as_deref(), id)?;
                 for cur in targets {
                     // a cancel of what already ran or was parked is too late: nothing changes
                     if cur.state.listing() == Some(1) {
@@ -1439,16 +1426,15 @@ impl Writer<'_> {
                 by,
                 at_ms,
             } => {
-                let Some(cur) = self.current(owner, id)? else {
-                    return Ok(());
-                };
                 let due = ms(*due_at_ms, "a due time")?;
-                if cur.state.listing() != Some(1) || cur.due == due {
-                    return Ok(());
-                }
                 let at = ms(*at_ms, "a reschedule's time")?;
-                self.event(&cur, EV_RESCHEDULED, at, Some(by), Some(cur.due), Some(due))?;
-                self.move_to(&cur, cur.state, due, None)
+                for cur in self.targets(owner.as_deref(), id)? {
+                    if cur.state.listing() == Some(1) && cur.due != due {
+                        self.event(&cur, EV_RESCHEDULED, at, Some(by), Some(cur.due), Some(due))?;
+                        self.move_to(&cur, cur.state, due, None)?;
+                    }
+                }
+                Ok(())
             }
         }
     }
@@ -1548,6 +1534,24 @@ impl Writer<'_> {
                 self.hdr_insert(cur.rk, due, own, dest, &s.headers)
             }
         }
+    }
+
+    /// The row of `owner`'s message `id`, or of every owner's when `owner` is `None`.
+    fn targets(&mut self, owner: Option<&str>, id: &str) -> Result<Vec<Current>> {
+        check_id(id)?;
+        let Some(o) = owner else {
+            let owners: Vec<i64> = self
+                .tx
+                .prepare_cached("SELECT nid FROM names WHERE kind = ?1")?
+                .query_map([OWNER], |r| r.get(0))?
+                .collect::<rusqlite::Result<_>>()?;
+            let mut v = Vec::new();
+            for own in owners {
+                v.extend(self.current_of(own, &StoredId::of(id))?);
+            }
+            return Ok(v);
+        };
+        Ok(self.current(o, id)?.into_iter().collect())
     }
 
     fn current(&mut self, owner: &str, id: &str) -> Result<Option<Current>> {

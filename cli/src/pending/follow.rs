@@ -16,6 +16,7 @@
 //! * **How far behind** ([`Lag`]): the journal's end offset, polled every second, against the
 //!   position applied, and for how long the follower has not been caught up.
 
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -26,9 +27,10 @@ use amqp_delay::trust::Trust;
 use amqp_delay::{Error, Layout, Result};
 use tokio::sync::{mpsc, watch};
 
-use super::contract::{Start, Tail, control, journal};
 use super::translate::Translator;
 use crate::pending_index::{self, Entry, PendingIndex};
+use amqp_delay::journal::{Start, Tail};
+use amqp_delay::{control, journal};
 
 /// The index, shared by the follower and the queries (SQLite's connection is used by one
 /// thread at a time).
@@ -252,9 +254,37 @@ pub fn trust_of(settings: &Settings) -> Trust {
     Trust::new(url_user(settings), &settings.trust)
 }
 
+/// A stream's follower, whatever its records (the library gives each stream's `Tail` its own
+/// methods).
+trait Follow: Send + 'static {
+    type R: Send + 'static;
+    fn next(&mut self) -> impl Future<Output = Option<Result<journal::Entry<Self::R>>>> + Send;
+    fn end(self) -> impl Future<Output = ()> + Send;
+}
+
+impl Follow for Tail<journal::Record> {
+    type R = journal::Record;
+    fn next(&mut self) -> impl Future<Output = Option<Result<journal::Entry<Self::R>>>> + Send {
+        Tail::<journal::Record>::next(self)
+    }
+    fn end(self) -> impl Future<Output = ()> + Send {
+        Tail::<journal::Record>::end(self)
+    }
+}
+
+impl Follow for Tail<control::Record> {
+    type R = control::Record;
+    fn next(&mut self) -> impl Future<Output = Option<Result<journal::Entry<Self::R>>>> + Send {
+        Tail::<control::Record>::next(self)
+    }
+    fn end(self) -> impl Future<Output = ()> + Send {
+        Tail::<control::Record>::end(self)
+    }
+}
+
 /// Pumps a tail into a bounded channel (the reader's own task, so that the applier can take
 /// what is there without cancelling a read half-way).
-fn pump<R: Send + 'static>(mut tail: Tail<R>) -> mpsc::Receiver<Result<journal::Entry<R>>> {
+fn pump<T: Follow>(mut tail: T) -> mpsc::Receiver<Result<journal::Entry<T::R>>> {
     let (tx, rx) = mpsc::channel(READ_AHEAD);
     tokio::spawn(async move {
         loop {

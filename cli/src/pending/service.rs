@@ -14,10 +14,10 @@ use amqp_delay::time::now_ms;
 use amqp_delay::{ErrorKind, Message, Publisher};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
-use super::contract::{self, control};
 use super::follow::{SharedIndex, Status, url_user, with_index};
 use super::wire::{MessageOut, PageOut, PurgeOut, RowOut, ShowOut, SteeredOut};
 use crate::pending_index::{Cursor, Destination, Filter, MAX_ID_BYTES, Record, State, Viewer};
+use amqp_delay::control;
 
 /// Rows a page holds at most through `pending` (the index allows more; a page's memory and an
 /// HTTP answer stay small).
@@ -319,9 +319,13 @@ impl Service {
             due_after_ms: p.due_after_ms,
             due_before_ms: p.due_before_ms,
             header: p.header.clone(),
+            // the publisher fills these in: now, and as long as a covered message can fall due
+            nonce: String::new(),
+            scheduled_before_ms: 0,
+            until_ms: 0,
         };
         let publisher = Publisher::connect(as_user).await?;
-        let r = contract::purge(&publisher, purge).await;
+        let r = publisher.purge(purge).await;
         publisher.close().await;
         r?;
         Ok(PurgeOut {
@@ -357,7 +361,7 @@ impl Service {
         let resent = copy.is_some();
         let named = (r.row.owner != user).then_some(r.row.owner.as_str());
         let publisher = Publisher::connect(as_user).await?;
-        let res = contract::reschedule(&publisher, id, named, from, due, copy).await;
+        let res = publisher.reschedule(id, named, from, due, copy).await;
         publisher.close().await;
         res?;
         Ok(SteeredOut {

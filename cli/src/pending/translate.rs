@@ -18,9 +18,9 @@ use std::collections::{HashMap, VecDeque};
 
 use amqp_delay::trust::Trust;
 
-use super::contract::control::Record as ControlRecord;
-use super::contract::journal::{Flush, Item, Record, Run, RunOutcome};
 use crate::pending_index::{Destination, Entry, MAX_ID_BYTES, Outcome, Purge, Scheduled};
+use amqp_delay::control::Record as ControlRecord;
+use amqp_delay::journal::{Flush, Item, Record, Run, RunOutcome};
 
 /// Items of unconfirmed flushes kept at most: far more than the publishers of a deployment
 /// have in flight (a flush is confirmed within about a second).
@@ -57,13 +57,24 @@ pub struct Flushes {
 }
 
 impl Flushes {
+    /// Adds `w`'s members to flush `key` (a flush larger than one record spans several
+    /// records of the same number; a replayed record adds nothing twice).
     fn insert(&mut self, key: FlushKey, w: Waiting) {
         self.newest_ms = self.newest_ms.max(w.at_ms);
-        self.members += w.members.len();
-        if let Some(old) = self.map.insert(key.clone(), w) {
-            self.members -= old.members.len();
-        } else {
-            self.order.push_back(key);
+        match self.map.get_mut(&key) {
+            Some(have) => {
+                for m in w.members {
+                    if !have.members.contains(&m) {
+                        have.members.push(m);
+                        self.members += 1;
+                    }
+                }
+            }
+            None => {
+                self.members += w.members.len();
+                self.map.insert(key.clone(), w);
+                self.order.push_back(key);
+            }
         }
         self.trim();
     }
@@ -285,7 +296,7 @@ impl Translator {
                 at_ms,
             },
             RunOutcome::Rescheduled { due_ms } if due_ms <= MAX_MS => Entry::Rescheduled {
-                owner,
+                owner: Some(owner),
                 id,
                 due_at_ms: due_ms,
                 by: by.to_string(),
@@ -323,25 +334,17 @@ impl Translator {
                 .filter(|(id, _)| fits_id(id))
                 .map(|(id, _)| cancel(id))
                 .collect(),
-            ControlRecord::Purge {
-                queue,
-                owner,
-                due_after_ms,
-                due_before_ms,
-                header,
-                scheduled_before_ms,
-                ..
-            } if !queue.is_empty() => vec![Entry::Purged(Purge {
+            ControlRecord::Purge(p) if !p.queue.is_empty() => vec![Entry::Purged(Purge {
                 owner: if admin {
-                    owner.clone()
+                    p.owner.clone()
                 } else {
                     Some(by.to_string())
                 },
-                destination: Destination::Queue(queue.clone()),
-                due_after_ms: due_after_ms.map(|v| v.min(MAX_MS)),
-                due_before_ms: due_before_ms.map(|v| v.min(MAX_MS)),
-                header: header.clone(),
-                scheduled_before_ms: (*scheduled_before_ms).min(MAX_MS),
+                destination: Destination::Queue(p.queue.clone()),
+                due_after_ms: p.due_after_ms.map(|v| v.min(MAX_MS)),
+                due_before_ms: p.due_before_ms.map(|v| v.min(MAX_MS)),
+                header: p.header.clone(),
+                scheduled_before_ms: p.scheduled_before_ms.min(MAX_MS),
                 by: by.to_string(),
                 at_ms: now_ms,
             })],
@@ -351,9 +354,11 @@ impl Translator {
                 due_at_ms,
                 ..
             } if fits_id(id) && *due_at_ms <= MAX_MS => vec![Entry::Rescheduled {
-                owner: match owner {
-                    Some(o) if admin && !o.is_empty() => o.clone(),
-                    _ => by.to_string(),
+                // an admin's names its owner, or none: every owner's message of the id
+                owner: if admin {
+                    owner.clone().filter(|o| !o.is_empty())
+                } else {
+                    Some(by.to_string())
                 },
                 id: id.clone(),
                 due_at_ms: *due_at_ms,
@@ -361,7 +366,7 @@ impl Translator {
                 at_ms: now_ms,
             }],
             ControlRecord::Cancel { .. }
-            | ControlRecord::Purge { .. }
+            | ControlRecord::Purge(_)
             | ControlRecord::Reschedule { .. } => {
                 self.skipped += 1;
                 Vec::new()
@@ -377,7 +382,7 @@ fn is_steering(r: &ControlRecord) -> bool {
         r,
         ControlRecord::Cancel { .. }
             | ControlRecord::Cancels { .. }
-            | ControlRecord::Purge { .. }
+            | ControlRecord::Purge(_)
             | ControlRecord::Reschedule { .. }
     )
 }

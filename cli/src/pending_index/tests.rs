@@ -222,7 +222,7 @@ fn runs_reschedules_and_confirms_make_the_history_and_move_the_row() {
             id: "m".into(),
         },
         Entry::Rescheduled {
-            owner: "alice".into(),
+            owner: Some("alice".into()),
             id: "m".into(),
             due_at_ms: 9_000,
             by: "alice".into(),
@@ -297,7 +297,7 @@ fn runs_reschedules_and_confirms_make_the_history_and_move_the_row() {
             at_ms: 11_000,
         },
         Entry::Rescheduled {
-            owner: "alice".into(),
+            owner: Some("alice".into()),
             id: "m".into(),
             due_at_ms: 20_000,
             by: "alice".into(),

@@ -274,7 +274,10 @@ async fn serve(
         ));
     };
     cli::start_metrics(&settings).await?;
-    let options = FollowOptions::default();
+    let options = FollowOptions {
+        history: settings.journal.history.as_duration(),
+        ..FollowOptions::default()
+    };
     http::serve(settings, &listen, &index, options, cli::shutdown_signal()).await?;
     Ok(0)
 }

@@ -198,10 +198,9 @@ async fn expire(index: SharedIndex, options: FollowOptions) {
     }
 }
 
-/// Reads both streams from their start, once, into a new in-memory index: the journal up to
-/// its end as it is now, then the control stream up to a barrier of our own. What `pending`
-/// answers from when no index server is named (at the scale of thousands). With the journal's
-/// end it read to.
+/// Reads both streams from their start, once, into a new in-memory index: each up to a barrier
+/// of our own, the journal first. What `pending` answers from when no index server is named
+/// (at the scale of thousands). With the journal offset it read to.
 pub async fn build_once(settings: &Settings, conn: &Connection) -> Result<(PendingIndex, u64)> {
     let layout = settings.layout()?;
     let trust = trust_of(settings);
@@ -209,25 +208,15 @@ pub async fn build_once(settings: &Settings, conn: &Connection) -> Result<(Pendi
         .map_err(index_error)?;
     ix.begin_rebuild().map_err(index_error)?;
     let index: SharedIndex = Arc::new(Mutex::new(ix));
-    let end = journal::end_offset(conn, &layout).await?.unwrap_or(0);
+    let nonce = journal::barrier(conn, &layout).await?;
     let mut tr = Translator::new(trust.clone());
-    if end > 0 {
-        let mut tail = journal::tail(conn, &layout, Start::First).await?;
-        let r = read_until(
-            &mut tail,
-            |e| e.offset + 1 >= end,
-            |e| {
-                e.record
-                    .as_ref()
-                    .map(|r| tr.journal(e.offset, e.by.as_deref(), r))
-                    .unwrap_or_default()
-            },
-            &index,
-        )
-        .await;
-        tail.end().await;
-        r?;
-    }
+    let tail = journal::tail(conn, &layout, Start::First).await?;
+    let end = read_to_barrier(tail, &nonce, &index, |e| match &e.record {
+        Some(journal::Record::Barrier { nonce: n }) if *n == nonce => None,
+        Some(r) => Some(tr.journal(e.offset, e.by.as_deref(), r)),
+        None => Some(Vec::new()),
+    })
+    .await?;
     with_index(&index, |ix| ix.finish_rebuild()).await?;
     let nonce = uuid::Uuid::now_v7().to_string();
     let barrier = control::Record::Barrier {
@@ -235,62 +224,58 @@ pub async fn build_once(settings: &Settings, conn: &Connection) -> Result<(Pendi
     };
     control::append(conn, &layout, &barrier).await?;
     let mut ct = Translator::new(trust);
-    let mut tail = control::tail(conn, &layout, Start::First).await?;
     let now = now_ms();
-    let r = read_until(
-        &mut tail,
-        |e| matches!(&e.record, Some(control::Record::Barrier { nonce: n }) if *n == nonce),
-        |e| {
-            e.record
-                .as_ref()
-                .map(|r| ct.control(e.by.as_deref(), r, now))
-                .unwrap_or_default()
-        },
-        &index,
-    )
-    .await;
-    tail.end().await;
-    r?;
-    drop(ct);
+    let tail = control::tail(conn, &layout, Start::First).await?;
+    read_to_barrier(tail, &nonce, &index, |e| match &e.record {
+        Some(control::Record::Barrier { nonce: n }) if *n == nonce => None,
+        Some(r) => Some(ct.control(e.by.as_deref(), r, now)),
+        None => Some(Vec::new()),
+    })
+    .await?;
     Arc::try_unwrap(index)
         .map_err(|_| Error::Stopped("the temporary index is still in use".into()))
         .map(|m| (m.into_inner().unwrap_or_else(|p| p.into_inner()), end))
 }
 
-/// Reads `tail` until `last` says a record is the last, applying what `translate` makes of
-/// each, [`BATCH`] records a transaction.
-async fn read_until<R>(
-    tail: &mut Tail<R>,
-    last: impl Fn(&journal::Entry<R>) -> bool,
-    mut translate: impl FnMut(&journal::Entry<R>) -> Vec<Entry>,
+/// Reads `tail` up to the barrier `nonce` (when `translate` says `None`), applying what it
+/// makes of each record, [`BATCH`] records a transaction; the offset after the barrier.
+async fn read_to_barrier<T: Follow>(
+    mut tail: T,
+    nonce: &str,
     index: &SharedIndex,
-) -> Result<()> {
+    mut translate: impl FnMut(&journal::Entry<T::R>) -> Option<Vec<Entry>>,
+) -> Result<u64> {
     let mut entries = Vec::new();
     let mut read = 0usize;
-    loop {
-        let next = tokio::time::timeout(READ_STALL, tail.next()).await;
-        let e = match next {
+    let r = loop {
+        let e = match tokio::time::timeout(READ_STALL, tail.next()).await {
             Err(_) => {
-                return Err(Error::Stopped(format!(
-                    "no record arrived for {} s while reading a stream up to its end",
+                break Err(Error::Stopped(format!(
+                    "no record arrived for {} s before the barrier {nonce}",
                     READ_STALL.as_secs()
                 )));
             }
             Ok(None) => {
-                return Err(Error::Stopped(
+                break Err(Error::Stopped(
                     "the stream's reader ended (connection lost)".into(),
                 ));
             }
-            Ok(Some(e)) => e?,
+            Ok(Some(Err(e))) => break Err(e),
+            Ok(Some(Ok(e))) => e,
         };
-        entries.extend(translate(&e));
         read += 1;
-        let done = last(&e);
-        if done || read.is_multiple_of(BATCH) {
-            apply(index, std::mem::take(&mut entries), Vec::new()).await?;
+        let Some(more) = translate(&e) else {
+            break apply(index, std::mem::take(&mut entries), Vec::new())
+                .await
+                .map(|()| e.offset + 1);
+        };
+        entries.extend(more);
+        if read.is_multiple_of(BATCH)
+            && let Err(e) = apply(index, std::mem::take(&mut entries), Vec::new()).await
+        {
+            break Err(e);
         }
-        if done {
-            return Ok(());
-        }
-    }
+    };
+    tail.end().await;
+    r
 }

@@ -242,7 +242,7 @@ fn steering_records_cover_the_writers_own_unless_an_admin_wrote_them() {
         items: vec![("a".into(), 1), ("".into(), 1), ("b".into(), 1)],
     };
     assert_eq!(t.control(Some("alice"), &cancels, 77).len(), 2);
-    let purge = ControlRecord::Purge {
+    let purge = ControlRecord::Purge(amqp_delay::control::Purge {
         nonce: "n".into(),
         queue: "orders".into(),
         owner: Some("bob".into()),
@@ -251,10 +251,10 @@ fn steering_records_cover_the_writers_own_unless_an_admin_wrote_them() {
         header: Some(("k".into(), "v".into())),
         scheduled_before_ms: 500,
         until_ms: 9,
-    };
+    });
     let owner_of = |e: &[Entry]| match &e[0] {
         Entry::Purged(p) => p.owner.clone(),
-        Entry::Rescheduled { owner, .. } => Some(owner.clone()),
+        Entry::Rescheduled { owner, .. } => owner.clone(),
         other => panic!("{other:?}"),
     };
     // a user's purge covers its own messages whatever owner it names; an admin's the named one
@@ -286,15 +286,16 @@ fn steering_records_cover_the_writers_own_unless_an_admin_wrote_them() {
         owner_of(&t.control(Some("root"), &resched(Some("bob")), 7)),
         Some("bob".into())
     );
-    assert_eq!(
-        owner_of(&t.control(Some("root"), &resched(None), 7)),
-        Some("root".into())
-    );
+    assert_eq!(owner_of(&t.control(Some("root"), &resched(None), 7)), None);
     // without a writer nothing counts; what is not steering is nothing for the index
     assert!(t.control(None, &cancel, 7).is_empty());
     assert!(
-        t.control(Some("alice"), &ControlRecord::Other, 7)
-            .is_empty()
+        t.control(
+            Some("alice"),
+            &ControlRecord::BatchMarker { queue: "q".into() },
+            7
+        )
+        .is_empty()
     );
     assert!(
         t.control(
