@@ -31,10 +31,13 @@ fn tenant(t: &str) -> FieldTable {
     h
 }
 
+/// An id's writer, due time and kept headers.
+type Journaled = (Option<String>, u64, Vec<(String, String)>);
+
 /// What the journal says so far: ids scheduled (with their writer), flushes confirmed, runs.
 #[derive(Default, Debug)]
 struct Seen {
-    scheduled: HashMap<String, (Option<String>, u64, Vec<(String, String)>)>,
+    scheduled: HashMap<String, Journaled>,
     flush_of: HashMap<String, u64>,
     confirmed: HashSet<u64>,
     ran: HashMap<String, RunOutcome>,

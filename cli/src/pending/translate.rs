@@ -4,7 +4,8 @@
 //! * A `Scheduled` record counts for its writer `by`: each item is owned by `by`, or by the
 //!   item's `owner` when `by` is a forwarder (a gateway, a worker: `Trust::owner`). Its items are
 //!   intents (listed as unconfirmed) until a `Confirmed` record of the same `(by, session)`
-//!   names their flush; a flush's `failed` ids were never scheduled and are marked refused.
+//!   names their flush; a flush's `failed` ids were never scheduled and are marked refused,
+//!   its `unsure` ones (a lost confirm) stay unconfirmed until their due time passes.
 //!   Which items a flush holds is kept in a bounded map ([`Flushes`]); a confirm that arrives
 //!   after its flush was forgotten leaves the intent unconfirmed until its due time passes.
 //! * A `Ran` record counts only from a writer that may stand for others (`Trust::may_compact`:
@@ -255,6 +256,10 @@ impl Translator {
                 continue;
             };
             for (owner, id) in w.members {
+                // a lost confirm: it may be in the tiers; listed unconfirmed until due
+                if f.unsure.contains(&id) {
+                    continue;
+                }
                 out.push(if f.failed.contains(&id) {
                     Entry::Refused {
                         owner,

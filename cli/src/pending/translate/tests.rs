@@ -51,6 +51,7 @@ fn flush(n: u64, failed: &[&str]) -> Flush {
     Flush {
         flush: n,
         failed: failed.iter().map(|s| s.to_string()).collect(),
+        unsure: Vec::new(),
     }
 }
 
@@ -115,6 +116,29 @@ fn intents_are_unconfirmed_until_their_flush_is_confirmed_by_the_same_writer_and
         ]
     );
     assert_eq!(t.flushes().replay_from(), None);
+    // a lost confirm leaves its ids unconfirmed
+    t.journal(
+        20,
+        Some("alice"),
+        &scheduled(2, vec![item("c", None), item("d", None)], vec![]),
+    );
+    let mut unsure = flush(2, &[]);
+    unsure.unsure = vec!["c".into()];
+    let e = t.journal(
+        21,
+        Some("alice"),
+        &Record::Confirmed {
+            session: "s1".into(),
+            flushes: vec![unsure],
+        },
+    );
+    assert_eq!(
+        e,
+        [Entry::Confirmed {
+            owner: "alice".into(),
+            id: "d".into()
+        }]
+    );
     // a confirm seen twice confirms once
     assert!(t.journal(13, Some("alice"), &confirm).is_empty());
 }
