@@ -17,6 +17,7 @@ mod isolation;
 mod journal;
 mod observe;
 mod parked;
+mod pending;
 mod permissions;
 mod proxy;
 mod security;
