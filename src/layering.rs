@@ -55,6 +55,7 @@ const TOOL_LAYERS: &[(&str, u8)] = &[
     ("console", 2),
     ("import", 2),
     ("observe", 2),
+    ("pending", 2),
     ("pending_index", 2),
     ("proxy", 2),
     ("cli", 3),
@@ -84,6 +85,9 @@ const PURE_FILES: &[&str] = &[
     "src/gateway/x_delay.rs",
     "cli/src/jsonl.rs",
     "cli/src/proxy/frames.rs",
+    "cli/src/pending/translate.rs",
+    "cli/src/pending/when.rs",
+    "cli/src/pending/wire.rs",
     "bench/src/hops.rs",
     "bench/src/search.rs",
 ];

@@ -50,6 +50,15 @@ impl fmt::Display for Failure {
 impl std::error::Error for Failure {}
 
 impl Failure {
+    /// Whether the request itself is wrong (a CLI exits with its usage code).
+    pub fn is_usage(&self) -> bool {
+        match self {
+            Failure::Invalid(_) | Failure::NotFound(_) => true,
+            Failure::Unavailable(_) => false,
+            Failure::Broker(e) => matches!(e.kind(), ErrorKind::Usage | ErrorKind::Topology),
+        }
+    }
+
     /// The HTTP status that says it.
     pub fn http_status(&self) -> u16 {
         match self {
@@ -62,15 +71,6 @@ impl Failure {
                 ErrorKind::Refused => 403,
                 _ => 502,
             },
-        }
-    }
-
-    /// The exit code of a CLI command that ended with it (2: fix the request; 1: failed).
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            Failure::Invalid(_) | Failure::NotFound(_) => crate::cli::EXIT_USAGE,
-            Failure::Unavailable(_) => crate::cli::EXIT_FAILURES,
-            Failure::Broker(e) => crate::cli::exit_code(e),
         }
     }
 }

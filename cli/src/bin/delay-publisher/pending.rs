@@ -35,8 +35,17 @@ pub(crate) async fn run(mut settings: Settings, cmd: PendingCmd) -> amqp_delay::
         Ok(code) => Ok(code),
         Err(f) => {
             cli::print_error(&f.to_string());
-            Ok(f.exit_code())
+            Ok(exit_code(&f))
         }
+    }
+}
+
+/// 2 when the request must change (an id, a filter, a time, a setting), else 1.
+fn exit_code(f: &Failure) -> i32 {
+    match f {
+        Failure::Broker(e) => cli::exit_code(e),
+        f if f.is_usage() => cli::EXIT_USAGE,
+        _ => cli::EXIT_FAILURES,
     }
 }
 
@@ -65,19 +74,7 @@ async fn answer(settings: &Settings, cmd: PendingCmd) -> Result<i32, Failure> {
                 limit: Some(usize::from(limit)),
                 after,
             };
-            let page = src.list(&q).await?;
-            if json {
-                outln!("{}", to_json(&page));
-            } else {
-                for r in &page.rows {
-                    outln!("{}", line(r));
-                }
-                if let Some(n) = &page.next {
-                    eprintln!("more: --after {n}");
-                }
-            }
-            behind(&page.lag);
-            Ok(0)
+            list(&src, &q, json).await
         }
         PendingCmd::Show {
             id, owner, json, ..
@@ -86,9 +83,7 @@ async fn answer(settings: &Settings, cmd: PendingCmd) -> Result<i32, Failure> {
             if json {
                 outln!("{}", to_json(&s));
             } else {
-                for m in &s.messages {
-                    show(m);
-                }
+                s.messages.iter().for_each(show);
             }
             behind(&s.lag);
             Ok(0)
@@ -135,6 +130,22 @@ async fn answer(settings: &Settings, cmd: PendingCmd) -> Result<i32, Failure> {
         }
         PendingCmd::Serve { .. } => unreachable!("served before"),
     }
+}
+
+async fn list(src: &Source, q: &Query, json: bool) -> Result<i32, Failure> {
+    let page = src.list(q).await?;
+    if json {
+        outln!("{}", to_json(&page));
+    } else {
+        for r in &page.rows {
+            outln!("{}", line(r));
+        }
+        if let Some(n) = &page.next {
+            eprintln!("more: --after {n}");
+        }
+    }
+    behind(&page.lag);
+    Ok(0)
 }
 
 async fn purge(
