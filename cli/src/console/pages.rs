@@ -222,6 +222,7 @@ fn state_name(s: RowState) -> &'static str {
         RowState::Cancelled => "cancelled",
         RowState::Done => "done",
         RowState::Parked => "parked",
+        RowState::Refused => "refused",
     }
 }
 
