@@ -69,6 +69,8 @@ pub struct Metrics {
     pub scheduled: Counter,
     /// Broker messages published into the tiers (a batch counts once).
     pub broker_messages: Counter,
+    /// Records appended to the journal stream (scheduled, confirmed, ran).
+    pub journal_records: Counter,
     /// Publishes the broker refused (nack).
     pub nacks: Counter,
     /// Publishes the broker returned as unroutable.
@@ -140,6 +142,7 @@ impl Metrics {
             registry: Registry::with_prefix("amqp_delay"),
             scheduled: Counter::default(),
             broker_messages: Counter::default(),
+            journal_records: Counter::default(),
             nacks: Counter::default(),
             returns: Counter::default(),
             delivered: Family::default(),
@@ -218,6 +221,11 @@ impl Metrics {
             "broker_messages",
             "Broker messages published into the tiers (a batch counts once)",
             self.broker_messages.clone(),
+        );
+        self.registry.register(
+            "journal_records",
+            "Records appended to the journal stream (scheduled, confirmed, ran)",
+            self.journal_records.clone(),
         );
         self.registry.register(
             "broker_nacks",

@@ -261,5 +261,7 @@ async fn append(inner: &Weak<Inner>, record: &Record) -> Result<()> {
     inner
         .publish_confirmed(log.exchange(), log.name(), &log.encode(record), props)
         .await
-        .map_err(|e| log.or_missing(e))
+        .map_err(|e| log.or_missing(e))?;
+    crate::metrics::global().journal_records.inc();
+    Ok(())
 }

@@ -25,11 +25,14 @@ use super::tracker::{Lateness, Tracker, steady_window};
 use crate::amqp::{declare_plain_queue, delete_queue};
 use crate::config::Scenario;
 
-/// The tiers' broker messages and the messages scheduled so far in this process (the library's
-/// metrics: a batch is one broker message).
+/// The broker messages (the tiers' and the journal's records) and the messages scheduled so
+/// far in this process (the library's metrics: a batch is one broker message).
 fn tier_counts() -> (u64, u64) {
     let m = amqp_delay::metrics::global();
-    (m.broker_messages.get(), m.scheduled.get())
+    (
+        m.broker_messages.get() + m.journal_records.get(),
+        m.scheduled.get(),
+    )
 }
 
 /// What one publish-and-consume run measured.
