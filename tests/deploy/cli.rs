@@ -55,7 +55,10 @@ fn help(bin: &str, sub: Option<&str>) -> Help {
     if let Some(h) = cache.lock().unwrap().get(&key) {
         return h.clone();
     }
-    let mut args: Vec<String> = sub.map(|s| vec![s.to_string()]).unwrap_or_default();
+    // a nested subcommand is its path: "pending serve"
+    let mut args: Vec<String> = sub
+        .map(|s| s.split(' ').map(str::to_string).collect())
+        .unwrap_or_default();
     args.push("--help".into());
     let (code, text) = run_bin(bin, &args);
     assert_eq!(code, 0, "{key} --help failed:\n{text}");
@@ -184,22 +187,28 @@ pub(crate) fn check_invocation(argv: &[String], what: &str) -> Invocation {
                 other => other,
             };
             inv.flags.push((long.to_string(), value));
-        } else if inv.sub.is_none() && !top.subcommands.is_empty() {
+        } else if !current.subcommands.is_empty() {
             assert!(
-                top.subcommands.contains(a),
-                "{what}: `{bin}` has no subcommand '{a}' (it has {:?})",
-                top.subcommands
+                current.subcommands.contains(a),
+                "{what}: `{bin} {}` has no subcommand '{a}' (it has {:?})",
+                inv.sub.as_deref().unwrap_or(""),
+                current.subcommands
             );
-            inv.sub = Some(a.clone());
-            current = help(bin, Some(a));
+            let path = match &inv.sub {
+                Some(s) => format!("{s} {a}"),
+                None => a.clone(),
+            };
+            current = help(bin, Some(&path));
+            inv.sub = Some(path);
         } else {
             panic!("{what}: unexpected argument '{a}' for `{bin}`");
         }
         i += 1;
     }
     assert!(
-        top.subcommands.is_empty() || inv.sub.is_some(),
-        "{what}: `{bin}` needs a subcommand"
+        current.subcommands.is_empty(),
+        "{what}: `{bin} {}` needs a subcommand",
+        inv.sub.as_deref().unwrap_or("")
     );
     let mut args = argv[1..].to_vec();
     args.push("--help".into());

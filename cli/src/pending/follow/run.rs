@@ -65,6 +65,7 @@ pub async fn run(
             break Err(e);
         }
         replay = None;
+        amqp_delay::metrics::global().connected.set(0);
         let why = amqp_delay::error_chain(&e);
         tracing::warn!("the pending follower stopped reading: {why}; reconnecting");
         status.update(|i| i.lag.error = Some(why));
@@ -95,6 +96,8 @@ async fn follow_once(
     let crx = pump(control::tail(conn, layout, ctl.map_or(Start::First, Start::Offset)).await?);
     status.update(|i| i.lag.error = None);
     status.applied.send_replace(pos.unwrap_or(0));
+    // `/readyz` of --metrics-addr: following the streams
+    amqp_delay::metrics::global().connected.set(1);
     let (jt, ct) = tr;
     tokio::try_join!(
         journal_loop(jrx, pos.unwrap_or(0), index, status, jt),
