@@ -968,3 +968,36 @@ fn marks_commit_with_their_entries_and_survive_a_reopen() {
     assert_eq!(ix.mark("replay_from").unwrap(), None);
     assert_eq!(ix.position().unwrap(), None);
 }
+
+/// A purge of 1,000,000 pending messages of one destination, among 1,100,000: one transaction,
+/// timed (`cargo test --release -p amqp-delay-cli --lib a_purge_of_a_million -- --ignored
+/// --nocapture`).
+#[test]
+#[ignore = "a measurement: about a minute in release"]
+fn a_purge_of_a_million_rows_is_one_transaction() {
+    let t = Temp::new();
+    let mut ix = t.open();
+    let started = std::time::Instant::now();
+    for chunk in 0..110u64 {
+        let batch: Vec<Entry> = (0..10_000u64)
+            .map(|i| {
+                let n = chunk * 10_000 + i;
+                let queue = if chunk < 100 { "orders" } else { "other" };
+                let mut s = sched("alice", &uuid::Uuid::now_v7().to_string(), queue, 5_000 + n);
+                s.headers = vec![("tenant".into(), format!("t{}", n % 100))];
+                Entry::Scheduled(s)
+            })
+            .collect();
+        ix.apply(&batch).unwrap();
+    }
+    println!("1,100,000 scheduled in {:?}", started.elapsed());
+    let started = std::time::Instant::now();
+    ix.apply(&[Entry::Purged(purge_of("orders", None))])
+        .unwrap();
+    println!("1,000,000 purged in {:?}", started.elapsed());
+    let f = Filter::new(Viewer::Admin);
+    assert_eq!(ix.count(&f).unwrap(), 100_000);
+    let mut f = Filter::new(Viewer::Admin);
+    f.header = Some(("tenant".into(), "t1".into()));
+    assert_eq!(ix.count(&f).unwrap(), 1_000);
+}
