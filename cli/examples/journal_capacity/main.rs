@@ -9,7 +9,18 @@
 //! cargo run --release -p amqp-delay-cli --example journal_capacity -- --messages 10000000
 //! ```
 //!
-//! Flags: `--messages N`, `--destinations D` (10), `--prefix P` (a random `jc…`), `--keep`.
+//! Then, in a process of its own (so that its peak memory is the follower's), the rebuild of
+//! the pending index from that journal, as `pending serve` does it when its file is missing,
+//! and the queries on the result; and the teardown:
+//!
+//! ```sh
+//! cargo run --release -p amqp-delay-cli --example journal_capacity -- --messages 10000000 --keep
+//! cargo run --release -p amqp-delay-cli --example journal_capacity -- --prefix jc… --rebuild /tmp/ix.db
+//! cargo run --release -p amqp-delay-cli --example journal_capacity -- --prefix jc… --teardown
+//! ```
+//!
+//! Flags: `--messages N`, `--destinations D` (10), `--prefix P` (a random `jc…`), `--keep`,
+//! `--rebuild FILE`, `--teardown`.
 //! The broker is `AMQP_URL` (default the local guest one). Bodies are 16 bytes; each message
 //! has a UUIDv7 id and one header (`tenant`, 1 000 values).
 
@@ -26,6 +37,8 @@ struct Args {
     destinations: u64,
     prefix: String,
     keep: bool,
+    rebuild: Option<std::path::PathBuf>,
+    teardown: bool,
 }
 
 fn args() -> Args {
@@ -34,6 +47,8 @@ fn args() -> Args {
         destinations: 10,
         prefix: format!("jc{:08x}", rand::random::<u32>()),
         keep: false,
+        rebuild: None,
+        teardown: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -43,6 +58,8 @@ fn args() -> Args {
             "--destinations" => a.destinations = value().parse().expect("--destinations D"),
             "--prefix" => a.prefix = value(),
             "--keep" => a.keep = true,
+            "--rebuild" => a.rebuild = Some(value().into()),
+            "--teardown" => a.teardown = true,
             other => panic!("unknown flag {other}"),
         }
     }
@@ -62,11 +79,24 @@ async fn main() {
         .await
         .expect("a broker");
     let topology = Topology::new(layout.clone());
-    topology.declare(&conn).await.expect("declare");
     let queues: Vec<String> = (0..a.destinations)
         .map(|d| format!("{}.dest{d}", a.prefix))
         .collect();
     let ch = conn.create_channel().await.unwrap();
+    if let Some(file) = &a.rebuild {
+        // dest0 was purged by the scheduling run: list another
+        rebuild::run(&s, file, &queues[1 % queues.len()]).await;
+        return;
+    }
+    if a.teardown {
+        for q in &queues {
+            let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+        }
+        topology.delete(&conn).await.expect("teardown");
+        println!("deleted everything under {}", a.prefix);
+        return;
+    }
+    topology.declare(&conn).await.expect("declare");
     for q in &queues {
         let mut args = FieldTable::default();
         args.insert(
@@ -113,6 +143,8 @@ async fn main() {
         println!("deleted everything under {}", a.prefix);
     }
 }
+
+mod rebuild;
 
 fn durable() -> lapin::options::QueueDeclareOptions {
     lapin::options::QueueDeclareOptions {
