@@ -1,10 +1,12 @@
 //! `delay-console` in a real browser (issue 48): headless Chromium through chromedriver, a real
-//! broker, the real binaries. 300 messages wait for A and 200 for B; a person logs in with the
-//! broker's guest credentials, sees A with 300 and B with 200, searches `b-7`, sees its
-//! destination and due time, cancels it from its page, and a worker never runs it (while b-8,
-//! due at the same time, runs). Without credentials the console answers 401, with TLS it
-//! serves HTTPS only, and the browser's console logs no error. A screenshot of each page goes
-//! to `target/console-screenshots/`.
+//! broker, the real binaries; the console follows the journal into its own index. 300 messages
+//! wait for A and 200 for B; a person logs in with the broker's guest credentials, sees A with
+//! 300 and B with 200, searches `b-7`, sees its destination and due time, cancels it from its
+//! page, and a worker never runs it (while b-8, due at the same time, runs); b-9 is moved
+//! earlier from its page and runs then; A is purged after a confirmation that counts 300.
+//! Without credentials the console answers 401, with TLS it serves HTTPS only, and the
+//! browser's console logs no error. A screenshot of each page goes to
+//! `target/console-screenshots/`.
 //!
 //! The test FAILS (never skips) when the broker, chromedriver or Chromium is missing.
 
@@ -17,9 +19,6 @@ use std::time::{Duration, Instant};
 
 use amqp_delay::time::{DurationMs, now_ms};
 use amqp_delay::{Message, QueueType, TopologySettings};
-use amqp_delay_cli::pending_index::{
-    Destination, Entry, Options, PendingIndex, Scheduled as IndexScheduled,
-};
 use browser::{Browser, free_port};
 use fantoccini::Locator;
 use harness::{Env, broker_url};
@@ -118,30 +117,6 @@ fn curl(url: &str, args: &[&str]) -> (String, String) {
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
     (code.to_string(), body.to_string())
-}
-
-/// Fills the index as the journal's follower would (until the follower runs in the console).
-fn feed_index(index: &Path, owner: &str, sent: &[(String, String, u64)]) {
-    let mut ix = PendingIndex::open(index, Options::default()).unwrap();
-    let now = now_ms();
-    let entries: Vec<Entry> = sent
-        .iter()
-        .map(|(q, id, due)| {
-            Entry::Scheduled(IndexScheduled {
-                id: id.clone(),
-                owner: owner.into(),
-                destination: Destination::Queue(q.clone()),
-                due_at_ms: *due,
-                scheduled_at_ms: now,
-                size: 7,
-                content_type: None,
-                headers: vec![],
-                body: None,
-                confirmed: true,
-            })
-        })
-        .collect();
-    ix.apply(&entries).unwrap();
 }
 
 /// Starts `delay-consumer --log` on `queue`: the ids it runs arrive on the returned lines.
@@ -258,7 +233,7 @@ async fn first_page_shows_300_and_200(browser: &Browser, login: &str, a: &str, b
 }
 
 /// Lists `b`, searches b-7, checks its destination and due time, cancels it from its page.
-async fn search_and_cancel_b7(browser: &Browser, b: &str, b7_due: u64) {
+async fn search_and_cancel_b7(browser: &Browser, base: &str, b: &str, b7_due: u64) {
     let c = &browser.client;
     click(c, Locator::LinkText(b)).await;
     let list = browser.source().await;
@@ -286,9 +261,68 @@ async fn search_and_cancel_b7(browser: &Browser, b: &str, b7_due: u64) {
     let done = text_of(c, "main p.notice").await;
     assert!(done.starts_with("Cancelled 'b-7'"), "{done}");
     browser.screenshot("4-cancelled").await;
+    // the index learns it from the control stream
+    let started = Instant::now();
+    let mut state = String::new();
+    while started.elapsed() < Duration::from_secs(20) {
+        c.goto(&format!("{base}/message?id=b-7")).await.unwrap();
+        state = text_of(c, "article.message td.state").await;
+        if state == "cancelled" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    eprintln!("b-7 shown cancelled after {:?}", started.elapsed());
+    assert_eq!(state, "cancelled");
+    browser.screenshot("5-b-7-cancelled").await;
 }
 
-/// Waits until b-8 ran (and 5 s more): b-7 must not have.
+/// Moves b-9 (due in 10 minutes, its body kept) to 10 s from now, from its page.
+async fn reschedule_b9_earlier(browser: &Browser, base: &str) {
+    let c = &browser.client;
+    c.goto(&format!("{base}/message?id=b-9")).await.unwrap();
+    let at = wait_for(
+        c,
+        Locator::Css("form[action='/message/reschedule'] input[name=at]"),
+    )
+    .await;
+    at.send_keys("+10s").await.unwrap();
+    click(c, Locator::Css("form[action='/message/reschedule'] button")).await;
+    let done = text_of(c, "main p.notice").await;
+    assert!(done.starts_with("Rescheduled 'b-9'"), "{done}");
+    browser.screenshot("6-b-9-rescheduled").await;
+}
+
+/// Purges A from its confirmation page (which counts 300); the first page then shows none.
+async fn purge_a(browser: &Browser, base: &str, a: &str) {
+    let c = &browser.client;
+    c.goto(&format!("{base}/purge?queue={a}")).await.unwrap();
+    assert_eq!(text_of(c, "#purge-count").await, "300");
+    browser.screenshot("7-purge-confirmation").await;
+    click(c, Locator::Css("form[action='/purge'] button")).await;
+    let done = text_of(c, "main p.notice").await;
+    assert!(done.contains("300 pending messages covered"), "{done}");
+    let started = Instant::now();
+    loop {
+        c.goto(&format!("{base}/")).await.unwrap();
+        let html = browser.source().await;
+        if pending_of(&html, a).is_none_or(|n| n == 0) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "A still pending: {html}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!(
+        "A gone from the first page {:?} after the purge",
+        started.elapsed()
+    );
+    browser.screenshot("8-after-purge").await;
+}
+
+/// Waits until b-8 ran (and 5 s more): b-7 must not have, b-9 (moved earlier) must have.
 async fn b8_runs_and_b7_never(ran: &mut tokio::sync::mpsc::Receiver<String>, b7_due: u64) {
     let wait = Duration::from_millis(b7_due.saturating_sub(now_ms()) + 30_000);
     let deadline = Instant::now() + wait;
@@ -305,6 +339,10 @@ async fn b8_runs_and_b7_never(ran: &mut tokio::sync::mpsc::Receiver<String>, b7_
     }
     assert!(seen.iter().any(|id| id == "b-8"), "b-8 never ran: {seen:?}");
     assert!(
+        seen.iter().any(|id| id == "b-9"),
+        "the rescheduled b-9 never ran: {seen:?}"
+    );
+    assert!(
         !seen.iter().any(|id| id == "b-7"),
         "the cancelled b-7 ran: {seen:?}"
     );
@@ -317,10 +355,11 @@ async fn a_person_sees_searches_and_cancels_in_chromium() {
     let b = env.queue("b").await;
     let cfg = env.write_config("");
     declare_for_worker(&mut env, &cfg, &b).await;
+    // the journal keeps bodies, so that b-9 can be moved earlier
+    env.settings.journal.keep_body = true;
     let sent = schedule_500(&env, &a, &b).await;
     let b7_due = sent.iter().find(|(_, id, _)| id == "b-7").unwrap().2;
     let index = harness::temp_path(&env.settings.prefix, "index.db");
-    feed_index(&index, "guest", &sent);
     let mut console = ConsoleProc::start(&env, &cfg, &index, &[]).await;
     console.wait_ready("http", None).await;
     let base = format!("http://127.0.0.1:{}", console.port);
@@ -333,15 +372,9 @@ async fn a_person_sees_searches_and_cancels_in_chromium() {
     let login = format!("http://guest:guest@127.0.0.1:{}/", console.port);
     first_page_shows_300_and_200(&browser, &login, &a, &b).await;
     let first = browser.screenshot("1-destinations").await;
-    search_and_cancel_b7(&browser, &b, b7_due).await;
-    // the purge confirmation counts A
-    browser
-        .client
-        .goto(&format!("{base}/purge?queue={a}"))
-        .await
-        .unwrap();
-    assert_eq!(text_of(&browser.client, "#purge-count").await, "300");
-    browser.screenshot("5-purge-confirmation").await;
+    search_and_cancel_b7(&browser, &base, &b, b7_due).await;
+    reschedule_b9_earlier(&browser, &base).await;
+    purge_a(&browser, &base, &a).await;
     // no JavaScript error, no failed load, in the browser's console
     let logged = browser.console_log().await;
     let errors: Vec<_> = logged

@@ -62,18 +62,7 @@ async fn main() {
     if let Err(e) = cli::start_metrics(&settings).await {
         cli::fail_with(&e);
     }
-    let app = match console::app(settings, &config) {
-        Ok(a) => a,
-        Err(e) => cli::fail_with(&e),
-    };
-    let https = config.tls.is_some();
-    let served = console::serve(
-        app,
-        config,
-        |addr| tracing::info!(%addr, https, "delay-console listening"),
-        cli::shutdown_signal(),
-    )
-    .await;
+    let served = console::run(settings, config, cli::shutdown_signal()).await;
     if let Err(e) = served {
         cli::fail_with(&e);
     }

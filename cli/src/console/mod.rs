@@ -1,15 +1,19 @@
 //! `delay-console` (issue 48): one small web application to see and steer what is waiting.
 //!
-//! * **Login** is HTTP Basic with the broker's own users ([`auth`]): each login is checked by
-//!   opening an AMQP connection as that user (cached briefly), and every action runs on a
-//!   connection of that user, so the broker's permissions and the trust model decide what it
-//!   may do. A user sees what it owns; an admin (`trust.admins`) everything.
-//! * **Pages** ([`pages`]) read the pending index ([`crate::pending_index`]) through
-//!   [`store::Store`]: the destinations with their summary ([`summaries`], refreshed in the
-//!   background so that a page answers fast whatever the index holds), paged lists (keyset,
-//!   never OFFSET, at most [`MAX_PAGE`] rows), one message with its history and body.
-//! * **Actions** ([`steer`]) are the CLI's: cancel, reschedule, purge a filtered set (after a
-//!   confirmation page that counts), retry or drop parked messages (`amqp_delay::parked`).
+//! * **The index** is the console's own: the pending follower ([`crate::pending::follow`])
+//!   keeps it up to date from the journal and the control stream, as `pending serve` does.
+//! * **Login** is HTTP Basic with the broker's own users ([`auth`], the pending API's check):
+//!   each login is checked by opening an AMQP connection as that user (remembered briefly), and
+//!   every action runs on a connection of that user, so the broker's permissions and the trust
+//!   model decide what it may do. A user sees what it owns; an admin (`trust.admins`)
+//!   everything.
+//! * **Pages** ([`pages`]) read the index through [`store::Store`]: the destinations with
+//!   their summary ([`summaries`], refreshed in the background so that a page answers fast
+//!   whatever the index holds), paged lists (keyset, never OFFSET, at most [`MAX_PAGE`] rows),
+//!   one message with its history and body.
+//! * **Actions** ([`steer`]) are the CLI's: cancel, reschedule and purge through the pending
+//!   service ([`crate::pending::service::Service`], after a confirmation page that counts for a
+//!   purge), retry or drop parked messages (`amqp_delay::parked`).
 //!   Every POST carries a token tied to the user and must come from this console's own pages
 //!   (Origin or Referer naming this host) ([`csrf`]).
 //! * **HTML** comes from templates embedded at compile time and escaped by the engine
@@ -40,7 +44,11 @@ use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 
-use crate::pending_index::Viewer;
+use crate::pending::follow::{self, FollowOptions, SharedIndex, Status};
+use crate::pending::service::Service;
+use crate::pending_index::{Options, PendingIndex};
+
+pub use auth::Login;
 
 /// Rows an HTML page lists at most.
 pub const MAX_PAGE: usize = 100;
@@ -69,30 +77,16 @@ pub struct App {
     pub summaries: summaries::Summaries,
     /// Who may log in.
     pub logins: Arc<dyn auth::Authenticate>,
+    /// The pending service: the CLI's cancel, reschedule and purge.
+    pub service: Service,
+    /// How far behind the follower is.
+    pub status: Status,
     /// The CSRF tokens' key.
     pub csrf: csrf::Csrf,
     /// Whether the console serves HTTPS (the origin a form post must come from).
     pub https: bool,
     /// The templates.
     pub views: view::Views,
-}
-
-/// A logged-in user, as the auth layer puts it on each request.
-#[derive(Clone)]
-pub struct Login {
-    /// The user name.
-    pub user: String,
-    /// Its password, to act on the broker as that user (never logged, never shown).
-    pub password: auth::Secret,
-    /// What it sees.
-    pub viewer: Viewer,
-}
-
-impl Login {
-    /// Whether the user is an admin (sees and steers everything).
-    pub fn is_admin(&self) -> bool {
-        self.viewer == Viewer::Admin
-    }
 }
 
 /// A configuration error of the console (exit 2).
@@ -126,19 +120,87 @@ pub fn router(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
-/// Opens the index and builds the application of `settings` (logins checked on the broker).
-pub fn app(settings: Settings, config: &Config) -> Result<Arc<App>> {
-    let store = store::Store::open(&config.index, config.cache_bytes)?;
-    let logins: Arc<dyn auth::Authenticate> = Arc::new(auth::BrokerLogins::new(&settings)?);
-    Ok(Arc::new(App {
+/// Opens the index (the follower's connection and the pages' two) and builds the application
+/// of `settings`, logins checked on its broker. The caches split `config.cache_bytes`: two
+/// fifths for the follower, the rest for the pages ([`store::Store::open`]).
+pub fn app(settings: Settings, config: &Config) -> Result<(Arc<App>, SharedIndex)> {
+    let writer = PendingIndex::open(
+        &config.index,
+        Options {
+            cache_bytes: config.cache_bytes * 2 / 5,
+            ..Options::default()
+        },
+    )
+    .map_err(|e| config_err_index(&config.index, &e))?;
+    let index: SharedIndex = Arc::new(std::sync::Mutex::new(writer));
+    let store = store::Store::open(&config.index, config.cache_bytes * 3 / 5)?;
+    let status = Status::new();
+    let app = Arc::new(App {
         summaries: summaries::Summaries::new(store.clone()),
         store,
-        logins,
+        logins: Arc::new(crate::pending::auth::Logins::new(settings.clone())),
+        service: Service::new(settings.clone(), index.clone(), status.clone()),
+        status,
         csrf: csrf::Csrf::random(),
         https: config.tls.is_some(),
         views: view::Views::new(),
         settings,
-    }))
+    });
+    Ok((app, index))
+}
+
+fn config_err_index(path: &std::path::Path, e: &dyn std::fmt::Display) -> Error {
+    config(format!("the pending index {}: {e}", path.display()))
+}
+
+/// Runs the console of `settings` until `shutdown`: the follower into `config.index`, and the
+/// pages on `config.listen`.
+pub async fn run(
+    settings: Settings,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let (app, index) = app(settings.clone(), &config)?;
+    let options = FollowOptions {
+        history: settings.journal.history.as_duration(),
+        ..FollowOptions::default()
+    };
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let status = app.status.clone();
+    let follow_stop = stopped(stop_rx.clone());
+    let mut follower = tokio::spawn(follow::run(settings, index, status, options, follow_stop));
+    let https = config.tls.is_some();
+    let served = serve(
+        app,
+        config,
+        move |addr| tracing::info!(%addr, https, "delay-console listening"),
+        stopped(stop_rx),
+    );
+    tokio::pin!(served, shutdown);
+    let joined = |r: std::result::Result<Result<()>, tokio::task::JoinError>| {
+        r.map_err(|e| Error::Stopped(format!("the pending follower: {e}")))?
+    };
+    tokio::select! {
+        r = &mut served => {
+            let _ = stop_tx.send(true);
+            let followed = joined(follower.await);
+            r.and(followed)
+        }
+        () = &mut shutdown => {
+            let _ = stop_tx.send(true);
+            let r = served.await;
+            r.and(joined(follower.await))
+        }
+        f = &mut follower => {
+            // the follower gave up (bad settings): the pages would never change again
+            let _ = stop_tx.send(true);
+            let r = served.await;
+            joined(f).and(r)
+        }
+    }
 }
 
 /// Binds `config.listen` and serves `app` until `shutdown` completes; `bound` is told the
@@ -156,8 +218,6 @@ pub async fn serve(
         .local_addr()
         .map_err(|e| config_err_listen(&config.listen, e))?;
     bound(addr);
-    // /readyz of --metrics-addr: the console answers
-    amqp_delay::metrics::global().connected.set(1);
     let routes = router(app);
     let served = match config.tls {
         Some(acceptor) => {

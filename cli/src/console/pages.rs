@@ -32,7 +32,7 @@ pub(super) fn base(app: &App, login: &Login, q: &Search, page: &str, title: &str
         csrf => app.csrf.token(&login.user),
         refresh => Value::from(()),
         notice => Value::from(()),
-        behind => Value::from(()),
+        behind => app.status.lag().describe(),
     }
 }
 
@@ -80,6 +80,14 @@ fn store_failed(app: &App, login: &Login, e: &super::store::StoreError) -> Respo
             StatusCode::SERVICE_UNAVAILABLE,
             "The index cannot answer",
             m,
+            None,
+        ),
+        super::store::StoreError::Rebuilding => notice(
+            app,
+            login,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "The index is being rebuilt",
+            &e.to_string(),
             None,
         ),
     }
@@ -171,16 +179,17 @@ pub async fn index(
     Query(iq): Query<IndexQuery>,
 ) -> Response {
     let q = Search::default();
-    let shown = match app.summaries.get(&login.viewer).await {
-        Ok(s) => s,
-        Err(e) => {
-            let e = super::store::StoreError::Failed(e);
-            return store_failed(&app, &login, &e);
+    let (shown, note) = match app.summaries.get(&login.viewer).await {
+        Ok(s) => (s, "Counting what is pending…"),
+        // the follower's rebuild at start: the page waits for it
+        Err(super::store::StoreError::Rebuilding) => {
+            (None, "The index is being rebuilt from the journal…")
         }
+        Err(e) => return store_failed(&app, &login, &e),
     };
     let Some(shown) = shown else {
         let ctx = context! {
-            counting => true, rows => Vec::<()>::new(), truncated => false, age => Value::from(()),
+            counting => note, rows => Vec::<()>::new(), truncated => false, age => Value::from(()),
             more => Value::from(()), refresh => 2,
             ..base(&app, &login, &q, "index", "Destinations")
         };
@@ -215,15 +224,9 @@ pub async fn index(
     app.views.page(StatusCode::OK, "index.html", ctx)
 }
 
-fn state_name(s: RowState) -> &'static str {
-    match s {
-        RowState::Unconfirmed => "unconfirmed",
-        RowState::Pending => "pending",
-        RowState::Cancelled => "cancelled",
-        RowState::Done => "done",
-        RowState::Parked => "parked",
-        RowState::Refused => "refused",
-    }
+/// A state as pages name it (and style it): its name in lower case, `pending`, `cancelled`...
+fn state_name(s: RowState) -> String {
+    format!("{s:?}").to_lowercase()
 }
 
 #[derive(Serialize)]
@@ -234,7 +237,7 @@ struct ListRow {
     destination: String,
     due: String,
     due_rel: String,
-    state: &'static str,
+    state: String,
     size: u64,
     headers: String,
 }
@@ -364,7 +367,7 @@ struct Shown {
     due_ms: u64,
     due_rel: String,
     scheduled: String,
-    state: &'static str,
+    state: String,
     pending: bool,
     parked: bool,
     size: u64,
@@ -523,8 +526,16 @@ pub(super) fn purge_filter(
     if q.parked()? {
         return Err("a purge cancels pending messages; drop parked ones one by one".into());
     }
-    if q.destination()?.is_none() {
-        return Err("a purge names the queue (or exchange) whose messages it cancels".into());
+    match q.destination()? {
+        Some(Destination::Queue(_)) => {}
+        Some(Destination::Exchange { .. }) => {
+            return Err(
+                "a purge names a queue: a gateway's messages are purged by its due \
+                        queue (delay-publisher pending purge --queue)"
+                    .into(),
+            );
+        }
+        None => return Err("a purge names the queue whose messages it cancels".into()),
     }
     q.filter(login.viewer.clone(), now)
 }

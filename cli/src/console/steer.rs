@@ -1,13 +1,13 @@
 //! The actions: cancel, reschedule, purge a filtered set, retry or drop a parked message. Each
 //! is a form post that must carry the user's CSRF token and come from this console's own
 //! pages ([`super::csrf`]); each runs on a broker connection of the logged-in user, by the
-//! same library calls as the CLI, so the broker's permissions and the trust model decide what
-//! it may do. What each did is logged with the user (never the password) and shown.
+//! same code as the CLI (the pending service's cancel, reschedule and purge; the library's
+//! `parked`), so the broker's permissions and the trust model decide what it may do. What each
+//! did is logged with the user (never the password) and shown.
 
 use std::sync::Arc;
 
 use amqp_delay::Publisher;
-use amqp_delay::cancel::Verdict;
 use amqp_delay::connection::Connector;
 use amqp_delay::parked;
 use amqp_delay::settings::Settings;
@@ -18,8 +18,10 @@ use serde::Deserialize;
 
 use super::pages::notice;
 use super::search::{self, Query as Search};
-use super::{App, Login, auth, csrf};
+use super::{App, Login, csrf};
 use crate::logline::escape_controls;
+use crate::pending::service::{Failure, MoveTo, PurgeQuery};
+use crate::pending_index::Destination;
 
 /// A refused form post: 403 and why, as plain text.
 fn forbidden(why: &str) -> Response {
@@ -44,27 +46,14 @@ fn guard(app: &App, login: &Login, headers: &HeaderMap, token: &str) -> Option<R
     None
 }
 
-/// The deployment's settings acting as the login.
-fn as_user(app: &App, login: &Login) -> Result<Settings, Box<Response>> {
-    auth::settings_as(&app.settings, login).map_err(|e| {
-        Box::new(
-            (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("acting as the user: {e}\n"),
-            )
-                .into_response(),
-        )
-    })
-}
-
-/// The page after an action that failed on the broker (or was refused by it).
-fn failed(app: &App, login: &Login, what: &str, e: &amqp_delay::Error, back: &str) -> Response {
-    let status = match e.kind() {
-        amqp_delay::ErrorKind::Usage => StatusCode::BAD_REQUEST,
-        amqp_delay::ErrorKind::Refused => StatusCode::FORBIDDEN,
-        _ => StatusCode::BAD_GATEWAY,
+/// The page after an action that failed (the request, the index or the broker said why).
+fn failed(app: &App, login: &Login, what: &str, e: &Failure, back: &str) -> Response {
+    let status = match e {
+        Failure::Broker(b) if b.kind() == amqp_delay::ErrorKind::Refused => StatusCode::FORBIDDEN,
+        Failure::Broker(b) if b.kind() != amqp_delay::ErrorKind::Usage => StatusCode::BAD_GATEWAY,
+        e => StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::BAD_REQUEST),
     };
-    let text = format!("{what} failed: {}", amqp_delay::error_chain(e));
+    let text = format!("{what} failed: {e}");
     tracing::warn!(user = %escape_controls(&login.user), "console: {}", escape_controls(&text));
     notice(app, login, status, "Not done", &text, Some(back))
 }
@@ -102,28 +91,15 @@ pub async fn cancel(
         Ok(id) => id.to_string(),
         Err(e) => return notice(&app, &login, StatusCode::BAD_REQUEST, "Not done", &e, None),
     };
-    let due = f.due_at_ms.parse::<u64>().ok();
+    let owner = (!f.owner.is_empty()).then_some(f.owner.as_str());
     let back = message_page(&id, &f.owner);
-    let settings = match as_user(&app, &login) {
-        Ok(s) => s,
-        Err(r) => return *r,
-    };
-    let result = async {
-        let publisher = Publisher::connect(&settings).await?;
-        let r = publisher.cancel(&id, due).await;
-        publisher.close().await;
-        r
-    }
-    .await;
-    match result {
-        Ok(c) => {
-            tracing::info!(user = %escape_controls(&login.user), id = %escape_controls(&id), "console: cancelled");
-            let how = match c.verdict {
-                Verdict::Honoured => "no worker runs it from now on",
-                Verdict::TooLate => "it was due too soon for the cancel to be certain: it may run",
-                Verdict::Unknown => "it does not run unless it has already",
-            };
-            let text = format!("Cancelled '{id}': {how}.");
+    match app.service.cancel(&login.as_user, &id, owner).await {
+        Ok(done) => {
+            tracing::info!(user = %escape_controls(&login.user), id = %escape_controls(&id), owner = %escape_controls(&done.owner), "console: cancelled");
+            let text = format!(
+                "Cancelled '{id}' of {}: no worker runs it from now on (unless it was due too soon for the cancel to reach every worker in time).",
+                done.owner
+            );
             notice(
                 &app,
                 &login,
@@ -148,24 +124,53 @@ pub async fn reschedule(
         return refused;
     }
     let back = message_page(&f.id, &f.owner);
-    if let Err(e) = search::parse_time(&f.at, amqp_delay::time::now_ms()) {
-        return notice(
+    let bad = |e: &str| {
+        notice(
             &app,
             &login,
             StatusCode::BAD_REQUEST,
             "Not done",
-            &e,
+            e,
             Some(&back),
-        );
+        )
+    };
+    let id = match search::message_id(&f.id) {
+        Ok(id) => id.to_string(),
+        Err(e) => return bad(&e),
+    };
+    let to = match search::parse_time(&f.at, amqp_delay::time::now_ms()) {
+        Ok(t) => t,
+        Err(e) => return bad(&e),
+    };
+    let owner = (!f.owner.is_empty()).then_some(f.owner.as_str());
+    match app
+        .service
+        .reschedule(&login.as_user, &id, owner, MoveTo::At(to))
+        .await
+    {
+        Ok(done) => {
+            tracing::info!(user = %escape_controls(&login.user), id = %escape_controls(&id), due_at_ms = to, "console: rescheduled");
+            let text = format!(
+                "Rescheduled '{id}' from {} to {}{}.",
+                super::view::time(done.from_due_at_ms),
+                super::view::time(done.due_at_ms.unwrap_or(to)),
+                if done.resent {
+                    " (sent again now from its kept body)"
+                } else {
+                    ""
+                }
+            );
+            notice(
+                &app,
+                &login,
+                StatusCode::OK,
+                "Rescheduled",
+                &text,
+                Some(&back),
+            )
+        }
+        Err(e) => failed(&app, &login, "The reschedule", &e, &back),
     }
-    notice(
-        &app,
-        &login,
-        StatusCode::NOT_IMPLEMENTED,
-        "Not done",
-        "Rescheduling needs the journal's reschedule record, which this build does not have yet.",
-        Some(&back),
-    )
 }
 
 /// The purge form: the filters of its confirmation page and the count it showed.
@@ -189,18 +194,39 @@ pub async fn purge(
         return refused;
     }
     let now = amqp_delay::time::now_ms();
-    if let Err(e) = super::pages::purge_filter(&f.query, &login, now) {
-        return notice(&app, &login, StatusCode::BAD_REQUEST, "Not done", &e, None);
+    let back = format!("/messages?{}", f.query.first_page());
+    let filter = match super::pages::purge_filter(&f.query, &login, now) {
+        Ok(f) => f,
+        Err(e) => return notice(&app, &login, StatusCode::BAD_REQUEST, "Not done", &e, None),
+    };
+    let Some(Destination::Queue(queue)) = filter.destination else {
+        let e = "a purge names a queue";
+        return notice(&app, &login, StatusCode::BAD_REQUEST, "Not done", e, None);
+    };
+    let p = PurgeQuery {
+        queue,
+        owner: None,
+        due_after_ms: filter.due_after,
+        due_before_ms: filter.due_before,
+        header: filter.header,
+        dry_run: false,
+    };
+    match app.service.purge(&login.as_user, &p).await {
+        Ok(out) => {
+            tracing::info!(user = %escape_controls(&login.user), queue = %escape_controls(&p.queue), covered = out.covered, "console: purged");
+            let was = f.expected.parse::<u64>().ok().filter(|n| *n != out.covered);
+            let text = format!(
+                "Purged {}: {} pending message{} covered{}; none of them runs.",
+                p.queue,
+                out.covered,
+                if out.covered == 1 { "" } else { "s" },
+                was.map(|n| format!(" ({n} when you confirmed)"))
+                    .unwrap_or_default()
+            );
+            notice(&app, &login, StatusCode::OK, "Purged", &text, Some(&back))
+        }
+        Err(e) => failed(&app, &login, "The purge", &e, &back),
     }
-    let _ = f.expected;
-    notice(
-        &app,
-        &login,
-        StatusCode::NOT_IMPLEMENTED,
-        "Not done",
-        "Purging needs the journal's purge record, which this build does not have yet.",
-        Some(&format!("/messages?{}", f.query.first_page())),
-    )
 }
 
 /// The form of a parked message's action.
@@ -265,11 +291,7 @@ async fn parked_action(
             .append_pair("queue", &f.queue)
             .finish()
     );
-    let settings = match as_user(&app, &login) {
-        Ok(s) => s,
-        Err(r) => return *r,
-    };
-    let result = parked_on_broker(&settings, &f.queue, &id, retry, delay_ms).await;
+    let result = parked_on_broker(&login.as_user, &f.queue, &id, retry, delay_ms).await;
     let what = if retry { "retried" } else { "dropped" };
     match result {
         Ok(c) if c.done.contains(&id) => {
@@ -291,7 +313,10 @@ async fn parked_action(
                 Some(&back),
             )
         }
-        Err(e) => failed(&app, &login, &format!("The {what} action"), &e, &back),
+        Err(e) => {
+            let e = Failure::Broker(e);
+            failed(&app, &login, &format!("The {what} action"), &e, &back)
+        }
     }
 }
 

@@ -9,10 +9,12 @@ use std::sync::{Arc, Mutex};
 use crate::pending_index::{self, Options, PendingIndex};
 
 /// What a read of the index can fail with.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum StoreError {
     /// The request is invalid (the index said why).
     Invalid(String),
+    /// The follower is rebuilding the index from the journal: lists and counts wait for it.
+    Rebuilding,
     /// The index could not answer.
     Failed(String),
 }
@@ -21,6 +23,9 @@ impl std::fmt::Display for StoreError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             StoreError::Invalid(m) | StoreError::Failed(m) => f.write_str(m),
+            StoreError::Rebuilding => f.write_str(
+                "the index is being rebuilt from the journal; pages come back when it has caught up",
+            ),
         }
     }
 }
@@ -88,9 +93,13 @@ async fn run<T: Send + 'static>(
 ) -> Result<T, StoreError> {
     tokio::task::spawn_blocking(move || {
         let mut guard = ix.lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut guard)
+        // the follower's connection begins and ends rebuilds: this one learns it here
+        if guard.rebuilding_now()? {
+            return Ok(Err(StoreError::Rebuilding));
+        }
+        f(&mut guard).map(Ok)
     })
     .await
     .map_err(|e| StoreError::Failed(format!("reading the pending index: {e}")))?
-    .map_err(StoreError::from)
+    .map_err(StoreError::from)?
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use futures::FutureExt as _;
 use futures::future::{BoxFuture, Shared};
 
-use super::store::Store;
+use super::store::{Store, StoreError};
 use crate::pending_index::{Summary, Viewer};
 
 /// How long a page waits for a summary being made.
@@ -23,7 +23,7 @@ pub const FRESH: Duration = Duration::from_secs(2);
 /// Viewers whose summaries are kept at most.
 pub const MAX_VIEWERS: usize = 256;
 
-type Making = Shared<BoxFuture<'static, Result<Arc<Summary>, String>>>;
+type Making = Shared<BoxFuture<'static, Result<Arc<Summary>, StoreError>>>;
 
 struct Made {
     summary: Arc<Summary>,
@@ -72,7 +72,7 @@ impl Summaries {
 
     /// `viewer`'s summary: a fresh one, or the last one made while a new one is under way,
     /// or `None` while the first is being made. `Err` when making it failed.
-    pub async fn get(&self, viewer: &Viewer) -> Result<Option<Shown>, String> {
+    pub async fn get(&self, viewer: &Viewer) -> Result<Option<Shown>, StoreError> {
         let k = key(viewer);
         let making = {
             let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -121,8 +121,7 @@ impl Summaries {
             let r = store
                 .read_summary(move |ix| ix.summary(&v, amqp_delay::time::now_ms()))
                 .await
-                .map(Arc::new)
-                .map_err(|e| e.to_string());
+                .map(Arc::new);
             let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
             st.making.remove(&k);
             if let Ok(s) = &r {
@@ -142,7 +141,7 @@ impl Summaries {
         });
         async move {
             task.await
-                .unwrap_or_else(|e| Err(format!("making the summary: {e}")))
+                .unwrap_or_else(|e| Err(StoreError::Failed(format!("making the summary: {e}"))))
         }
         .boxed()
         .shared()

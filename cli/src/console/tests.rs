@@ -1,7 +1,6 @@
 //! The console against an index filled directly (no broker): logins, who sees what, pages,
 //! paging, escaping, the CSRF checks and the body cap, over real HTTP.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,20 +9,21 @@ use amqp_delay::settings::Settings;
 use base64::Engine as _;
 use futures::future::BoxFuture;
 
-use super::auth::{Authenticate, Denied};
+use super::auth::Authenticate;
 use super::*;
+use crate::pending::auth::{Login as Credentials, Refusal, settings_as};
 use crate::pending_index::{Destination, Entry, Options, PendingIndex, Scheduled};
 
-struct Fixed(HashMap<String, String>);
+/// Logins of a fixed table, as the broker would check them.
+struct Fixed(Vec<Credentials>, Settings);
 
 impl Authenticate for Fixed {
-    fn check<'a>(&'a self, user: &'a str, password: &'a str) -> BoxFuture<'a, Result<(), Denied>> {
+    fn check<'a>(&'a self, login: &'a Credentials) -> BoxFuture<'a, Result<Settings, Refusal>> {
         Box::pin(async move {
-            match self.0.get(user) {
-                Some(p) if p == password => Ok(()),
-                _ => Err(Denied::Wrong(format!(
-                    "the broker refused the login of '{user}'"
-                ))),
+            if self.0.contains(login) {
+                settings_as(&self.1, login).map_err(Refusal::Unavailable)
+            } else {
+                Err(Refusal::Refused)
             }
         })
     }
@@ -72,7 +72,7 @@ fn serve_with(entries: Vec<Entry>) -> Served {
     settings.trust.admins = vec!["root".into()];
     let users = [("alice", "a-pw"), ("bob", "b-pw"), ("root", "r-pw")]
         .into_iter()
-        .map(|(u, p)| (u.to_string(), p.to_string()))
+        .map(|(u, p)| Credentials::new(u, p))
         .collect();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -80,11 +80,20 @@ fn serve_with(entries: Vec<Entry>) -> Served {
         .build()
         .unwrap();
     let store = store::Store::open(&path, 8 << 20).unwrap();
+    let writer = PendingIndex::open(&path, Options::default()).unwrap();
+    let status = crate::pending::follow::Status::new();
+    let service = crate::pending::service::Service::new(
+        settings.clone(),
+        Arc::new(std::sync::Mutex::new(writer)),
+        status.clone(),
+    );
     let app = Arc::new(App {
+        logins: Arc::new(Fixed(users, settings.clone())),
         settings,
         summaries: summaries::Summaries::new(store.clone()),
         store,
-        logins: Arc::new(Fixed(users)),
+        service,
+        status,
         csrf: csrf::Csrf::random(),
         https: false,
         views: view::Views::new(),

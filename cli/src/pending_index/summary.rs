@@ -18,6 +18,7 @@
 
 use std::collections::HashMap;
 
+use rusqlite::OptionalExtension;
 use rusqlite::types::Value;
 
 use super::{Destination, EV_DONE, PendingIndex, Result, Viewer, bind, check_user, ms};
@@ -98,6 +99,19 @@ fn quantile(v: &mut [u64], q: f64) -> Option<u64> {
 }
 
 impl PendingIndex {
+    /// Whether a rebuild is under way now, as the file says: another connection (the
+    /// follower's) may have begun or finished one since this one opened.
+    pub fn rebuilding_now(&mut self) -> Result<bool> {
+        let r: Option<i64> = self
+            .conn
+            .query_row("SELECT v FROM meta WHERE k = 'rebuilding'", [], |r| {
+                r.get(0)
+            })
+            .optional()?;
+        self.rebuilding = r.is_some();
+        Ok(self.rebuilding)
+    }
+
     /// The summary of every destination `viewer` sees, the due-time buckets relative to
     /// `now_ms`. Bounded: at most [`MAX_DESTINATIONS`] destinations and [`RECENT_RUNS`] runs
     /// read; the cost is one index-only pass over the viewer's pending and parked entries.
@@ -456,10 +470,17 @@ mod tests {
     #[test]
     fn a_summary_during_a_rebuild_says_so_and_quantiles_are_nearest_rank() {
         let t = Temp::new();
+        let mut reader = t.open();
         let mut ix = t.open();
         ix.begin_rebuild().unwrap();
         let e = ix.summary(&Viewer::Admin, NOW).unwrap_err();
         assert!(e.to_string().contains("rebuilt"), "{e}");
+        // another connection learns of the rebuild from the file
+        assert!(reader.rebuilding_now().unwrap());
+        assert!(reader.summary(&Viewer::Admin, NOW).is_err());
+        ix.finish_rebuild().unwrap();
+        assert!(!reader.rebuilding_now().unwrap());
+        assert!(reader.summary(&Viewer::Admin, NOW).is_ok());
         assert_eq!(quantile(&mut [], 0.99), None);
         assert_eq!(quantile(&mut [7], 0.99), Some(7));
         assert_eq!(quantile(&mut [3, 1, 2], 0.5), Some(2));
