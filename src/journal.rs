@@ -220,9 +220,15 @@ impl LogRecord for Record {
     }
 }
 
+/// A reader's prefetch of journal records: each holds up to [`MAX_ITEMS`] messages (about
+/// 230 KB without bodies), so the control stream's 2 000 would let the broker send hundreds
+/// of megabytes ahead of a rebuild.
+const READ_PREFETCH: u16 = 16;
+
 /// `layout`'s journal stream.
 pub(crate) fn log(layout: &Layout) -> StreamLog<Record> {
     StreamLog::new(KIND, layout.journal_stream(), layout, MAX_RECORD_BYTES)
+        .with_prefetch(READ_PREFETCH)
 }
 
 /// Declares the journal stream (idempotent), kept as long as the control stream.

@@ -117,6 +117,8 @@ pub(crate) struct StreamLog<R> {
     /// The `user_id` on what it appends on a channel ([`StreamLog::append_on`]); an append on
     /// a connection of its own names the connection's user.
     writer: Option<String>,
+    /// A reader's prefetch: records the broker sends ahead of the reader.
+    prefetch: u16,
     records: PhantomData<fn() -> R>,
 }
 
@@ -141,6 +143,7 @@ impl<R> Clone for StreamLog<R> {
             exchange: self.exchange.clone(),
             max_record_bytes: self.max_record_bytes,
             writer: self.writer.clone(),
+            prefetch: self.prefetch,
             records: PhantomData,
         }
     }
@@ -162,8 +165,15 @@ impl<R: LogRecord> StreamLog<R> {
             exchange: layout.stream_exchange(),
             max_record_bytes,
             writer: None,
+            prefetch: READ_PREFETCH,
             records: PhantomData,
         }
+    }
+
+    /// The same log, read with a prefetch of `records` (a stream of large records: the journal).
+    pub(crate) fn with_prefetch(mut self, records: u16) -> Self {
+        self.prefetch = records.max(1);
+        self
     }
 
     /// The same log, appending on channels as `user` (the channel's connection's user: the
@@ -373,7 +383,7 @@ impl<R: LogRecord> StreamLog<R> {
         conn: &Connection,
         from: AMQPValue,
     ) -> Result<Reader<R>> {
-        self.open(conn, from, READ_PREFETCH).await
+        self.open(conn, from, self.prefetch).await
     }
 
     /// A reader from `from`; one record at a time, past the offsets known to be
@@ -413,7 +423,7 @@ impl<R: LogRecord> StreamLog<R> {
                 stream: self.name.clone(),
                 kind: self.kind,
                 max_record_bytes: self.max_record_bytes,
-                credit: Credit::default(),
+                credit: Credit::new(prefetch),
                 careful: known.careful,
                 awaiting,
                 last: None,

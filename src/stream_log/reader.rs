@@ -257,12 +257,22 @@ impl<R> Drop for Reader<R> {
 
 /// Acks a stream consumer's records as credit: one `multiple` ack every [`ACK_EVERY`] records,
 /// and one as soon as nothing more is coming (never a nack: that closes the connection).
-#[derive(Default)]
 pub(super) struct Credit {
     unacked: Option<(lapin::Acker, u64)>,
+    /// Records between acks: [`ACK_EVERY`], or half the prefetch when that is less (else a
+    /// reader with a small prefetch would wait for the 50 ms idle ack every time).
+    every: u64,
 }
 
 impl Credit {
+    /// Credit for a consumer of `prefetch`.
+    pub(super) fn new(prefetch: u16) -> Credit {
+        Credit {
+            unacked: None,
+            every: ACK_EVERY.min(u64::from(prefetch / 2).max(1)),
+        }
+    }
+
     /// The consumer's next delivery; acks what it holds while none comes for 50 ms.
     async fn next(
         &mut self,
@@ -286,7 +296,7 @@ impl Credit {
     /// Counts a delivery read (its `acker`), acking every [`ACK_EVERY`].
     async fn read(&mut self, acker: lapin::Acker) {
         let n = self.unacked.take().map_or(0, |(_, n)| n) + 1;
-        if n >= ACK_EVERY {
+        if n >= self.every {
             let _ = acker.ack(BasicAckOptions { multiple: true }).await;
         } else {
             self.unacked = Some((acker, n));

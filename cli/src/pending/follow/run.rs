@@ -12,6 +12,9 @@ use super::*;
 /// read; past it the batch is applied anyway (a journal record that never comes, e.g. one the
 /// reader had to skip, must not stop the cancels).
 const CONTROL_WAIT: Duration = Duration::from_secs(10);
+/// Entries a one-off read applies in one transaction, about (a journal record holds up to
+/// 2 000).
+const APPLY_ENTRIES: usize = 16_000;
 /// How long a one-off read waits for the next record before it gives up.
 const READ_STALL: Duration = Duration::from_secs(10);
 
@@ -92,8 +95,9 @@ async fn follow_once(
     let (pos, ctl) =
         with_index(index, |ix| Ok((ix.position()?, ix.mark(CONTROL_POSITION)?))).await?;
     let from = replay.or(pos).map_or(Start::First, Start::Offset);
-    let jrx = pump(journal::tail(conn, layout, from).await?);
-    let crx = pump(control::tail(conn, layout, ctl.map_or(Start::First, Start::Offset)).await?);
+    let jrx = pump(journal::tail(conn, layout, from).await?, JOURNAL_BATCH);
+    let ctl = ctl.map_or(Start::First, Start::Offset);
+    let crx = pump(control::tail(conn, layout, ctl).await?, READ_AHEAD);
     status.update(|i| i.lag.error = None);
     status.applied.send_replace(pos.unwrap_or(0));
     // `/readyz` of --metrics-addr: following the streams
@@ -115,7 +119,7 @@ async fn journal_loop(
     tr: &mut Translator,
 ) -> Result<()> {
     loop {
-        let b = batch(&mut rx).await?;
+        let b = batch(&mut rx, JOURNAL_BATCH).await?;
         let mut entries = Vec::new();
         for e in &b {
             if let Some(r) = &e.record {
@@ -143,7 +147,7 @@ async fn control_loop(
 ) -> Result<()> {
     let mut applied = status.applied.subscribe();
     loop {
-        let b = batch(&mut rx).await?;
+        let b = batch(&mut rx, BATCH).await?;
         // every journal record this batch can name is before the journal's end as of now
         let target = journal::end_offset(conn, layout).await?.unwrap_or(0);
         let caught_up = applied.wait_for(|p| *p >= target);
@@ -241,7 +245,8 @@ pub async fn build_once(settings: &Settings, conn: &Connection) -> Result<(Pendi
 }
 
 /// Reads `tail` up to the barrier `nonce` (when `translate` says `None`), applying what it
-/// makes of each record, [`BATCH`] records a transaction; the offset after the barrier.
+/// makes of each record, about [`APPLY_ENTRIES`] entries a transaction; the offset after the
+/// barrier.
 async fn read_to_barrier<T: Follow>(
     mut tail: T,
     nonce: &str,
@@ -249,7 +254,6 @@ async fn read_to_barrier<T: Follow>(
     mut translate: impl FnMut(&journal::Entry<T::R>) -> Option<Vec<Entry>>,
 ) -> Result<u64> {
     let mut entries = Vec::new();
-    let mut read = 0usize;
     let r = loop {
         let e = match tokio::time::timeout(READ_STALL, tail.next()).await {
             Err(_) => {
@@ -266,14 +270,13 @@ async fn read_to_barrier<T: Follow>(
             Ok(Some(Err(e))) => break Err(e),
             Ok(Some(Ok(e))) => e,
         };
-        read += 1;
         let Some(more) = translate(&e) else {
             break apply(index, std::mem::take(&mut entries), Vec::new())
                 .await
                 .map(|()| e.offset + 1);
         };
         entries.extend(more);
-        if read.is_multiple_of(BATCH)
+        if entries.len() >= APPLY_ENTRIES
             && let Err(e) = apply(index, std::mem::take(&mut entries), Vec::new()).await
         {
             break Err(e);
