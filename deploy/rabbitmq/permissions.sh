@@ -25,7 +25,7 @@
 #                       publishes to their ingresses I; repeatable. Name USER in those
 #                       pairs' `writers`. Add what it needs for its own queues
 #   --user-prefix U     users are U-admin, U-publisher, U-worker, U-gateway, U-relay,
-#                       U-proxy, U-keda (default: the prefix)
+#                       U-proxy, U-pending, U-keda (default: the prefix)
 #   --apply             run the commands instead of printing them
 #
 # The users must exist (rabbitmqctl add_user NAME, which asks for the password). Names are
@@ -38,6 +38,9 @@
 #              --follow-pairs, the pairs of the --app exchanges
 #   relay      delay-consumer --queue S --relay Q (all the --relay given here)
 #   proxy      delay-proxy's own user: declares the pairs of the applications' exchanges
+#   pending    delay-publisher pending serve and delay-console's own user: reads the journal and
+#              the control stream (and appends its barriers through P.streams); what it shows
+#              and steers is the logged-in user's
 #   keda       KEDA's rabbitmq trigger over the management API: the monitoring tag, no rights
 #   USER       (--app) an application behind delay-proxy: its exchanges, its pairs'
 #              ingresses, its queues; (--gateway-app) an application of configured pairs:
@@ -202,5 +205,9 @@ for app in ${GATEWAY_APPS[@]+"${GATEWAY_APPS[@]}"}; do
     IFS=, read -r -a is <<<"${app#*:}"
     run set_permissions -p "${VHOST}" "${app%%:*}" '^$' "^($(alt "${is[@]}"))\$" '^$'
 done
+# reads the two streams the index follows; writes P.streams for its barriers and the streams it
+# checks with a passive declare (RabbitMQ 4.3); no right on the tiers or any destination
+run set_permissions -p "${VHOST}" "${USER_PREFIX}-pending" '^$' \
+    "^${P}\\.(streams|journal|control)\$" "^${P}\\.(journal|control)\$"
 run set_permissions -p "${VHOST}" "${USER_PREFIX}-keda" '^$' '^$' '^$'
 run set_user_tags "${USER_PREFIX}-keda" monitoring

@@ -52,6 +52,9 @@ fn the_permission_script_prints_the_documented_sets() {
             "set_permissions -p / p-relay '^$' '^(amq\\.default|{tiers}|p\\.(streams|park|journal|layout\\..+|(parked|holds|batched)\\.(s)))$' '^(s|p\\.(control|ledger))$'"
         ),
         r"set_permissions -p / p-proxy '^p\..*$' '^p\..*$' '^p\..*$'".to_string(),
+        // the index's own user: the streams it follows, nothing of the tiers or destinations
+        r"set_permissions -p / p-pending '^$' '^p\.(streams|journal|control)$' '^p\.(journal|control)$'"
+            .to_string(),
         // an application writes its own pairs' ingresses, never p.gw.x.* as a whole
         r"set_permissions -p / a '^(x1|x2|qa)$' '^(x1|x2|qa|p\.gw\.x\.(x1|x2))$' '^(x1|x2|qa)$'"
             .to_string(),

@@ -671,3 +671,100 @@ async fn a_relay_works_with_its_permission_set() {
     );
     let _ = conn.close(200, "bye".into()).await;
 }
+
+/// `pending serve` as `<prefix>-pending`, with exactly its documented set, follows the journal
+/// and the control stream into its index; a publisher logged in over HTTP sees what it
+/// scheduled; the pending user may not take messages from a destination.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_serve_works_with_its_permission_set_and_no_more() {
+    let node = crate::security::tls_node();
+    let port = node["AMQP_PORT"].clone();
+    let p = random_prefix();
+    let q = format!("{p}-orders");
+    let sets = documented_sets(&["--prefix", &p, "--queue", &q]);
+    for role in ["admin", "publisher", "pending"] {
+        let (who, c, w, r) = set_of(&sets, &format!("{p}-{role}"));
+        user(who, c, w, r);
+    }
+    let root = url("guest", &port).replace("guest-pw", "guest");
+    let cfg = small_config(&p, "pending.toml", "");
+    let index = temp_path(&p, "pending.db");
+    let _cleanup = Cleanup {
+        cfg: cfg.clone(),
+        root: root.clone(),
+        queues: vec![q.clone()],
+        exchanges: Vec::new(),
+        users: ["admin", "publisher", "pending"]
+            .iter()
+            .map(|u| format!("{p}-{u}"))
+            .collect(),
+    };
+    let admin = url(&format!("{p}-admin"), &port);
+    cli_as("the admin's declare", &cfg, &admin, &["declare"]).await;
+    let declare_q = ["declare", "--queue", &q, "--worker"];
+    cli_as("the admin's declare --queue Q", &cfg, &admin, &declare_q).await;
+    let publisher = url(&format!("{p}-publisher"), &port);
+    let send = [
+        "send", "--queue", &q, "--delay", "1400", "--id", "seen", "--body", "s",
+    ];
+    cli_as("the publisher's send", &cfg, &publisher, &send).await;
+    let listen = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--url", &url(&format!("{p}-pending"), &port)])
+        .args(["pending", "serve", "--listen", &listen, "--index"])
+        .arg(&index)
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let api = format!("http://{listen}/api/v1/pending?queue={q}");
+    let (who, pw) = (format!("{p}-publisher"), format!("{p}-publisher-pw"));
+    let ask = move || {
+        let auth = base64_basic(&who, &pw);
+        let mut res = ureq::get(&api)
+            .header("authorization", &auth)
+            .call()
+            .map_err(|e| e.to_string())?;
+        res.body_mut().read_to_string().map_err(|e| e.to_string())
+    };
+    let mut last = Err("not asked".to_string());
+    for _ in 0..60 {
+        last = tokio::task::spawn_blocking(ask.clone()).await.unwrap();
+        if last.as_ref().is_ok_and(|t| t.contains("\"seen\"")) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let out = {
+        let mut serve = serve;
+        serve.start_kill().ok();
+        serve.wait_with_output().await.unwrap()
+    };
+    assert!(
+        last.as_ref().is_ok_and(|t| t.contains("\"seen\"")),
+        "the publisher's view through pending serve: {last:?}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // and no more: the pending user takes nothing from a destination
+    let conn = amqp_delay::connection::connect(&url(&format!("{p}-pending"), &port), "pending")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let taken = ch
+        .basic_get(q.as_str().into(), Default::default())
+        .await
+        .map(|_| ());
+    assert!(
+        taken
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("ACCESS_REFUSED")),
+        "{taken:?}"
+    );
+    let _ = conn.close(200, "bye".into()).await;
+    let _ = std::fs::remove_file(&index);
+}
