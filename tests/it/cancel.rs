@@ -15,18 +15,6 @@ use tokio::sync::oneshot;
 use crate::harness::*;
 use crate::worker::{Scripted, retry, spawn_worker};
 
-/// A topology whose messages may wait up to 4 s, long enough for a cancel to be in time.
-async fn env() -> Env {
-    let mut t = small_topology();
-    t.max_delay = DurationMs(4_000);
-    let mut env = Env::new(t).await;
-    env.settings.precision = Precision {
-        lateness: DurationMs(20),
-        lateness_ratio: 0.0,
-    };
-    env
-}
-
 fn executed_ids(log: &std::sync::Mutex<Vec<(String, u32, u64)>>) -> Vec<String> {
     log.lock().unwrap().iter().map(|r| r.0.clone()).collect()
 }
@@ -40,7 +28,7 @@ fn executed_ids(log: &std::sync::Mutex<Vec<(String, u32, u64)>>) -> Vec<String> 
 /// (no `Honoured` cancel's message runs) is asserted whatever the load.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_half_of_a_thousand_runs_exactly_the_other_half() {
-    let mut env = env().await;
+    let mut env = steering_env(4_000).await;
     let q = env.queue("half").await;
     env.parked_queue(&q);
     Topology::new(env.layout())
@@ -133,7 +121,7 @@ async fn cancelling_half_of_a_thousand_runs_exactly_the_other_half() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_survives_a_worker_restart_and_stops_retries() {
-    let mut env = env().await;
+    let mut env = steering_env(4_000).await;
     let q = env.queue("restart").await;
     env.parked_queue(&q);
     let p = env.publisher().await;
@@ -192,7 +180,7 @@ async fn a_cancel_survives_a_worker_restart_and_stops_retries() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn competing_workers_never_run_a_cancelled_message() {
-    let mut env = env().await;
+    let mut env = steering_env(4_000).await;
     let q = env.queue("competing").await;
     env.parked_queue(&q);
     let a = Scripted::new(|_| Outcome::Success);
@@ -255,7 +243,7 @@ async fn competing_workers_never_run_a_cancelled_message() {
 /// confirmed cancel takes to reach a follower printed for the docs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_confirmed_the_notice_before_due_is_honoured_and_a_late_one_is_reported() {
-    let mut env = env().await;
+    let mut env = steering_env(4_000).await;
     let q = env.queue("boundary").await;
     env.parked_queue(&q);
     let h = Scripted::new(|_| Outcome::Success);
@@ -348,7 +336,7 @@ async fn a_cancel_confirmed_the_notice_before_due_is_honoured_and_a_late_one_is_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_follows_live_cancellations_only() {
-    let mut env = env().await;
+    let mut env = steering_env(4_000).await;
     // a short horizon (retries are off), so tombstones are forgotten within the test
     env.settings.consumer.retry.max_attempts = 1;
     env.settings.consumer.handler_timeout = DurationMs(500);
@@ -476,7 +464,7 @@ fn too_late_metric(queue: &str) -> u64 {
 /// tombstones recorded before it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn start_up_reads_from_the_latest_checkpoint_not_the_whole_stream() {
-    let env = env().await;
+    let env = steering_env(4_000).await;
     let now = now_ms();
     let n = 100_000;
     let t = Instant::now();
@@ -567,7 +555,7 @@ async fn start_up_reads_from_the_latest_checkpoint_not_the_whole_stream() {
 /// the message is acked as cancelled, not held for `requeue_hold`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_held_by_not_now_stops_when_cancelled() {
-    let mut env = env().await;
+    let mut env = steering_env(4_000).await;
     let q = env.queue("held").await;
     env.parked_queue(&q);
     let mut s = env.settings.clone();
@@ -606,7 +594,7 @@ async fn a_message_held_by_not_now_stops_when_cancelled() {
 /// that a running worker honours what they cancelled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cli_cancel_by_id_and_by_jsonl() {
-    let mut env = env().await;
+    let mut env = steering_env(4_000).await;
     let q = env.queue("cli").await;
     env.parked_queue(&q);
     let h = Scripted::new(|_| Outcome::Success);
@@ -693,7 +681,7 @@ async fn cli_cancel_by_id_and_by_jsonl() {
 /// reads the tombstone back and honours it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_read_by_a_running_worker_holds_after_its_restart() {
-    let mut env = env().await;
+    let mut env = steering_env(4_000).await;
     let q = env.queue("rerun").await;
     env.parked_queue(&q);
     let mut s = env.settings.clone();
@@ -857,7 +845,7 @@ async fn a_busy_worker_honours_every_cancel_confirmed_exactly_the_notice_before_
 /// cancel: an expired tombstone is kept (bounded in number) while the stream holds it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_down_past_the_horizon_still_honours_a_cancel() {
-    let mut env = env().await;
+    let mut env = steering_env(4_000).await;
     env.settings.consumer.retry.max_attempts = 1;
     env.settings.consumer.handler_timeout = DurationMs(500);
     env.settings.cancel.horizon = DurationMs(1_000);
@@ -892,7 +880,7 @@ async fn a_worker_down_past_the_horizon_still_honours_a_cancel() {
 /// it is back, and honours cancels as before instead of returning every message to the queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_follows_the_control_stream_anew_when_its_follower_stops() {
-    let mut env = env().await;
+    let mut env = steering_env(4_000).await;
     let q = env.queue("refollow").await;
     env.parked_queue(&q);
     let mut s = env.settings.clone();

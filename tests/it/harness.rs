@@ -39,6 +39,26 @@ pub async fn connect() -> Connection {
     }
 }
 
+/// The small topology with delays up to `max_delay_ms` and a 20 ms lateness budget: room for a
+/// cancel, purge or reschedule to be in time (the cancel, journal and pending tests).
+pub async fn steering_env(max_delay_ms: u64) -> Env {
+    let mut t = small_topology();
+    t.max_delay = DurationMs(max_delay_ms);
+    let mut env = Env::new(t).await;
+    env.settings.precision = Precision {
+        lateness: DurationMs(20),
+        lateness_ratio: 0.0,
+    };
+    env
+}
+
+/// Headers with `tenant` set to `t`.
+pub fn tenant(t: &str) -> FieldTable {
+    let mut h = FieldTable::default();
+    h.insert("tenant".into(), AMQPValue::LongString(t.into()));
+    h
+}
+
 pub fn random_prefix() -> String {
     let n: u64 = rand::rng().random();
     format!("t{:012x}", n & 0xffff_ffff_ffff)

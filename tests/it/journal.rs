@@ -7,29 +7,11 @@ use std::time::{Duration, Instant};
 
 use amqp_delay::control::Purge;
 use amqp_delay::journal::{self, Record, RunOutcome, Start};
-use amqp_delay::time::{DurationMs, now_ms};
-use amqp_delay::{Message, Outcome, Precision};
-use lapin::types::{AMQPValue, FieldTable};
+use amqp_delay::time::now_ms;
+use amqp_delay::{Message, Outcome};
 
 use crate::harness::*;
 use crate::worker::{Scripted, retry, spawn_worker};
-
-async fn env() -> Env {
-    let mut t = small_topology();
-    t.max_delay = DurationMs(4_000);
-    let mut env = Env::new(t).await;
-    env.settings.precision = Precision {
-        lateness: DurationMs(20),
-        lateness_ratio: 0.0,
-    };
-    env
-}
-
-fn tenant(t: &str) -> FieldTable {
-    let mut h = FieldTable::default();
-    h.insert("tenant".into(), AMQPValue::LongString(t.into()));
-    h
-}
 
 /// An id's writer, due time and kept headers.
 type Journaled = (Option<String>, u64, Vec<(String, String)>);
@@ -87,7 +69,7 @@ async fn read_journal(env: &Env, timeout: Duration, done: impl Fn(&Seen) -> bool
 /// and headers, its flush is confirmed, and its run is journaled as done.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_is_scheduled_and_run_is_journaled_by_its_writer() {
-    let mut env = env().await;
+    let mut env = steering_env(4_000).await;
     let q = env.queue("journal").await;
     env.parked_queue(&q);
     let h = Scripted::new(|_| Outcome::Success);
@@ -143,7 +125,7 @@ async fn what_is_scheduled_and_run_is_journaled_by_its_writer() {
 /// worker journals the purged ones as cancelled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_purge_stops_exactly_the_messages_it_covers() {
-    let mut env = env().await;
+    let mut env = steering_env(4_000).await;
     let q = env.queue("purge").await;
     env.parked_queue(&q);
     let h = Scripted::new(|_| Outcome::Success);
@@ -215,7 +197,7 @@ async fn a_purge_stops_exactly_the_messages_it_covers() {
 /// acked without running. Earlier without a copy is refused with the reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reschedule_moves_a_message_and_it_runs_once() {
-    let mut env = env().await;
+    let mut env = steering_env(4_000).await;
     let q = env.queue("move").await;
     env.parked_queue(&q);
     let h = Scripted::new(|_| Outcome::Success);
@@ -275,7 +257,7 @@ async fn a_reschedule_moves_a_message_and_it_runs_once() {
 /// failed in the journal, so nothing that was never scheduled is listed as pending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_is_published_unjournaled_and_a_refused_publish_is_named_failed() {
-    let mut env = env().await;
+    let mut env = steering_env(4_000).await;
     let q = env.queue("before").await;
     let l = env.layout();
     let p = env.publisher().await;

@@ -7,35 +7,17 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use amqp_delay::settings::Settings;
-use amqp_delay::time::{DurationMs, now_ms};
-use amqp_delay::{Message, Outcome, Precision};
+use amqp_delay::time::now_ms;
+use amqp_delay::{Message, Outcome};
 use amqp_delay_cli::pending::follow::{self, FollowOptions, Status};
 use amqp_delay_cli::pending::http::{Api, router};
 use amqp_delay_cli::pending::service::{MoveTo, PurgeQuery, Query, Service};
 use amqp_delay_cli::pending::wire::RowOut;
 use amqp_delay_cli::pending_index::{Options, PendingIndex, Viewer};
-use lapin::types::{AMQPValue, FieldTable};
 use tokio::sync::oneshot;
 
 use crate::harness::*;
 use crate::worker::{Scripted, retry, spawn_worker};
-
-async fn env() -> Env {
-    let mut t = small_topology();
-    t.max_delay = DurationMs(6_000);
-    let mut env = Env::new(t).await;
-    env.settings.precision = Precision {
-        lateness: DurationMs(20),
-        lateness_ratio: 0.0,
-    };
-    env
-}
-
-fn tenant(t: &str) -> FieldTable {
-    let mut h = FieldTable::default();
-    h.insert("tenant".into(), AMQPValue::LongString(t.into()));
-    h
-}
 
 /// A follower over an index file of its own, and the service on it.
 struct Indexed {
@@ -132,7 +114,7 @@ async fn until_listed(ix: &Indexed, viewer: Viewer, q: &str, ids: &[&str]) -> Du
 /// fields and history; a cancelled one and one that ran leave pending, each with its state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scheduled_messages_are_listed_and_leave_pending_when_cancelled_or_run() {
-    let mut env = env().await;
+    let mut env = steering_env(6_000).await;
     let q = env.queue("pending").await;
     env.parked_queue(&q);
     let h = Scripted::new(|_| Outcome::Success);
@@ -212,7 +194,7 @@ async fn scheduled_messages_are_listed_and_leave_pending_when_cancelled_or_run()
 /// clear error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_and_reschedule_steer_what_runs() {
-    let mut env = env().await;
+    let mut env = steering_env(6_000).await;
     let q = env.queue("steer").await;
     env.parked_queue(&q);
     let h = Scripted::new(|_| Outcome::Success);
@@ -348,7 +330,7 @@ fn url_as(user: &str) -> String {
 /// with a wrong one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_sees_only_its_own_and_an_admin_everything() {
-    let mut env = env().await;
+    let mut env = steering_env(6_000).await;
     let q = env.queue("who").await;
     let prefix = env.settings.prefix.clone();
     let users = Users::create(&prefix, &["alice", "root"]);
