@@ -272,6 +272,8 @@ async fn stats_and_teardown_read_past_records_over_frame_max() {
 async fn a_control_record_over_frame_max_stops_no_worker_and_hides_no_cancel() {
     let mut env = Env::new(small_topology()).await;
     let q = env.queue("stream-poison").await;
+    // the worker declares the parking queue: delete it with the rest
+    env.parked_queue(&q);
     let layout = env.layout();
     let p = env.publisher().await;
     p.cancel("before", None).await.unwrap();
