@@ -375,6 +375,14 @@ async fn a_person_sees_searches_and_cancels_in_chromium() {
     search_and_cancel_b7(&browser, &base, &b, b7_due).await;
     reschedule_b9_earlier(&browser, &base).await;
     purge_a(&browser, &base, &a).await;
+    // the parked list (empty here) and the search of an id nobody has
+    browser
+        .client
+        .goto(&format!("{base}/messages?listing=parked"))
+        .await
+        .unwrap();
+    assert_eq!(text_of(&browser.client, "main h1").await, "Parked messages");
+    browser.screenshot("9-parked").await;
     // no JavaScript error, no failed load, in the browser's console
     let logged = browser.console_log().await;
     let errors: Vec<_> = logged
