@@ -375,7 +375,7 @@ async fn a_person_sees_searches_and_cancels_in_chromium() {
     search_and_cancel_b7(&browser, &base, &b, b7_due).await;
     reschedule_b9_earlier(&browser, &base).await;
     purge_a(&browser, &base, &a).await;
-    // the parked list (empty here) and the search of an id nobody has
+    // the parked list (empty here)
     browser
         .client
         .goto(&format!("{base}/messages?listing=parked"))
