@@ -153,7 +153,13 @@ fn pending_of(html: &str, dest: &str) -> Option<u64> {
     let at = html.find(&format!(">{dest}</a>"))?;
     let rest = &html[at..];
     let cell = rest.find("class=\"num pending\">")? + "class=\"num pending\">".len();
-    rest[cell..].split('<').next()?.trim().parse().ok()
+    let text: String = rest[cell..]
+        .split('<')
+        .next()?
+        .chars()
+        .filter(char::is_ascii_digit)
+        .collect();
+    text.parse().ok()
 }
 
 /// The first element `locator` finds, waiting up to 10 s for the page to show it.

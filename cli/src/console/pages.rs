@@ -145,13 +145,15 @@ struct SummaryRow {
     name: String,
     list_query: String,
     parked_query: String,
-    pending: u64,
+    pending: String,
     next_due: Option<String>,
     next_due_rel: String,
     chart: String,
     lateness: Option<String>,
     runs: u64,
-    parked: u64,
+    parked: String,
+    any_pending: bool,
+    any_parked: bool,
 }
 
 fn summary_row(d: &DestinationSummary, now: u64) -> SummaryRow {
@@ -159,7 +161,9 @@ fn summary_row(d: &DestinationSummary, now: u64) -> SummaryRow {
         name: destination_name(&d.destination),
         list_query: query_of(&d.destination, false).to_query_string(),
         parked_query: query_of(&d.destination, true).to_query_string(),
-        pending: d.pending,
+        pending: view::count(d.pending),
+        any_pending: d.pending > 0,
+        any_parked: d.parked > 0,
         next_due: d.next_due_ms.map(view::time),
         next_due_rel: d
             .next_due_ms
@@ -168,7 +172,7 @@ fn summary_row(d: &DestinationSummary, now: u64) -> SummaryRow {
         chart: view::due_chart(&d.due),
         lateness: d.lateness_p99_ms.map(view::duration),
         runs: d.runs,
-        parked: d.parked,
+        parked: view::count(d.parked),
     }
 }
 
@@ -507,7 +511,10 @@ pub async fn purge_confirm(
         Err(e) => return store_failed(&app, &login, &e),
     };
     let ctx = context! {
-        count => count,
+        count => view::count(count),
+        raw_count => count,
+        none => count == 0,
+        plural => count != 1,
         filters => chips(&q),
         hidden => hidden,
         back => q.first_page(),

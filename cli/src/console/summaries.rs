@@ -1,9 +1,10 @@
 //! The first page's summary per viewer, made off the request path. A summary is one pass
-//! over the viewer's entries of the index: under a millisecond at thousands, a few hundred at
-//! ten million. A page waits at most [`WAIT`] for a fresh one; past that it shows the last one
-//! made (with its age) while the new one finishes in the background, or a "counting" note on
-//! the very first. A summary stays fresh for [`FRESH`], or five times as long as it took to
-//! make, whichever is longer, so a large index is not scanned back to back. At most
+//! over the viewer's entries of the index: under a millisecond at thousands, a second or two at
+//! ten million. A summary stays fresh for [`FRESH`], or five times as long as it took to make,
+//! whichever is longer, so a large index is not scanned back to back. Past that, a page asks
+//! for a new one: when the last one took under [`QUICK`] it waits for it (at most [`WAIT`]);
+//! otherwise it shows the last one at once, with its age, while the new one is made in the
+//! background. The very first waits at most [`WAIT`], then shows a "counting" note. At most
 //! [`MAX_VIEWERS`] viewers' summaries are kept.
 
 use std::collections::HashMap;
@@ -18,6 +19,8 @@ use crate::pending_index::{Summary, Viewer};
 
 /// How long a page waits for a summary being made.
 pub const WAIT: Duration = Duration::from_millis(150);
+/// A summary made faster than this is waited for; a slower one is shown stale meanwhile.
+pub const QUICK: Duration = Duration::from_millis(20);
 /// How long a summary is shown without being made again, at least.
 pub const FRESH: Duration = Duration::from_secs(2);
 /// Viewers whose summaries are kept at most.
@@ -76,23 +79,28 @@ impl Summaries {
         let k = key(viewer);
         let making = {
             let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let mut stale = None;
             if let Some(m) = st.made.get(&k) {
-                let fresh = FRESH.max(m.took * 5);
-                if m.at.elapsed() < fresh {
-                    return Ok(Some(Shown {
-                        summary: m.summary.clone(),
-                        age: m.at.elapsed(),
-                    }));
+                let shown = Shown {
+                    summary: m.summary.clone(),
+                    age: m.at.elapsed(),
+                };
+                if shown.age < FRESH.max(m.took * 5) {
+                    return Ok(Some(shown));
+                }
+                if m.took >= QUICK {
+                    stale = Some(shown);
                 }
             }
-            match st.making.get(&k) {
-                Some(f) => f.clone(),
-                None => {
-                    let f = self.make(viewer.clone());
-                    st.making.insert(k.clone(), f.clone());
-                    f
-                }
+            if !st.making.contains_key(&k) {
+                let f = self.make(viewer.clone());
+                st.making.insert(k.clone(), f);
             }
+            if stale.is_some() {
+                // a large index: the new one is made in the background
+                return Ok(stale);
+            }
+            st.making.get(&k).cloned().expect("inserted above")
         };
         match tokio::time::timeout(WAIT, making).await {
             Ok(Ok(summary)) => Ok(Some(Shown {
@@ -125,6 +133,11 @@ impl Summaries {
             let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
             st.making.remove(&k);
             if let Ok(s) = &r {
+                tracing::debug!(
+                    took_ms = started.elapsed().as_millis() as u64,
+                    destinations = s.destinations.len(),
+                    "console: summary made"
+                );
                 if st.made.len() >= MAX_VIEWERS && !st.made.contains_key(&k) {
                     st.made.clear();
                 }

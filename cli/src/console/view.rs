@@ -171,6 +171,19 @@ pub fn due_chart(due: &[u64; 5]) -> String {
     )
 }
 
+/// A count with its thousands apart: `1 320 479` (narrow no-break spaces).
+pub fn count(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() * 2);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push('\u{202f}');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// A count in at most four characters: `950`, `12k`, `3.4M`.
 pub fn compact(n: u64) -> String {
     match n {
@@ -224,6 +237,9 @@ mod tests {
         assert_eq!(relative(10_000, 4_000), "in 6.0 s");
         assert_eq!(relative(4_000, 10_000), "6.0 s ago");
         assert_eq!(relative(5, 5), "now");
+        assert_eq!(count(999), "999");
+        assert_eq!(count(1_320_479), "1\u{202f}320\u{202f}479");
+        assert_eq!(count(100_000), "100\u{202f}000");
         assert_eq!(compact(999), "999");
         assert_eq!(compact(1_337_270), "1.3M");
         assert_eq!(compact(12_345), "12k");
