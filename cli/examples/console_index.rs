@@ -25,6 +25,77 @@ const DESTINATIONS: usize = 1_000;
 const OWNERS: usize = 8;
 const SPREAD_MS: u64 = 10 * 24 * 3_600_000;
 
+/// Cumulative Zipf(1) weights over the destinations.
+fn zipf() -> Vec<f64> {
+    let mut acc = 0.0;
+    let mut cdf: Vec<f64> = (1..=DESTINATIONS)
+        .map(|k| {
+            acc += 1.0 / k as f64;
+            acc
+        })
+        .collect();
+    for x in &mut cdf {
+        *x /= acc;
+    }
+    cdf
+}
+
+/// The entries of row `i` of `rows`: its schedule and, for 1.1 % of them, its run.
+fn entries(rng: &mut StdRng, cdf: &[f64], now: u64, i: u64, rows: u64, out: &mut Vec<Entry>) {
+    let u: f64 = rng.random();
+    let d = cdf.partition_point(|&c| c < u).min(DESTINATIONS - 1);
+    let owner = format!("app{}", d % OWNERS);
+    let sched = now - 3_600_000 + i * 3_600_000 / rows;
+    let mut r10 = [0u8; 10];
+    rng.fill(&mut r10);
+    let id = uuid::Builder::from_unix_timestamp_millis(sched, &r10)
+        .into_uuid()
+        .hyphenated()
+        .to_string();
+    let fate = rng.random_range(0..1000u32);
+    let due = if fate < 10 {
+        now - rng.random_range(1_000..1_800_000)
+    } else {
+        now + rng.random_range(1_000..SPREAD_MS)
+    };
+    out.push(Entry::Scheduled(Scheduled {
+        id: id.clone(),
+        owner: owner.clone(),
+        destination: Destination::Queue(format!("orders.q{d:04}")),
+        due_at_ms: due,
+        scheduled_at_ms: sched,
+        size: rng.random_range(200..2_000),
+        content_type: Some("application/json".into()),
+        headers: vec![
+            (
+                "tenant".into(),
+                format!("t{}", rng.random_range(0..1_000u32)),
+            ),
+            ("kind".into(), format!("k{}", rng.random_range(0..20u32))),
+            (
+                "x-request-id".into(),
+                format!("{:016x}", rng.random::<u64>()),
+            ),
+        ],
+        body: None,
+        confirmed: true,
+    }));
+    if fate < 11 {
+        let late = rng.random_range(0..2_000);
+        out.push(Entry::Ran {
+            owner,
+            id,
+            at_ms: due.max(sched) + late,
+            lateness_ms: late,
+            outcome: if fate < 10 {
+                Outcome::Done
+            } else {
+                Outcome::Parked
+            },
+        });
+    }
+}
+
 fn main() {
     let mut rows = 10_000_000u64;
     let mut path = PathBuf::from("/tmp/console-index.db");
@@ -47,75 +118,14 @@ fn main() {
         },
     )
     .unwrap();
-    // Zipf(1) over the destinations
-    let mut acc = 0.0;
-    let mut cdf: Vec<f64> = (1..=DESTINATIONS)
-        .map(|k| {
-            acc += 1.0 / k as f64;
-            acc
-        })
-        .collect();
-    for x in &mut cdf {
-        *x /= acc;
-    }
+    let cdf = zipf();
     let mut rng = StdRng::seed_from_u64(48);
     let now = amqp_delay::time::now_ms();
     let started = Instant::now();
     ix.begin_rebuild().unwrap();
     let mut batch = Vec::with_capacity(10_000);
     for i in 0..rows {
-        let u: f64 = rng.random();
-        let d = cdf.partition_point(|&c| c < u).min(DESTINATIONS - 1);
-        let owner = format!("app{}", d % OWNERS);
-        let sched = now - 3_600_000 + i * 3_600_000 / rows;
-        let mut r10 = [0u8; 10];
-        rng.fill(&mut r10);
-        let id = uuid::Builder::from_unix_timestamp_millis(sched, &r10)
-            .into_uuid()
-            .hyphenated()
-            .to_string();
-        let fate = rng.random_range(0..1000u32);
-        let due = if fate < 10 {
-            now - rng.random_range(1_000..1_800_000)
-        } else {
-            now + rng.random_range(1_000..SPREAD_MS)
-        };
-        batch.push(Entry::Scheduled(Scheduled {
-            id: id.clone(),
-            owner: owner.clone(),
-            destination: Destination::Queue(format!("orders.q{d:04}")),
-            due_at_ms: due,
-            scheduled_at_ms: sched,
-            size: rng.random_range(200..2_000),
-            content_type: Some("application/json".into()),
-            headers: vec![
-                (
-                    "tenant".into(),
-                    format!("t{}", rng.random_range(0..1_000u32)),
-                ),
-                ("kind".into(), format!("k{}", rng.random_range(0..20u32))),
-                (
-                    "x-request-id".into(),
-                    format!("{:016x}", rng.random::<u64>()),
-                ),
-            ],
-            body: None,
-            confirmed: true,
-        }));
-        if fate < 11 {
-            let late = rng.random_range(0..2_000);
-            batch.push(Entry::Ran {
-                owner,
-                id,
-                at_ms: due.max(sched) + late,
-                lateness_ms: late,
-                outcome: if fate < 10 {
-                    Outcome::Done
-                } else {
-                    Outcome::Parked
-                },
-            });
-        }
+        entries(&mut rng, &cdf, now, i, rows, &mut batch);
         if batch.len() >= 10_000 || i + 1 == rows {
             ix.apply_at(&batch, i + 1).unwrap();
             batch.clear();

@@ -320,19 +320,33 @@ fn lists_are_paged_by_cursor_and_bounded() {
     );
 }
 
-#[test]
-fn a_purge_is_confirmed_with_its_count_and_posts_need_the_token_and_this_origin() {
+/// The CSRF token in a page's forms.
+fn token_of(html: &str) -> String {
+    html.split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|t| t.split('"').next())
+        .unwrap_or_else(|| panic!("no form with a token: {html}"))
+        .to_string()
+}
+
+fn purge_world() -> Served {
     let mut e: Vec<Entry> = (0..7)
         .map(|i| sched("alice", &format!("p-{i}"), "P", later(60_000 + i)))
         .collect();
     e.push(sched("bob", "p-bob", "P", later(60_000)));
-    let s = serve_with(e);
+    serve_with(e)
+}
+
+#[test]
+fn a_purge_is_confirmed_with_the_count_its_user_sees() {
+    let s = purge_world();
     let (status, page) = s.get("/purge?queue=P", Some(ALICE));
     assert_eq!(status, 200, "{page}");
     assert!(
         page.contains("<strong id=\"purge-count\">7</strong>"),
         "{page}"
     );
+    assert!(page.contains("name=\"expected\" value=\"7\""), "{page}");
     let (_, page) = s.get("/purge?queue=P", Some(ROOT));
     assert!(
         page.contains("<strong id=\"purge-count\">8</strong>"),
@@ -340,76 +354,42 @@ fn a_purge_is_confirmed_with_its_count_and_posts_need_the_token_and_this_origin(
     );
     let (status, page) = s.get("/purge", Some(ROOT));
     assert_eq!(status, 400, "a purge names its queue: {page}");
-    let token = page
-        .split("name=\"csrf\" value=\"")
-        .nth(1)
-        .and_then(|t| t.split('"').next())
-        .map(|t| t.to_string());
-    let (_, msg) = s.get("/message?id=p-1", Some(ALICE));
-    let token = token.unwrap_or_else(|| {
-        msg.split("name=\"csrf\" value=\"")
-            .nth(1)
-            .unwrap()
-            .split('"')
-            .next()
-            .unwrap()
-            .to_string()
-    });
+    let (status, page) = s.get("/purge?exchange=x&routing_key=k", Some(ROOT));
+    assert_eq!(status, 400, "{page}");
+    assert!(page.contains("due queue"), "{page}");
+}
+
+#[test]
+fn posts_need_the_users_token_and_this_origin() {
+    let s = purge_world();
+    let token = token_of(&s.get("/message?id=p-1", Some(ALICE)).1);
     let origin = format!("http://{}", s.addr);
     // no Origin, no Referer
     let (status, body) = s.post("/message/reschedule", ALICE, None, &[("csrf", &token)]);
     assert_eq!(status, 403, "{body}");
     assert!(body.contains("no Origin or Referer"), "{body}");
     // another site
-    let (status, body) = s.post(
-        "/message/cancel",
-        ALICE,
-        Some("http://evil.example"),
-        &[("csrf", &token), ("id", "p-1")],
-    );
+    let evil = Some("http://evil.example");
+    let (status, body) = s.post("/message/cancel", ALICE, evil, &[("csrf", &token)]);
     assert_eq!(status, 403, "{body}");
     assert!(body.contains("evil.example"), "{body}");
     // this origin, no token or another user's token
     let (status, body) = s.post("/message/cancel", ALICE, Some(&origin), &[("id", "p-1")]);
     assert_eq!(status, 403);
     assert!(body.contains("token"), "{body}");
-    let (_, bobs) = s.get("/message?id=p-bob", Some(BOB));
-    let bob_token = bobs
-        .split("name=\"csrf\" value=\"")
-        .nth(1)
-        .unwrap()
-        .split('"')
-        .next()
-        .unwrap()
-        .to_string();
-    let (status, _) = s.post(
-        "/purge",
-        ALICE,
-        Some(&origin),
-        &[("csrf", &bob_token), ("queue", "P")],
-    );
-    assert_eq!(status, 403);
+    let bob_token = token_of(&s.get("/message?id=p-bob", Some(BOB)).1);
+    let form = [("csrf", bob_token.as_str()), ("queue", "P")];
+    assert_eq!(s.post("/purge", ALICE, Some(&origin), &form).0, 403);
     // both right: the action itself answers (here: a time it cannot read)
-    let (status, body) = s.post(
-        "/message/reschedule",
-        ALICE,
-        Some(&origin),
-        &[
-            ("csrf", &token),
-            ("id", "p-1"),
-            ("owner", "alice"),
-            ("at", "someday"),
-        ],
-    );
+    let form = [("csrf", token.as_str()), ("id", "p-1"), ("at", "someday")];
+    let (status, body) = s.post("/message/reschedule", ALICE, Some(&origin), &form);
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("&#x27;someday&#x27; is not a time"), "{body}");
     // a body over the cap
     let big = "x".repeat(MAX_BODY + 1);
-    let (status, _) = s.post(
-        "/message/cancel",
-        ALICE,
-        Some(&origin),
-        &[("csrf", &token), ("id", &big)],
+    let form = [("csrf", token.as_str()), ("id", big.as_str())];
+    assert_eq!(
+        s.post("/message/cancel", ALICE, Some(&origin), &form).0,
+        413
     );
-    assert_eq!(status, 413);
 }
