@@ -11,6 +11,10 @@
 //! The test FAILS (never skips) when the broker, chromedriver or Chromium is missing.
 
 mod browser;
+// the integration suite's harness (a real broker, a random prefix, clean-up); the console's
+// test uses a few of its pieces
+#[allow(dead_code)]
+#[path = "../it/harness.rs"]
 mod harness;
 
 use std::path::{Path, PathBuf};
