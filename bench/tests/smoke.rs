@@ -166,7 +166,12 @@ async fn check_every_scenario(report: &Value) {
                 (hops - observed).abs() < 0.01,
                 "{name}: planned {hops} hops, took {observed}"
             );
-            assert_eq!(per_msg, 1.0, "{name}: unbatched, one broker message each");
+            // one broker message each into the tiers, plus the journal's records, which are
+            // group commits shared by the publishes in flight together
+            assert!(
+                (1.0..2.0).contains(&per_msg),
+                "{name}: unbatched, one broker message each and a share of a journal record: {per_msg}"
+            );
         }
         number(
             &s["lateness_broker_msgs_per_msg"],
