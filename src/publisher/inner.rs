@@ -52,15 +52,16 @@ impl Inner {
                 planner::plan_window(&self.layout, lo, l.saturating_sub(now).max(lo))
             }
         };
+        let route = match planned {
+            Err(e) => return self.settle(now, members, Err(Error::from(e))),
+            Ok(route) => route,
+        };
         // journaled before it is published: a message the broker confirmed is in the journal
         let ticket = match self.journal_intent(&mut members).await {
             Ok(t) => t,
             Err(e) => return self.settle(now, members, Err(e)),
         };
-        let result = match planned {
-            Err(e) => Err(Error::from(e)),
-            Ok(route) => self.publish_members(&mut members, route, earliest).await,
-        };
+        let result = self.publish_members(&mut members, route, earliest).await;
         if let (Some(j), Some(t)) = (&self.journal, ticket) {
             let ids = || members.iter().map(|m| m.message_id.clone()).collect();
             match &result {
