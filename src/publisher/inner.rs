@@ -91,12 +91,22 @@ impl Inner {
         if items.is_empty() {
             return Ok(None);
         }
-        j.intent(items).await.map(Some).inspect_err(|e| {
-            tracing::warn!(
-                "could not journal messages before publishing them (not published): {}",
-                crate::error::chain(e)
-            );
-        })
+        // availability over the journal: a journal that cannot be written (its stream lost or
+        // deleted) must not stop scheduling; what is published meanwhile is counted, and
+        // `pending` does not list it
+        Ok(j.intent(items).await.map(Some).unwrap_or_else(|e| {
+            // counted as skipped journal records; logged now and then, not per publish
+            let before = crate::metrics::global().skip("journal", "unjournaled");
+            if before < 10 || before.is_multiple_of(1_000) {
+                tracing::warn!(
+                    messages = members.len(),
+                    unjournaled = before + 1,
+                    "publishing without the journal, which `pending` lists from: {}",
+                    crate::error::chain(&e)
+                );
+            }
+            None
+        }))
     }
 
     /// Counts what `result` put into the tiers (in the ledger, by due time, while it is

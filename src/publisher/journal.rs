@@ -18,6 +18,10 @@ use crate::time::now_ms;
 
 /// How long ended flushes and runs wait for a record to ride along before one of their own.
 const LINGER: Duration = Duration::from_millis(250);
+/// After an intent could not be written (the journal stream lost, deleted, or its leader
+/// gone), how long publishes go on unjournaled before the journal is tried again: scheduling
+/// must not stop, nor wait for the append timeout each time, while the journal is down.
+const OUTAGE_PAUSE: Duration = Duration::from_secs(5);
 /// Runs kept waiting for their record, at most: past it the oldest are dropped (counted as
 /// skipped): the journal must never hold up or grow a worker.
 const MAX_RUNS_WAITING: usize = 100_000;
@@ -36,6 +40,8 @@ struct Shared {
     open: HashMap<u64, (usize, Vec<String>, Vec<String>)>,
     ended: Vec<Flush>,
     runs: VecDeque<Run>,
+    /// Until when intents are not tried (the journal could not be written).
+    down_until: Option<std::time::Instant>,
 }
 
 /// The journal writer of one publisher.
@@ -64,8 +70,16 @@ impl JournalWriter {
     }
 
     /// Journals `items` before their publish: returns once the record holding them is
-    /// confirmed. An error means nothing may be published.
+    /// confirmed. An error means the journal could not be written (nor is tried for
+    /// [`OUTAGE_PAUSE`] after a failure): the caller publishes unjournaled.
     pub(super) async fn intent(&self, items: Vec<Item>) -> Result<Ticket> {
+        if let Some(until) = lock(&self.shared).down_until
+            && std::time::Instant::now() < until
+        {
+            return Err(Error::Stopped(
+                "the journal could not be written a moment ago".into(),
+            ));
+        }
         let (reply, rx) = oneshot::channel();
         let sent = match &*self.tx.lock().unwrap_or_else(|p| p.into_inner()) {
             Some(tx) => tx.send(Intent { items, reply }).is_ok(),
@@ -202,7 +216,9 @@ async fn write_intents(
         }
     }
     if result.is_err() {
-        lock(shared).open.remove(&flush);
+        let mut s = lock(shared);
+        s.open.remove(&flush);
+        s.down_until = Some(std::time::Instant::now() + OUTAGE_PAUSE);
     }
     for r in replies {
         let _ = r.send(result.clone().map(|()| flush));
