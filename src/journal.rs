@@ -22,7 +22,6 @@
 //! Writing never waits for a reader: the journal is read by `pending`'s index, which may be
 //! down or behind without delaying anything.
 
-use base64::Engine as _;
 use lapin::Connection;
 use lapin::types::AMQPValue;
 use serde::{Deserialize, Serialize};
@@ -336,11 +335,6 @@ pub(crate) fn chunks(items: Vec<Item>) -> Vec<Vec<Item>> {
         }
     }
     out
-}
-
-/// A kept body in base64, as the journal carries it (what the JSON API shows).
-pub fn encode_body(body: &[u8]) -> String {
-    base64::engine::general_purpose::STANDARD.encode(body)
 }
 
 #[cfg(test)]

@@ -379,109 +379,122 @@ impl State {
                     self.add(Key::new(by, &id), until_ms, now);
                 }
             }
-            Record::Purge(p) => {
-                let ahead = self.limits.ahead_ms;
-                if let Err(why) = self.rules.purge(p, by, &self.trust, now, ahead) {
-                    skipped(KIND, "rules_full", &why);
-                }
-            }
-            Record::Reschedule {
-                id,
-                owner,
-                due_at_ms,
-                until_ms,
-            } => {
-                let (ahead, t) = (self.limits.ahead_ms, &self.trust);
-                let r = self
-                    .rules
-                    .reschedule(by, owner, id, due_at_ms, until_ms, t, now, ahead);
-                if let Err(why) = r {
-                    skipped(KIND, "rules_full", &why);
-                }
-            }
+            r @ (Record::Purge(_) | Record::Reschedule { .. }) => self.take_rule(r, by, now),
             Record::Barrier { nonce } => {
                 if let Some(w) = self.waiting.remove(&nonce) {
                     let _ = w.send(());
                 }
             }
-            Record::CheckpointBegin { nonce } => {
-                self.begun_at = Some(self.read);
-                if let Some((own, tx)) = &mut self.own
-                    && *own == nonce
-                    && let Some(tx) = tx.take()
-                {
-                    let _ = tx.send(self.held(now));
-                }
-                // begins whose parts never came (a writer that failed): forget the oldest
-                if self.open.len() >= 64 {
-                    let oldest = self
-                        .open
-                        .iter()
-                        .min_by_key(|(_, o)| o.begin)
-                        .map(|(n, _)| n.clone());
-                    if let Some(n) = oldest {
-                        self.open.remove(&n);
-                    }
-                }
-                self.open.insert(
-                    nonce,
-                    OpenCheckpoint {
-                        begin: self.read,
-                        parts: 0,
-                        got: HashSet::new(),
-                    },
-                );
-            }
-            Record::Checkpoint {
-                nonce,
-                part,
-                parts,
-                items,
-                by,
-                purges,
-                moves,
-            } => {
-                // a part of a checkpoint written before cancels had writers names none: its
-                // tombstones stop nothing (the checkpoint counts as a position all the same)
-                if !by.is_empty() {
-                    for (id, until_ms) in items {
-                        self.add(Key::new(&by, &id), until_ms, now);
-                    }
-                }
-                // the rules a trusted follower held, each with its writer
-                for p in purges {
-                    if let Err(why) = self.rules.hold_purge(p, now) {
-                        skipped(KIND, "rules_full", &why);
-                    }
-                }
-                for m in moves {
-                    if let Err(why) = self.rules.hold_move(m, now) {
-                        skipped(KIND, "rules_full", &why);
-                    }
-                }
-                // a checkpoint has at least one part, and its first part read says how many
-                if parts > 0
-                    && let Some(open) = self.open.get_mut(&nonce)
-                    && (open.parts == 0 || open.parts == parts)
-                {
-                    open.parts = parts;
-                    if part < parts {
-                        open.got.insert(part);
-                    }
-                    if open.got.len() as u64 >= u64::from(open.parts) {
-                        let begin = open.begin;
-                        self.open.remove(&nonce);
-                        self.complete_at = Some(begin);
-                        self.checkpoints_read += 1;
-                    }
-                }
-            }
+            Record::CheckpointBegin { nonce } => self.begin_read(nonce, now),
+            r @ Record::Checkpoint { .. } => self.take_part(r, now),
             Record::GatewayPair { .. }
             | Record::GatewayPairEnded { .. }
             | Record::BatchMarker { .. } => {}
         }
         if now.saturating_sub(self.last_prune) >= 1_000 {
             self.prune(now);
+        }
+    }
+
+    /// A purge or a reschedule written by `by`, as far as `by` may steer ([`Rules`]).
+    fn take_rule(&mut self, r: Record, by: &str, now: u64) {
+        let (ahead, t) = (self.limits.ahead_ms, &self.trust);
+        let taken = match r {
+            Record::Purge(p) => self.rules.purge(p, by, t, now, ahead),
+            Record::Reschedule {
+                id,
+                owner,
+                due_at_ms,
+                until_ms,
+            } => self
+                .rules
+                .reschedule(by, owner, id, due_at_ms, until_ms, t, now, ahead),
+            _ => Ok(()),
+        };
+        if let Err(why) = taken {
+            skipped(KIND, "rules_full", &why);
+        }
+    }
+
+    /// A checkpoint's begin record read: its parts are awaited (and this follower's own
+    /// checkpoint gets what it holds).
+    fn begin_read(&mut self, nonce: String, now: u64) {
+        self.begun_at = Some(self.read);
+        if let Some((own, tx)) = &mut self.own
+            && *own == nonce
+            && let Some(tx) = tx.take()
+        {
+            let _ = tx.send(self.held(now));
+        }
+        // begins whose parts never came (a writer that failed): forget the oldest
+        if self.open.len() >= 64 {
+            let oldest = self
+                .open
+                .iter()
+                .min_by_key(|(_, o)| o.begin)
+                .map(|(n, _)| n.clone());
+            if let Some(n) = oldest {
+                self.open.remove(&n);
+            }
+        }
+        self.open.insert(
+            nonce,
+            OpenCheckpoint {
+                begin: self.read,
+                parts: 0,
+                got: HashSet::new(),
+            },
+        );
+    }
+
+    /// A checkpoint part read: its tombstones and rules held, and the checkpoint whole once
+    /// every part came.
+    fn take_part(&mut self, r: Record, now: u64) {
+        let Record::Checkpoint {
+            nonce,
+            part,
+            parts,
+            items,
+            by,
+            purges,
+            moves,
+        } = r
+        else {
+            return;
+        };
+        // a part of a checkpoint written before cancels had writers names none: its
+        // tombstones stop nothing (the checkpoint counts as a position all the same)
+        if !by.is_empty() {
+            for (id, until_ms) in items {
+                self.add(Key::new(&by, &id), until_ms, now);
+            }
+        }
+        // the rules a trusted follower held, each with its writer
+        let mut refused = Vec::new();
+        for p in purges {
+            refused.extend(self.rules.hold_purge(p, now).err());
+        }
+        for m in moves {
+            refused.extend(self.rules.hold_move(m, now).err());
+        }
+        for why in refused {
+            skipped(KIND, "rules_full", &why);
+        }
+        // a checkpoint has at least one part, and its first part read says how many
+        if parts > 0
+            && let Some(open) = self.open.get_mut(&nonce)
+            && (open.parts == 0 || open.parts == parts)
+        {
+            open.parts = parts;
+            if part < parts {
+                open.got.insert(part);
+            }
+            if open.got.len() as u64 >= u64::from(open.parts) {
+                let begin = open.begin;
+                self.open.remove(&nonce);
+                self.complete_at = Some(begin);
+                self.checkpoints_read += 1;
+            }
         }
     }
 
