@@ -44,6 +44,12 @@ pub const USER_ID: &str = "x-delay-user-id";
 /// `delay-proxy`: the message's `user_id` is the login of the proxy's client, set by the proxy
 /// (the application set none), so the gateway does not name it in [`USER_ID`] at the target.
 pub const ADDED_USER_ID: &str = "x-delay-added-user-id";
+/// `delay-proxy`: when the proxy took the delayed publish (ms since the Unix epoch). A gateway's
+/// ingress counts the delay from it, so that a message that waited in the ingress queue (a pair
+/// not served yet, a gateway restarting) is not late by that wait. Whoever writes an ingress
+/// can set it, and gains nothing by it: a time before now only shortens its own message's
+/// delay, as a smaller `x-delay` would, and one after now counts as now.
+pub const PUBLISHED_AT: &str = "x-delay-published-at";
 /// Who owns a copy a worker or a gateway wrote on another user's behalf (a retry, a gateway
 /// hop): believed only from such a writer (see `amqp_delay::trust`).
 pub const OWNER: &str = "x-delay-owner";

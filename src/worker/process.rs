@@ -233,10 +233,12 @@ fn believed_headers(
 
 /// An application's message (a queue whose handler does not read our headers): it cannot set
 /// our headers, nor pass for a batch. [`headers::ADDED_USER_ID`] is kept: it only keeps the
-/// message's own `user_id` from being named at the target.
+/// message's own `user_id` from being named at the target; so is [`headers::PUBLISHED_AT`],
+/// which can only shorten the writer's own delay.
 fn strip_our_headers(raw: &mut lapin::message::Delivery) {
     let h = raw.properties.headers().clone().unwrap_or_default();
-    let forged = |k: &str| headers::is_ours(k) && k != headers::ADDED_USER_ID;
+    let forged =
+        |k: &str| headers::is_ours(k) && k != headers::ADDED_USER_ID && k != headers::PUBLISHED_AT;
     if h.inner().keys().any(|k| forged(k.as_str())) {
         let clean = headers::filter(&h, |k| !forged(k));
         raw.properties = raw.properties.clone().with_headers(clean);

@@ -16,7 +16,7 @@ use amq_protocol::frame::{AMQPContentHeader, AMQPFrameType};
 use amq_protocol::protocol::{AMQPClass, basic, channel, connection, exchange};
 use amq_protocol::types::{AMQPValue, FieldTable, ShortString};
 use amqp_delay::gateway::x_delay::parse_x_delay;
-use amqp_delay::headers::{ADDED_USER_ID, X_DELAY};
+use amqp_delay::headers::{ADDED_USER_ID, PUBLISHED_AT, X_DELAY};
 
 use super::frames::{self, HANDSHAKE_FRAME_MAX, Raw};
 use super::login;
@@ -59,6 +59,14 @@ impl Pairs {
     pub fn exchange_of(&self, ingress: &str) -> Option<String> {
         let map = self.by_ingress.read().unwrap_or_else(|e| e.into_inner());
         map.get(ingress).cloned()
+    }
+
+    /// Every delayed exchange known, with its ingress.
+    pub fn all(&self) -> Vec<(String, String)> {
+        let map = self.by_exchange.read().unwrap_or_else(|e| e.into_inner());
+        map.iter()
+            .map(|(x, k)| (x.clone(), k.ingress.clone()))
+            .collect()
     }
 
     /// Whether `user` is one of the writers of delayed exchange `exchange`.
@@ -406,26 +414,32 @@ impl ClientSide {
                     raw.channel,
                     AMQPClass::Basic(basic::AMQPMethod::Publish(publish)),
                 )?;
-                header = self.with_user_id(raw.channel, h);
+                header = self.stamped(raw.channel, h);
             }
         }
         out.extend_from_slice(header.as_deref().unwrap_or(raw.bytes));
         Ok(Step::Bytes(out))
     }
 
-    /// The delayed publish's content header `h` with the client's user as `user_id` (which the
-    /// broker checks against the connection's, DESIGN rule 15, so the gateway knows who wrote
-    /// it) and the header [`ADDED_USER_ID`] (so that the target's copy does not name it, as the
-    /// plugin's would not); `None` (sent as it came) when it has a `user_id` already (the
-    /// broker checks that one), the user is unknown, or the frame would outgrow `frame_max`.
-    fn with_user_id(&self, channel: u16, h: AMQPContentHeader) -> Option<Vec<u8>> {
-        if h.properties.user_id().is_some() {
-            return None;
-        }
-        let user = ShortString::try_new(self.user.clone()?).ok()?;
+    /// The delayed publish's content header `h` with the time the proxy took it
+    /// ([`PUBLISHED_AT`], so that the gateway counts the delay from the publish, not from when
+    /// it reads the ingress queue), and, when it has no `user_id`, the client's user as
+    /// `user_id` (which the broker checks against the connection's, DESIGN rule 15, so the
+    /// gateway knows who wrote it) with the header [`ADDED_USER_ID`] (so that the target's copy
+    /// does not name it, as the plugin's would not). `None` (sent as it came) when the frame
+    /// would outgrow `frame_max`.
+    fn stamped(&self, channel: u16, h: AMQPContentHeader) -> Option<Vec<u8>> {
         let mut headers = h.properties.headers().clone().unwrap_or_default();
-        headers.insert(ADDED_USER_ID.into(), AMQPValue::Boolean(true));
-        let properties = h.properties.with_user_id(user).with_headers(headers);
+        let now = i64::try_from(amqp_delay::time::now_ms()).unwrap_or(i64::MAX);
+        headers.insert(PUBLISHED_AT.into(), AMQPValue::LongLongInt(now));
+        let mut properties = h.properties.clone();
+        if properties.user_id().is_none()
+            && let Some(user) = self.user.clone().and_then(|u| ShortString::try_new(u).ok())
+        {
+            headers.insert(ADDED_USER_ID.into(), AMQPValue::Boolean(true));
+            properties = properties.with_user_id(user);
+        }
+        let properties = properties.with_headers(headers);
         let bytes = frames::encode_header(channel, AMQPContentHeader { properties, ..h }).ok()?;
         let frame_max = self.frame_max.unwrap_or(HANDSHAKE_FRAME_MAX);
         (bytes.len() <= frame_max as usize).then_some(bytes)

@@ -1,7 +1,7 @@
 use amq_protocol::frame::{AMQPContentHeader, AMQPFrame, WriteContext, gen_frame};
 use amq_protocol::protocol::BasicProperties;
 use amq_protocol::types::LongString;
-use amqp_delay::headers::ADDED_USER_ID;
+use amqp_delay::headers::{ADDED_USER_ID, PUBLISHED_AT};
 
 use super::*;
 use crate::proxy::frames::Split;
@@ -91,6 +91,19 @@ fn client() -> ClientSide {
     side
 }
 
+/// `p` without the time the proxy stamped on a delayed publish, or `None` when it has none.
+fn unstamped(p: &BasicProperties) -> Option<BasicProperties> {
+    let t = p.headers().clone()?;
+    let at = t.inner().get(PUBLISHED_AT)?;
+    let now = i64::try_from(amqp_delay::time::now_ms()).unwrap();
+    assert!(
+        matches!(at, AMQPValue::LongLongInt(ms) if (now - 60_000..=now).contains(ms)),
+        "stamped now: {at:?}"
+    );
+    let rest = amqp_delay::headers::filter(&t, |k| k != PUBLISHED_AT);
+    Some(p.clone().with_headers(rest))
+}
+
 /// What a publish to `exchange` followed by its header becomes: the exchange it goes to, and
 /// whether the header frame is the one sent.
 fn publish_through(exchange: &str, x_delay: Option<AMQPValue>) -> String {
@@ -111,7 +124,8 @@ fn publish_through(exchange: &str, x_delay: Option<AMQPValue>) -> String {
     let mut want = frames::content_header(&h[7..h.len() - 1])
         .unwrap()
         .properties;
-    if sent.properties.user_id().is_some() {
+    let got = unstamped(&sent.properties);
+    if got.is_some() {
         // to an ingress, naming the client's user
         let mut t = want.headers().clone().unwrap();
         t.insert(ADDED_USER_ID.into(), AMQPValue::Boolean(true));
@@ -123,7 +137,7 @@ fn publish_through(exchange: &str, x_delay: Option<AMQPValue>) -> String {
             "the header is sent as it came"
         );
     }
-    assert_eq!(sent.properties, want);
+    assert_eq!(got.unwrap_or(sent.properties), want);
     match frames::method(&frames[0].2).unwrap() {
         AMQPClass::Basic(basic::AMQPMethod::Publish(p)) => {
             assert_eq!(
@@ -560,13 +574,17 @@ fn the_user_id_is_the_clients_unless_it_set_one_or_it_would_not_fit() {
         .get(ADDED_USER_ID)
         .cloned();
     assert_eq!(added, Some(AMQPValue::Boolean(true)));
-    // the client's own (the broker checks it), an unknown user, a frame too long: as it came
-    let own = header_of(delayed().with_user_id("app".into()));
-    assert_eq!(through(&mut client(), &own), own[7..own.len() - 1]);
+    // the client's own (the broker checks it), an unknown user: only stamped
+    let header_props = |f: &[u8]| frames::content_header(f).unwrap().properties;
+    let own = delayed().with_user_id("app".into());
+    let sent = through(&mut client(), &header_of(own.clone()));
+    assert_eq!(unstamped(&header_props(&sent)), Some(own));
     let mut unknown = client();
     unknown.user = None;
     let plain = header_of(delayed());
-    assert_eq!(through(&mut unknown, &plain), plain[7..plain.len() - 1]);
+    let sent = through(&mut unknown, &plain);
+    assert_eq!(unstamped(&header_props(&sent)), Some(delayed()));
+    // a frame too long: as it came
     let mut small = client();
     small.frame_max = Some(plain.len() as u32);
     assert_eq!(through(&mut small, &plain), plain[7..plain.len() - 1]);
