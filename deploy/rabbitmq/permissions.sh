@@ -35,9 +35,11 @@
 #   worker     delay-consumer --queue Q (all the --queue Q given here); with --forward X,
 #              add write on X by hand
 #   gateway    delay-publisher gateway (all the --gateway pairs given here) and, with
-#              --follow-pairs, the pairs of the --app exchanges
+#              --follow-pairs, the pairs of the --app exchanges (beside the proxy's own
+#              gateway, with trust.peers naming the proxy's user)
 #   relay      delay-consumer --queue S --relay Q (all the --relay given here)
-#   proxy      delay-proxy's own user: declares the pairs of the applications' exchanges
+#   proxy      delay-proxy's own user: declares the pairs of the applications' exchanges (the
+#              --app ones) and delivers what waits in them
 #   pending    delay-publisher pending serve and delay-console's own user: reads the journal and
 #              the control stream (and appends its barriers through P.streams); what it shows
 #              and steers is the logged-in user's
@@ -183,9 +185,10 @@ if [[ -n "${RS}" ]]; then
         "^(${RS}|${P}\\.(control|ledger))\$"
 fi
 if [[ ${PROXY} -eq 1 ]]; then
-    # declares the pairs (and the tiers when they are missing) under the prefix; only checks
-    # that the applications' exchanges exist, with passive declares
-    run set_permissions -p "${VHOST}" "${USER_PREFIX}-proxy" "^${P}\\..*\$" "^${P}\\..*\$" "^${P}\\..*\$"
+    # declares the pairs (and the tiers when they are missing) under the prefix and, as the
+    # gateway of those pairs, delivers to the --app exchanges (write)
+    run set_permissions -p "${VHOST}" "${USER_PREFIX}-proxy" "^${P}\\..*\$" \
+        "^(${P}\\..*${AX:+|${AX}})\$" "^${P}\\..*\$"
 fi
 for app in ${APPS[@]+"${APPS[@]}"}; do
     user="${app%%:*}"

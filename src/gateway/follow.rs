@@ -108,6 +108,8 @@ async fn find_pairs(gateway: Gateway, found: mpsc::UnboundedSender<PairEvent>) {
             Ok(c) => match c.connect("amqp-delay gateway follower").await {
                 Ok(conn) => {
                     let followed = std::time::Instant::now();
+                    // ready (`/readyz`) while it follows, before it serves any pair
+                    let live = crate::metrics::Live::open();
                     let layout = &gateway.layout;
                     let trust = &gateway.settings.trust;
                     let writers = &gateway.writers;
@@ -119,6 +121,7 @@ async fn find_pairs(gateway: Gateway, found: mpsc::UnboundedSender<PairEvent>) {
                         }
                     })
                     .await;
+                    drop(live);
                     broker::close_connection(&conn, "bye").await;
                     // a follow that fails at once (the topology not declared yet) backs off
                     if followed.elapsed() >= FOLLOWED_LONG {
@@ -171,6 +174,27 @@ impl Followed {
         }
     }
 
+    /// A pair this process registered itself: wanted, and returned with its worker's number
+    /// and stop signal when no worker serves it yet (now counted running).
+    fn announce(
+        &mut self,
+        pair: Pair,
+        configured: &HashSet<String>,
+    ) -> Option<(Pair, u64, watch::Receiver<bool>)> {
+        if configured.contains(&pair.ingress) {
+            return None;
+        }
+        let ingress = pair.ingress.clone();
+        self.wanted.insert(ingress.clone(), pair.clone());
+        if self.running.contains_key(&ingress) {
+            return None;
+        }
+        self.started += 1;
+        let (stop, stopped) = watch::channel(false);
+        self.running.insert(ingress, (self.started, stop));
+        Some((pair, self.started, stopped))
+    }
+
     /// Stops the running workers whose pair is no longer wanted, and returns the wanted pairs
     /// that have none, each with its worker's number and stop signal (now counted running).
     fn reconcile(&mut self) -> Vec<(Pair, u64, watch::Receiver<bool>)> {
@@ -214,8 +238,13 @@ type Done = (u64, Vec<String>, Result<()>);
 
 /// Serves `gateway`'s configured pairs and every pair registered under its prefix (until its
 /// end is recorded), until `shutdown` completes; then stops every worker (each drains as a
-/// gateway does).
-pub(super) async fn serve(gateway: Gateway, shutdown: impl Future<Output = ()>) -> Result<()> {
+/// gateway does). A pair sent on `announced` (by the process that registered it) is served at
+/// once, without waiting for its record to be read back and to settle.
+pub(super) async fn serve(
+    gateway: Gateway,
+    mut announced: mpsc::UnboundedReceiver<Pair>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()> {
     let (stop_all, stopped_all) = watch::channel(false);
     let mut workers: JoinSet<Done> = JoinSet::new();
     let configured: HashSet<String> = gateway.pairs.iter().map(|p| p.ingress.clone()).collect();
@@ -256,6 +285,12 @@ pub(super) async fn serve(gateway: Gateway, shutdown: impl Future<Output = ()>) 
     loop {
         tokio::select! {
             () = &mut shutdown => break,
+            Some(pair) = announced.recv() => {
+                if let Some((pair, n, stopped)) = followed.announce(pair, &configured) {
+                    tracing::info!(ingress = %pair.ingress, target = %pair.target, "gateway pair registered here: serving it");
+                    start(&mut workers, gateway.with_pairs(vec![pair]), n, Some(stopped));
+                }
+            }
             Some(event) = events.recv() => {
                 followed.note(event, &configured);
                 unsettled = true;
@@ -364,5 +399,29 @@ mod tests {
         assert!(f.reconcile().is_empty());
         note(&mut f, pair("b"));
         assert_eq!(f.reconcile().len(), 1);
+    }
+
+    #[test]
+    fn an_announced_pair_is_served_at_once_and_only_once() {
+        let layout = crate::settings::Settings::default().layout().unwrap();
+        let configured: HashSet<String> = ["c".to_string()].into();
+        let of = |i: &str| match pair_event(&layout, pair(i)) {
+            Some(PairEvent::Found(p)) => p,
+            _ => unreachable!(),
+        };
+        let mut f = Followed::default();
+        assert!(f.announce(of("c"), &configured).is_none(), "configured");
+        let (_, n, _) = f.announce(of("a"), &configured).expect("started at once");
+        assert!(
+            f.announce(of("a"), &configured).is_none(),
+            "already running"
+        );
+        // its record read back later starts nothing more
+        f.note(pair_event(&layout, pair("a")).unwrap(), &configured);
+        assert!(f.reconcile().is_empty());
+        // its end, read back, stops it
+        f.note(pair_event(&layout, ended("a")).unwrap(), &configured);
+        assert!(f.reconcile().is_empty());
+        assert!(f.stopped("a", n));
     }
 }

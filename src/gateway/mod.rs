@@ -55,7 +55,7 @@ use crate::broker;
 use crate::control;
 use crate::envelope::Delivery;
 use crate::error::{Error, Result, ResultExt};
-use crate::headers::{INVALID, OWNER, X_DELAY};
+use crate::headers::{INVALID, OWNER, PUBLISHED_AT, X_DELAY};
 use crate::layout::Layout;
 use crate::message::Message;
 use crate::settings::{PairConfig, Settings};
@@ -284,8 +284,10 @@ impl Handler for GatewayHandler {
             return None;
         }
         let value = d.headers().and_then(|h| h.inner().get(X_DELAY));
+        let now = crate::time::now_ms();
         let delay_ms = parse_x_delay(value, c.max_delay_ms).ok()?;
-        (delay_ms <= c.hold_ms).then(|| crate::time::now_ms().saturating_add(delay_ms))
+        let left = delay_ms.saturating_sub(waited_ms(d, now));
+        (left <= c.hold_ms).then(|| now.saturating_add(left))
     }
 }
 
@@ -322,7 +324,8 @@ impl GatewayHandler {
         }
         let value = d.headers().and_then(|h| h.inner().get(X_DELAY));
         let (delay_ms, invalid) = match parse_x_delay(value, c.max_delay_ms) {
-            Ok(ms) => (ms, None),
+            // counted from the publish when `delay-proxy` said when that was
+            Ok(ms) => (ms.saturating_sub(waited_ms(d, crate::time::now_ms())), None),
             Err(reason) => (0, Some(reason)),
         };
         let owner = ingress_owner(d, ctx);
@@ -464,6 +467,16 @@ impl GatewayHandler {
             )),
         }
     }
+}
+
+/// How long `d` has waited since `delay-proxy` took its publish ([`PUBLISHED_AT`]) at `now_ms`:
+/// 0 without the header, or for a time after now.
+fn waited_ms(d: &Delivery, now_ms: u64) -> u64 {
+    d.headers()
+        .and_then(|h| h.inner().get(PUBLISHED_AT))
+        .and_then(crate::headers::as_int)
+        .and_then(|t| u64::try_from(t).ok())
+        .map_or(0, |t| now_ms.saturating_sub(t))
 }
 
 /// An application's message as a gateway's ingress reads it.
@@ -723,9 +736,29 @@ impl Gateway {
             );
         }
         if self.settings.gateway.follow {
-            return follow::serve(self, shutdown).await;
+            let (_none, announced) = tokio::sync::mpsc::unbounded_channel();
+            return follow::serve(self, announced, shutdown).await;
         }
         self.worker().run(shutdown).await
+    }
+
+    /// Serves the configured pairs and follows the pairs registered at run time, as
+    /// [`Gateway::run`] with `gateway.follow`, and serves a pair sent on `announced` at once:
+    /// a process that registers pairs itself (`delay-proxy`) serves each before its client
+    /// publishes, rather than when the record is read back. Declares the tiers when they are
+    /// missing. Runs until `shutdown` completes.
+    pub async fn run_announced(
+        self,
+        announced: tokio::sync::mpsc::UnboundedReceiver<Pair>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<()> {
+        let conn = crate::connection::Connector::new(&self.settings)?
+            .connect("amqp-delay gateway")
+            .await?;
+        let declared = self.declare(&conn).await;
+        crate::broker::close_connection(&conn, "declared").await;
+        declared?;
+        follow::serve(self, announced, shutdown).await
     }
 }
 
@@ -762,6 +795,34 @@ mod tests {
         }
         let props = lapin::BasicProperties::default().with_headers(h);
         crate::envelope::decode("gw.in.i", b"x".to_vec(), props, "k", "i", false).0
+    }
+
+    #[test]
+    fn the_delay_counts_from_the_proxys_publish_time_never_from_a_later_one() {
+        let gw = handler(true, 100);
+        let stamped = |delay: i64, at: AMQPValue| {
+            let mut h = FieldTable::default();
+            h.insert(X_DELAY.into(), AMQPValue::LongLongInt(delay));
+            h.insert(PUBLISHED_AT.into(), at);
+            let props = lapin::BasicProperties::default().with_headers(h);
+            crate::envelope::decode("gw.in.i", b"x".to_vec(), props, "k", "i", false).0
+        };
+        let now = crate::time::now_ms();
+        let at = |ms: u64| AMQPValue::LongLongInt(i64::try_from(ms).unwrap());
+        // taken 1 s ago with x-delay 1.05 s: 50 ms are left, so it is held, due 1.05 s after
+        // the publish and not before
+        let d = stamped(1050, at(now - 1000));
+        assert!((now - 1000 + 1050..=crate::time::now_ms() + 50).contains(&gw.due_at(&d).unwrap()));
+        assert_eq!(waited_ms(&d, now), 1000);
+        // a time after now counts as now; an unreadable one as no stamp
+        assert_eq!(waited_ms(&stamped(5, at(now + 60_000)), now), 0);
+        assert_eq!(
+            waited_ms(&stamped(5, AMQPValue::LongString("x".into())), now),
+            0
+        );
+        // long past: due at once (the writer's own message, as with a smaller x-delay)
+        let due = gw.due_at(&stamped(1000, at(now - 3_600_000))).unwrap();
+        assert!(due <= crate::time::now_ms());
     }
 
     #[test]

@@ -51,7 +51,8 @@ fn the_permission_script_prints_the_documented_sets() {
         format!(
             "set_permissions -p / p-relay '^$' '^(amq\\.default|{tiers}|p\\.(streams|park|journal|layout\\..+|(parked|holds|batched)\\.(s)))$' '^(s|p\\.(control|ledger))$'"
         ),
-        r"set_permissions -p / p-proxy '^p\..*$' '^p\..*$' '^p\..*$'".to_string(),
+        // its own gateway delivers to the applications' exchanges
+        r"set_permissions -p / p-proxy '^p\..*$' '^(p\..*|x1|x2)$' '^p\..*$'".to_string(),
         // the index's own user: the streams it follows, nothing of the tiers or destinations
         r"set_permissions -p / p-pending '^$' '^p\.(streams|journal|control)$' '^p\.(journal|control)$'"
             .to_string(),

@@ -58,6 +58,17 @@ pub struct GatewayProc {
     log: PathBuf,
 }
 
+/// A process of ours whose log a failing test prints.
+pub trait Logged {
+    fn log(&self) -> String;
+}
+
+impl Logged for GatewayProc {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
 impl GatewayProc {
     pub fn start(env: &Env, config: &Path, pairs: &[(&str, &str)], name: &str) -> GatewayProc {
         let log = std::env::temp_dir().join(format!("{}-{name}.log", env.settings.prefix));
@@ -77,10 +88,6 @@ impl GatewayProc {
             .spawn()
             .expect("starting delay-publisher gateway");
         GatewayProc { child, log }
-    }
-
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// SIGKILL: no chance to finish anything.
@@ -156,7 +163,7 @@ pub async fn bind(conn: &Connection, queue: &str, exchange: &str, key: &str) {
 }
 
 /// Waits until every gateway queue has `n` consumers (the gateways are ready).
-pub async fn wait_for_consumers(conn: &Connection, pairs: &[Pair], n: u32, gws: &[&GatewayProc]) {
+pub async fn wait_for_consumers(conn: &Connection, pairs: &[Pair], n: u32, gws: &[&dyn Logged]) {
     let end = Instant::now() + Duration::from_secs(20);
     loop {
         let mut ready = true;
@@ -202,7 +209,7 @@ pub fn start_app_at(mode: &str, cfg: serde_json::Value, url: &str) -> tokio::pro
         .expect("starting python3")
 }
 
-pub async fn finish(app: tokio::process::Child, gws: &[&GatewayProc]) -> serde_json::Value {
+pub async fn finish(app: tokio::process::Child, gws: &[&dyn Logged]) -> serde_json::Value {
     let out = tokio::time::timeout(Duration::from_secs(75), app.wait_with_output())
         .await
         .expect("the Python app did not finish within 75 s")

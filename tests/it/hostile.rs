@@ -9,7 +9,7 @@ use amqp_delay::Message;
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 
-use crate::gateway::{GatewayProc, pairs_of, wait_for_consumers, write_config};
+use crate::gateway::{GatewayProc, Logged, pairs_of, wait_for_consumers, write_config};
 use crate::harness::*;
 
 fn no_panic(stderr: &str) {

@@ -14,7 +14,7 @@ use clap::Parser;
     name = "delay-proxy",
     version,
     about = "An AMQP 0-9-1 proxy that gives x-delayed-message exchanges to applications of the delayed-message-exchange plugin on a stock broker",
-    after_help = "Clients connect to --listen with their own credentials; the broker is the first node of --url that answers (amqp://, or amqps:// verified with the [tls] settings), whose user is the proxy's own: it registers the gateway pairs. Run `delay-publisher gateway --follow-pairs` with the same --prefix to deliver the delayed messages."
+    after_help = "Clients connect to --listen with their own credentials; the broker is the first node of --url that answers (amqp://, or amqps:// verified with the [tls] settings), whose user is the proxy's own: it registers the gateway pairs and, as a gateway, delivers what waits in them (unless --no-gateway)."
 )]
 struct Cli {
     #[command(flatten)]
@@ -47,6 +47,10 @@ struct Cli {
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     tls_key: Option<std::path::PathBuf>,
     /// CPU niceness to run at, 0 (unchanged) to 19: beside a broker on the same cores the proxy then yields to it and moves more frames per system call (about half its CPU); a niceness already higher is kept
+    /// Deliver nothing: leave the pairs to `delay-publisher gateway --follow-pairs` processes,
+    /// whose `trust.peers` must name this proxy's user.
+    #[arg(long)]
+    no_gateway: bool,
     #[arg(long, env = "AMQP_DELAY_PROXY_NICENESS", default_value_t = priority::DEFAULT_NICENESS, value_parser = clap::value_parser!(i32).range(0..=priority::MAX_NICENESS as i64))]
     niceness: i32,
 }
@@ -79,7 +83,7 @@ async fn main() {
         },
         _ => None,
     };
-    if let Err(e) = run(settings, &args.listen, limits, tls).await {
+    if let Err(e) = run(settings, &args.listen, limits, tls, !args.no_gateway).await {
         cli::fail_with(&e);
     }
 }
@@ -89,12 +93,16 @@ async fn run(
     listen: &str,
     limits: Limits,
     tls: Option<futures_rustls::TlsAcceptor>,
+    gateway: bool,
 ) -> amqp_delay::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| amqp_delay_cli::proxy::config(format!("listening on {listen}: {e}")))?;
     cli::start_metrics(&settings).await?;
-    let proxy = Proxy::start(settings, limits, tls).await?;
+    let proxy = Proxy::start(settings.clone(), limits, tls).await?;
+    if gateway {
+        proxy.start_gateway(&settings)?;
+    }
     tracing::info!(%listen, tls = proxy.tls(), "delay-proxy listening");
     proxy.serve(listener, cli::shutdown_signal()).await
 }

@@ -109,6 +109,11 @@ pub struct Proxy {
     closing: tokio::sync::watch::Sender<bool>,
     /// The follower of the control stream (ended with the proxy).
     follower: tokio::task::JoinHandle<()>,
+    /// The check that every pair is served (ended with the proxy).
+    watcher: tokio::task::JoinHandle<()>,
+    /// The proxy's own gateway ([`Proxy::start_gateway`]), stopped after the clients.
+    gateway: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    stop_gateway: tokio::sync::watch::Sender<bool>,
 }
 
 impl Proxy {
@@ -129,6 +134,7 @@ impl Proxy {
         let registry = Arc::new(Registry::new(settings)?);
         registry.refresh(true).await?;
         let follower = tokio::spawn(registry.clone().follow());
+        let watcher = tokio::spawn(registry.clone().watch_served());
         Ok(Proxy {
             upstreams,
             tls,
@@ -138,7 +144,54 @@ impl Proxy {
             open: Arc::new(Mutex::new(Open::default())),
             closing: tokio::sync::watch::Sender::new(false),
             follower,
+            watcher,
+            gateway: std::sync::Mutex::new(None),
+            stop_gateway: tokio::sync::watch::Sender::new(false),
         })
+    }
+
+    /// Starts the proxy's own gateway, as the proxy's user: it serves every pair registered
+    /// under the prefix (those this proxy registers at once, before their declare-ok reaches
+    /// the client; others' once their record is read) and delivers what waits in them, until
+    /// the proxy stops. Nothing else need run for an application's delayed messages to arrive.
+    pub fn start_gateway(&self, settings: &Settings) -> Result<()> {
+        let mut settings = settings.clone();
+        settings.gateway.follow = true;
+        settings.gateway.pairs.clear();
+        let gateway = amqp_delay::Gateway::new(settings)?;
+        let (announce, announced) = tokio::sync::mpsc::unbounded_channel();
+        self.registry.serve_with(announce);
+        let mut stop = self.stop_gateway.subscribe();
+        // the gateway's futures are not `Send` for every lifetime (as in the registry): it is
+        // driven on a blocking thread of the runtime, its tasks on the runtime
+        let runtime = tokio::runtime::Handle::current();
+        let task = tokio::task::spawn_blocking(move || {
+            let stopped = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            if let Err(e) = runtime.block_on(gateway.run_announced(announced, stopped)) {
+                tracing::error!(
+                    "the proxy's gateway stopped: {}; delayed messages wait in their ingress queues until a gateway serves them",
+                    amqp_delay::error_chain(&e)
+                );
+            }
+        });
+        *self.gateway.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
+        Ok(())
+    }
+
+    /// Stops the proxy's own gateway (it finishes what it holds, as a gateway does) and waits
+    /// for it.
+    async fn stop_gateway(&self) {
+        self.stop_gateway.send_replace(true);
+        let task = self
+            .gateway
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
     }
 
     /// Whether clients must speak TLS.
@@ -190,7 +243,9 @@ impl Proxy {
                 () = &mut shutdown => {
                     drop(listener);
                     self.drain().await;
+                    self.stop_gateway().await;
                     self.follower.abort();
+                    self.watcher.abort();
                     return Ok(());
                 }
                 a = listener.accept() => a,

@@ -24,6 +24,12 @@ use crate::logline::escape_controls;
 /// often (each read appends a barrier).
 const REFRESH_EVERY: Duration = Duration::from_secs(2);
 
+/// How often the proxy checks that every delayed exchange it knows is served.
+const UNSERVED_CHECK: Duration = Duration::from_secs(5);
+
+/// How often an exchange that stays unserved is named in the log again.
+const UNSERVED_RELOG: Duration = Duration::from_secs(60);
+
 /// The proxy's registrations and what it knows of every pair under its prefix.
 pub struct Registry {
     settings: Settings,
@@ -33,6 +39,9 @@ pub struct Registry {
     pairs: Pairs,
     conn: Mutex<Option<Connection>>,
     refreshed: Mutex<Option<Instant>>,
+    /// The proxy's own gateway, told of each pair registered here so that it serves it before
+    /// the client publishes ([`Registry::serve_with`]).
+    announce: std::sync::OnceLock<tokio::sync::mpsc::UnboundedSender<Pair>>,
 }
 
 impl Registry {
@@ -49,7 +58,13 @@ impl Registry {
             pairs: Pairs::default(),
             conn: Mutex::new(None),
             refreshed: Mutex::new(None),
+            announce: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Tells `gateway` of every pair registered from now on (once; later calls are ignored).
+    pub fn serve_with(&self, gateway: tokio::sync::mpsc::UnboundedSender<Pair>) {
+        let _ = self.announce.set(gateway);
     }
 
     /// The virtual host the proxy acts in: its URL's.
@@ -125,6 +140,7 @@ impl Registry {
             if let Some(conn) = guard.as_ref()
                 && amqp_delay::broker::exchange_exists(conn, &pair.ingress).await?
             {
+                self.announce(&pair);
                 return Ok(());
             }
         }
@@ -142,6 +158,7 @@ impl Registry {
             .ok_or_else(|| super::config("no broker connection"))?;
         gateway.declare(conn).await?;
         drop(guard);
+        self.announce(&pair);
         self.pairs.insert(&pair.target, &pair.ingress, &writers);
         let (x, user) = (escape_controls(&pair.target), escape_controls(user));
         if known {
@@ -151,6 +168,13 @@ impl Registry {
             tracing::info!(exchange = %x, ingress = %pair.ingress, writer = %user, "delayed exchange registered");
         }
         Ok(())
+    }
+
+    /// Tells the proxy's own gateway to serve `pair` now (a no-op when it serves it already).
+    fn announce(&self, pair: &Pair) {
+        if let Some(gateway) = self.announce.get() {
+            let _ = gateway.send(pair.clone());
+        }
     }
 
     /// Ends delayed exchange `exchange`'s pair: called only after the broker deleted `exchange`
@@ -235,6 +259,45 @@ impl Registry {
         }
     }
 
+    /// Every [`UNSERVED_CHECK`], the delayed exchanges whose ingress queue holds messages that
+    /// no gateway consumes: counted in `amqp_delay_proxy_pairs_unserved` and named in the log
+    /// (once when found, again every [`UNSERVED_RELOG`] while it lasts), for ever.
+    pub async fn watch_served(self: Arc<Self>) {
+        let mut logged: std::collections::HashMap<String, Instant> = Default::default();
+        loop {
+            tokio::time::sleep(UNSERVED_CHECK).await;
+            let mut unserved = 0;
+            for (exchange, ingress) in self.pairs.all() {
+                let Ok(pair) = self.pair_for(&exchange) else {
+                    continue;
+                };
+                let state = match self.connected().await {
+                    Ok(guard) => match guard.as_ref() {
+                        Some(c) => amqp_delay::broker::queue_state(c, &pair.ingress_queue).await,
+                        None => continue,
+                    },
+                    Err(_) => break,
+                };
+                let Ok(Some(q)) = state else { continue };
+                if q.ready == 0 || q.consumers > 0 {
+                    logged.remove(&exchange);
+                    continue;
+                }
+                unserved += 1;
+                if logged
+                    .get(&exchange)
+                    .is_none_or(|t| t.elapsed() >= UNSERVED_RELOG)
+                {
+                    logged.insert(exchange.clone(), Instant::now());
+                    tracing::warn!(exchange = %escape_controls(&exchange), %ingress, waiting = q.ready, "no gateway serves this delayed exchange: its messages wait, late, in its ingress queue until one does (this proxy's own, unless --no-gateway; a `delay-publisher gateway --follow-pairs` needs this proxy's user in trust.peers)");
+                }
+            }
+            amqp_delay::metrics::global()
+                .proxy_pairs_unserved
+                .set(unserved);
+        }
+    }
+
     /// Keeps the pairs known current from the control stream, for ever (reconnecting with
     /// backoff): pairs other proxies register become known here too.
     pub async fn follow(self: Arc<Self>) {
@@ -248,8 +311,7 @@ impl Registry {
                 Ok(conn) => {
                     let followed = std::time::Instant::now();
                     // ready (`/readyz`) while the pairs other proxies register reach us
-                    let connected = &amqp_delay::metrics::global().connected;
-                    connected.set(1);
+                    let live = amqp_delay::metrics::Live::open();
                     let me = self.clone();
                     let trust = &self.settings.trust;
                     let r = amqp_delay::gateway::follow::follow_records(
@@ -259,7 +321,7 @@ impl Registry {
                         |r| me.learn(&r),
                     )
                     .await;
-                    connected.set(0);
+                    drop(live);
                     amqp_delay::broker::close_connection(&conn, "bye").await;
                     // a follow that fails at once (the topology not declared yet) backs off,
                     // instead of warning several times a second

@@ -31,7 +31,7 @@ async fn pika_body() {
         }),
         &w.proxy.url(),
     );
-    let report = finish(app, &[&w.gw]).await;
+    let report = finish(app, &[&w.proxy]).await;
     assert_eq!(report["published"], 9, "{report}\n{}", w.logs());
     assert_eq!(report["received"], 10, "{report}\n{}", w.logs());
     let edges = start_app_at(
@@ -39,7 +39,7 @@ async fn pika_body() {
         serde_json::json!({"prefix": p, "declare": true, "ingress": d_x, "target": d_x}),
         &w.proxy.url(),
     );
-    let report = finish(edges, &[&w.gw]).await;
+    let report = finish(edges, &[&w.proxy]).await;
     assert_eq!(report["published"], 8, "{report}\n{}", w.logs());
     w.env.cleanup().await;
 }

@@ -18,10 +18,10 @@ async fn deleting_a_delayed_exchange_ends_its_pair_and_a_new_declare_registers_i
     within(delete_body()).await;
 }
 
-/// Waits until `text` is in the gateway's log.
+/// Waits until `text` is in the proxy's log (its gateway's included).
 async fn logged(w: &World, text: &str) {
     let end = Instant::now() + Duration::from_secs(20);
-    while !w.gw.log().contains(text) {
+    while !w.proxy.log().contains(text) {
         assert!(
             Instant::now() < end,
             "no '{text}' within 20 s\n{}",
@@ -60,7 +60,11 @@ async fn delete_body() {
         .unwrap();
     assert!(confirm.is_ack());
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(!w.gw.log().contains("no longer serving it"), "{}", w.logs());
+    assert!(
+        !w.proxy.log().contains("no longer serving it"),
+        "{}",
+        w.logs()
+    );
     w.served(&x).await;
 
     // the application deletes its delayed exchange, as it would with the plugin
@@ -205,7 +209,8 @@ async fn drain_body() {
         "'{why}'\n{log}"
     );
 
-    // the gateway delivers what the proxy had confirmed
+    // the proxy started again (its gateway) delivers what the stopped one had confirmed
+    w.restart_proxy();
     let got = collect(
         &w.env.conn,
         &q,

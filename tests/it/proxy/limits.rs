@@ -36,6 +36,8 @@ async fn killed_body() {
     // SIGKILL right after the last confirm: everything confirmed is the broker's
     let _ = w.proxy.child.kill();
     let _ = w.proxy.child.wait();
+    // started again, its gateway delivers them
+    w.restart_proxy();
     w.served(&x).await;
     let got = collect(
         &w.env.conn,

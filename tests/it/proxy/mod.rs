@@ -1,8 +1,8 @@
 //! `delay-proxy` against a real RabbitMQ: applications written for the delayed-message-exchange
 //! plugin, unchanged but for their URL — lapin here, pika (`tests/py/plugin_app.py`) — declare
-//! `x-delayed-message` exchanges through the proxy and publish with `x-delay`; a real
-//! `delay-publisher gateway --follow-pairs` (started before any pair exists) delivers. The proxy
-//! runs as the real binary on a free port.
+//! `x-delayed-message` exchanges through the proxy and publish with `x-delay`; the proxy's own
+//! gateway delivers, with nothing else running. The proxy runs as the real binary on a free
+//! port.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -117,10 +117,6 @@ impl ProxyProc {
         }
     }
 
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
     /// A sample of its `/metrics`.
     fn metric(&self, name: &str) -> f64 {
         let (status, text) =
@@ -151,6 +147,12 @@ impl ProxyProc {
     }
 }
 
+impl Logged for ProxyProc {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
 impl Drop for ProxyProc {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -159,11 +161,10 @@ impl Drop for ProxyProc {
     }
 }
 
-/// The topology, a following gateway and a proxy, with the guards that delete the pairs of
-/// `exchanges` (and the exchanges) at the end.
+/// The topology and a proxy (its own gateway delivers), with the guards that delete the pairs
+/// of `exchanges` (and the exchanges) at the end.
 struct World {
     env: Env,
-    gw: GatewayProc,
     proxy: ProxyProc,
     _objects: GatewayObjects,
     config: ConfigFile,
@@ -183,16 +184,22 @@ impl World {
             .collect();
         let targets: Vec<&str> = exchanges.iter().map(String::as_str).collect();
         let objects = GatewayObjects::new(&env, &pairs, &targets);
-        let config = write_config(&env, "[gateway]\nfollow = true\n");
-        let gw = GatewayProc::start(&env, &config.0, &[], "gw");
+        let config = write_config(&env, "");
         let proxy = ProxyProc::start(&env, &config.0, &["--handshake-timeout", "2s"]);
         World {
             env,
-            gw,
             proxy,
             _objects: objects,
             config,
         }
+    }
+
+    /// A new proxy in place of the old one (stopped or killed), as a supervisor would start
+    /// it again: its gateway serves the pairs the control stream names.
+    fn restart_proxy(&mut self) {
+        let old = self.proxy.log();
+        self.proxy = ProxyProc::start(&self.env, &self.config.0, &["--handshake-timeout", "2s"]);
+        eprintln!("the proxy before its restart:\n{old}");
     }
 
     fn exchange(&self, name: &str) -> String {
@@ -203,11 +210,11 @@ impl World {
     async fn served(&self, x: &str) {
         let ingress = self.env.layout().proxy_ingress(x);
         let pairs = pairs_of(&self.env, &[(ingress.as_str(), x)]);
-        wait_for_consumers(&self.env.conn, &pairs, 1, &[&self.gw]).await;
+        wait_for_consumers(&self.env.conn, &pairs, 1, &[&self.proxy]).await;
     }
 
     fn logs(&self) -> String {
-        format!("proxy:\n{}\ngateway:\n{}", self.proxy.log(), self.gw.log())
+        format!("proxy (and its gateway):\n{}", self.proxy.log())
     }
 }
 

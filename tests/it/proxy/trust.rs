@@ -9,7 +9,6 @@
 //! And on the main broker: a pair a client registers names it, and a delayed publish carries
 //! the client's user to the ingress, where the gateway checks it.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use amq_protocol::protocol::{AMQPClass, channel, exchange};
@@ -39,29 +38,8 @@ struct Node {
     layout: Layout,
     trust: TrustSettings,
     proxy: ProxyProc,
-    gw: Proc,
     _vhost: Vhost,
     _cleanup: Cleanup,
-}
-
-/// A process killed when dropped, and its log.
-struct Proc {
-    child: std::process::Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.log);
-    }
 }
 
 /// A virtual host of the TLS test node, deleted when dropped.
@@ -122,7 +100,7 @@ impl Node {
     }
 
     fn logs(&self) -> String {
-        format!("proxy:\n{}\ngateway:\n{}", self.proxy.log(), self.gw.log())
+        format!("proxy (and its gateway):\n{}", self.proxy.log())
     }
 
     /// Waits until the gateway consumes the pair of `x`.
@@ -232,7 +210,7 @@ async fn node() -> Node {
     std::fs::write(
         &cfg,
         format!(
-            "prefix = \"{p}\"\n[topology]\nradix = 4\nunit = 1\nmax_delay = 1500\nfixed_levels = [150]\nmax_tier_ttl = 200\n[consumer]\nshutdown_grace = \"2s\"\n[gateway]\nfollow = true\n[trust]\nadmins = [\"{p}-admin\"]\npeers = [\"{p}-proxy\"]\n"
+            "prefix = \"{p}\"\n[topology]\nradix = 4\nunit = 1\nmax_delay = 1500\nfixed_levels = [150]\nmax_tier_ttl = 200\n[consumer]\nshutdown_grace = \"2s\"\n[trust]\nadmins = [\"{p}-admin\"]\n"
         ),
     )
     .unwrap();
@@ -245,16 +223,6 @@ async fn node() -> Node {
         &["--handshake-timeout", "5s"],
         &[],
     );
-    let log = std::env::temp_dir().join(format!("{p}-trust-gw.log"));
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
-        .arg("--config")
-        .arg(&cfg)
-        .args(["--url", &as_user("gateway"), "gateway"])
-        .env("RUST_LOG", "warn,amqp_delay=info")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .expect("starting delay-publisher gateway");
     let root = amqp_delay::connection::connect(&root_url, "proxy trust test")
         .await
         .expect("THE TLS TEST NODE'S PLAIN PORT DOES NOT ANSWER");
@@ -272,7 +240,6 @@ async fn node() -> Node {
         p,
         root,
         proxy,
-        gw: Proc { child, log },
         _vhost: vhost,
         _cleanup: cleanup,
     }
