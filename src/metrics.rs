@@ -110,7 +110,8 @@ pub struct Metrics {
     pub tier_dead_lettered: Family<TierLabel, Gauge>,
     /// Messages (not broker messages) not yet due, from the ledger, by how soon they fall due.
     pub messages_pending: Family<DueLabel, Gauge>,
-    /// 1 while connected and consuming, 0 while (re)connecting.
+    /// 1 while at least one of the process's broker connections works (a worker consuming, a
+    /// follower reading: [`Live`]), 0 while none does.
     pub connected: Gauge,
     /// `delay-proxy`: client connections open now.
     pub proxy_connections: Gauge,
@@ -124,6 +125,9 @@ pub struct Metrics {
     pub proxy_pairs_ended: Counter,
     /// `delay-proxy`: delayed exchanges it knows (its own and those read from the control stream).
     pub proxy_pairs_known: Gauge,
+    /// `delay-proxy`: delayed exchanges whose ingress queue holds messages that no gateway
+    /// consumes (checked every few seconds).
+    pub proxy_pairs_unserved: Gauge,
 }
 
 /// Lateness buckets: 1 ms to 5 min.
@@ -166,6 +170,7 @@ impl Metrics {
             proxy_connections_refused: Counter::default(),
             proxy_delayed_publishes: Counter::default(),
             proxy_pairs_registered: Counter::default(),
+            proxy_pairs_unserved: Gauge::default(),
             proxy_pairs_ended: Counter::default(),
             proxy_pairs_known: Gauge::default(),
         };
@@ -192,6 +197,11 @@ impl Metrics {
             "proxy_delayed_publishes",
             "delay-proxy: publishes sent to a gateway pair's ingress (a positive or unreadable x-delay)",
             self.proxy_delayed_publishes.clone(),
+        );
+        self.registry.register(
+            "proxy_pairs_unserved",
+            "delay-proxy: delayed exchanges whose ingress queue holds messages that no gateway consumes",
+            self.proxy_pairs_unserved.clone(),
         );
         self.registry.register(
             "proxy_pairs_registered",
@@ -359,6 +369,35 @@ impl Metrics {
                 reason: reason.to_string(),
             })
             .inc();
+    }
+}
+
+/// A broker connection of this process that works (a worker consuming, a follower reading):
+/// [`Metrics::connected`] is 1 while at least one lives. Several tasks of one process (a
+/// gateway's pair workers and its follower, a proxy's) each hold their own.
+#[must_use = "the connection counts as working only while this lives"]
+pub struct Live(());
+
+/// How many [`Live`] there are.
+static LIVE: std::sync::Mutex<usize> = std::sync::Mutex::new(0);
+
+impl Live {
+    /// Counts one more working connection.
+    pub fn open() -> Live {
+        let mut n = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        *n += 1;
+        global().connected.set(1);
+        Live(())
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        let mut n = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            global().connected.set(0);
+        }
     }
 }
 

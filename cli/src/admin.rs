@@ -366,6 +366,46 @@ pub async fn teardown_destination(
     Ok(done)
 }
 
+/// Adds to `stats` the parking queues that every destination (its batch marker) and gateway
+/// pair named in the control stream has and `stats` does not list yet (without the management
+/// API it lists only the unroutable queue), with their ready messages; and returns the pairs
+/// whose ingress queue holds messages that no gateway consumes (`ingress (N waiting)`). Every
+/// writer's records count: this only looks, and what a record names lies under the prefix.
+pub async fn pairs_and_parking(
+    conn: &Connection,
+    layout: &Layout,
+    stats: &mut Vec<amqp_delay::QueueStat>,
+) -> Result<Vec<String>> {
+    let records = control::read_all_unchecked(conn, layout).await?;
+    let mut parking = std::collections::BTreeSet::new();
+    let mut unserved = Vec::new();
+    for r in &records {
+        if let Record::BatchMarker { queue } = r {
+            parking.insert(layout.parked_queue(queue));
+        }
+    }
+    for p in gateway::registered_pairs(layout, &records) {
+        parking.insert(p.parked_queue.clone());
+        parking.insert(p.ingress_parked_queue.clone());
+        if let Some(q) = broker::queue_state(conn, &p.ingress_queue).await?
+            && q.ready > 0
+            && q.consumers == 0
+        {
+            unserved.push(format!("{} ({} waiting)", p.ingress, q.ready));
+        }
+    }
+    for name in parking {
+        if stats.iter().any(|s| s.queue == name) {
+            continue;
+        }
+        if let Some(q) = broker::queue_state(conn, &name).await? {
+            let stat = amqp_delay::QueueStat::ready_only(name, "parked", None, q.ready.into());
+            stats.push(stat);
+        }
+    }
+    Ok(unserved)
+}
+
 /// The totals `stats` prints under its table (and alone with `--summary`).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct StatsSummary {
@@ -382,6 +422,9 @@ pub struct StatsSummary {
     /// Tiers whose dead-lettered messages wait for the broker's dead-letter worker, with how
     /// many and (with the management API) their leader.
     pub dead_lettered_waiting: Vec<String>,
+    /// Gateway pairs whose ingress queue holds messages that no gateway consumes, with how
+    /// many ([`pairs_and_parking`]).
+    pub unserved_pairs: Vec<String>,
 }
 
 /// Broker messages in the tiers, by when their tier lets them out at the latest, and parked.
@@ -447,6 +490,7 @@ impl StatsSummary {
             broker_messages: b,
             missing_queues: stats.iter().filter(|s| s.missing).count(),
             dead_lettered_waiting,
+            unserved_pairs: Vec::new(),
         }
     }
 }

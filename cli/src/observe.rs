@@ -35,13 +35,18 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
+/// What `/readyz` checks, in its answer: one of the process's broker connections works (a
+/// worker consumes, or a follower of a stream reads; [`amqp_delay::metrics::Live`]).
 async fn readyz() -> (StatusCode, &'static str) {
     if metrics::global().connected.get() == 1 {
-        (StatusCode::OK, "ready\n")
+        (
+            StatusCode::OK,
+            "ready: a broker connection works (consuming, or following a stream)\n",
+        )
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            "not connected to the broker\n",
+            "not ready: no broker connection works yet (connecting, or reconnecting)\n",
         )
     }
 }

@@ -70,6 +70,8 @@ struct Session<'w, H: Handler> {
     tasks: JoinSet<()>,
     resub_tx: mpsc::UnboundedSender<usize>,
     resub_rx: mpsc::UnboundedReceiver<usize>,
+    /// `/readyz`: counted working from the first subscription until the session ends.
+    live: Option<crate::metrics::Live>,
 }
 
 impl<'w, H: Handler> Session<'w, H> {
@@ -138,6 +140,7 @@ impl<'w, H: Handler> Session<'w, H> {
             tasks: JoinSet::new(),
             resub_tx,
             resub_rx,
+            live: None,
         };
         for i in 0..n {
             session.subscribe(i).await?;
@@ -149,7 +152,7 @@ impl<'w, H: Handler> Session<'w, H> {
             concurrency = cs.concurrency,
             "worker consuming"
         );
-        crate::metrics::global().connected.set(1);
+        session.live = Some(crate::metrics::Live::open());
         Ok(Ok(session))
     }
 
@@ -315,7 +318,7 @@ impl<'w, H: Handler> Session<'w, H> {
     /// aborts them (the broker redelivers what was not acked: DESIGN rule 10). Then closes
     /// everything.
     async fn finish(mut self, end: &SessionEnd) {
-        crate::metrics::global().connected.set(0);
+        self.live = None;
         if let SessionEnd::Stopped | SessionEnd::Careful = end {
             self.drain(matches!(end, SessionEnd::Stopped)).await;
         } else {

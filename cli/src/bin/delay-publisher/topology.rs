@@ -82,10 +82,15 @@ pub(crate) async fn stats(
 ) -> amqp_delay::Result<i32> {
     let layout = layout(settings)?;
     let management = admin::management(settings).await;
-    let (stats, counted) = connected(settings, "amqp-delay stats", async |conn| {
-        let stats = Topology::new(layout.clone())
+    let (stats, counted, unserved) = connected(settings, "amqp-delay stats", async |conn| {
+        let mut stats = Topology::new(layout.clone())
             .stats_with(conn, management.as_ref())
             .await;
+        // every pair's and destination's parking queue, and the pairs no gateway serves
+        let unserved = match &mut stats {
+            Ok(s) => admin::pairs_and_parking(conn, &layout, s).await?,
+            Err(_) => Vec::new(),
+        };
         // messages rather than broker messages: a failure to count is said, not fatal (but a
         // record over frame_max is read past, on a new connection)
         let counted = match &stats {
@@ -100,11 +105,12 @@ pub(crate) async fn stats(
                 return Err(e.clone());
             }
         }
-        Ok((stats, counted))
+        Ok((stats, counted, unserved))
     })
     .await?;
     let stats = stats?;
-    let totals = admin::StatsSummary::of(&stats, counted);
+    let mut totals = admin::StatsSummary::of(&stats, counted);
+    totals.unserved_pairs = unserved;
     if summary && json {
         amqp_delay_cli::outln!("{}", to_json(&totals));
         return Ok(0);
@@ -191,6 +197,12 @@ fn print_summary(t: &admin::StatsSummary, with_management: bool) {
         b.later,
         b.parked
     );
+    if !t.unserved_pairs.is_empty() {
+        amqp_delay_cli::outln!(
+            "gateway pairs no gateway serves: {} (their messages wait, late, until one does: run delay-proxy, or `delay-publisher gateway --follow-pairs` with the pair's registrar in trust.peers)",
+            t.unserved_pairs.join(", ")
+        );
+    }
     if t.missing_queues > 0 {
         amqp_delay_cli::outln!(
             "{} queue(s) missing: run `delay-publisher declare` to re-create them",

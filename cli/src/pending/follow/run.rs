@@ -68,7 +68,6 @@ pub async fn run(
             break Err(e);
         }
         replay = None;
-        amqp_delay::metrics::global().connected.set(0);
         let why = amqp_delay::error_chain(&e);
         tracing::warn!("the pending follower stopped reading: {why}; reconnecting");
         status.update(|i| i.lag.error = Some(why));
@@ -101,7 +100,7 @@ async fn follow_once(
     status.update(|i| i.lag.error = None);
     status.applied.send_replace(pos.unwrap_or(0));
     // `/readyz` of --metrics-addr: following the streams
-    amqp_delay::metrics::global().connected.set(1);
+    let _live = amqp_delay::metrics::Live::open();
     let (jt, ct) = tr;
     tokio::try_join!(
         journal_loop(jrx, pos.unwrap_or(0), index, status, jt),
