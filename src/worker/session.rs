@@ -564,5 +564,14 @@ fn spawn_wait_for_queue(
 }
 
 async fn declare_parking(conn: &Connection, layout: &Layout, q: &str) -> Result<()> {
+    // one that exists was bound by whoever declared it (an admin's declare, a gateway pair's
+    // registrar): a worker with least privilege that tried again would be refused, and the
+    // broker would log an error for every queue it subscribes
+    if broker::queue_state(conn, &layout.parked_queue(q))
+        .await?
+        .is_some()
+    {
+        return Ok(());
+    }
     Topology::new(layout.clone()).declare_parking(conn, q).await
 }

@@ -222,3 +222,63 @@ async fn drain_body() {
     check(&sent, &got);
     w.env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pair_no_gateway_serves_is_named_and_its_messages_wait_counted_from_their_publish() {
+    within(unserved_body()).await;
+}
+
+/// A proxy that delivers nothing (`--no-gateway`) and no gateway: the confirmed messages wait,
+/// the proxy's log, its metric and `stats` name the pair within seconds; a proxy that delivers,
+/// started later, delivers them all, none early, their delay counted from the publish.
+async fn unserved_body() {
+    let mut w = World::with_proxy(&["unserved"], &["--no-gateway"]).await;
+    let x = w.exchange("unserved");
+    let ingress = w.env.layout().proxy_ingress(&x);
+    let app = w.proxy.connect().await;
+    declare_delayed(&app, &x, "direct").await;
+    let q = w.env.queue("app").await;
+    bind(&w.env.conn, &q, &x, "k").await;
+    let msgs = (0..5)
+        .map(|i| {
+            let id = format!("u{i}");
+            (1000, id.clone().into_bytes(), with_delay(Some(1000), &id))
+        })
+        .collect();
+    let sent = publish_all(&app, &x, "k", msgs).await;
+    let named = "no gateway serves this delayed exchange";
+    let end = Instant::now() + Duration::from_secs(30);
+    while !w.proxy.log().contains(named) {
+        assert!(Instant::now() < end, "not named within 30 s\n{}", w.logs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(w.proxy.metric("amqp_delay_proxy_pairs_unserved"), 1.0);
+    let (code, out, err) = publisher_cli(&w.config.0, &["stats"]).await;
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("gateway pairs no gateway serves") && out.contains(&ingress),
+        "{out}"
+    );
+
+    // a proxy that delivers: everything arrives, none early
+    let started = amqp_delay::time::now_ms();
+    w.restart_proxy();
+    let got = collect(
+        &w.env.conn,
+        &q,
+        sent.len(),
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+    )
+    .await;
+    assert_eq!(got.len(), sent.len(), "{}", w.logs());
+    check(&sent, &got);
+    let first = sent.iter().map(|s| s.at_ms).min().unwrap_or(0);
+    let last = got.iter().map(|r| r.arrived_ms).max().unwrap_or(0);
+    eprintln!(
+        "x-delay 1000 ms, unserved for {} ms: the last arrived {} ms after the delivering proxy started",
+        started.saturating_sub(first),
+        last.saturating_sub(started)
+    );
+    w.env.cleanup().await;
+}

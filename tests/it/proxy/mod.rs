@@ -172,6 +172,11 @@ struct World {
 
 impl World {
     async fn new(names: &[&str]) -> World {
+        World::with_proxy(names, &[]).await
+    }
+
+    /// The world whose proxy gets `extra` flags too.
+    async fn with_proxy(names: &[&str], extra: &[&str]) -> World {
         let env = Env::new(small_topology()).await;
         let p = env.settings.prefix.clone();
         let layout = env.layout();
@@ -185,7 +190,8 @@ impl World {
         let targets: Vec<&str> = exchanges.iter().map(String::as_str).collect();
         let objects = GatewayObjects::new(&env, &pairs, &targets);
         let config = write_config(&env, "");
-        let proxy = ProxyProc::start(&env, &config.0, &["--handshake-timeout", "2s"]);
+        let args = [&["--handshake-timeout", "2s"][..], extra].concat();
+        let proxy = ProxyProc::start(&env, &config.0, &args);
         World {
             env,
             proxy,
