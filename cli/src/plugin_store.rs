@@ -27,7 +27,8 @@ const BATCH_ERL: &str = include_str!("plugin_store/batch.erl");
 pub const ANSWER_PREFIX: &str = "AMQPDELAY-IMPORT-1 ";
 /// The longest expression a call passes: Linux takes at most 128 KiB in one argument
 /// (`MAX_ARG_STRLEN`), and `rabbitmqctl eval` takes the expression as one (4.0's does not read
-/// it from standard input).
+/// it from standard input); Debian's wrapper puts all its arguments into one `sh -c` line, which
+/// the rest of the 128 KiB leaves room for.
 pub const MAX_EXPRESSION_BYTES: usize = 120_000;
 /// Characters one delete adds to the expression (a reference of 3 words).
 pub const DELETE_CHARS: usize = 24;
@@ -44,7 +45,7 @@ impl Cursor {
 
     /// A cursor the node gave (base64 text only: it goes back into an expression; empty: the
     /// start).
-    fn from_node(b: &[u8]) -> Result<Cursor, String> {
+    pub(crate) fn from_node(b: &[u8]) -> Result<Cursor, String> {
         let ok = b.len() <= 8192
             && b.iter()
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'+' | b'/' | b'='));
@@ -126,7 +127,9 @@ pub fn deletes_that_fit(deletes: &[EntryId]) -> usize {
 
 /// The expression of one call: delete `deletes` (all of them must fit, see
 /// [`deletes_that_fit`]), then read up to `max_entries` entries (whole keys: a few more when
-/// the last key holds several) or `max_bytes` of bodies from `cursor`.
+/// the last key holds several) or `max_bytes` of bodies from `cursor`. Its text means the same
+/// after a POSIX shell's double quotes (no `$`, backquote, backslash or tab; no trailing
+/// newline for a command substitution to strip), as Debian's `rabbitmqctl` wrapper passes it.
 pub fn expression(
     deletes: &[EntryId],
     cursor: &Cursor,
@@ -134,6 +137,7 @@ pub fn expression(
     max_bytes: usize,
 ) -> String {
     BATCH_ERL
+        .trim_end()
         .replace("@DELS@", &encode_deletes(deletes))
         .replace("@CURSOR@", &cursor.0)
         .replace("@MAX@", &max_entries.to_string())

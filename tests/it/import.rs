@@ -181,19 +181,17 @@ impl World {
         self.pending_of(&self.exchange)
     }
 
+    /// `import-plugin` with `args`, through the series' rabbitmqctl unless `args` name another.
     fn import_command(&self, args: &[&str]) -> tokio::process::Command {
         let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"));
         c.arg("--config")
             .arg(&self.config)
-            .args([
-                "--url",
-                &self.url,
-                "import-plugin",
-                "--rabbitmqctl",
-                &self.ctl(),
-            ])
+            .args(["--url", &self.url, "import-plugin"])
             .args(args)
             .kill_on_drop(true);
+        if !args.contains(&"--rabbitmqctl") {
+            c.args(["--rabbitmqctl", &self.ctl()]);
+        }
         c
     }
 
@@ -729,6 +727,114 @@ async fn counts_what_the_plugin_delivered_meanwhile_on_3_10() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counts_what_the_plugin_delivered_meanwhile_on_4_0() {
     counts_what_the_plugin_delivered_meanwhile("4.0").await;
+}
+
+/// What a Debian or Ubuntu user types, as root: `import-plugin --rabbitmqctl /usr/sbin/rabbitmqctl
+/// --node NODE`, the package's wrapper, which re-quotes every argument into `su rabbitmq -c`'s
+/// shell line. The dry run counts every message (would move, or skipped: due within the leave
+/// window, which grows on a slow machine); the import moves them in several calls with deletes;
+/// each arrives once (copy or the plugin's own delivery), none early, as published (bodies and
+/// headers full of what a shell would expand), and the plugin holds none afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moves_through_debians_packaged_rabbitmqctl_as_root_on_3_10() {
+    const N: u64 = 300;
+    const WRAPPER: &str = "/usr/sbin/rabbitmqctl";
+    let uid = std::process::Command::new("id").arg("-u").output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&uid.stdout).trim(),
+        "0",
+        "THIS TEST MUST RUN AS ROOT: it runs the packaged {WRAPPER} as root, as a Debian user does \
+         (CI runs as root)"
+    );
+    let packaged = std::fs::read_to_string(WRAPPER).unwrap_or_default();
+    assert!(
+        packaged.contains("su rabbitmq -s /bin/sh -c"),
+        "{WRAPPER} is not the rabbitmq-server package's wrapper (install the Debian package)"
+    );
+    let mut w = World::new("3.10", "").await;
+    let q = w.queue("q", &["k"]).await;
+    w.start_gateway();
+    let mut sent: HashMap<String, Sent> = HashMap::new();
+    for i in 0..N {
+        let delay = 90_000 + (i * 37) % 10_000;
+        let mut h = x_delay_props(delay as i64);
+        let shelly = format!("$end_of_table `id` \\ \"{i}\" \t'$HOME'");
+        h.insert("note".into(), AMQPValue::LongString(shelly.clone().into()));
+        let props = BasicProperties::default()
+            .with_headers(h)
+            .with_message_id(format!("m{i}").into())
+            .with_correlation_id(format!("$c{i}").into());
+        let mut body = shelly.into_bytes();
+        body.extend([0, 255, b'\n', i as u8]);
+        let at_ms = w.publish("k", &body, props.clone()).await;
+        let s = Sent {
+            at_ms,
+            delay_ms: delay,
+            key: "k".into(),
+            body,
+            props,
+        };
+        sent.insert(format!("m{i}"), s);
+    }
+    assert_eq!(w.pending(), N);
+    let node = node("3.10")["NODE"].clone();
+    let debian = ["--rabbitmqctl", WRAPPER, "--node", &node, "--declare-pairs"];
+    let (code, out, err) = w.import(&[&debian[..], &["--dry-run"]].concat()).await;
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let (would, skipped) = (
+        number_after(&out, "would move "),
+        number_after(&out, "skipped "),
+    );
+    assert!(would > 0 && would + skipped == N, "{out}");
+    eprintln!(
+        "3.10 through {WRAPPER}, dry run: {}",
+        out.lines().last().unwrap_or_default()
+    );
+    let total = out
+        .lines()
+        .find(|l| l.starts_with("total"))
+        .unwrap_or_default();
+    assert_eq!(
+        total.split_whitespace().last(),
+        Some(&*would.to_string()),
+        "{out}"
+    );
+    assert_eq!(w.pending(), N, "the dry run changed nothing");
+    let (code, out, err) = w.import(&[&debian[..], &["--batch", "70"]].concat()).await;
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let (moved, skipped) = (number_after(&out, "moved "), number_after(&out, "skipped "));
+    assert!(moved > 0 && moved + skipped == N, "{out}");
+    assert!(out.contains("duplicates 0;"), "{out}");
+    eprintln!("3.10 through {WRAPPER}, import: {out}");
+    assert!(
+        w.pending() <= skipped,
+        "left in the plugin: {}",
+        w.pending()
+    );
+    let got = collect(
+        &w.conn,
+        &q,
+        N as usize,
+        Duration::from_secs(150),
+        Duration::from_secs(2),
+    )
+    .await;
+    let mut seen = HashSet::new();
+    for g in &got {
+        assert!(seen.insert(g.id()), "{} twice", g.id());
+        assert_as_published(g, &sent[&g.id()]);
+    }
+    assert_eq!(seen.len() as u64, N, "{out}");
+    assert_eq!(w.pending(), 0, "left in the plugin");
+    w.cleanup().await;
+}
+
+/// The number after `word` in a summary line.
+fn number_after(out: &str, word: &str) -> u64 {
+    out.split_once(word)
+        .and_then(|(_, rest)| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no number after '{word}' in: {out}"))
 }
 
 /// Blue-green (MIGRATING, runbook B): the plugin's 4.0 node is the old cluster, the suite's

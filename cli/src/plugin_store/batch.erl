@@ -15,9 +15,14 @@
 %%   Deleted  [deleted | not_found], one per requested delete, in order
 %%   Entries  [{DueMs, VHost, XName, XType, RoutingKeys, PropsBin, BodyRev, Bcc, Ref}]
 %%   Next     {more, CursorB64} | eof;  Size: entries the plugin holds now (after the deletes)
+%% The text holds no dollar sign, backquote, backslash or tab: Debian's and Ubuntu's
+%% /usr/sbin/rabbitmqctl, run as root, hands it to su ... sh -c inside double quotes, where a
+%% shell would expand or eat them. So the atom of the end of a table is built from its
+%% characters (36 is the dollar sign) and a newline is written 10.
 Dels = <<"@DELS@">>, Cursor = <<"@CURSOR@">>, Max = @MAX@, MaxBytes = @MAXBYTES@,
 T = list_to_atom("rabbit_delayed_message" ++ atom_to_list(node())),
 I = list_to_atom(atom_to_list(T) ++ "_index"),
+End = list_to_atom([36 | "end_of_table"]),
 T0 = erlang:monotonic_time(microsecond),
 %% ---- deletes: chunks of 200 in one transaction each, the plugin suspended meanwhile ----
 P = whereis(rabbit_delayed_message),
@@ -87,7 +92,7 @@ Entry = fun(Due, VH, XN, XT, {delay_entry, _, S, Ref}) ->
             C1 = rabbit_binary_generator:ensure_content_encoded(C0, rabbit_framing_amqp_0_9_1),
             {Due, VH, XN, XT, RKs, element(4, C1), element(6, C1), Bcc, Ref}
         end,
-Walk = fun W('$end_of_table', _, _, Acc) -> {Acc, eof};
+Walk = fun W(K, _, _, Acc) when K =:= End -> {Acc, eof};
            W(K, Left, Bytes, Acc) when Left =< 0; Bytes =< 0 -> {Acc, {more, K}};
            W({delay_key, Due, X} = K, Left, Bytes, Acc) ->
                {resource, VH, exchange, XN} = element(2, X),
@@ -97,7 +102,7 @@ Walk = fun W('$end_of_table', _, _, Acc) -> {Acc, eof};
                B = lists:sum([iolist_size(element(7, E)) || E <- Es]),
                Nx = mnesia:dirty_next(I, K),
                case Nx of
-                   '$end_of_table' -> {[Es | Acc], eof};
+                   _ when Nx =:= End -> {[Es | Acc], eof};
                    _ when Left - length(Es) =< 0; Bytes - B =< 0 -> {[Es | Acc], {more, K}};
                    _ -> W(Nx, Left - length(Es), Bytes - B, [Es | Acc])
                end
@@ -114,5 +119,5 @@ Next1 = case Next of
         end,
 Answer = {import_batch, 1, node(), Deleted, lists:append(lists:reverse(Acc)), Next1,
           mnesia:table_info(T, size), erlang:monotonic_time(microsecond) - T0},
-io:put_chars([<<"AMQPDELAY-IMPORT-1 ">>, base64:encode(term_to_binary(Answer)), $\n]),
+io:put_chars([<<"AMQPDELAY-IMPORT-1 ">>, base64:encode(term_to_binary(Answer)), 10]),
 ok.

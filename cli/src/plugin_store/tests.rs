@@ -255,6 +255,33 @@ fn thousands_of_deletes_fit_one_call() {
     assert!(n * DELETE_CHARS <= MAX_EXPRESSION_BYTES);
 }
 
+/// What a POSIX shell changes inside double quotes (`$`, backquote, backslash), what a `<<-`
+/// here-document strips (leading tabs) and a command substitution drops (trailing newlines):
+/// none of it in any expression, so Debian's `rabbitmqctl` wrapper passes it intact.
+#[test]
+fn the_expression_has_nothing_a_shell_would_change() {
+    let ids: Vec<EntryId> = (0..500)
+        .map(|i| EntryId {
+            due_ms: 1_796_534_026_261 + i,
+            creation: 7,
+            words: vec![i as u32, u32::MAX, 3],
+        })
+        .collect();
+    let cursor = Cursor::from_node(b"g2gDaAJkAAlkZWxheV9rZXk+/==").unwrap();
+    for e in [
+        expression(&[], &Cursor::start(), 1, 0),
+        expression(&ids, &cursor, 4000, 16 << 20),
+    ] {
+        for (n, line) in e.lines().enumerate() {
+            let bad = line
+                .chars()
+                .find(|c| matches!(c, '$' | '`' | '\\') || !(c.is_ascii_graphic() || *c == ' '));
+            assert_eq!(bad, None, "line {}: {line}", n + 1);
+        }
+        assert!(!e.ends_with('\n'));
+    }
+}
+
 #[test]
 fn periods_from_now() {
     let now = 1_000_000_000;
