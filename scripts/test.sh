@@ -18,8 +18,9 @@
 #        e) otherwise                                     -> explain what to install, exit 1
 #      and then waits (up to $BROKER_WAIT_SECS, default 120 s) until the broker
 #      really answers the AMQP protocol header, not just until a process exists.
-#   2. Makes sure Python 3 can `import pika` and Node has `amqplib` (the integration tests
-#      drive Python and Node AMQP clients as independent peers).
+#   2. Makes sure Python 3 can `import pika`, Node has `amqplib` and a JDK has Debian's
+#      RabbitMQ Java client (the integration tests drive Python, Node and Java AMQP clients as
+#      independent peers).
 #   3. Runs `cargo test "$@"` (unit, integration and doc tests, the benchmark's smoke test,
 #      bench/tests/smoke.rs, and the fault suite, tests/fault, which starts its own 3-node
 #      cluster with scripts/cluster.sh) with AMQP_URL exported: the suites on the machine's
@@ -379,6 +380,32 @@ ensure_amqplib() {
         || die "npm could not install amqplib into ${dir}"
 }
 
+# The proxy tests (tests/it/proxy/apps.rs) compile tests/java/PluginApp.java with javac against
+# Debian's RabbitMQ Java client (librabbitmq-client-java; it brings the slf4j jars it needs).
+ensure_java_client() {
+    local jars=(/usr/share/java/amqp-client.jar /usr/share/java/slf4j-api.jar /usr/share/java/slf4j-nop.jar)
+    local missing=0 jar
+    for jar in "${jars[@]}"; do
+        [ -f "${jar}" ] || missing=1
+    done
+    if ((missing == 0)) && have javac && have java; then
+        return 0
+    fi
+    if ! is_root || ! have apt-get; then
+        die "the proxy tests need a JDK (javac) and Debian's RabbitMQ Java client: apt-get install librabbitmq-client-java default-jdk-headless"
+    fi
+    local pkgs=(librabbitmq-client-java)
+    have javac || pkgs+=(default-jdk-headless)
+    log "installing ${pkgs[*]} with apt-get"
+    apt_update_once
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${pkgs[@]}" \
+        || die "apt-get could not install ${pkgs[*]}"
+    for jar in "${jars[@]}"; do
+        [ -f "${jar}" ] || die "${jar} is still missing after installing librabbitmq-client-java"
+    done
+    have javac || die "javac is still missing after installing default-jdk-headless"
+}
+
 # The console's browser test (tests/console/) drives headless Chromium through chromedriver
 # (Debian's chromium and chromium-driver), and checks its HTTPS with curl.
 ensure_chromium() {
@@ -433,6 +460,7 @@ fi
 
 ensure_pika
 ensure_amqplib
+ensure_java_client
 ensure_chromium
 
 # The fault suite's cluster and the TLS test node are throwaway: stop them however the

@@ -25,8 +25,8 @@
 //!   the due queue at once, whose retries and parking apply. Held messages take prefetch slots
 //!   (`consumer.hold_prefetch`, and `gateway.max_held` more), not handler permits.
 //! * **due**: rebuilds the message as published ([`x_delay::restore`]: original routing key and
-//!   properties, `x-delay` rewritten to minus the delay as the plugin does, our headers and the
-//!   broker's `x-death` history removed) and publishes it to `T` with `mandatory` and a confirm.
+//!   properties, `x-delay` → minus the delay (the plugin: only in some queues, MIGRATING), ours
+//!   and the broker's `x-death` history removed) and publishes it to `T`, mandatory, confirmed.
 //!   Unroutable at `T` → parked in `<prefix>.parked.<prefix>.gw.due.<I>` with the reason (the
 //!   plugin drops it); a nack or a broker error → retried with backoff, then parked.
 //!

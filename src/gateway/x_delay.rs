@@ -172,8 +172,11 @@ fn short(name: &str, v: String) -> Result<ShortString, String> {
 /// broker routes them once, at the target, as the plugin does), no `message_id` or `headers`
 /// if it had none, our `x-delay-*` headers (but [`USER_ID`]) and the broker's (`x-death`
 /// history, `x-delivery-count`: DESIGN rule 3) removed,
-/// and `x-delay` rewritten to minus the delay when there was one (as the plugin does; a zero or
-/// negative `x-delay` is left as it was). An error names what is missing or malformed.
+/// and `x-delay` rewritten to minus the delay when there was one, a signed 32-bit integer
+/// whatever type was sent (one queue type cannot be matched for all: the 3.10 plugin does this in
+/// a quorum queue and leaves `x-delay` as sent in a classic one, 4.0's writes a 64-bit integer
+/// in both; docs/MIGRATING.md); a zero or negative `x-delay` is left as it was. An error names
+/// what is missing or malformed.
 pub(crate) fn restore(p: &BasicProperties) -> Result<(String, BasicProperties), String> {
     let empty = FieldTable::default();
     let h = p.headers().as_ref().unwrap_or(&empty);

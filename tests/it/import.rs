@@ -20,7 +20,7 @@ use crate::harness::{Received, collect, random_prefix};
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/plugin-node.sh");
 
 /// The `KEY=VALUE` lines of `plugin-node.sh SERIES up` (started once per series and run).
-fn node(series: &'static str) -> &'static HashMap<String, String> {
+pub(crate) fn node(series: &'static str) -> &'static HashMap<String, String> {
     static N310: OnceLock<HashMap<String, String>> = OnceLock::new();
     static N40: OnceLock<HashMap<String, String>> = OnceLock::new();
     let cell = if series == "3.10" { &N310 } else { &N40 };

@@ -11,7 +11,10 @@ the report; this script exits non-zero only when it crashes.
 Modes: routing (direct and topic targets, properties, headers, bodies), edges (x-delay edge
 values and an unroutable key; both declare their x-delayed-message exchanges with
 `"declare": true`, for tests/it/proxy.rs), stream (many messages over a few seconds, random delays or
-`delay` for all; for the crash and the full-tier tests).
+`delay` for all; for the crash and the full-tier tests), x_delay (what `x-delay` a consumer
+reads on delivery per type sent, in a classic and a quorum queue: its report's `cases` are those
+of tests/java/PluginApp.java; run against the plugin itself and through delay-proxy by
+tests/it/proxy/apps.rs).
 """
 
 import decimal
@@ -97,8 +100,8 @@ PROPS = [
 
 
 def expected_props(props, delay):
-    """What the plugin would deliver: the same properties, `x-delay` set to minus the delay
-    when there was one. The gateway cannot re-publish `user_id` (documented): it moves into the
+    """What the gateway delivers: the same properties, `x-delay` set to minus the delay when
+    there was one (the 3.10 plugin does so in a quorum queue only: mode x_delay). The gateway cannot re-publish `user_id` (documented): it moves into the
     header `x-delay-user-id`."""
     want = {p: getattr(props, p) for p in PROPS}
     headers = dict(want["headers"]) if want["headers"] is not None else None
@@ -349,9 +352,83 @@ def stream(cfg):
     )
 
 
+def typed(v):
+    """An x-delay as {"type", "value"}, its AMQP field type as pika reads it; None when absent."""
+    if v is None:
+        return None
+    kinds = [(bool, "t"), (pika.compat.long, "l"), (int, "I"), (str, "S"), (float, "d")]
+    kinds += [(decimal.Decimal, "D"), (bytes, "x")]
+    kind = next((k for t, k in kinds if isinstance(v, t)), type(v).__name__)
+    return {"type": kind, "value": str(int(v)) if isinstance(v, int) else str(v)}
+
+
+def x_delay(cfg):
+    x, p = cfg["exchange"], cfg["prefix"]
+    app = App()
+    declare_delayed(app, dict(cfg, declare=True), [(x, "direct")])
+    queues = {"classic": f"{p}-pika-classic", "quorum": f"{p}-pika-quorum"}
+    app.ch.queue_declare(queues["classic"], exclusive=True)
+    app.ch.queue_declare(queues["quorum"], durable=True, arguments={"x-queue-type": "quorum"})
+    for q in queues.values():
+        app.ch.queue_bind(q, x, routing_key="k")
+    cases = [
+        # name, x-delay (None: absent), delay, expiration
+        ("int", 300, 300, None),
+        ("long", pika.compat.long(400), 400, None),
+        ("string", "500", 500, None),
+        ("zero", 0, 0, None),
+        ("negative", -200, 0, None),
+        ("absent", None, 0, None),
+        ("int-expiring", 350, 350, "60000"),
+    ]
+    sent = {}
+    for name, xd, delay, expiration in cases:
+        headers = {} if xd is None else {"x-delay": xd}
+        props = pika.BasicProperties(headers=headers, message_id=f"m-{name}", expiration=expiration)
+        body = f"pika {name}".encode()
+        at = now_ms()
+        # not mandatory: the plugin returns every mandatory delayed publish (pika raises)
+        app.ch.basic_publish(x, "k", body, props)
+        sent[body] = dict(name=name, xd=xd, delay=delay, expiration=expiration, at=at)
+    app.consume(list(queues.values()), 2 * len(cases), cfg.get("timeout", 20), 0.5)
+    kind = {q: k for k, q in queues.items()}
+    copies, errors = {}, []
+    for queue, _method, props, body, arrived in app.got:
+        s = sent.get(body)
+        if s is None:
+            errors.append(f"unexpected message in {queue}: {body[:40]!r}")
+            continue
+        waited = arrived - s["at"]
+        if waited < s["delay"]:
+            errors.append(f"{s['name']}: early: arrived after {waited:.0f} ms, delay {s['delay']} ms")
+        copy = {
+            "queue": kind[queue],
+            "lateness_ms": round(waited - s["delay"]),
+            "x_delay": typed((props.headers or {}).get("x-delay")),
+        }
+        copies.setdefault(s["name"], []).append(copy)
+    app.ch.queue_delete(queues["quorum"])
+    if cfg.get("delete_exchange"):
+        app.ch.exchange_delete(x)
+    app.close()
+    report = [
+        dict(
+            id=s["name"],
+            sent=typed(s["xd"]),
+            delay=s["delay"],
+            routable=True,
+            expiration=s["expiration"] is not None,
+            copies=copies.get(s["name"], []),
+        )
+        for s in sent.values()
+    ]
+    return dict(published=len(sent), received=len(app.got), errors=errors, cases=report)
+
+
 def main():
     mode, cfg = sys.argv[1], json.loads(sys.argv[2])
-    report = {"routing": routing, "edges": edges, "stream": stream}[mode](cfg)
+    modes = {"routing": routing, "edges": edges, "stream": stream, "x_delay": x_delay}
+    report = modes[mode](cfg)
     print(json.dumps(report))
 
 
