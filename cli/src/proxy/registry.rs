@@ -24,6 +24,9 @@ use crate::logline::escape_controls;
 /// often (each read appends a barrier).
 const REFRESH_EVERY: Duration = Duration::from_secs(2);
 
+/// How long a client's delayed declare waits, at most, for its new pair to be served.
+const SERVE_WAIT: Duration = Duration::from_secs(3);
+
 /// How often the proxy checks that every delayed exchange it knows is served.
 const UNSERVED_CHECK: Duration = Duration::from_secs(5);
 
@@ -140,7 +143,8 @@ impl Registry {
             if let Some(conn) = guard.as_ref()
                 && amqp_delay::broker::exchange_exists(conn, &pair.ingress).await?
             {
-                self.announce(&pair);
+                drop(guard);
+                self.announce(&pair).await;
                 return Ok(());
             }
         }
@@ -158,7 +162,7 @@ impl Registry {
             .ok_or_else(|| super::config("no broker connection"))?;
         gateway.declare(conn).await?;
         drop(guard);
-        self.announce(&pair);
+        self.announce(&pair).await;
         self.pairs.insert(&pair.target, &pair.ingress, &writers);
         let (x, user) = (escape_controls(&pair.target), escape_controls(user));
         if known {
@@ -170,11 +174,29 @@ impl Registry {
         Ok(())
     }
 
-    /// Tells the proxy's own gateway to serve `pair` now (a no-op when it serves it already).
-    fn announce(&self, pair: &Pair) {
-        if let Some(gateway) = self.announce.get() {
-            let _ = gateway.send(pair.clone());
+    /// Tells the proxy's own gateway to serve `pair` now (a no-op when it serves it already),
+    /// and waits until a gateway consumes its ingress queue, at most [`SERVE_WAIT`]: the
+    /// client's declare-ok follows, so that what it publishes next is taken at once.
+    async fn announce(&self, pair: &Pair) {
+        let Some(gateway) = self.announce.get() else {
+            return;
+        };
+        let _ = gateway.send(pair.clone());
+        let end = Instant::now() + SERVE_WAIT;
+        while Instant::now() < end {
+            let state = match self.connected().await {
+                Ok(guard) => match guard.as_ref() {
+                    Some(c) => amqp_delay::broker::queue_state(c, &pair.ingress_queue).await,
+                    None => return,
+                },
+                Err(_) => return,
+            };
+            if matches!(state, Ok(Some(q)) if q.consumers > 0) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        tracing::warn!(ingress = %pair.ingress, "the pair is not served yet {SERVE_WAIT:?} after its registration; what is published meanwhile waits in its ingress queue, its delay counted from the publish");
     }
 
     /// Ends delayed exchange `exchange`'s pair: called only after the broker deleted `exchange`
