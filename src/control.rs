@@ -152,8 +152,9 @@ pub enum Record {
 }
 
 /// What a purge covers: messages of one destination queue, scheduled before a time, due in
-/// a range, with a header.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// a range, with a header. The default has no queue, no filter, and zeros the publisher fills
+/// in ([`crate::Publisher::purge`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Purge {
     /// Unique per purge.
     pub nonce: String,

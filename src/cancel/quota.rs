@@ -38,7 +38,7 @@ pub(crate) const MOVES: Caps = Caps {
     noun: "reschedules",
     per_owner: 10_000,
     users: 100_000,
-    admins: 50_000,
+    admins: 10_000,
 };
 
 /// Whose share a rule counts against: the admins' together, or its writer's.
@@ -297,7 +297,7 @@ fn rfc3339(ms: u64) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::settings::TrustSettings;
 
@@ -324,7 +324,8 @@ mod tests {
         admins: 2,
     };
 
-    fn trust() -> Trust {
+    /// A worker's trust, with one admin, `admin`.
+    pub(in crate::cancel) fn trust() -> Trust {
         Trust::new(
             Some("worker".into()),
             &TrustSettings {

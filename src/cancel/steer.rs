@@ -324,18 +324,8 @@ fn covers(p: &Purge, s: &Subject<'_>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::settings::TrustSettings;
+    use crate::cancel::quota::tests::trust;
     use lapin::types::AMQPValue;
-
-    fn trust() -> Trust {
-        Trust::new(
-            Some("worker".into()),
-            &TrustSettings {
-                admins: vec!["admin".into()],
-                peers: vec![],
-            },
-        )
-    }
 
     fn purge(queue: &str) -> Purge {
         Purge {

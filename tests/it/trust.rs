@@ -127,6 +127,19 @@ async fn world() -> World {
     w
 }
 
+/// [`world`] with `q` declared for a worker, by the admin.
+async fn world_with_worker() -> World {
+    let w = world().await;
+    cli_as(
+        "the admin's declare --queue Q --worker",
+        &w.cfg,
+        &w.url("adm"),
+        &["declare", "--queue", &w.q, "--worker"],
+    )
+    .await;
+    w
+}
+
 /// Appends `bodies` to the control stream as `who` would with its own rights (through the
 /// stream exchange), each with `user_id` `as_user` (`None`: without one); returns the error
 /// of the first publish the broker refused.
@@ -170,19 +183,38 @@ async fn append_as(
     r
 }
 
+/// Runs a worker of `q` as the worker's user (its handler always succeeds) until it has acked
+/// `cancelled` messages without running them and run one; what it ran.
+async fn run_worker(w: &World, q: &str, cancelled: u64) -> Vec<String> {
+    let h = Scripted::new(|_| Outcome::Success);
+    let log = h.log.clone();
+    let worker = Worker::new(w.as_role("wrk")).subscribe(q.to_string(), h);
+    let counters = worker.counters();
+    let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run(async {
+        let _ = stop_rx.await;
+    }));
+    let settled = wait_until(Duration::from_secs(30), || {
+        counters
+            .cancelled
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= cancelled
+            && !log.lock().unwrap().is_empty()
+    })
+    .await;
+    let _ = stop.send(());
+    run.await.unwrap().expect("the worker ran without errors");
+    let ran: Vec<String> = log.lock().unwrap().iter().map(|r| r.0.clone()).collect();
+    assert!(settled, "not all settled: ran {ran:?}");
+    ran
+}
+
 /// A cancel stops only its writer's messages (an admin's stops any); a record without a writer,
 /// or a checkpoint by a publisher, changes nothing; and the broker refuses a forged writer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_stops_only_its_writers_messages_and_forged_checkpoints_hide_nothing() {
-    let w = world().await;
+    let w = world_with_worker().await;
     let q = w.q.clone();
-    cli_as(
-        "the admin's declare --queue Q --worker",
-        &w.cfg,
-        &w.url("adm"),
-        &["declare", "--queue", &q, "--worker"],
-    )
-    .await;
     let alice = Publisher::connect(&w.as_role("alice")).await.unwrap();
     let mut due = 0;
     for id in ["a-keep", "a-cancel", "a-admin"] {
@@ -292,26 +324,7 @@ async fn a_cancel_stops_only_its_writers_messages_and_forged_checkpoints_hide_no
     let _ = wrk.close(200, "bye".into()).await;
 
     // and the worker runs what alice did not cancel, nothing else
-    let h = Scripted::new(|_| Outcome::Success);
-    let log = h.log.clone();
-    let worker = Worker::new(w.as_role("wrk")).subscribe(q.clone(), h);
-    let counters = worker.counters();
-    let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run(async {
-        let _ = stop_rx.await;
-    }));
-    let settled = wait_until(Duration::from_secs(30), || {
-        counters
-            .cancelled
-            .load(std::sync::atomic::Ordering::Relaxed)
-            >= 2
-            && !log.lock().unwrap().is_empty()
-    })
-    .await;
-    let _ = stop.send(());
-    run.await.unwrap().expect("the worker ran without errors");
-    let ran: Vec<String> = log.lock().unwrap().iter().map(|r| r.0.clone()).collect();
-    assert!(settled, "not all settled: ran {ran:?}");
+    let ran = run_worker(&w, &q, 2).await;
     assert_eq!(ran, ["a-keep"], "what ran");
     alice.close().await;
     let _ = root.close(200, "bye".into()).await;
@@ -492,29 +505,16 @@ async fn the_due_stage_takes_only_what_a_gateway_wrote() {
 /// is still taken and the worker does not run that message; an admin's purge is accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_owners_purges_cannot_crowd_out_anothers() {
-    let w = world().await;
+    let w = world_with_worker().await;
     let q = w.q.clone();
-    cli_as(
-        "the admin's declare --queue Q --worker",
-        &w.cfg,
-        &w.url("adm"),
-        &["declare", "--queue", &q, "--worker"],
-    )
-    .await;
     let alice = Publisher::connect(&w.as_role("alice")).await.unwrap();
     alice
         .schedule(Message::new(q.clone(), 200, "x").with_id("a-purged"))
         .await
         .unwrap();
     let purge = |queue: &str| amqp_delay::control::Purge {
-        nonce: String::new(),
         queue: queue.to_string(),
-        owner: None,
-        due_after_ms: None,
-        due_before_ms: None,
-        header: None,
-        scheduled_before_ms: 0,
-        until_ms: 0,
+        ..Default::default()
     };
     // the attack: 1 000 purges, as many as a follower held of everyone's together
     let mallory = Publisher::connect(&w.as_role("mallory")).await.unwrap();
@@ -564,26 +564,7 @@ async fn one_owners_purges_cannot_crowd_out_anothers() {
         .unwrap();
 
     // the worker, started now, reads every purge before it runs anything
-    let h = Scripted::new(|_| Outcome::Success);
-    let log = h.log.clone();
-    let worker = Worker::new(w.as_role("wrk")).subscribe(q.clone(), h);
-    let counters = worker.counters();
-    let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run(async {
-        let _ = stop_rx.await;
-    }));
-    let settled = wait_until(Duration::from_secs(30), || {
-        counters
-            .cancelled
-            .load(std::sync::atomic::Ordering::Relaxed)
-            >= 1
-            && !log.lock().unwrap().is_empty()
-    })
-    .await;
-    let _ = stop.send(());
-    run.await.unwrap().expect("the worker ran without errors");
-    let ran: Vec<String> = log.lock().unwrap().iter().map(|r| r.0.clone()).collect();
-    assert!(settled, "not all settled: ran {ran:?}");
+    let ran = run_worker(&w, &q, 1).await;
     assert_eq!(ran, ["a-after"], "alice's purged message ran");
     alice.close().await;
     drop(service);
