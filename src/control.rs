@@ -152,8 +152,9 @@ pub enum Record {
 }
 
 /// What a purge covers: messages of one destination queue, scheduled before a time, due in
-/// a range, with a header.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// a range, with a header. The default has no queue, no filter, and zeros the publisher fills
+/// in ([`crate::Publisher::purge`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Purge {
     /// Unique per purge.
     pub nonce: String,
@@ -175,6 +176,36 @@ pub struct Purge {
     pub scheduled_before_ms: u64,
     /// When it is forgotten: no message it covers can fall due later.
     pub until_ms: u64,
+}
+
+/// The longest header value a purge filters on: 100 purges, a checkpoint part's, fit one
+/// record ([`MAX_RECORD_BYTES`]) even with every byte escaped.
+pub const MAX_PURGE_HEADER_VALUE: usize = 1_024;
+
+impl Purge {
+    /// Why no writer of ours makes this purge, if none does: a queue of no name or over 255
+    /// bytes, a nonce, owner or header name over 255 bytes, a header value over
+    /// [`MAX_PURGE_HEADER_VALUE`].
+    pub fn check(&self) -> Result<(), String> {
+        let long = |s: &str| s.len() > MAX_ID_BYTES;
+        let (name, value) = self
+            .header
+            .as_ref()
+            .map_or((1, 0), |(k, v)| (k.len(), v.len()));
+        if self.queue.is_empty() || long(&self.queue) || long(&self.nonce) {
+            return Err(format!("a purge of a {}-byte queue name", self.queue.len()));
+        }
+        if self.owner.as_deref().is_some_and(long) {
+            return Err("a purge's owner is at most 255 bytes".into());
+        }
+        if name == 0 || name > MAX_ID_BYTES || value > MAX_PURGE_HEADER_VALUE {
+            return Err(format!(
+                "a purge's header is NAME=VALUE, the name 1 to 255 bytes and the value at most \
+                 {MAX_PURGE_HEADER_VALUE}, not {name} and {value}"
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A purge as a follower holds it (and a checkpoint repeats it): with its writer.

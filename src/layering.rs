@@ -83,6 +83,7 @@ const LAPIN_FREE: &[&str] = &["time", "layout", "planner", "retry"];
 /// holds for each of them.
 const PURE_FILES: &[&str] = &[
     "src/gateway/x_delay.rs",
+    "src/cancel/quota.rs",
     "cli/src/jsonl.rs",
     "cli/src/proxy/frames.rs",
     "cli/src/pending/translate.rs",

@@ -8,6 +8,7 @@ pub mod auth;
 pub mod client;
 pub mod follow;
 pub mod http;
+pub mod quota;
 pub mod service;
 pub mod translate;
 pub mod when;

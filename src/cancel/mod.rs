@@ -31,6 +31,7 @@
 //! is among the [`EXPIRED_KEPT`] most recently expired, so a consumer that was down for longer
 //! than the horizon still honours most cancels.
 
+mod quota;
 mod state;
 mod steer;
 mod stream;
@@ -324,6 +325,23 @@ impl Cancellations {
     /// Until when the tombstone `by` wrote for `id` is live (ms since the epoch), if one is.
     pub fn live_until(&self, id: &str, by: &str) -> Option<u64> {
         lock(&self.state).tombstones.get(&Key::new(by, id)).copied()
+    }
+
+    /// Whether `by` may write one more purge now, by the purges this follower holds: `Err`
+    /// says its quota, how many of its purges are live and when they are over. An admin's is
+    /// never refused. A tool asks after [`Cancellations::sync`], before it writes.
+    pub fn may_purge(&self, by: &str) -> std::result::Result<(), String> {
+        let mut s = lock(&self.state);
+        s.prune(now_ms());
+        s.rules.may_purge(by, &s.trust)
+    }
+
+    /// Whether `by` may write a reschedule of its message `id` now (one replacing its own
+    /// live reschedule of `id` always may), like [`Cancellations::may_purge`].
+    pub fn may_reschedule(&self, by: &str, id: &str) -> std::result::Result<(), String> {
+        let mut s = lock(&self.state);
+        s.prune(now_ms());
+        s.rules.may_reschedule(by, id, &s.trust)
     }
 
     /// Whose records and messages count for what, as this follower reads them.

@@ -7,7 +7,8 @@ use std::sync::{Mutex, MutexGuard};
 use rand::Rng;
 use tokio::sync::oneshot;
 
-use super::steer::{MAX_MOVES, MAX_PURGES, PURGES_PER_PART, Rules};
+use super::quota::{MOVES, PURGES};
+use super::steer::{PURGES_PER_PART, Rules};
 use super::{CHECKPOINT_PART, EXPIRED_KEPT, EXPIRED_KEPT_MS, MAX_LIVE};
 use crate::control::{HeldPurge, MAX_ID_BYTES, MAX_ITEMS, Move, Record};
 use crate::stream_log::skipped;
@@ -29,14 +30,14 @@ pub(super) struct Limits {
 const MAX_PARTS: u32 = ((MAX_LIVE + EXPIRED_KEPT) / CHECKPOINT_PART
     + 1
     + MAX_WRITERS
-    + MAX_MOVES / CHECKPOINT_PART
-    + MAX_PURGES / PURGES_PER_PART
+    + (MOVES.users + MOVES.admins) / CHECKPOINT_PART
+    + (PURGES.users + PURGES.admins) / PURGES_PER_PART
     + 2) as u32;
 /// Users writing cancels a checkpoint allows for: far more than a deployment has (users are
 /// broker accounts an administrator creates).
 const MAX_WRITERS: usize = 10_000;
 
-const KIND: &str = "control stream";
+pub(super) const KIND: &str = "control stream";
 
 /// A tombstone's name: the cancelled message id and the user who wrote the cancel (it stops
 /// only that user's messages, or any when the user is an admin: [`Trust::may_cancel`]).
@@ -472,10 +473,10 @@ impl State {
         // the rules a trusted follower held, each with its writer
         let mut refused = Vec::new();
         for p in purges {
-            refused.extend(self.rules.hold_purge(p, now).err());
+            refused.extend(self.rules.hold_purge(p, &self.trust, now).err());
         }
         for m in moves {
-            refused.extend(self.rules.hold_move(m, now).err());
+            refused.extend(self.rules.hold_move(m, &self.trust, now).err());
         }
         for why in refused {
             skipped(KIND, "rules_full", &why);
@@ -548,12 +549,7 @@ fn insane(r: &Record) -> Option<(&'static str, String)> {
                 ),
             ))
         }
-        Record::Purge(p) if p.queue.is_empty() || p.queue.len() > 255 || p.nonce.len() > 255 => {
-            Some((
-                "insane",
-                format!("a purge of a {}-byte queue name", p.queue.len()),
-            ))
-        }
+        Record::Purge(p) => p.check().err().map(|why| ("insane", why)),
         Record::Checkpoint { parts, .. } if *parts > MAX_PARTS => Some((
             "too_many_items",
             format!("a checkpoint of {parts} parts, more than {MAX_PARTS}"),

@@ -1,18 +1,14 @@
 //! Purges and reschedules as a follower holds them, pure: which rule a message meets when it
 //! falls due ([`Rules::steer`]), bounded whatever the stream holds.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use lapin::types::FieldTable;
 
+use super::quota::{MOVES, PURGES, Pool, Rule};
 use crate::control::{HeldPurge, MAX_ID_BYTES, Move, Purge};
 use crate::trust::Trust;
 
-/// Purges a follower holds, at most: each is one operator's command, live until the messages
-/// it covers can no longer fall due; a stream flooded with more is forged.
-pub(crate) const MAX_PURGES: usize = 1_000;
-/// Reschedules a follower holds, at most.
-pub(crate) const MAX_MOVES: usize = 100_000;
 /// Purges in one checkpoint part.
 pub(crate) const PURGES_PER_PART: usize = 100;
 
@@ -71,13 +67,59 @@ impl<'a> Subject<'a> {
     }
 }
 
-/// The purges and reschedules held.
-#[derive(Debug, Default)]
+/// The purges and reschedules held, each owner's within its share ([`super::quota`]).
+#[derive(Debug)]
 pub(super) struct Rules {
     /// By nonce.
-    pub(super) purges: HashMap<String, HeldPurge>,
+    pub(super) purges: Pool<HeldPurge>,
+    /// The purges' nonces by queue: a message meets only its queue's purges of everyone's
+    /// messages and of its owner's, so no owner's purges slow the steering of another's.
+    targets: HashMap<String, Target>,
     /// By (owner, id); `None`: an admin's reschedule of anyone's message.
-    pub(super) moves: HashMap<(Option<String>, String), Move>,
+    pub(super) moves: Pool<Move>,
+}
+
+/// The nonces of one queue's purges.
+#[derive(Debug, Default)]
+struct Target {
+    everyone: HashSet<String>,
+    owned: HashMap<String, HashSet<String>>,
+}
+
+impl Default for Rules {
+    fn default() -> Rules {
+        Rules {
+            purges: Pool::new(PURGES),
+            targets: HashMap::new(),
+            moves: Pool::new(MOVES),
+        }
+    }
+}
+
+impl Rule for HeldPurge {
+    type Key = String;
+    fn key(&self) -> String {
+        self.purge.nonce.clone()
+    }
+    fn by(&self) -> &str {
+        &self.by
+    }
+    fn until_ms(&self) -> u64 {
+        self.purge.until_ms
+    }
+}
+
+impl Rule for Move {
+    type Key = (Option<String>, String);
+    fn key(&self) -> Self::Key {
+        (self.owner.clone(), self.id.clone())
+    }
+    fn by(&self) -> &str {
+        &self.by
+    }
+    fn until_ms(&self) -> u64 {
+        self.until_ms
+    }
 }
 
 impl Rules {
@@ -94,30 +136,59 @@ impl Rules {
             p.owner = Some(by.to_string());
         }
         p.until_ms = p.until_ms.min(now.saturating_add(ahead_ms));
-        self.hold_purge(
-            HeldPurge {
-                by: by.to_string(),
-                purge: p,
-            },
-            now,
-        )
+        let h = HeldPurge {
+            by: by.to_string(),
+            purge: p,
+        };
+        self.hold_purge(h, trust, now)
     }
 
-    /// Holds `h` (a purge read, or a checkpoint's copy) unless it is over or full.
-    pub(super) fn hold_purge(&mut self, h: HeldPurge, now: u64) -> Result<(), String> {
-        if h.purge.until_ms <= now || self.purges.contains_key(&h.purge.nonce) {
+    /// Holds `h` (a purge read, or a checkpoint's copy) unless it is over, held already, no
+    /// writer's of ours, or beyond its writer's share.
+    pub(super) fn hold_purge(
+        &mut self,
+        h: HeldPurge,
+        trust: &Trust,
+        now: u64,
+    ) -> Result<(), String> {
+        if h.purge.until_ms <= now || self.purges.contains(&h.purge.nonce) {
             return Ok(());
         }
-        if self.purges.len() >= MAX_PURGES {
-            self.prune(now);
-            if self.purges.len() >= MAX_PURGES {
-                return Err(format!(
-                    "already {MAX_PURGES} live purges, the most a follower holds"
-                ));
+        h.purge.check()?;
+        let (queue, owner, nonce) = (h.purge.queue.clone(), h.purge.owner.clone(), h.key());
+        let gone = self.purges.hold(h, trust, false, now)?;
+        self.unindex(&gone);
+        let t = self.targets.entry(queue).or_default();
+        match owner {
+            Some(o) => t.owned.entry(o).or_default().insert(nonce),
+            None => t.everyone.insert(nonce),
+        };
+        Ok(())
+    }
+
+    fn unindex(&mut self, gone: &[HeldPurge]) {
+        for h in gone {
+            let p = &h.purge;
+            let Some(t) = self.targets.get_mut(&p.queue) else {
+                continue;
+            };
+            match &p.owner {
+                Some(o) => {
+                    if let Some(set) = t.owned.get_mut(o) {
+                        set.remove(&p.nonce);
+                        if set.is_empty() {
+                            t.owned.remove(o);
+                        }
+                    }
+                }
+                None => {
+                    t.everyone.remove(&p.nonce);
+                }
+            }
+            if t.everyone.is_empty() && t.owned.is_empty() {
+                self.targets.remove(&p.queue);
             }
         }
-        self.purges.insert(h.purge.nonce.clone(), h);
-        Ok(())
     }
 
     /// Takes a reschedule written by `by` of `owner`'s message `id`.
@@ -145,38 +216,49 @@ impl Rules {
             due_at_ms,
             until_ms: until_ms.min(now.saturating_add(ahead_ms)),
         };
-        self.hold_move(m, now)
+        self.hold_move(m, trust, now)
     }
 
     /// Holds `m` (a reschedule read, or a checkpoint's copy); a later one of the same message
     /// replaces it.
-    pub(super) fn hold_move(&mut self, m: Move, now: u64) -> Result<(), String> {
+    pub(super) fn hold_move(&mut self, m: Move, trust: &Trust, now: u64) -> Result<(), String> {
         if m.until_ms <= now || m.id.is_empty() || m.id.len() > MAX_ID_BYTES {
             return Ok(());
         }
-        let key = (m.owner.clone(), m.id.clone());
-        if self.moves.len() >= MAX_MOVES && !self.moves.contains_key(&key) {
-            self.prune(now);
-            if self.moves.len() >= MAX_MOVES {
-                return Err(format!(
-                    "already {MAX_MOVES} live reschedules, the most a follower holds"
-                ));
-            }
+        if m.by.len() > MAX_ID_BYTES || m.owner.as_ref().is_some_and(|o| o.len() > MAX_ID_BYTES) {
+            return Err(format!("a reschedule naming a {}-byte user", m.by.len()));
         }
-        self.moves.insert(key, m);
-        Ok(())
+        self.moves.hold(m, trust, true, now).map(|_| ())
+    }
+
+    /// Whether `by` may write one more purge now (a tool asks before writing): `Err` says its
+    /// quota, how many of its purges are live and when they are over.
+    pub(super) fn may_purge(&self, by: &str, trust: &Trust) -> Result<(), String> {
+        self.purges.may_add(by, trust, None)
+    }
+
+    /// Whether `by` may write a reschedule of its message `id` now (one replacing its own
+    /// held reschedule of `id` always may).
+    pub(super) fn may_reschedule(&self, by: &str, id: &str, trust: &Trust) -> Result<(), String> {
+        let key = (Some(by.to_string()), id.to_string());
+        self.moves.may_add(by, trust, Some(&key))
     }
 
     /// Forgets what is over.
     pub(super) fn prune(&mut self, now: u64) {
-        self.purges.retain(|_, p| p.purge.until_ms > now);
-        self.moves.retain(|_, m| m.until_ms > now);
+        let gone = self.purges.prune(now);
+        self.unindex(&gone);
+        self.moves.prune(now);
     }
 
     /// What `s` is to do, by the purges and reschedules held (cancels are checked before).
     pub(super) fn steer(&self, s: &Subject<'_>) -> Steer {
-        if self.purges.values().any(|p| covers(&p.purge, s)) {
-            return Steer::Purged;
+        if let Some(t) = self.targets.get(s.queue) {
+            let owned = s.owner.and_then(|o| t.owned.get(o));
+            let mut nonces = t.everyone.iter().chain(owned.into_iter().flatten());
+            if nonces.any(|n| self.purges.get(n).is_some_and(|p| covers(&p.purge, s))) {
+                return Steer::Purged;
+            }
         }
         // a retry has its own due time: a reschedule moves only the first run
         let (0, Some(due)) = (s.attempt, s.due_at_ms) else {
@@ -242,18 +324,8 @@ fn covers(p: &Purge, s: &Subject<'_>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::settings::TrustSettings;
+    use crate::cancel::quota::tests::trust;
     use lapin::types::AMQPValue;
-
-    fn trust() -> Trust {
-        Trust::new(
-            Some("worker".into()),
-            &TrustSettings {
-                admins: vec!["admin".into()],
-                peers: vec![],
-            },
-        )
-    }
 
     fn purge(queue: &str) -> Purge {
         Purge {
@@ -353,21 +425,71 @@ mod tests {
     }
 
     #[test]
-    fn rules_stay_bounded_whatever_arrives() {
-        let mut r = Rules::default();
-        let t = trust();
+    fn one_owners_flood_of_purges_leaves_anothers_purge_in_force() {
+        let (mut r, t) = (Rules::default(), trust());
+        // bob writes far more purges of his own than his quota, covering nothing of alice's
         let mut refused = 0;
-        for i in 0..MAX_PURGES + 10 {
+        for i in 0..PURGES.per_owner + 900 {
             let mut p = purge("q");
-            p.nonce = i.to_string();
-            if r.purge(p, "alice", &t, 0, 1_000_000).is_err() {
-                refused += 1;
-            }
+            p.nonce = format!("b{i}");
+            refused += usize::from(r.purge(p, "bob", &t, 0, 1_000_000).is_err());
         }
-        assert_eq!((r.purges.len(), refused), (MAX_PURGES, 10));
-        for i in 0..MAX_MOVES + 5 {
-            let _ = r.reschedule("alice", None, i.to_string(), 5, 9, &t, 0, 100);
+        assert_eq!((r.purges.len(), refused), (PURGES.per_owner, 900));
+        let why = r.may_purge("bob", &t).unwrap_err();
+        assert!(why.contains("its quota of 100"), "{why}");
+        // alice's own purge is held, and stops her message
+        assert_eq!(r.may_purge("alice", &t), Ok(()));
+        let mut p = purge("q");
+        p.nonce = "a".into();
+        r.purge(p, "alice", &t, 0, 1_000_000).unwrap();
+        assert_eq!(
+            r.steer(&subject("alice", 2_000, 1_500, None)),
+            Steer::Purged
+        );
+        // an admin's is never refused by a tool, and held beyond any user's quota
+        for i in 0..PURGES.per_owner + 1 {
+            assert_eq!(r.may_purge("admin", &t), Ok(()));
+            let mut p = purge("other");
+            p.nonce = format!("adm{i}");
+            r.purge(p, "admin", &t, 0, 1_000_000).unwrap();
         }
-        assert_eq!(r.moves.len(), MAX_MOVES);
+        // all over: room again
+        r.prune(10_000);
+        assert_eq!((r.purges.len(), r.targets.len()), (0, 0));
+    }
+
+    #[test]
+    fn reschedules_have_a_quota_per_owner_too() {
+        let (mut r, t) = (Rules::default(), trust());
+        for i in 0..MOVES.per_owner + 5 {
+            let _ = r.reschedule("bob", None, i.to_string(), 5, 9, &t, 0, 100);
+        }
+        assert_eq!(r.moves.len(), MOVES.per_owner);
+        assert!(r.may_reschedule("bob", "new", &t).is_err());
+        // moving one of his own again replaces it
+        assert_eq!(r.may_reschedule("bob", "3", &t), Ok(()));
+        r.reschedule("bob", None, "3".into(), 7, 9, &t, 0, 100)
+            .unwrap();
+        r.reschedule("alice", None, "m".into(), 5_000, 9_000, &t, 0, 100_000)
+            .unwrap();
+        assert_eq!(
+            r.steer(&subject("alice", 2_000, 100, None)),
+            Steer::MoveTo(5_000)
+        );
+    }
+
+    #[test]
+    fn a_purge_no_writer_of_ours_makes_is_not_held() {
+        let (mut r, t) = (Rules::default(), trust());
+        let mut p = purge("q");
+        p.header = Some((
+            "k".into(),
+            "v".repeat(crate::control::MAX_PURGE_HEADER_VALUE + 1),
+        ));
+        assert!(r.purge(p, "alice", &t, 0, 1_000_000).is_err());
+        let mut p = purge("q");
+        p.owner = Some("o".repeat(256));
+        assert!(r.purge(p, "admin", &t, 0, 1_000_000).is_err());
+        assert_eq!(r.purges.len(), 0);
     }
 }

@@ -248,10 +248,9 @@ impl Publisher {
         out
     }
 
-    /// Records `purge` in the control stream: every worker, gateway and relay then acks the
-    /// messages it covers without running them, like cancelled ones. `scheduled_before_ms` 0
-    /// means now; `until_ms` 0 means as long as a covered message can still fall due. A purge
-    /// of a user who is no admin covers only that user's messages.
+    /// Records `purge` in the control stream: every worker, gateway and relay then acks what it
+    /// covers without running it. `scheduled_before_ms` 0 means now, `until_ms` 0 as long as a
+    /// covered message can fall due. A user's (no admin's) purge covers only its own messages.
     pub async fn purge(&self, mut purge: crate::control::Purge) -> Result<crate::control::Purge> {
         self.inner
             .layout
@@ -269,6 +268,7 @@ impl Publisher {
             let latest = purge.due_before_ms.map_or(latest, |b| b.min(latest));
             purge.until_ms = latest.saturating_add(self.cancel.horizon.as_millis());
         }
+        purge.check().map_err(Error::Invalid)?;
         self.append_control(&Record::Purge(purge.clone())).await?;
         Ok(purge)
     }

@@ -12,6 +12,10 @@ use amqp_delay::cancel::{Cancellations, FollowOptions};
 use amqp_delay::settings::TrustSettings;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Message, Outcome, Publisher, Settings, Worker};
+use amqp_delay_cli::pending::follow::Status;
+use amqp_delay_cli::pending::service::{Failure, PurgeQuery, Service};
+use amqp_delay_cli::pending_index::{Options, PendingIndex};
+use futures::StreamExt;
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 
@@ -72,7 +76,12 @@ async fn world() -> World {
         "--gateway",
         &format!("{ingress}:{target}"),
     ]);
-    let renamed = [("admin", "adm"), ("worker", "wrk"), ("gateway", "gw")];
+    let renamed = [
+        ("admin", "adm"),
+        ("worker", "wrk"),
+        ("gateway", "gw"),
+        ("pending", "pending"),
+    ];
     for (role, who) in renamed {
         let (_, c, w, r) = set_of(&sets, &format!("{p}-{role}"));
         user(&format!("{p}-{who}"), c, w, r);
@@ -98,7 +107,7 @@ async fn world() -> World {
         root: root.clone(),
         queues: vec![q.clone(), format!("{p}-out"), layout.parked_queue(&q)],
         exchanges: vec![target.clone()],
-        users: ["adm", "alice", "mallory", "wrk", "gw"]
+        users: ["adm", "alice", "mallory", "wrk", "gw", "pending"]
             .iter()
             .map(|u| format!("{p}-{u}"))
             .collect(),
@@ -115,6 +124,19 @@ async fn world() -> World {
         _cleanup,
     };
     cli_as("the admin's declare", &w.cfg, &w.url("adm"), &["declare"]).await;
+    w
+}
+
+/// [`world`] with `q` declared for a worker, by the admin.
+async fn world_with_worker() -> World {
+    let w = world().await;
+    cli_as(
+        "the admin's declare --queue Q --worker",
+        &w.cfg,
+        &w.url("adm"),
+        &["declare", "--queue", &w.q, "--worker"],
+    )
+    .await;
     w
 }
 
@@ -161,19 +183,38 @@ async fn append_as(
     r
 }
 
+/// Runs a worker of `q` as the worker's user (its handler always succeeds) until it has acked
+/// `cancelled` messages without running them and run one; what it ran.
+async fn run_worker(w: &World, q: &str, cancelled: u64) -> Vec<String> {
+    let h = Scripted::new(|_| Outcome::Success);
+    let log = h.log.clone();
+    let worker = Worker::new(w.as_role("wrk")).subscribe(q.to_string(), h);
+    let counters = worker.counters();
+    let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run(async {
+        let _ = stop_rx.await;
+    }));
+    let settled = wait_until(Duration::from_secs(30), || {
+        counters
+            .cancelled
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= cancelled
+            && !log.lock().unwrap().is_empty()
+    })
+    .await;
+    let _ = stop.send(());
+    run.await.unwrap().expect("the worker ran without errors");
+    let ran: Vec<String> = log.lock().unwrap().iter().map(|r| r.0.clone()).collect();
+    assert!(settled, "not all settled: ran {ran:?}");
+    ran
+}
+
 /// A cancel stops only its writer's messages (an admin's stops any); a record without a writer,
 /// or a checkpoint by a publisher, changes nothing; and the broker refuses a forged writer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_stops_only_its_writers_messages_and_forged_checkpoints_hide_nothing() {
-    let w = world().await;
+    let w = world_with_worker().await;
     let q = w.q.clone();
-    cli_as(
-        "the admin's declare --queue Q --worker",
-        &w.cfg,
-        &w.url("adm"),
-        &["declare", "--queue", &q, "--worker"],
-    )
-    .await;
     let alice = Publisher::connect(&w.as_role("alice")).await.unwrap();
     let mut due = 0;
     for id in ["a-keep", "a-cancel", "a-admin"] {
@@ -283,26 +324,7 @@ async fn a_cancel_stops_only_its_writers_messages_and_forged_checkpoints_hide_no
     let _ = wrk.close(200, "bye".into()).await;
 
     // and the worker runs what alice did not cancel, nothing else
-    let h = Scripted::new(|_| Outcome::Success);
-    let log = h.log.clone();
-    let worker = Worker::new(w.as_role("wrk")).subscribe(q.clone(), h);
-    let counters = worker.counters();
-    let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run(async {
-        let _ = stop_rx.await;
-    }));
-    let settled = wait_until(Duration::from_secs(30), || {
-        counters
-            .cancelled
-            .load(std::sync::atomic::Ordering::Relaxed)
-            >= 2
-            && !log.lock().unwrap().is_empty()
-    })
-    .await;
-    let _ = stop.send(());
-    run.await.unwrap().expect("the worker ran without errors");
-    let ran: Vec<String> = log.lock().unwrap().iter().map(|r| r.0.clone()).collect();
-    assert!(settled, "not all settled: ran {ran:?}");
+    let ran = run_worker(&w, &q, 2).await;
     assert_eq!(ran, ["a-keep"], "what ran");
     alice.close().await;
     let _ = root.close(200, "bye".into()).await;
@@ -474,4 +496,79 @@ async fn the_due_stage_takes_only_what_a_gateway_wrote() {
         .await;
     let _ = mallory.close(200, "bye".into()).await;
     let _ = root.close(200, "bye".into()).await;
+}
+
+/// One owner's purges cannot crowd out another's. mallory, a publisher, writes 1 000 purges of
+/// her own that cover nothing straight to the control stream (her rights allow it), which used
+/// to fill the one cap every owner shared; her next one through `pending` is refused at once
+/// with the quota, how many are live and when they are over. alice's own purge of her own message
+/// is still taken and the worker does not run that message; an admin's purge is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_owners_purges_cannot_crowd_out_anothers() {
+    let w = world_with_worker().await;
+    let q = w.q.clone();
+    let alice = Publisher::connect(&w.as_role("alice")).await.unwrap();
+    alice
+        .schedule(Message::new(q.clone(), 200, "x").with_id("a-purged"))
+        .await
+        .unwrap();
+    let purge = |queue: &str| amqp_delay::control::Purge {
+        queue: queue.to_string(),
+        ..Default::default()
+    };
+    // the attack: 1 000 purges, as many as a follower held of everyone's together
+    let mallory = Publisher::connect(&w.as_role("mallory")).await.unwrap();
+    let flood = futures::stream::iter(0..1_000)
+        .map(|_| mallory.purge(purge(&q)))
+        .buffer_unordered(32)
+        .collect::<Vec<_>>()
+        .await;
+    assert!(flood.iter().all(Result::is_ok), "the broker refused one");
+    mallory.close().await;
+
+    // `pending serve` (its own user reads the control stream) steering as each user
+    let path = temp_path(&w.p, "quota.db");
+    let ix = PendingIndex::open(&path, Options::default()).unwrap();
+    let index = std::sync::Arc::new(std::sync::Mutex::new(ix));
+    let service = Service::new(w.as_role("pending"), index, Status::new());
+    let ask = |owner: Option<String>| PurgeQuery {
+        queue: q.clone(),
+        owner,
+        ..PurgeQuery::default()
+    };
+    let refused = service.purge(&w.as_role("mallory"), &ask(None)).await;
+    let Err(f @ Failure::Quota(_)) = &refused else {
+        panic!("mallory's purge beyond her quota: {refused:?}");
+    };
+    let why = f.to_string();
+    println!("mallory is told: {why}");
+    assert_eq!(f.http_status(), 429);
+    assert!(
+        why.contains(&format!(
+            "'{}' already has 100 live purges",
+            w.user("mallory")
+        )) && why.contains("its quota of 100")
+            && why.contains("the first of these is over at 20"),
+        "{why}"
+    );
+    let taken = service.purge(&w.as_role("alice"), &ask(None)).await;
+    assert!(taken.as_ref().is_ok_and(|o| o.written), "{taken:?}");
+    let admin = service
+        .purge(&w.as_role("adm"), &ask(Some(w.user("mallory"))))
+        .await;
+    assert!(admin.as_ref().is_ok_and(|o| o.written), "{admin:?}");
+    // a message of alice's scheduled after her purge is not covered: it runs
+    alice
+        .schedule(Message::new(q.clone(), 200, "x").with_id("a-after"))
+        .await
+        .unwrap();
+
+    // the worker, started now, reads every purge before it runs anything
+    let ran = run_worker(&w, &q, 1).await;
+    assert_eq!(ran, ["a-after"], "alice's purged message ran");
+    alice.close().await;
+    drop(service);
+    for ext in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
+    }
 }

@@ -135,6 +135,7 @@ fn decode<T: DeserializeOwned>(status: u16, text: &str) -> Result<T, Failure> {
             "the index server refused the login of --url's user: {why}"
         )),
         404 => Failure::NotFound(why),
+        429 => Failure::Quota(why),
         400..=499 => Failure::Invalid(why),
         _ => Failure::Unavailable(format!("the index server: {why}")),
     })

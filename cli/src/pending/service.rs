@@ -15,6 +15,7 @@ use amqp_delay::{ErrorKind, Message, Publisher};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 use super::follow::{SharedIndex, Status, url_user, with_index};
+use super::quota::{Ask, Passed, Quotas};
 use super::wire::{MessageOut, PageOut, PurgeOut, RowOut, ShowOut, SteeredOut};
 use crate::pending_index::{Cursor, Destination, Filter, MAX_ID_BYTES, Record, State, Viewer};
 use amqp_delay::control;
@@ -34,6 +35,9 @@ pub enum Failure {
     NotFound(String),
     /// The index cannot answer now (being rebuilt): try again later.
     Unavailable(String),
+    /// The asker holds its quota of live purges or reschedules: the message says how many
+    /// and when they are over.
+    Quota(String),
     /// The broker refused or failed the steering action.
     Broker(amqp_delay::Error),
 }
@@ -41,7 +45,10 @@ pub enum Failure {
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Failure::Invalid(m) | Failure::NotFound(m) | Failure::Unavailable(m) => f.write_str(m),
+            Failure::Invalid(m)
+            | Failure::NotFound(m)
+            | Failure::Unavailable(m)
+            | Failure::Quota(m) => f.write_str(m),
             Failure::Broker(e) => f.write_str(&amqp_delay::error_chain(e)),
         }
     }
@@ -54,7 +61,7 @@ impl Failure {
     pub fn is_usage(&self) -> bool {
         match self {
             Failure::Invalid(_) | Failure::NotFound(_) => true,
-            Failure::Unavailable(_) => false,
+            Failure::Unavailable(_) | Failure::Quota(_) => false,
             Failure::Broker(e) => matches!(e.kind(), ErrorKind::Usage | ErrorKind::Topology),
         }
     }
@@ -65,6 +72,7 @@ impl Failure {
             Failure::Invalid(_) => 400,
             Failure::NotFound(_) => 404,
             Failure::Unavailable(_) => 503,
+            Failure::Quota(_) => 429,
             Failure::Broker(e) => match e.kind() {
                 ErrorKind::Usage => 400,
                 ErrorKind::Topology => 409,
@@ -172,6 +180,7 @@ pub struct Service {
     index: SharedIndex,
     status: Status,
     settings: Settings,
+    quotas: std::sync::Arc<Quotas>,
 }
 
 impl Service {
@@ -180,6 +189,7 @@ impl Service {
         Service {
             index,
             status,
+            quotas: std::sync::Arc::new(Quotas::new(settings.clone())),
             settings,
         }
     }
@@ -294,7 +304,7 @@ impl Service {
         let (viewer, owner) = match (admin, &p.owner) {
             (true, Some(o)) => (Viewer::User(o.clone()), Some(o.clone())),
             (true, None) => (Viewer::Admin, None),
-            (false, _) => (Viewer::User(user), None),
+            (false, _) => (Viewer::User(user.clone()), None),
         };
         let q = Query {
             queue: Some(p.queue.clone()),
@@ -324,6 +334,7 @@ impl Service {
             scheduled_before_ms: 0,
             until_ms: 0,
         };
+        let _passed = self.may(&user, admin, Ask::Purge).await?;
         let publisher = Publisher::connect(as_user).await?;
         let r = publisher.purge(purge).await;
         publisher.close().await;
@@ -360,6 +371,8 @@ impl Service {
         };
         let resent = copy.is_some();
         let named = (r.row.owner != user).then_some(r.row.owner.as_str());
+        let admin = viewer_of(&self.settings, &user) == Viewer::Admin;
+        let _passed = self.may(&user, admin, Ask::Reschedule(id)).await?;
         let publisher = Publisher::connect(as_user).await?;
         let res = publisher.reschedule(id, named, from, due, copy).await;
         publisher.close().await;
@@ -372,6 +385,15 @@ impl Service {
             due_at_ms: Some(due),
             resent,
         })
+    }
+
+    /// Whether `user` may write what it asks, within its quota (an admin always may); hold
+    /// the answer until the record is written.
+    async fn may(&self, user: &str, admin: bool, ask: Ask<'_>) -> Result<Passed<'_>, Failure> {
+        if admin {
+            return Ok(Passed::admin());
+        }
+        self.quotas.check(user, ask).await
     }
 
     /// Cancels pending message `id` (with its due time from the index) as the user of
