@@ -34,7 +34,7 @@ pub fn read_doc(path: &str) -> String {
 /// Waits until no other run of this binary on the machine holds the lock, then holds it until
 /// the process exits.
 pub fn machine_lock() {
-    static LOCK: OnceLock<std::fs::File> = OnceLock::new();
+    static LOCK: OnceLock<nix::fcntl::Flock<std::fs::File>> = OnceLock::new();
     LOCK.get_or_init(|| {
         use std::os::unix::fs::OpenOptionsExt;
         let f = std::fs::OpenOptions::new()
@@ -45,17 +45,20 @@ pub fn machine_lock() {
             .custom_flags(nix::libc::O_NOFOLLOW)
             .open(std::env::temp_dir().join("amqp-delay-runbooks.lock"))
             .expect("opening the runbooks' lock file");
-        f.lock().expect("locking the runbooks' lock file");
-        f
+        nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| e)
+            .expect("locking the runbooks' lock file")
     });
 }
 
 /// A fresh working directory for one procedure, as a user's would be in a clone of the
 /// repository (`deploy/` there: the text runs `deploy/rabbitmq/permissions.sh`), with a `bin/`
-/// holding the tools (what `cargo install --path cli` installs: the test built them).
+/// holding the tools (what `cargo install --path cli` installs: the test built them). A failed
+/// run leaves it, with every block's output, until the next run.
 pub fn workdir(name: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("amqp-delay-runbook-{name}-{}", std::process::id()));
+    let dir = std::env::temp_dir()
+        .join("amqp-delay-runbooks-work")
+        .join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("bin")).unwrap();
     std::os::unix::fs::symlink(Path::new(ROOT).join("deploy"), dir.join("deploy")).unwrap();

@@ -114,7 +114,7 @@ pub fn sh_blocks(markdown: &str, title: &str) -> Result<Vec<Block>, String> {
 }
 
 /// The one block of `step`, or why there is not exactly one.
-pub fn step<'a>(blocks: &'a [Block], n: u32) -> Result<&'a Block, String> {
+pub fn step(blocks: &[Block], n: u32) -> Result<&Block, String> {
     let of: Vec<&Block> = blocks.iter().filter(|b| b.step == Some(n)).collect();
     match of.as_slice() {
         [one] => Ok(one),

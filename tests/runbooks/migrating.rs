@@ -47,6 +47,55 @@ struct Driver {
 }
 
 impl Driver {
+    /// A session in `dir` with `vars` besides a user's own environment; `sent` is the backlog.
+    fn new(
+        title: &'static str,
+        dir: &std::path::Path,
+        vars: &[(&str, String)],
+        sent: Vec<Sent>,
+        app_url: String,
+        declares: bool,
+        doc: &str,
+    ) -> Driver {
+        Driver {
+            title,
+            session: Session::new(dir, env(vars, dir)),
+            sent,
+            app_url,
+            declares,
+            batches: 0,
+            counted: 0,
+            imported: None,
+            empty: empty_pattern(doc),
+        }
+    }
+
+    /// Runs every block in order (`after_intro` once the blocks before step 0 ran), then waits
+    /// for the messages and judges.
+    fn run_all(
+        mut self,
+        blocks: &[Block],
+        collector: &Collector,
+        t0: Instant,
+        after_intro: &dyn Fn(),
+    ) {
+        eprintln!(
+            "[runbooks] {}: nodes, users and backlog in {:.0}s",
+            self.title,
+            t0.elapsed().as_secs_f64()
+        );
+        for b in blocks {
+            if b.step == Some(0) {
+                after_intro();
+            }
+            self.block(b, collector);
+        }
+        let (title, dir) = (self.title, self.session.dir().to_path_buf());
+        self.finish(collector);
+        eprintln!("[runbooks] {title} took {:.0}s", t0.elapsed().as_secs_f64());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     fn block(&mut self, b: &Block, collector: &Collector) {
         let what = match b.step {
             Some(n) => format!("{} step {n}", self.title),
@@ -73,9 +122,10 @@ impl Driver {
         let r = self.session.run(what, &b.code);
         assert!(
             r.status.success(),
-            "{}\n{}",
+            "{}\n{}(every block's output: {})",
             r.report(),
-            self.session.logs()
+            self.session.logs(),
+            self.session.dir().display()
         );
         r
     }
@@ -259,6 +309,17 @@ fn users_of_permissions_sh(blocks: &[Block], dir: &std::path::Path) -> Vec<Strin
     users
 }
 
+/// Debian's rabbitmqadmin on `node`'s management API as the broker's administrator.
+fn rabbitmqadmin(node: &Node) -> String {
+    let port = node.mgmt_port.expect("a node with the management plugin");
+    format!("rabbitmqadmin -P {port} -u guest -p guest")
+}
+
+/// `url` of `node` with the proxy's address `listen` instead of the node's.
+fn through(url: &str, node: &Node, listen: &str) -> String {
+    url.replace(&format!("127.0.0.1:{}", node.amqp_port), listen)
+}
+
 /// The blocks of a runbook, after checking that the steps the test drives exist.
 fn runbook(doc: &str, title: &str, steps: std::ops::RangeInclusive<u32>) -> Vec<Block> {
     let blocks = markdown::sh_blocks(doc, title).unwrap_or_else(|e| panic!("MIGRATING: {e}"));
@@ -288,60 +349,27 @@ fn runbook_a_in_place_moves_the_backlog_and_every_message_arrives_on_time() {
     let mut collector = Collector::new();
     collector.watch(&rt, node.guest_url(), node.amqp_port);
     let backlog = app::publish(&node.guest_url(), "backlog", BACKLOG, BACKLOG_DELAYS, true);
-    eprintln!(
-        "[runbooks] runbook A: node, users and backlog in {:.0}s",
-        t0.elapsed().as_secs_f64()
-    );
     let listen = "127.0.0.1:5937";
-    let env = env(
-        &[
-            ("RABBITMQ_CONF_ENV_FILE", node.conf_env_file.clone()),
-            ("ADMIN_URL", users.url(&node, ADMIN)),
-            ("GATEWAY_URL", users.url(&node, GATEWAY)),
-            ("PROXY_URL", users.url(&node, PROXY)),
-            ("NODE", node.name.clone()),
-            ("PROXY_LISTEN", listen.into()),
-            (
-                "RABBITMQADMIN",
-                format!(
-                    "rabbitmqadmin -P {} -u guest -p guest",
-                    node.mgmt_port.unwrap()
-                ),
-            ),
-        ],
-        &dir,
-    );
-    let mut d = Driver {
-        title: "runbook A",
-        session: crate::shell::Session::new(&dir, env),
-        sent: backlog,
-        app_url: users
-            .url(&node, APP)
-            .replace(&format!("127.0.0.1:{}", node.amqp_port), listen),
-        declares: false,
-        batches: 0,
-        counted: 0,
-        imported: None,
-        empty: empty_pattern(&doc),
-    };
-    for b in &blocks {
-        d.block(b, &collector);
-        if b.step.is_none() {
-            let with = node.users_with_permissions();
-            for u in users.passwords.keys() {
-                assert!(
-                    with.iter().any(|w| w == u),
-                    "the runbook gave {u} no permissions"
-                );
-            }
+    let vars = [
+        ("RABBITMQ_CONF_ENV_FILE", node.conf_env_file.clone()),
+        ("ADMIN_URL", users.url(&node, ADMIN)),
+        ("GATEWAY_URL", users.url(&node, GATEWAY)),
+        ("PROXY_URL", users.url(&node, PROXY)),
+        ("NODE", node.name.clone()),
+        ("PROXY_LISTEN", listen.into()),
+        ("RABBITMQADMIN", rabbitmqadmin(&node)),
+    ];
+    let app_url = through(&users.url(&node, APP), &node, listen);
+    let d = Driver::new("runbook A", &dir, &vars, backlog, app_url, false, &doc);
+    d.run_all(&blocks, &collector, t0, &|| {
+        let with = node.users_with_permissions();
+        for u in users.passwords.keys() {
+            assert!(
+                with.iter().any(|w| w == u),
+                "the runbook gave {u} no permissions"
+            );
         }
-    }
-    d.finish(&collector);
-    eprintln!(
-        "[runbooks] runbook A took {:.0}s",
-        t0.elapsed().as_secs_f64()
-    );
-    let _ = std::fs::remove_dir_all(&dir);
+    });
 }
 
 #[test]
@@ -362,52 +390,20 @@ fn runbook_b_blue_green_moves_the_backlog_and_every_message_arrives_on_time() {
     collector.watch(&rt, old.guest_url(), old.amqp_port);
     collector.watch(&rt, new.guest_url(), new.amqp_port);
     let backlog = app::publish(&old.guest_url(), "backlog", BACKLOG, BACKLOG_DELAYS, true);
-    eprintln!(
-        "[runbooks] runbook B: nodes, users and backlog in {:.0}s",
-        t0.elapsed().as_secs_f64()
-    );
     let listen = "127.0.0.1:5938";
-    let env = env(
-        &[
-            ("RABBITMQ_CONF_ENV_FILE", new.conf_env_file.clone()),
-            ("NEW_ADMIN_URL", users.url(&new, ADMIN)),
-            ("NEW_GATEWAY_URL", users.url(&new, GATEWAY)),
-            ("NEW_PROXY_URL", users.url(&new, PROXY)),
-            ("OLD_NODE", old.name.clone()),
-            ("OLD_RABBITMQCTL", crate::nodes::RABBITMQCTL.into()),
-            (
-                "NEW_RABBITMQADMIN",
-                format!(
-                    "rabbitmqadmin -P {} -u guest -p guest",
-                    new.mgmt_port.unwrap()
-                ),
-            ),
-            ("PROXY_LISTEN", listen.into()),
-        ],
-        &dir,
-    );
-    let mut d = Driver {
-        title: "runbook B",
-        session: Session::new(&dir, env),
-        sent: backlog,
-        app_url: users
-            .url(&new, APP)
-            .replace(&format!("127.0.0.1:{}", new.amqp_port), listen),
-        declares: true,
-        batches: 0,
-        counted: 0,
-        imported: None,
-        empty: empty_pattern(&doc),
-    };
-    for b in &blocks {
-        d.block(b, &collector);
-    }
-    d.finish(&collector);
-    eprintln!(
-        "[runbooks] runbook B took {:.0}s",
-        t0.elapsed().as_secs_f64()
-    );
-    let _ = std::fs::remove_dir_all(&dir);
+    let vars = [
+        ("RABBITMQ_CONF_ENV_FILE", new.conf_env_file.clone()),
+        ("NEW_ADMIN_URL", users.url(&new, ADMIN)),
+        ("NEW_GATEWAY_URL", users.url(&new, GATEWAY)),
+        ("NEW_PROXY_URL", users.url(&new, PROXY)),
+        ("OLD_NODE", old.name.clone()),
+        ("OLD_RABBITMQCTL", crate::nodes::RABBITMQCTL.into()),
+        ("NEW_RABBITMQADMIN", rabbitmqadmin(&new)),
+        ("PROXY_LISTEN", listen.into()),
+    ];
+    let app_url = through(&users.url(&new, APP), &new, listen);
+    let d = Driver::new("runbook B", &dir, &vars, backlog, app_url, true, &doc);
+    d.run_all(&blocks, &collector, t0, &|| {});
 }
 
 #[test]

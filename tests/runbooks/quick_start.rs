@@ -4,12 +4,15 @@
 //! notes what it was given) when the message is due. The one line not run is
 //! `cargo install --path cli`: the test built the tools and put them first on PATH.
 
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use amqp_delay::time::{now_ms, parse_duration_ms};
 
 use crate::markdown;
-use crate::shell::{Session, tail};
+use crate::shell::{Running, Session, tail};
 
 const INSTALL: &str = "cargo install --path cli";
 
@@ -60,10 +63,8 @@ fn flag<'a>(code: &'a str, flag: &str) -> &'a str {
         .unwrap_or_else(|| panic!("the quick start has no {flag}"))
 }
 
-#[test]
-fn the_readme_quick_start_by_hand_runs_the_message_once_when_it_is_due() {
-    crate::machine_lock();
-    let t0 = Instant::now();
+/// The "By hand" block without its `cargo install` line.
+fn by_hand() -> String {
     let readme = crate::read_doc("README.md");
     let blocks = markdown::sh_blocks(&readme, "Quick start").unwrap();
     let block = blocks
@@ -82,56 +83,71 @@ fn the_readme_quick_start_by_hand_runs_the_message_once_when_it_is_due() {
         "the quick start has no line `{INSTALL}` to skip: {}",
         block.code
     );
+    code
+}
+
+/// Waits until the program ran (and 2 s more, for a second run to show), the block ended by
+/// itself (its status) or `deadline` passed.
+fn wait_for_the_program(
+    running: &mut Running,
+    fired: &Path,
+    deadline: Instant,
+) -> Option<ExitStatus> {
+    loop {
+        if std::fs::read_to_string(fired).is_ok_and(|t| t.ends_with('\n')) {
+            std::thread::sleep(Duration::from_secs(2));
+            return None;
+        }
+        if let Some(status) = running.child.try_wait().unwrap() {
+            return Some(status);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The block's output, for a failure.
+fn said(running: &Running) -> String {
+    let read = |p: &Path| tail(&std::fs::read_to_string(p).unwrap_or_default(), 30);
+    format!(
+        "--- stdout ---\n{}\n--- stderr ---\n{}",
+        read(&running.stdout),
+        read(&running.stderr)
+    )
+}
+
+#[test]
+fn the_readme_quick_start_by_hand_runs_the_message_once_when_it_is_due() {
+    crate::machine_lock();
+    let t0 = Instant::now();
+    let code = by_hand();
     let delay = parse_duration_ms(flag(&code, "--delay")).expect("the quick start's --delay");
-    let queue = flag(&code, "--queue").to_string();
     let dir = crate::workdir("quick-start");
     let program = dir.join("cancel-order");
     std::fs::write(&program, CANCEL_ORDER).unwrap();
-    std::fs::set_permissions(
-        &program,
-        std::os::unix::fs::PermissionsExt::from_mode(0o700),
-    )
-    .unwrap();
-    let prefix = format!("rbq{:08x}", rand::random::<u32>());
+    std::fs::set_permissions(&program, PermissionsExt::from_mode(0o700)).unwrap();
     let mut env = crate::base_env(&dir);
-    env.push(("AMQP_DELAY_PREFIX".into(), prefix));
+    env.push((
+        "AMQP_DELAY_PREFIX".into(),
+        format!("rbq{:08x}", rand::random::<u32>()),
+    ));
     let teardown = Teardown {
         dir: dir.clone(),
         env: env.clone(),
-        queue,
+        queue: flag(&code, "--queue").to_string(),
     };
     let mut session = Session::new(&dir, env);
     let before = now_ms();
     let mut running = session.start("the README's quick start", &code);
     let fired = dir.join("fired");
+    // the consumer runs until stopped
     let deadline = Instant::now() + Duration::from_millis(delay) + Duration::from_secs(120);
-    // the consumer runs until stopped: wait for the program to have run, or the block to end
-    let ended = loop {
-        if std::fs::read_to_string(&fired).is_ok_and(|t| t.ends_with('\n')) {
-            std::thread::sleep(Duration::from_secs(2)); // a second run would show now
-            break None;
-        }
-        if let Some(status) = running.child.try_wait().unwrap() {
-            break Some(status);
-        }
-        if Instant::now() > deadline {
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let ended = wait_for_the_program(&mut running, &fired, deadline);
     let stubborn = session.stop_all(Duration::from_secs(30));
     let _ = running.child.wait();
-    let said = format!(
-        "--- stdout ---\n{}\n--- stderr ---\n{}",
-        tail(
-            &std::fs::read_to_string(&running.stdout).unwrap_or_default(),
-            30
-        ),
-        tail(
-            &std::fs::read_to_string(&running.stderr).unwrap_or_default(),
-            30
-        )
-    );
+    let said = said(&running);
     assert!(
         ended.is_none(),
         "the quick start ended by itself ({ended:?}):\n{code}\n{said}"
@@ -155,11 +171,8 @@ fn the_readme_quick_start_by_hand_runs_the_message_once_when_it_is_due() {
         "due at {due}, sent after {before} with --delay {delay} ms"
     );
     assert!(ran >= due, "./cancel-order ran {} ms early", due - ran);
-    assert_eq!(
-        runs[0][3],
-        flag(&code, "--body").trim_matches('\''),
-        "the body"
-    );
+    let body = flag(&code, "--body").trim_matches('\'');
+    assert_eq!(runs[0][3], body, "the body");
     assert!(stubborn.is_empty(), "the consumer ignored SIGTERM for 30 s");
     eprintln!(
         "[runbooks] quick start: ran {} ms after due; took {:.0}s",

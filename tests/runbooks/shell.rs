@@ -76,6 +76,11 @@ impl Session {
         }
     }
 
+    /// The working directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Runs `code` and waits for its shell (not for what it left in the background).
     pub fn run(&mut self, what: &str, code: &str) -> Ran {
         let mut r = self.start(what, code);
