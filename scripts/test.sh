@@ -22,9 +22,10 @@
 #      RabbitMQ Java client (the integration tests drive Python, Node and Java AMQP clients as
 #      independent peers).
 #   3. Runs `cargo test "$@"` (unit, integration and doc tests, the benchmark's smoke test,
-#      bench/tests/smoke.rs, and the fault suite, tests/fault, which starts its own 3-node
-#      cluster with scripts/cluster.sh) with AMQP_URL exported: the suites on the machine's
-#      RabbitMQ (Debian 12's 3.10.8).
+#      bench/tests/smoke.rs, the fault suite, tests/fault, which starts its own 3-node
+#      cluster with scripts/cluster.sh, and tests/runbooks, MIGRATING's runbooks and the
+#      README's quick start run as written, on nodes of scripts/runbook-nodes.sh and the main
+#      broker) with AMQP_URL exported: the suites on the machine's RabbitMQ (Debian 12's 3.10.8).
 #   4. Runs the broker suites again on each RabbitMQ 4.x series, one after the other, each from
 #      the root that scripts/rabbitmq4.sh builds once and caches outside the clone:
 #        4.0  Debian 13's 4.0.5 (RABBITMQ4_SERIES=4.0; single node AMQP 5741, TLS node 5761/5762,
@@ -36,14 +37,16 @@
 #      the fault suite on its 3-node cluster. Without arguments that is `cargo test --test it
 #      --test fault --test smoke -- --skip _on_3_10 --skip _on_4_0` (unit, doc and
 #      deploy tests need no broker and ran in step 3; so did the import tests that copy within
-#      the plugin's own nodes, the same whatever the series); with arguments, `cargo test "$@"` again. A series' nodes are stopped
+#      the plugin's own nodes, the same whatever the series, and tests/runbooks, whose brokers
+#      are 3.10 nodes of its own whatever the series); with arguments, `cargo test "$@"` again. A series' nodes are stopped
 #      before the next series starts.
 #   Exits non-zero when any run failed. Every run happens even if an earlier one fails, and each
 #   runs every test binary (--no-fail-fast: a failing fault suite does not hide the
 #   integration suite's results). The last lines say how long each run took.
 #   On exit, whatever happened, stops the throwaway nodes the tests may have started
 #   (`scripts/cluster.sh down`, `scripts/tls-node.sh down`, `scripts/plugin-node.sh 3.10|4.0 down`,
-#   `scripts/rabbitmq4.sh all-down` of each series); the main broker is left running.
+#   `scripts/runbook-nodes.sh all down`, `scripts/rabbitmq4.sh all-down` of each series); the main
+#   broker is left running.
 #
 # Options / environment:
 #   --broker-only        (first argument) stop after step 1: only make sure the
@@ -471,6 +474,8 @@ stop_test_nodes() {
     # the delayed-message plugin's nodes of tests/it/import.rs
     bash "${SCRIPT_DIR}/plugin-node.sh" 3.10 down >/dev/null 2>&1 || log "warning: scripts/plugin-node.sh 3.10 down failed"
     bash "${SCRIPT_DIR}/plugin-node.sh" 4.0 down >/dev/null 2>&1 || log "warning: scripts/plugin-node.sh 4.0 down failed"
+    # the nodes MIGRATING's runbooks run on (tests/runbooks/)
+    bash "${SCRIPT_DIR}/runbook-nodes.sh" all down >/dev/null 2>&1 || log "warning: scripts/runbook-nodes.sh all down failed"
 }
 # stop_rabbitmq4_nodes SERIES...: every node of those series
 stop_rabbitmq4_nodes() {
@@ -517,7 +522,8 @@ for run in "${RUNS_4[@]}"; do
             for n in "${names[@]}"; do args4+=(--test "${n}"); done
             # the import tests that copy within the plugin's own 3.10 and 4.0 nodes run the same
             # whatever the series: once, in the 3.10 run, is enough (blue-green, whose new
-            # cluster is the series' broker, runs in every run)
+            # cluster is the series' broker, runs in every run); so does tests/runbooks, not
+            # named here, whose brokers are its own 3.10 nodes and the main broker
             [[ " ${names[*]} " == *" it "* ]] && args4+=(-- --skip _on_3_10 --skip _on_4_0)
         fi
         log "== RabbitMQ ${v4} (RABBITMQ4_SERIES=${series} scripts/rabbitmq4.sh): cargo test ${args4[*]}"
