@@ -16,7 +16,7 @@ use tokio::runtime::Runtime;
 
 use crate::app::{self, Collector, Sent};
 use crate::markdown::{self, Block};
-use crate::nodes::{ADMIN, APP, GATEWAY, Node, PROXY, Users};
+use crate::nodes::{ADMIN, APP, Node, PROXY, Users};
 use crate::shell::{Ran, Session};
 
 /// The plugin's backlog, loaded before the runbook: messages and their x-delay (ms).
@@ -336,7 +336,7 @@ fn runbook_a_in_place_moves_the_backlog_and_every_message_arrives_on_time() {
     let doc = crate::read_doc("docs/MIGRATING.md");
     let blocks = runbook(&doc, "Runbook A:", 0..=5);
     let intro = &blocks[0].prose;
-    for user in [ADMIN, GATEWAY, PROXY, APP] {
+    for user in [ADMIN, PROXY, APP] {
         assert!(
             intro.contains(user),
             "runbook A no longer names the user {user}: {intro}"
@@ -353,7 +353,6 @@ fn runbook_a_in_place_moves_the_backlog_and_every_message_arrives_on_time() {
     let vars = [
         ("RABBITMQ_CONF_ENV_FILE", node.conf_env_file.clone()),
         ("ADMIN_URL", users.url(&node, ADMIN)),
-        ("GATEWAY_URL", users.url(&node, GATEWAY)),
         ("PROXY_URL", users.url(&node, PROXY)),
         ("NODE", node.name.clone()),
         ("PROXY_LISTEN", listen.into()),
@@ -394,7 +393,6 @@ fn runbook_b_blue_green_moves_the_backlog_and_every_message_arrives_on_time() {
     let vars = [
         ("RABBITMQ_CONF_ENV_FILE", new.conf_env_file.clone()),
         ("NEW_ADMIN_URL", users.url(&new, ADMIN)),
-        ("NEW_GATEWAY_URL", users.url(&new, GATEWAY)),
         ("NEW_PROXY_URL", users.url(&new, PROXY)),
         ("OLD_NODE", old.name.clone()),
         ("OLD_RABBITMQCTL", crate::nodes::RABBITMQCTL.into()),

@@ -141,10 +141,9 @@ pub struct Users {
     pub passwords: HashMap<String, String>,
 }
 
-/// The users whose `--url`s the runbooks name (MIGRATING: the admin, the gateway's and the
+/// The users whose `--url`s the runbooks name (MIGRATING: the admin and the
 /// proxy's users of `permissions.sh`) and the application's.
 pub const ADMIN: &str = "amqp-delay-admin";
-pub const GATEWAY: &str = "amqp-delay-gateway";
 pub const PROXY: &str = "amqp-delay-proxy";
 pub const APP: &str = "app-user";
 

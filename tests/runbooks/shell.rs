@@ -1,6 +1,6 @@
 //! Runs a document's blocks as a user's terminal session would: each with
 //! `bash -euo pipefail -c`, in one working directory, with only the environment given, and the
-//! shell variables an earlier block set (`GATEWAY_PID=$!`) still set in the later ones. Every
+//! shell variables an earlier block set (`PROXY_PID=$!`) still set in the later ones. Every
 //! block runs in a process group of its own, so that what it left running in the background
 //! (`... &`) is found and stopped (SIGTERM, by process group) at the end.
 
