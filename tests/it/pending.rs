@@ -19,6 +19,8 @@ use tokio::sync::oneshot;
 use crate::harness::*;
 use crate::worker::{Scripted, retry, spawn_worker};
 
+mod attacks;
+
 /// A follower over an index file of its own, and the service on it.
 struct Indexed {
     service: Service,
