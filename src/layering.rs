@@ -87,6 +87,7 @@ const PURE_FILES: &[&str] = &[
     "cli/src/jsonl.rs",
     "cli/src/proxy/frames.rs",
     "cli/src/pending/translate.rs",
+    "cli/src/pending/translate/flushes.rs",
     "cli/src/pending/when.rs",
     "cli/src/pending/wire.rs",
     "bench/src/hops.rs",

@@ -14,8 +14,7 @@
 //!   may pick the same one, and a cancel names `(writer, id)` already ([`amqp_delay::trust`]).
 //!   The owner is the journal record's broker-checked `user_id`, or the `x-delay-owner` a
 //!   forwarder (gateway, worker) names, exactly as `Trust::owner` decides. A second schedule of
-//!   the same `(owner, id)` replaces the first's fields and keeps one history: a cancel stops
-//!   both anyway.
+//!   the same `(owner, id)` replaces the first's fields and keeps one history.
 //! * A **user** sees only what it owns; an **admin** sees everything ([`Viewer`]). The reader of
 //!   the journal decides who is an admin (`trust.admins`); the index only filters.
 //! * Pages are sorted by **due time**, then owner, then row: a total order, paged by keyset
@@ -34,6 +33,7 @@
 //! only intents not confirmed yet.
 
 mod codec;
+pub mod file;
 mod purge;
 mod summary;
 #[cfg(test)]
@@ -771,9 +771,9 @@ fn bind<'a>(p: &'a [(&'static str, Value)]) -> Vec<(&'static str, &'a dyn ToSql)
 }
 
 impl PendingIndex {
-    /// Opens (creating when missing) the index at `path`.
+    /// Opens (creating when missing, private: [`file`]) the index at `path`.
     pub fn open(path: &Path, options: Options) -> Result<PendingIndex> {
-        let conn = Connection::open(path)?;
+        let conn = file::open(path)?;
         let cache_kib = (options.cache_bytes / 1024).max(64);
         conn.execute_batch(&format!(
             "PRAGMA journal_mode = WAL;

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 use amqp_delay::settings::Settings;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Message, Outcome};
+use amqp_delay_cli::pending::auth::throttle;
 use amqp_delay_cli::pending::follow::{self, FollowOptions, Status};
-use amqp_delay_cli::pending::http::{Api, router};
+use amqp_delay_cli::pending::http::{Api, listen, router};
 use amqp_delay_cli::pending::service::{MoveTo, PurgeQuery, Query, Service};
 use amqp_delay_cli::pending::wire::RowOut;
 use amqp_delay_cli::pending_index::{Options, PendingIndex, Viewer};
@@ -18,6 +19,8 @@ use tokio::sync::oneshot;
 
 use crate::harness::*;
 use crate::worker::{Scripted, retry, spawn_worker};
+
+mod attacks;
 
 /// A follower over an index file of its own, and the service on it.
 struct Indexed {
@@ -359,7 +362,7 @@ async fn a_user_sees_only_its_own_and_an_admin_everything() {
     let api = Arc::new(Api::new(ix.service.clone(), env.settings.clone()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let server = tokio::spawn(async move { axum::serve(listener, router(api)).await });
+    let server = tokio::spawn(listen::serve(listener, router(api), std::future::pending()));
     let get = |auth: Option<(String, String)>| {
         let url = format!("http://{addr}/api/v1/pending?queue={q}");
         tokio::task::spawn_blocking(move || {
@@ -413,6 +416,16 @@ async fn a_user_sees_only_its_own_and_an_admin_everything() {
             .len(),
         2
     );
+    // wrong passwords checked by the broker: five are 401s (alice's above, and four more),
+    // then this address is throttled, whoever it names
+    let stranger = format!("{prefix}-nobody");
+    for _ in 1..throttle::FREE_FAILURES {
+        let (status, _, _) = get(Some((stranger.clone(), "guess".into()))).await.unwrap();
+        assert_eq!(status, 401);
+    }
+    let (status, _, body) = get(Some((alice.clone(), "guess".into()))).await.unwrap();
+    assert_eq!(status, 429, "{body}");
+    assert!(body.contains("Too many wrong passwords"), "{body}");
     server.abort();
 
     // the CLI without an index server reads the streams itself, as its user

@@ -25,29 +25,29 @@ use crate::worker::Scripted;
 
 /// The users of one test, with the documented sets: an admin, two publishers, a worker of
 /// `q`, a gateway of `ingress` → `target`.
-struct World {
-    p: String,
+pub(crate) struct World {
+    pub(crate) p: String,
     port: String,
-    q: String,
+    pub(crate) q: String,
     ingress: String,
     target: String,
     root: String,
-    settings: Settings,
-    cfg: std::path::PathBuf,
+    pub(crate) settings: Settings,
+    pub(crate) cfg: std::path::PathBuf,
     _cleanup: Cleanup,
 }
 
 impl World {
-    fn url(&self, role: &str) -> String {
+    pub(crate) fn url(&self, role: &str) -> String {
         url(&format!("{}-{role}", self.p), &self.port)
     }
 
-    fn user(&self, role: &str) -> String {
+    pub(crate) fn user(&self, role: &str) -> String {
         format!("{}-{role}", self.p)
     }
 
     /// The settings of `role`, which trusts the admin as every deployment should.
-    fn as_role(&self, role: &str) -> Settings {
+    pub(crate) fn as_role(&self, role: &str) -> Settings {
         Settings {
             url: self.url(role),
             trust: TrustSettings {
@@ -59,7 +59,7 @@ impl World {
     }
 }
 
-async fn world() -> World {
+pub(crate) async fn world() -> World {
     let node = crate::security::tls_node();
     let port = node["AMQP_PORT"].clone();
     let p = random_prefix();
@@ -149,13 +149,24 @@ async fn append_as(
     as_user: Option<&str>,
     bodies: &[String],
 ) -> Result<(), String> {
+    let stream = w.settings.layout().unwrap().control_stream();
+    append_to(w, who, as_user, &stream, bodies).await
+}
+
+/// Appends `bodies` to `stream` (the control stream, the journal) as [`append_as`] does.
+pub(crate) async fn append_to(
+    w: &World,
+    who: &str,
+    as_user: Option<&str>,
+    stream: &str,
+    bodies: &[String],
+) -> Result<(), String> {
     let conn = amqp_delay::connection::connect(&w.url(who), "trust forger")
         .await
         .unwrap();
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(Default::default()).await.unwrap();
-    let layout = w.settings.layout().unwrap();
-    let (exchange, stream) = (layout.stream_exchange(), layout.control_stream());
+    let exchange = w.settings.layout().unwrap().stream_exchange();
     let mut props = BasicProperties::default().with_delivery_mode(2);
     if let Some(u) = as_user {
         props = props.with_user_id(u.into());
@@ -165,7 +176,7 @@ async fn append_as(
         let sent = async {
             ch.basic_publish(
                 exchange.as_str().into(),
-                stream.as_str().into(),
+                stream.into(),
                 Default::default(),
                 body.as_bytes(),
                 props.clone(),

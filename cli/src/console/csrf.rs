@@ -1,12 +1,36 @@
-//! Cross-site request forgery: every form post carries a token tied to the user (HMAC-SHA256
-//! of the user name under a key drawn when the process starts), and must come from a page of
-//! this console: its `Origin` (or, when a browser sends none, its `Referer`) must name the
-//! host the request was sent to. Either check failing is a 403 that says which.
+//! Cross-site request forgery: every form post carries a token tied to the user and to when it
+//! was issued (HMAC-SHA256 of both under a key drawn when the process starts; good for
+//! [`TOKEN_LIFETIME`]), and must come from a page of this console: its `Origin` (or, when a
+//! browser sends none, its `Referer`) must name the host the request was sent to. Either check
+//! failing is a 403 that says which.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::http::{HeaderMap, header};
 use base64::Engine as _;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+
+/// How long a form's token is taken after its page was made.
+pub const TOKEN_LIFETIME: Duration = Duration::from_secs(3_600);
+/// How far ahead of this process's clock a token may say it was issued (never, unless the
+/// clock was set back).
+const AHEAD: u64 = 60;
+
+/// Why a token was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BadToken {
+    /// Missing, garbled, of another user or of another process.
+    NotThisUsers,
+    /// Right, but issued longer than [`TOKEN_LIFETIME`] ago.
+    Expired,
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
 
 /// The key of this process's tokens.
 pub struct Csrf {
@@ -21,25 +45,50 @@ impl Csrf {
         }
     }
 
-    fn mac(&self, user: &str) -> Hmac<Sha256> {
+    fn mac(&self, user: &str, issued: u64) -> Hmac<Sha256> {
         let mut mac = Hmac::<Sha256>::new_from_slice(&self.key).expect("any key length");
         mac.update(b"amqp-delay console csrf\0");
+        mac.update(&issued.to_be_bytes());
         mac.update(user.as_bytes());
         mac
     }
 
-    /// The token of `user`'s forms.
+    /// The token of `user`'s forms, issued now.
     pub fn token(&self, user: &str) -> String {
-        base64::engine::general_purpose::URL_SAFE_NO_PAD
-            .encode(self.mac(user).finalize().into_bytes())
+        self.token_at(user, now_secs())
     }
 
-    /// Whether `token` is `user`'s (compared in constant time).
-    pub fn valid(&self, user: &str, token: &str) -> bool {
-        match base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(token.trim()) {
-            Ok(raw) => self.mac(user).verify_slice(&raw).is_ok(),
-            Err(_) => false,
+    /// The token of `user`'s forms issued at `issued` (seconds since the epoch): the time,
+    /// then the MAC.
+    pub fn token_at(&self, user: &str, issued: u64) -> String {
+        let mut raw = issued.to_be_bytes().to_vec();
+        raw.extend_from_slice(&self.mac(user, issued).finalize().into_bytes());
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(raw)
+    }
+
+    /// Whether `token` is `user`'s and still good (compared in constant time).
+    pub fn check(&self, user: &str, token: &str) -> Result<(), BadToken> {
+        self.check_at(user, token, now_secs())
+    }
+
+    /// [`Csrf::check`] at `now` (seconds since the epoch).
+    pub fn check_at(&self, user: &str, token: &str, now: u64) -> Result<(), BadToken> {
+        let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(token.trim())
+            .map_err(|_| BadToken::NotThisUsers)?;
+        let (Some(issued), Some(mac)) = (raw.get(..8), raw.get(8..)) else {
+            return Err(BadToken::NotThisUsers);
+        };
+        let issued = u64::from_be_bytes(issued.try_into().map_err(|_| BadToken::NotThisUsers)?);
+        self.mac(user, issued)
+            .verify_slice(mac)
+            .map_err(|_| BadToken::NotThisUsers)?;
+        if issued > now.saturating_add(AHEAD)
+            || now.saturating_sub(issued) > TOKEN_LIFETIME.as_secs()
+        {
+            return Err(BadToken::Expired);
         }
+        Ok(())
     }
 }
 
@@ -104,18 +153,36 @@ mod tests {
     }
 
     #[test]
-    fn a_token_belongs_to_its_user_and_its_process() {
+    fn a_token_belongs_to_its_user_and_its_process_and_expires_after_an_hour() {
         let c = Csrf::random();
         let t = c.token("alice");
-        assert!(c.valid("alice", &t));
-        assert!(!c.valid("bob", &t), "another user's token");
-        assert!(
-            !Csrf::random().valid("alice", &t),
-            "another process's token"
+        assert_eq!(c.check("alice", &t), Ok(()));
+        let not = Err(BadToken::NotThisUsers);
+        assert_eq!(c.check("bob", &t), not, "another user's token");
+        assert_eq!(Csrf::random().check("alice", &t), not, "another process's");
+        assert_eq!(c.check("alice", ""), not);
+        assert_eq!(c.check("alice", "not base64 !"), not);
+        assert_eq!(c.check("alice", &t[..t.len() - 2]), not);
+        // its time is under the MAC: a token re-dated by hand is not this user's
+        let issued = 1_800_000_000;
+        let old = c.token_at("alice", issued);
+        let mut raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(&old)
+            .unwrap();
+        raw[7] ^= 1;
+        let redated = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(raw);
+        assert_eq!(c.check_at("alice", &redated, issued), not);
+        let hour = TOKEN_LIFETIME.as_secs();
+        assert_eq!(c.check_at("alice", &old, issued + hour), Ok(()));
+        assert_eq!(
+            c.check_at("alice", &old, issued + hour + 1),
+            Err(BadToken::Expired)
         );
-        assert!(!c.valid("alice", ""));
-        assert!(!c.valid("alice", "not base64 !"));
-        assert!(!c.valid("alice", &t[..t.len() - 2]));
+        assert_eq!(
+            c.check_at("alice", &old, issued - 3_600),
+            Err(BadToken::Expired),
+            "issued in the future"
+        );
     }
 
     #[test]

@@ -2,11 +2,11 @@
 //!
 //! * **The index** is the console's own: the pending follower ([`crate::pending::follow`])
 //!   keeps it up to date from the journal and the control stream, as `pending serve` does.
-//! * **Login** is HTTP Basic with the broker's own users ([`auth`], the pending API's check):
-//!   each login is checked by opening an AMQP connection as that user (remembered briefly), and
-//!   every action runs on a connection of that user, so the broker's permissions and the trust
-//!   model decide what it may do. A user sees what it owns; an admin (`trust.admins`)
-//!   everything.
+//! * **Login** is HTTP Basic with the broker's own users, the pending API's own implementation
+//!   ([`crate::pending::auth`]): each login is checked by opening an AMQP connection as that
+//!   user (remembered briefly), wrong passwords are throttled per user and address, and every
+//!   action runs on a connection of that user, so the broker's permissions and the trust model
+//!   decide what it may do. A user sees what it owns; an admin (`trust.admins`) everything.
 //! * **Pages** ([`pages`]) read the index through [`store::Store`]: the destinations with
 //!   their summary ([`summaries`], refreshed in the background so that a page answers fast
 //!   whatever the index holds), paged lists (keyset, never OFFSET, at most [`MAX_PAGE`] rows),
@@ -14,16 +14,17 @@
 //! * **Actions** ([`steer`]) are the CLI's: cancel, reschedule and purge through the pending
 //!   service ([`crate::pending::service::Service`], after a confirmation page that counts for a
 //!   purge), retry or drop parked messages (`amqp_delay::parked`).
-//!   Every POST carries a token tied to the user and must come from this console's own pages
-//!   (Origin or Referer naming this host) ([`csrf`]).
+//!   Every POST carries a token tied to the user and an hour old at most, and must come from
+//!   this console's own pages (Origin or Referer naming this host) ([`csrf`]).
 //! * **HTML** comes from templates embedded at compile time and escaped by the engine
 //!   ([`view`]); charts are SVG drawn on the server; no script is needed, none is loaded from
 //!   elsewhere.
 //! * **Bounded**: request bodies are capped ([`MAX_BODY`]), pages hold at most [`MAX_PAGE`]
 //!   rows, summaries are bounded by the index ([`crate::pending_index::MAX_DESTINATIONS`]),
-//!   SQLite's caches by [`Config::cache_bytes`], the login cache by [`auth::MAX_CACHED`].
+//!   SQLite's caches by [`Config::cache_bytes`], the login cache by
+//!   [`crate::pending::auth::MAX_REMEMBERED`], the time to send a request's headers by
+//!   [`crate::pending::http::listen::HEADER_READ_TIMEOUT`].
 
-pub mod auth;
 pub mod csrf;
 mod pages;
 pub mod search;
@@ -44,11 +45,13 @@ use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 
+use crate::pending::auth::{Gate, Logins, Style};
 use crate::pending::follow::{self, FollowOptions, SharedIndex, Status};
+use crate::pending::http::listen;
 use crate::pending::service::Service;
 use crate::pending_index::{Options, PendingIndex};
 
-pub use auth::Login;
+pub use crate::pending::auth::Login;
 
 /// Rows an HTML page lists at most.
 pub const MAX_PAGE: usize = 100;
@@ -75,8 +78,8 @@ pub struct App {
     pub store: store::Store,
     /// Summaries per viewer, refreshed in the background.
     pub summaries: summaries::Summaries,
-    /// Who may log in.
-    pub logins: Arc<dyn auth::Authenticate>,
+    /// Who may log in, and how often they may fail.
+    pub gate: Arc<Gate>,
     /// The pending service: the CLI's cancel, reschedule and purge.
     pub service: Service,
     /// How far behind the follower is.
@@ -106,8 +109,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/parked/retry", post(steer::parked_retry))
         .route("/parked/drop", post(steer::parked_drop))
         .route_layer(axum::middleware::from_fn_with_state(
-            app.clone(),
-            auth::require_login,
+            app.gate.clone(),
+            crate::pending::auth::require_login,
         ));
     Router::new()
         .merge(authed)
@@ -138,7 +141,11 @@ pub fn app(settings: Settings, config: &Config) -> Result<(Arc<App>, SharedIndex
     let app = Arc::new(App {
         summaries: summaries::Summaries::new(store.clone()),
         store,
-        logins: Arc::new(crate::pending::auth::Logins::new(settings.clone())),
+        gate: Arc::new(Gate::new(
+            Arc::new(Logins::new(settings.clone())),
+            settings.clone(),
+            Style::Console,
+        )),
         service: Service::new(settings.clone(), index.clone(), status.clone()),
         status,
         csrf: csrf::Csrf::random(),
@@ -222,15 +229,9 @@ pub async fn serve(
     let served = match config.tls {
         Some(acceptor) => {
             let tls = tls::TlsListener::new(listener, acceptor);
-            axum::serve(tls, routes)
-                .with_graceful_shutdown(shutdown)
-                .await
+            listen::serve(tls, routes, shutdown).await
         }
-        None => {
-            axum::serve(listener, routes)
-                .with_graceful_shutdown(shutdown)
-                .await
-        }
+        None => listen::serve(listener, routes, shutdown).await,
     };
     served.map_err(|e| Error::Invalid(format!("serving the console: {e}")))
 }

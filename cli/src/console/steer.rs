@@ -37,13 +37,16 @@ fn guard(app: &App, login: &Login, headers: &HeaderMap, token: &str) -> Option<R
     if let Err(why) = csrf::same_origin(headers, app.https) {
         return Some(forbidden(&why));
     }
-    if !app.csrf.valid(&login.user, token) {
-        return Some(forbidden(
+    match app.csrf.check(&login.user, token) {
+        Ok(()) => None,
+        Err(csrf::BadToken::NotThisUsers) => Some(forbidden(
             "the form's token is missing or not this user's (a page of another login, or of \
              a console that has restarted since)",
-        ));
+        )),
+        Err(csrf::BadToken::Expired) => Some(forbidden(
+            "the form's token has expired (its page is more than an hour old)",
+        )),
     }
-    None
 }
 
 /// The page after an action that failed (the request, the index or the broker said why).

@@ -9,9 +9,8 @@ use amqp_delay::settings::Settings;
 use base64::Engine as _;
 use futures::future::BoxFuture;
 
-use super::auth::Authenticate;
 use super::*;
-use crate::pending::auth::{Login as Credentials, Refusal, settings_as};
+use crate::pending::auth::{Authenticate, Credentials, Gate, Refusal, Style, settings_as};
 use crate::pending_index::{Destination, Entry, Options, PendingIndex, Scheduled};
 
 /// Logins of a fixed table, as the broker would check them.
@@ -88,7 +87,11 @@ fn serve_with(entries: Vec<Entry>) -> Served {
         status.clone(),
     );
     let app = Arc::new(App {
-        logins: Arc::new(Fixed(users, settings.clone())),
+        gate: Arc::new(Gate::new(
+            Arc::new(Fixed(users, settings.clone())),
+            settings.clone(),
+            Style::Console,
+        )),
         settings,
         summaries: summaries::Summaries::new(store.clone()),
         store,
@@ -392,4 +395,25 @@ fn posts_need_the_users_token_and_this_origin() {
         s.post("/message/cancel", ALICE, Some(&origin), &form).0,
         413
     );
+}
+
+/// Wrong passwords pass as 401 five times; then the user, and the address, get 429 with
+/// Retry-After, the right password too (it is not asked of the broker while blocked).
+#[test]
+fn too_many_wrong_passwords_are_answered_429_with_retry_after() {
+    let s = serve_with(vec![sched("alice", "a-1", "A", later(60_000))]);
+    for _ in 0..crate::pending::auth::throttle::FREE_FAILURES {
+        assert_eq!(s.get("/", Some(("alice", "wrong"))).0, 401);
+    }
+    for who in [ALICE, BOB] {
+        let mut r = agent()
+            .get(&s.url("/"))
+            .header("Authorization", &basic(who.0, who.1))
+            .call()
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 429, "{}", who.0);
+        assert!(r.headers().get("retry-after").is_some());
+        let body = r.body_mut().read_to_string().unwrap();
+        assert!(body.contains("Too many wrong passwords"), "{body}");
+    }
 }

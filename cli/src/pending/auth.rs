@@ -1,7 +1,20 @@
-//! HTTP logins checked by the broker: an HTTP Basic user and password count when an AMQP
-//! connection as that user to the configured broker opens. A successful check is remembered for
-//! [`REMEMBER`], keyed by a salted SHA-256 of user and password (the password itself is never
-//! kept nor logged), in a bounded cache. The pending API and the console share it.
+//! HTTP logins checked by the broker, the one implementation `pending serve` and
+//! `delay-console` share: an HTTP Basic user and password count when an AMQP connection as
+//! that user to the configured broker opens.
+//!
+//! * **Credentials** ([`Credentials::from_headers`]) are read by the `headers` crate and taken
+//!   as sent, once: a user name that is empty, too long, holds a control character or a `%XX`
+//!   escape is refused (it would name another user in a broker URL), and the name goes into
+//!   the URL fully escaped ([`settings_as`]), so the broker checks, and the index lists and
+//!   steers, one and the same name.
+//! * **Checks** ([`Logins`]): a successful one is remembered for [`REMEMBER`], keyed by a
+//!   salted SHA-256 of user and password (the password itself is never kept nor logged), in a
+//!   bounded cache; a few checks run at once.
+//! * **Abuse** ([`gate`]): wrong passwords are throttled per user and per client address
+//!   ([`throttle`]), answered 429 with `Retry-After`.
+
+pub mod gate;
+pub mod throttle;
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -9,9 +22,15 @@ use std::time::{Duration, Instant};
 
 use amqp_delay::connection::Connector;
 use amqp_delay::settings::Settings;
-use base64::Engine as _;
+use axum::http::{HeaderMap, header};
+use futures::future::BoxFuture;
+use headers::Header as _;
+use headers::authorization::{Authorization, Basic};
+use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 use sha2::{Digest, Sha256};
 use tokio::sync::Semaphore;
+
+pub use gate::{Gate, Login, Style, require_login};
 
 /// How long a successful check is remembered.
 pub const REMEMBER: Duration = Duration::from_secs(60);
@@ -20,53 +39,80 @@ pub const MAX_REMEMBERED: usize = 1_000;
 /// Checks (AMQP connections) under way at once, at most: a flood of wrong passwords opens no
 /// more connections than this.
 const CONCURRENT_CHECKS: usize = 4;
-/// The longest user name and password taken (the broker's own limits are lower).
-const MAX_CREDENTIAL_BYTES: usize = 1_024;
+/// The longest password taken (the broker's own limits are lower), and user name.
+const MAX_PASSWORD_BYTES: usize = 1_024;
+const MAX_USER_BYTES: usize = 255;
 
 /// An HTTP Basic login. `Debug` never shows the password.
 #[derive(Clone, PartialEq, Eq)]
-pub struct Login {
-    /// The user name.
+pub struct Credentials {
+    /// The user name, as the broker knows it.
     pub user: String,
     password: String,
 }
 
-impl std::fmt::Debug for Login {
+impl std::fmt::Debug for Credentials {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Login")
+        f.debug_struct("Credentials")
             .field("user", &self.user)
             .field("password", &"<redacted>")
             .finish()
     }
 }
 
-impl Login {
+impl Credentials {
     /// A login of `user` with `password`.
-    pub fn new(user: impl Into<String>, password: impl Into<String>) -> Login {
-        Login {
+    pub fn new(user: impl Into<String>, password: impl Into<String>) -> Credentials {
+        Credentials {
             user: user.into(),
             password: password.into(),
         }
     }
 
-    /// The login of an `Authorization` header's value (`Basic base64(user:password)`), or
-    /// `None` when it is no Basic login (or one too long to be a broker's).
-    pub fn from_header(value: &[u8]) -> Option<Login> {
-        let v = std::str::from_utf8(value).ok()?.trim();
-        let (scheme, rest) = v.split_once(' ')?;
-        if !scheme.eq_ignore_ascii_case("basic") || rest.len() > 4 * MAX_CREDENTIAL_BYTES {
-            return None;
+    /// The login a request's headers carry: `Ok(None)` without an `Authorization` header,
+    /// `Err` why when it is no usable Basic login.
+    pub fn from_headers(headers: &HeaderMap) -> Result<Option<Credentials>, String> {
+        let mut values = headers.get_all(header::AUTHORIZATION).iter();
+        let Some(value) = values.next() else {
+            return Ok(None);
+        };
+        if values.next().is_some() {
+            return Err("the request has more than one Authorization header".into());
         }
-        let raw = base64::engine::general_purpose::STANDARD
-            .decode(rest.trim())
-            .ok()?;
-        let text = String::from_utf8(raw).ok()?;
-        let (user, password) = text.split_once(':')?;
-        if user.is_empty() || user.len() > 255 || password.len() > MAX_CREDENTIAL_BYTES {
-            return None;
+        // "Basic " and the longest user and password in base64 fit in this
+        let basic = (value.len() <= 2_048)
+            .then(|| Authorization::<Basic>::decode(&mut std::iter::once(value)).ok())
+            .flatten()
+            .ok_or("the Authorization header is no HTTP Basic login")?;
+        let (user, password) = (basic.username(), basic.password());
+        check_user(user)?;
+        if password.len() > MAX_PASSWORD_BYTES {
+            return Err(format!(
+                "the password is longer than {MAX_PASSWORD_BYTES} bytes"
+            ));
         }
-        Some(Login::new(user, password))
+        Ok(Some(Credentials::new(user, password)))
     }
+}
+
+/// Whether `user` can be taken as the name it is: `Err` says why not.
+pub fn check_user(user: &str) -> Result<(), String> {
+    if user.is_empty() || user.len() > MAX_USER_BYTES {
+        return Err(format!(
+            "a user name is 1 to {MAX_USER_BYTES} bytes, not {}",
+            user.len()
+        ));
+    }
+    if user.chars().any(char::is_control) {
+        return Err("the user name holds a control character".into());
+    }
+    if percent_encoding::percent_decode_str(user).ne(user.bytes()) {
+        return Err(format!(
+            "the user name '{user}' holds a %XX escape: send the name itself (HTTP Basic is \
+             not URL-encoded)"
+        ));
+    }
+    Ok(())
 }
 
 /// Why a login was not accepted.
@@ -78,19 +124,34 @@ pub enum Refusal {
     Unavailable(String),
 }
 
-/// `settings` with every broker URL logging in as `login` (for a check, or to act as the user).
-pub fn settings_as(settings: &Settings, login: &Login) -> Result<Settings, String> {
+/// `settings` with every broker URL logging in as `login` (for a check, or to act as the user):
+/// the name and password escaped whole, so that the broker decodes them back to what was sent.
+pub fn settings_as(settings: &Settings, login: &Credentials) -> Result<Settings, String> {
+    let user = utf8_percent_encode(&login.user, NON_ALPHANUMERIC).to_string();
+    let password = utf8_percent_encode(&login.password, NON_ALPHANUMERIC).to_string();
     let mut urls = Vec::new();
     for u in amqp_delay::connection::split_urls(&settings.url) {
         let mut url = url::Url::parse(&u).map_err(|e| format!("the broker URL: {e}"))?;
-        url.set_username(&login.user)
-            .and_then(|()| url.set_password(Some(&login.password)))
+        url.set_username(&user)
+            .and_then(|()| url.set_password(Some(&password)))
             .map_err(|()| "the broker URL cannot carry a user name".to_string())?;
         urls.push(url.to_string());
     }
     let mut s = settings.clone();
     s.url = urls.join(",");
     Ok(s)
+}
+
+/// Checks a user's password: `Ok` with the settings that act as that user.
+pub trait Authenticate: Send + Sync {
+    /// Whether `login` logs in.
+    fn check<'a>(&'a self, login: &'a Credentials) -> BoxFuture<'a, Result<Settings, Refusal>>;
+
+    /// Whether `login` was found right so recently that it is taken without asking again
+    /// (and without counting against the throttle).
+    fn knows(&self, _login: &Credentials) -> bool {
+        false
+    }
 }
 
 /// The logins checked so far, and the broker to check them with.
@@ -113,7 +174,7 @@ impl Logins {
         }
     }
 
-    fn key(&self, login: &Login) -> [u8; 32] {
+    fn key(&self, login: &Credentials) -> [u8; 32] {
         let mut h = Sha256::new();
         h.update(self.salt);
         h.update(login.user.as_bytes());
@@ -143,7 +204,7 @@ impl Logins {
 
     /// Accepts `login` when the broker lets it open a connection (or did within
     /// [`REMEMBER`]); the settings that act as that user.
-    pub async fn check(&self, login: &Login) -> Result<Settings, Refusal> {
+    pub async fn check(&self, login: &Credentials) -> Result<Settings, Refusal> {
         let as_user = settings_as(&self.settings, login).map_err(Refusal::Unavailable)?;
         let key = self.key(login);
         if self.remembered(&key, &login.user) {
@@ -172,6 +233,16 @@ impl Logins {
     }
 }
 
+impl Authenticate for Logins {
+    fn check<'a>(&'a self, login: &'a Credentials) -> BoxFuture<'a, Result<Settings, Refusal>> {
+        Box::pin(Logins::check(self, login))
+    }
+
+    fn knows(&self, login: &Credentials) -> bool {
+        self.remembered(&self.key(login), &login.user)
+    }
+}
+
 /// Whether a connection failed because the broker refused the login (a wrong user or
 /// password, or no access to the virtual host), not because it could not be reached.
 pub fn is_login_refused(e: &amqp_delay::Error) -> bool {
@@ -188,73 +259,4 @@ pub fn is_login_refused(e: &amqp_delay::Error) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn header(user_pass: &str) -> Vec<u8> {
-        format!(
-            "Basic {}",
-            base64::engine::general_purpose::STANDARD.encode(user_pass)
-        )
-        .into_bytes()
-    }
-
-    #[test]
-    fn a_basic_header_gives_its_login_and_anything_else_none() {
-        let l = Login::from_header(&header("alice:s3cr:et")).unwrap();
-        assert_eq!(l, Login::new("alice", "s3cr:et"));
-        assert!(!format!("{l:?}").contains("s3cr"));
-        assert_eq!(
-            Login::from_header(b"basic YWxpY2U6cHc=").unwrap(),
-            Login::new("alice", "pw")
-        );
-        for bad in [
-            &b"Bearer abc"[..],
-            b"Basic",
-            b"Basic !!!",
-            &header("no-colon"),
-            &header(":pw"),
-            &header(&format!("{}:pw", "u".repeat(256))),
-            b"\xff\xfe",
-        ] {
-            assert_eq!(Login::from_header(bad), None, "{bad:?}");
-        }
-    }
-
-    #[test]
-    fn every_url_logs_in_as_the_user_with_special_characters_escaped() {
-        let s = Settings {
-            url: "amqp://guest:guest@a:5672/%2f,amqps://b/vh".into(),
-            ..Settings::default()
-        };
-        let as_user = settings_as(&s, &Login::new("al ice", "p@ss/w:rd")).unwrap();
-        let urls = amqp_delay::connection::split_urls(&as_user.url);
-        assert_eq!(urls.len(), 2);
-        for u in &urls {
-            let parsed = url::Url::parse(u).unwrap();
-            assert_eq!(
-                super::super::follow::percent_decode(parsed.username()),
-                "al ice"
-            );
-            assert_eq!(
-                super::super::follow::percent_decode(parsed.password().unwrap()),
-                "p@ss/w:rd"
-            );
-        }
-        assert!(urls[1].starts_with("amqps://") && urls[1].ends_with("/vh"));
-    }
-
-    #[test]
-    fn the_cache_is_bounded_and_keyed_by_user_and_password() {
-        let logins = Logins::new(Settings::default());
-        let a = Login::new("alice", "pw");
-        logins.remember(logins.key(&a), "alice");
-        assert!(logins.remembered(&logins.key(&a), "alice"));
-        assert!(!logins.remembered(&logins.key(&Login::new("alice", "other")), "alice"));
-        for i in 0..(MAX_REMEMBERED + 10) {
-            let l = Login::new(format!("u{i}"), "pw");
-            logins.remember(logins.key(&l), &l.user);
-        }
-        assert!(logins.remembered.lock().unwrap().len() <= MAX_REMEMBERED);
-    }
-}
+mod tests;

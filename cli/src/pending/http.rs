@@ -10,10 +10,11 @@
 //! | `GET /api/v1/status` | how far behind the index is |
 //! | `GET /healthz`, `GET /readyz` | alive; following the streams (no login) |
 //!
-//! Every `/api/v1/` request logs in with HTTP Basic as a broker user ([`super::auth`]); it sees
-//! what that user sees and steers with that user's own broker rights. No or a wrong login: 401
-//! with `WWW-Authenticate`. Bodies are bounded ([`MAX_BODY`]), pages too
-//! ([`super::service::MAX_PAGE`]).
+//! Every `/api/v1/` request logs in with HTTP Basic as a broker user ([`super::auth`], as the
+//! console's pages do); it sees what that user sees and steers with that user's own broker
+//! rights. No or a wrong login: 401 with `WWW-Authenticate`; too many wrong ones: 429 with
+//! `Retry-After`. Bodies are bounded ([`MAX_BODY`]), pages too ([`super::service::MAX_PAGE`]),
+//! and so is the time a client takes to send its headers ([`listen`]).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -25,36 +26,41 @@ use amqp_delay::time::{now_ms, parse_duration_ms};
 use amqp_delay::{Error, Result};
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Path as UrlPath, RawQuery, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::extract::{DefaultBodyLimit, Extension, Path as UrlPath, RawQuery, State};
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 
-use super::auth::{Login, Logins, Refusal};
+use super::auth::{Authenticate, Gate, Login, Logins, Style, require_login};
 use super::follow::{self, FollowOptions, Status};
 use super::service::{Failure, MoveTo, PurgeQuery, Query, Service};
 use super::when::parse_time;
 use super::wire::{ErrorOut, StatusOut};
 use crate::pending_index::{Options, PendingIndex};
 
+pub mod listen;
+
 /// The largest request body taken.
 pub const MAX_BODY: usize = 64 << 10;
-/// What the 401 answer asks for.
-const CHALLENGE: &str = "Basic realm=\"amqp-delay pending\", charset=\"UTF-8\"";
 
 /// The API's state: the service and the logins.
 pub struct Api {
     service: Service,
-    logins: Logins,
+    gate: Arc<Gate>,
 }
 
 impl Api {
     /// An API over `service`, checking logins against `settings`' broker.
     pub fn new(service: Service, settings: Settings) -> Api {
+        Api::with_logins(service, settings.clone(), Arc::new(Logins::new(settings)))
+    }
+
+    /// An API over `service` whose logins `logins` checks.
+    pub fn with_logins(service: Service, settings: Settings, logins: Arc<dyn Authenticate>) -> Api {
         Api {
             service,
-            logins: Logins::new(settings),
+            gate: Arc::new(Gate::new(logins, settings, Style::Api)),
         }
     }
 }
@@ -68,6 +74,10 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/api/v1/pending/{id}/reschedule", post(reschedule))
         .route("/api/v1/pending/{id}/cancel", post(cancel))
         .route("/api/v1/status", get(status))
+        .route_layer(axum::middleware::from_fn_with_state(
+            api.gate.clone(),
+            require_login,
+        ))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .layer(DefaultBodyLimit::max(MAX_BODY))
@@ -104,10 +114,10 @@ pub async fn serve(
     }));
     tracing::info!(%bound, index = %index_path.display(), "serving the pending API");
     let mut stop_http = stop_rx;
-    let server = axum::serve(listener, router(api)).with_graceful_shutdown(async move {
+    let server = listen::serve(listener, router(api), async move {
         let _ = stop_http.wait_for(|s| *s).await;
     });
-    let server = tokio::spawn(async move { server.await });
+    let server = tokio::spawn(server);
     tokio::pin!(follower);
     let followed = tokio::select! {
         () = shutdown => None,
@@ -144,41 +154,6 @@ fn error(status: u16, why: impl Into<String>) -> Response {
 
 fn failed(f: &Failure) -> Response {
     error(f.http_status(), f.to_string())
-}
-
-fn unauthorized(why: &str) -> Response {
-    let mut r = error(401, why);
-    r.headers_mut().insert(
-        header::WWW_AUTHENTICATE,
-        HeaderValue::from_static(CHALLENGE),
-    );
-    r
-}
-
-/// The login of a request, checked: its user and the settings that act as it.
-async fn login(
-    api: &Api,
-    headers: &HeaderMap,
-) -> std::result::Result<(String, Settings), Response> {
-    let Some(value) = headers.get(header::AUTHORIZATION) else {
-        return Err(unauthorized("log in with HTTP Basic as a broker user"));
-    };
-    let Some(login) = Login::from_header(value.as_bytes()) else {
-        return Err(unauthorized(
-            "the Authorization header is no HTTP Basic login",
-        ));
-    };
-    match api.logins.check(&login).await {
-        Ok(s) => Ok((login.user, s)),
-        Err(Refusal::Refused) => Err(unauthorized("the broker refused this user or password")),
-        Err(Refusal::Unavailable(why)) => {
-            tracing::warn!("checking a login: {why}");
-            Err(error(
-                503,
-                format!("cannot check the login with the broker: {why}"),
-            ))
-        }
-    }
 }
 
 /// The pairs of a query string, each name at most once, names from `known` only.
@@ -231,13 +206,9 @@ fn query_of(pairs: Vec<(String, String)>) -> std::result::Result<Query, String> 
 
 async fn list(
     State(api): State<Arc<Api>>,
-    headers: HeaderMap,
+    Extension(login): Extension<Login>,
     RawQuery(raw): RawQuery,
 ) -> Response {
-    let (user, _) = match login(&api, &headers).await {
-        Ok(l) => l,
-        Err(r) => return r,
-    };
     let known = [
         "queue",
         "due_after",
@@ -250,7 +221,7 @@ async fn list(
         Ok(q) => q,
         Err(why) => return error(400, why),
     };
-    match api.service.list(api.service.viewer(&user), &q).await {
+    match api.service.list(login.viewer, &q).await {
         Ok(page) => json(StatusCode::OK, &page),
         Err(f) => failed(&f),
     }
@@ -258,23 +229,15 @@ async fn list(
 
 async fn show(
     State(api): State<Arc<Api>>,
-    headers: HeaderMap,
+    Extension(login): Extension<Login>,
     UrlPath(id): UrlPath<String>,
     RawQuery(raw): RawQuery,
 ) -> Response {
-    let (user, _) = match login(&api, &headers).await {
-        Ok(l) => l,
-        Err(r) => return r,
-    };
     let owner = match params(raw.as_deref(), &["owner"]) {
         Ok(p) => p.into_iter().next().map(|(_, v)| v),
         Err(why) => return error(400, why),
     };
-    match api
-        .service
-        .show(api.service.viewer(&user), &id, owner.as_deref())
-        .await
-    {
+    match api.service.show(login.viewer, &id, owner.as_deref()).await {
         Ok(s) => json(StatusCode::OK, &s),
         Err(f) => failed(&f),
     }
@@ -353,11 +316,11 @@ fn purge_query(b: PurgeBody) -> std::result::Result<PurgeQuery, String> {
     })
 }
 
-async fn purge(State(api): State<Arc<Api>>, headers: HeaderMap, body: Bytes) -> Response {
-    let (_, as_user) = match login(&api, &headers).await {
-        Ok(l) => l,
-        Err(r) => return r,
-    };
+async fn purge(
+    State(api): State<Arc<Api>>,
+    Extension(login): Extension<Login>,
+    body: Bytes,
+) -> Response {
     let b: PurgeBody = match serde_json::from_slice(&body) {
         Ok(b) => b,
         Err(e) => return error(400, format!("the JSON body: {e}")),
@@ -366,7 +329,7 @@ async fn purge(State(api): State<Arc<Api>>, headers: HeaderMap, body: Bytes) -> 
         Ok(q) => q,
         Err(why) => return error(400, why),
     };
-    match api.service.purge(&as_user, &q).await {
+    match api.service.purge(&login.as_user, &q).await {
         Ok(out) => json(StatusCode::OK, &out),
         Err(f) => failed(&f),
     }
@@ -385,14 +348,10 @@ fn move_to(b: &RescheduleBody) -> std::result::Result<MoveTo, String> {
 
 async fn reschedule(
     State(api): State<Arc<Api>>,
-    headers: HeaderMap,
+    Extension(login): Extension<Login>,
     UrlPath(id): UrlPath<String>,
     body: Bytes,
 ) -> Response {
-    let (_, as_user) = match login(&api, &headers).await {
-        Ok(l) => l,
-        Err(r) => return r,
-    };
     let b: RescheduleBody = match body_of(&body) {
         Ok(b) => b,
         Err(why) => return error(400, why),
@@ -403,7 +362,7 @@ async fn reschedule(
     };
     match api
         .service
-        .reschedule(&as_user, &id, b.owner.as_deref(), to)
+        .reschedule(&login.as_user, &id, b.owner.as_deref(), to)
         .await
     {
         Ok(out) => json(StatusCode::OK, &out),
@@ -413,28 +372,25 @@ async fn reschedule(
 
 async fn cancel(
     State(api): State<Arc<Api>>,
-    headers: HeaderMap,
+    Extension(login): Extension<Login>,
     UrlPath(id): UrlPath<String>,
     body: Bytes,
 ) -> Response {
-    let (_, as_user) = match login(&api, &headers).await {
-        Ok(l) => l,
-        Err(r) => return r,
-    };
     let b: CancelBody = match body_of(&body) {
         Ok(b) => b,
         Err(why) => return error(400, why),
     };
-    match api.service.cancel(&as_user, &id, b.owner.as_deref()).await {
+    match api
+        .service
+        .cancel(&login.as_user, &id, b.owner.as_deref())
+        .await
+    {
         Ok(out) => json(StatusCode::OK, &out),
         Err(f) => failed(&f),
     }
 }
 
-async fn status(State(api): State<Arc<Api>>, headers: HeaderMap) -> Response {
-    if let Err(r) = login(&api, &headers).await {
-        return r;
-    }
+async fn status(State(api): State<Arc<Api>>) -> Response {
     json(
         StatusCode::OK,
         &StatusOut {

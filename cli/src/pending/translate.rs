@@ -14,20 +14,27 @@
 //!   or, from an admin, anyone's (the purge's and reschedule's `owner` is believed only then).
 //! * Anything without a writer, or with a field the index cannot hold (an empty or overlong id,
 //!   a time past any real one), is skipped and counted.
+//! * A time its writer cannot have meant is skipped and counted (`reason="time"`): a flush or a
+//!   run dated more than [`CLOCK_SKEW_MS`] ahead of the reader's clock, an item due later than
+//!   the topology's `max_delay` (and the skew) after its flush.
+//! * Each record costs time linear in its size, whatever it holds ([`Flushes`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashSet;
 
 use amqp_delay::trust::Trust;
+use indexmap::IndexSet;
 
 use crate::pending_index::{Destination, Entry, MAX_ID_BYTES, Outcome, Purge, Scheduled};
 use amqp_delay::control::Record as ControlRecord;
 use amqp_delay::journal::{Flush, Item, Record, Run, RunOutcome};
 
-/// Items of unconfirmed flushes kept at most: far more than the publishers of a deployment
-/// have in flight (a flush is confirmed within about a second).
-pub const MAX_FLUSH_MEMBERS: usize = 200_000;
-/// How long (by the journal's own times) a flush waits for its confirm before it is forgotten.
-pub const FLUSH_WINDOW_MS: u64 = 5 * 60_000;
+mod flushes;
+use flushes::Waiting;
+pub use flushes::{FLUSH_WINDOW_MS, Flushes, MAX_FLUSH_MEMBERS};
+
+/// How far a record's time may lie ahead of the reader's clock: clocks of writers and
+/// readers agree within this, and no record of ours is dated further ahead.
+pub const CLOCK_SKEW_MS: u64 = 5 * 60_000;
 /// Header pairs of one item kept at most, and their bytes: the journal's copy is bounded by its
 /// writer, a forged record is bounded here.
 const MAX_HEADERS: usize = 64;
@@ -35,114 +42,28 @@ const MAX_HEADER_BYTES: usize = 16 << 10;
 /// The latest time the index can hold (SQLite's integers are signed).
 const MAX_MS: u64 = i64::MAX as u64;
 
-/// A flush waiting for its confirm.
-#[derive(Debug)]
-struct Waiting {
-    /// The journal offset of its `Scheduled` record: a follower restarted after a crash reads
-    /// again from the oldest of these, so that their confirms still find them.
-    offset: u64,
-    at_ms: u64,
-    members: Vec<(String, String)>,
-}
-
-type FlushKey = (String, String, u64);
-
-/// The unconfirmed flushes by `(writer, session, flush)`, oldest first, bounded in members
-/// ([`MAX_FLUSH_MEMBERS`]) and age ([`FLUSH_WINDOW_MS`]).
-#[derive(Debug, Default)]
-pub struct Flushes {
-    map: HashMap<FlushKey, Waiting>,
-    order: VecDeque<FlushKey>,
-    members: usize,
-    newest_ms: u64,
-}
-
-impl Flushes {
-    /// Adds `w`'s members to flush `key` (a flush larger than one record spans several
-    /// records of the same number; a replayed record adds nothing twice).
-    fn insert(&mut self, key: FlushKey, w: Waiting) {
-        self.newest_ms = self.newest_ms.max(w.at_ms);
-        match self.map.get_mut(&key) {
-            Some(have) => {
-                for m in w.members {
-                    if !have.members.contains(&m) {
-                        have.members.push(m);
-                        self.members += 1;
-                    }
-                }
-            }
-            None => {
-                self.members += w.members.len();
-                self.map.insert(key.clone(), w);
-                self.order.push_back(key);
-            }
-        }
-        self.trim();
-    }
-
-    fn take(&mut self, key: &FlushKey) -> Option<Waiting> {
-        let w = self.map.remove(key)?;
-        self.members -= w.members.len();
-        self.trim();
-        Some(w)
-    }
-
-    /// Forgets the oldest while over the bounds, and drops keys already taken from the front
-    /// (and from anywhere, when they pile up behind a flush that waits long).
-    fn trim(&mut self) {
-        if self.order.len() > 2 * self.map.len() + 1_024 {
-            let map = &self.map;
-            self.order.retain(|k| map.contains_key(k));
-        }
-        while let Some(front) = self.order.front() {
-            let stale = match self.map.get(front) {
-                None => true,
-                Some(w) => {
-                    self.members > MAX_FLUSH_MEMBERS
-                        || w.at_ms.saturating_add(FLUSH_WINDOW_MS) < self.newest_ms
-                }
-            };
-            if !stale {
-                return;
-            }
-            if let Some(key) = self.order.pop_front()
-                && let Some(w) = self.map.remove(&key)
-            {
-                self.members -= w.members.len();
-            }
-        }
-    }
-
-    /// The offset of the oldest flush still waiting: where a restarted follower reads from.
-    pub fn replay_from(&self) -> Option<u64> {
-        // the front is live (`trim`), and flushes are met in offset order
-        self.order
-            .front()
-            .and_then(|k| self.map.get(k))
-            .map(|w| w.offset)
-    }
-
-    /// Items waiting for a confirm.
-    pub fn members(&self) -> usize {
-        self.members
-    }
-}
-
 /// Translates records for the index, with the trust of the follower's process.
 #[derive(Debug)]
 pub struct Translator {
     trust: Trust,
+    /// The topology's longest delay: no item is due later than this after its record.
+    max_delay_ms: u64,
     flushes: Flushes,
     skipped: u64,
+    /// The reader's clock for the record being translated.
+    now_ms: u64,
 }
 
 impl Translator {
-    /// A translator believing what `trust` lets it.
-    pub fn new(trust: Trust) -> Translator {
+    /// A translator believing what `trust` lets it, for a topology whose delays are at most
+    /// `max_delay_ms`.
+    pub fn new(trust: Trust, max_delay_ms: u64) -> Translator {
         Translator {
             trust,
+            max_delay_ms,
             flushes: Flushes::default(),
             skipped: 0,
+            now_ms: 0,
         }
     }
 
@@ -156,12 +77,20 @@ impl Translator {
         &self.flushes
     }
 
-    /// The entries of the journal record at `offset` written by `by`.
-    pub fn journal(&mut self, offset: u64, by: Option<&str>, record: &Record) -> Vec<Entry> {
+    /// The entries of the journal record at `offset` written by `by`, read when the reader's
+    /// clock says `now_ms`.
+    pub fn journal(
+        &mut self,
+        offset: u64,
+        by: Option<&str>,
+        record: &Record,
+        now_ms: u64,
+    ) -> Vec<Entry> {
         let Some(by) = by.filter(|b| !b.is_empty()) else {
             self.skipped += 1;
             return Vec::new();
         };
+        self.now_ms = now_ms;
         match record {
             Record::Scheduled {
                 session,
@@ -170,6 +99,12 @@ impl Translator {
                 items,
                 confirmed,
             } => {
+                // a writer's clock is the reader's, within the skew: a record dated later
+                // could only age every other writer's flushes
+                if *at_ms > now_ms.saturating_add(CLOCK_SKEW_MS).min(MAX_MS) {
+                    self.skip_time(by, "a flush", *at_ms);
+                    return Vec::new();
+                }
                 let mut out = self.scheduled(offset, by, session, *flush, *at_ms, items);
                 out.extend(self.confirmed(by, session, confirmed));
                 out
@@ -186,6 +121,25 @@ impl Translator {
         }
     }
 
+    /// Counts a record or item whose time its writer cannot have meant.
+    fn skip_time(&mut self, by: &str, what: &str, at_ms: u64) {
+        self.skipped += 1;
+        let before = amqp_delay::metrics::global().skip("journal", "time");
+        if before < 10 || before.is_multiple_of(1_000) {
+            tracing::warn!(
+                stream = "journal",
+                reason = "time",
+                skipped = before + 1,
+                by = %crate::logline::escape_controls(by),
+                "skipping {what} dated {at_ms}, which its writer cannot have meant (the reader's \
+                 clock says {}; clocks agree within {} s, delays are at most {} ms)",
+                self.now_ms,
+                CLOCK_SKEW_MS / 1_000,
+                self.max_delay_ms
+            );
+        }
+    }
+
     fn scheduled(
         &mut self,
         offset: u64,
@@ -195,28 +149,31 @@ impl Translator {
         at_ms: u64,
         items: &[Item],
     ) -> Vec<Entry> {
-        if at_ms > MAX_MS {
-            self.skipped += 1;
-            return Vec::new();
-        }
+        let latest_due = at_ms
+            .saturating_add(self.max_delay_ms)
+            .saturating_add(CLOCK_SKEW_MS);
         let mut out = Vec::with_capacity(items.len());
-        let mut members = Vec::with_capacity(items.len());
+        let mut members = IndexSet::with_capacity(items.len());
         for item in items {
+            if item.due_ms > latest_due {
+                self.skip_time(by, "an item due", item.due_ms);
+                continue;
+            }
             let Some(s) = self.item(by, at_ms, item) else {
                 self.skipped += 1;
                 continue;
             };
-            members.push((s.owner.clone(), s.id.clone()));
+            members.insert((s.owner.clone(), s.id.clone()));
             out.push(Entry::Scheduled(s));
         }
         if !members.is_empty() {
-            let key = (by.to_string(), session.to_string(), flush);
             let w = Waiting {
                 offset,
                 at_ms,
                 members,
             };
-            self.flushes.insert(key, w);
+            let key = (session.to_string(), flush);
+            self.flushes.insert(by, key, w, self.now_ms);
         }
         out
     }
@@ -248,19 +205,22 @@ impl Translator {
         })
     }
 
+    /// The entries of confirmed flushes: each costs the size of the flush and of its lists.
     fn confirmed(&mut self, by: &str, session: &str, flushes: &[Flush]) -> Vec<Entry> {
         let mut out = Vec::new();
         for f in flushes {
-            let key = (by.to_string(), session.to_string(), f.flush);
-            let Some(w) = self.flushes.take(&key) else {
+            let key = (session.to_string(), f.flush);
+            let Some(w) = self.flushes.take(by, &key) else {
                 continue;
             };
+            let failed: HashSet<&str> = f.failed.iter().map(String::as_str).collect();
+            let unsure: HashSet<&str> = f.unsure.iter().map(String::as_str).collect();
             for (owner, id) in w.members {
                 // a lost confirm: it may be in the tiers; listed unconfirmed until due
-                if f.unsure.contains(&id) {
+                if unsure.contains(id.as_str()) {
                     continue;
                 }
-                out.push(if f.failed.contains(&id) {
+                out.push(if failed.contains(id.as_str()) {
                     Entry::Refused {
                         owner,
                         id,
@@ -275,6 +235,10 @@ impl Translator {
     }
 
     fn ran(&mut self, by: &str, r: &Run) -> Option<Entry> {
+        if r.at_ms > self.now_ms.saturating_add(CLOCK_SKEW_MS) {
+            self.skip_time(by, "a run", r.at_ms);
+            return None;
+        }
         let owner = r.owner.clone().filter(|o| !o.is_empty());
         if owner.is_none() || !fits_id(&r.id) || r.at_ms > MAX_MS || r.due_ms > MAX_MS {
             self.skipped += 1;

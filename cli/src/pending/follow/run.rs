@@ -30,7 +30,11 @@ pub async fn run(
     let layout = settings.layout()?;
     let connector = Connector::new(&settings)?;
     let trust = trust_of(&settings);
-    let mut tr = (Translator::new(trust.clone()), Translator::new(trust));
+    let max_delay = layout.max_delay_ms();
+    let mut tr = (
+        Translator::new(trust.clone(), max_delay),
+        Translator::new(trust, max_delay),
+    );
     let (pos, replay, rebuilding) = with_index(&index, |ix| {
         Ok((ix.position()?, ix.mark(REPLAY_FROM)?, ix.rebuilding()))
     })
@@ -119,10 +123,11 @@ async fn journal_loop(
 ) -> Result<()> {
     loop {
         let b = batch(&mut rx, JOURNAL_BATCH).await?;
+        let now = now_ms();
         let mut entries = Vec::new();
         for e in &b {
             if let Some(r) = &e.record {
-                entries.extend(tr.journal(e.offset, e.by.as_deref(), r));
+                entries.extend(tr.journal(e.offset, e.by.as_deref(), r, now));
             }
         }
         let last = b.last().map_or(0, |e| e.offset + 1);
@@ -215,11 +220,12 @@ pub async fn build_once(settings: &Settings, conn: &Connection) -> Result<(Pendi
     ix.begin_rebuild().map_err(index_error)?;
     let index: SharedIndex = Arc::new(Mutex::new(ix));
     let nonce = journal::barrier(conn, &layout).await?;
-    let mut tr = Translator::new(trust.clone());
+    let max_delay = layout.max_delay_ms();
+    let mut tr = Translator::new(trust.clone(), max_delay);
     let tail = journal::tail(conn, &layout, Start::First).await?;
     let end = read_to_barrier(tail, &nonce, &index, |e| match &e.record {
         Some(journal::Record::Barrier { nonce: n }) if *n == nonce => None,
-        Some(r) => Some(tr.journal(e.offset, e.by.as_deref(), r)),
+        Some(r) => Some(tr.journal(e.offset, e.by.as_deref(), r, now_ms())),
         None => Some(Vec::new()),
     })
     .await?;
@@ -229,7 +235,7 @@ pub async fn build_once(settings: &Settings, conn: &Connection) -> Result<(Pendi
         nonce: nonce.clone(),
     };
     control::append(conn, &layout, &barrier).await?;
-    let mut ct = Translator::new(trust);
+    let mut ct = Translator::new(trust, max_delay);
     let now = now_ms();
     let tail = control::tail(conn, &layout, Start::First).await?;
     read_to_barrier(tail, &nonce, &index, |e| match &e.record {

@@ -1,14 +1,111 @@
 use super::*;
 
 use axum::body::Body;
+use axum::extract::ConnectInfo;
 use axum::http::Request;
+use futures::future::BoxFuture;
 use tower::ServiceExt as _;
+
+use super::super::auth::{Credentials, Refusal, settings_as, throttle};
+
+/// What the 401 answer asks for.
+const CHALLENGE: &str = "Basic realm=\"amqp-delay pending\", charset=\"UTF-8\"";
 
 fn api() -> Arc<Api> {
     let ix = PendingIndex::open(Path::new(":memory:"), Options::default()).unwrap();
     let settings = Settings::default();
     let service = Service::new(settings.clone(), Arc::new(Mutex::new(ix)), Status::new());
     Arc::new(Api::new(service, settings))
+}
+
+/// One user, alice, whose password is "right", as the broker would check it.
+struct OnlyAlice(Settings);
+
+impl Authenticate for OnlyAlice {
+    fn check<'a>(&'a self, login: &'a Credentials) -> BoxFuture<'a, Result<Settings, Refusal>> {
+        Box::pin(async move {
+            if *login == Credentials::new("alice", "right") {
+                settings_as(&self.0, login).map_err(Refusal::Unavailable)
+            } else {
+                Err(Refusal::Refused)
+            }
+        })
+    }
+}
+
+fn api_of_alice() -> Arc<Api> {
+    let ix = PendingIndex::open(Path::new(":memory:"), Options::default()).unwrap();
+    let settings = Settings::default();
+    let service = Service::new(settings.clone(), Arc::new(Mutex::new(ix)), Status::new());
+    let logins = Arc::new(OnlyAlice(settings.clone()));
+    Arc::new(Api::with_logins(service, settings, logins))
+}
+
+fn status_as(user: &str, pw: &str, from: &str) -> Request<Body> {
+    use base64::Engine as _;
+    let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{pw}"));
+    let mut req = Request::get("/api/v1/status")
+        .header("authorization", format!("Basic {token}"))
+        .body(Body::empty())
+        .unwrap();
+    let peer: std::net::SocketAddr = from.parse().unwrap();
+    req.extensions_mut().insert(ConnectInfo(peer));
+    req
+}
+
+/// Five wrong passwords pass as 401s; the sixth attempt for that user, even from elsewhere, or
+/// from that address, even for another user, is 429 with Retry-After, unasked of the broker.
+#[tokio::test]
+async fn wrong_passwords_are_throttled_per_user_and_per_address() {
+    let routes = router(api_of_alice());
+    let call = |req| routes.clone().oneshot(req);
+    assert_eq!(
+        call(status_as("alice", "right", "192.0.2.1:1"))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    for _ in 0..throttle::FREE_FAILURES {
+        let r = call(status_as("alice", "guess", "192.0.2.9:1"))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    }
+    for (user, from) in [("alice", "198.51.100.1:2"), ("bob", "192.0.2.9:3")] {
+        let r = call(status_as(user, "guess", from)).await.unwrap();
+        assert_eq!(
+            r.status(),
+            StatusCode::TOO_MANY_REQUESTS,
+            "{user} from {from}"
+        );
+        assert_eq!(r.headers().get("retry-after").unwrap(), "1");
+        let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+        let text = String::from_utf8_lossy(&body);
+        assert!(text.contains("Too many wrong passwords"), "{text}");
+    }
+    // a login checked right a moment ago still passes (the broker was asked then)
+    let remembered = call(status_as("carol", "x", "203.0.113.1:1"))
+        .await
+        .unwrap();
+    assert_eq!(
+        remembered.status(),
+        StatusCode::UNAUTHORIZED,
+        "another user elsewhere"
+    );
+}
+
+/// A user name sent percent-encoded is refused, not read as another user's.
+#[tokio::test]
+async fn a_percent_encoded_user_name_is_refused_with_why() {
+    let r = router(api_of_alice())
+        .oneshot(status_as("%61lice", "right", "192.0.2.1:1"))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.contains("%XX escape"), "{text}");
 }
 
 async fn call(req: Request<Body>) -> Response {
@@ -47,15 +144,17 @@ async fn the_api_answers_401_with_a_challenge_without_a_basic_login() {
     assert_eq!(r.status(), StatusCode::OK);
 }
 
+/// A body is read only after a login (401 without one), and one over the cap never whole.
 #[tokio::test]
 async fn an_oversize_body_is_refused_before_it_is_read_whole() {
-    let big = vec![b' '; MAX_BODY + 1];
-    let r = call(
-        Request::post("/api/v1/pending/purge")
-            .body(Body::from(big))
-            .unwrap(),
-    )
-    .await;
+    let big = || Body::from(vec![b' '; MAX_BODY + 1]);
+    let r = call(Request::post("/api/v1/pending/purge").body(big()).unwrap()).await;
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    let mut req = status_as("alice", "right", "192.0.2.1:1");
+    *req.method_mut() = axum::http::Method::POST;
+    *req.uri_mut() = "/api/v1/pending/purge".parse().unwrap();
+    *req.body_mut() = big();
+    let r = router(api_of_alice()).oneshot(req).await.unwrap();
     assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
 }
 

@@ -2,6 +2,10 @@ use super::*;
 
 use amqp_delay::settings::TrustSettings;
 
+/// The reader's clock in these tests, and the topology's longest delay.
+const NOW: u64 = 10_000_000;
+const MAX_DELAY: u64 = 3_600_000;
+
 fn trust() -> Trust {
     Trust::new(
         Some("indexer".into()),
@@ -57,11 +61,11 @@ fn flush(n: u64, failed: &[&str]) -> Flush {
 
 #[test]
 fn an_item_is_owned_by_its_writer_unless_a_forwarder_names_the_owner() {
-    let mut t = Translator::new(trust());
+    let mut t = Translator::new(trust(), MAX_DELAY);
     let r = scheduled(1, vec![item("a", None), item("b", Some("bob"))], vec![]);
     // a stranger naming another owner owns its message itself
     assert_eq!(
-        owners_ids(&t.journal(0, Some("mallory"), &r)),
+        owners_ids(&t.journal(0, Some("mallory"), &r, NOW)),
         [
             ("mallory".into(), "a".into()),
             ("mallory".into(), "b".into())
@@ -70,23 +74,24 @@ fn an_item_is_owned_by_its_writer_unless_a_forwarder_names_the_owner() {
     // a peer (a gateway) and our own user forward: the owner they name counts
     for fwd in ["gw", "indexer"] {
         assert_eq!(
-            owners_ids(&t.journal(0, Some(fwd), &r)),
+            owners_ids(&t.journal(0, Some(fwd), &r, NOW)),
             [(fwd.into(), "a".into()), ("bob".into(), "b".into())]
         );
     }
     // no writer: nothing
-    assert!(t.journal(0, None, &r).is_empty());
-    assert!(t.journal(0, Some(""), &r).is_empty());
+    assert!(t.journal(0, None, &r, NOW).is_empty());
+    assert!(t.journal(0, Some(""), &r, NOW).is_empty());
     assert_eq!(t.skipped(), 2);
 }
 
 #[test]
 fn intents_are_unconfirmed_until_their_flush_is_confirmed_by_the_same_writer_and_session() {
-    let mut t = Translator::new(trust());
+    let mut t = Translator::new(trust(), MAX_DELAY);
     let e = t.journal(
         10,
         Some("alice"),
         &scheduled(1, vec![item("a", None), item("b", None)], vec![]),
+        NOW,
     );
     assert!(matches!(&e[0], Entry::Scheduled(s) if !s.confirmed && s.scheduled_at_ms == 1_000));
     assert_eq!(t.flushes().replay_from(), Some(10));
@@ -99,10 +104,10 @@ fn intents_are_unconfirmed_until_their_flush_is_confirmed_by_the_same_writer_and
         session: "s1".into(),
         flushes: vec![flush(1, &["b"])],
     };
-    assert!(t.journal(11, Some("alice"), &other_session).is_empty());
-    assert!(t.journal(11, Some("mallory"), &confirm).is_empty());
+    assert!(t.journal(11, Some("alice"), &other_session, NOW).is_empty());
+    assert!(t.journal(11, Some("mallory"), &confirm, NOW).is_empty());
     assert_eq!(
-        t.journal(12, Some("alice"), &confirm),
+        t.journal(12, Some("alice"), &confirm, NOW),
         [
             Entry::Confirmed {
                 owner: "alice".into(),
@@ -121,6 +126,7 @@ fn intents_are_unconfirmed_until_their_flush_is_confirmed_by_the_same_writer_and
         20,
         Some("alice"),
         &scheduled(2, vec![item("c", None), item("d", None)], vec![]),
+        NOW,
     );
     let mut unsure = flush(2, &[]);
     unsure.unsure = vec!["c".into()];
@@ -131,6 +137,7 @@ fn intents_are_unconfirmed_until_their_flush_is_confirmed_by_the_same_writer_and
             session: "s1".into(),
             flushes: vec![unsure],
         },
+        NOW,
     );
     assert_eq!(
         e,
@@ -140,21 +147,23 @@ fn intents_are_unconfirmed_until_their_flush_is_confirmed_by_the_same_writer_and
         }]
     );
     // a confirm seen twice confirms once
-    assert!(t.journal(13, Some("alice"), &confirm).is_empty());
+    assert!(t.journal(13, Some("alice"), &confirm, NOW).is_empty());
 }
 
 #[test]
 fn a_scheduled_record_confirms_earlier_flushes_it_carries() {
-    let mut t = Translator::new(trust());
+    let mut t = Translator::new(trust(), MAX_DELAY);
     t.journal(
         1,
         Some("alice"),
         &scheduled(1, vec![item("a", None)], vec![]),
+        NOW,
     );
     let e = t.journal(
         2,
         Some("alice"),
         &scheduled(2, vec![item("b", None)], vec![flush(1, &[])]),
+        NOW,
     );
     assert_eq!(owners_ids(&e), [("alice".into(), "b".into())]);
     assert!(e.contains(&Entry::Confirmed {
@@ -166,10 +175,10 @@ fn a_scheduled_record_confirms_earlier_flushes_it_carries() {
 
 #[test]
 fn the_flush_map_stays_bounded_in_members_and_age() {
-    let mut t = Translator::new(trust());
+    let mut t = Translator::new(trust(), MAX_DELAY);
     let items: Vec<Item> = (0..1_000).map(|i| item(&format!("m{i}"), None)).collect();
     for f in 0..(MAX_FLUSH_MEMBERS as u64 / 1_000 + 50) {
-        t.journal(f, Some("alice"), &scheduled(f, items.clone(), vec![]));
+        t.journal(f, Some("alice"), &scheduled(f, items.clone(), vec![]), NOW);
         assert!(t.flushes().members() <= MAX_FLUSH_MEMBERS);
     }
     assert_eq!(t.flushes().replay_from(), Some(50));
@@ -178,14 +187,14 @@ fn the_flush_map_stays_bounded_in_members_and_age() {
     if let Record::Scheduled { at_ms, .. } = &mut late {
         *at_ms = 1_000 + FLUSH_WINDOW_MS + 1;
     }
-    t.journal(100_000, Some("alice"), &late);
+    t.journal(100_000, Some("alice"), &late, NOW);
     assert_eq!(t.flushes().replay_from(), Some(100_000));
     assert_eq!(t.flushes().members(), 1);
 }
 
 #[test]
 fn runs_count_only_from_ourselves_admins_and_peers() {
-    let mut t = Translator::new(trust());
+    let mut t = Translator::new(trust(), MAX_DELAY);
     let run = |outcome| Run {
         id: "a".into(),
         owner: Some("alice".into()),
@@ -204,9 +213,9 @@ fn runs_count_only_from_ourselves_admins_and_peers() {
             run(RunOutcome::Superseded),
         ],
     };
-    assert!(t.journal(0, Some("alice"), &r).is_empty());
-    assert!(t.journal(0, Some("mallory"), &r).is_empty());
-    let e = t.journal(0, Some("gw"), &r);
+    assert!(t.journal(0, Some("alice"), &r, NOW).is_empty());
+    assert!(t.journal(0, Some("mallory"), &r, NOW).is_empty());
+    let e = t.journal(0, Some("gw"), &r, NOW);
     assert_eq!(e.len(), 5);
     assert_eq!(
         e[0],
@@ -237,13 +246,13 @@ fn runs_count_only_from_ourselves_admins_and_peers() {
             ..
         }
     ));
-    assert_eq!(t.journal(0, Some("root"), &r).len(), 5);
-    assert_eq!(t.journal(0, Some("indexer"), &r).len(), 5);
+    assert_eq!(t.journal(0, Some("root"), &r, NOW).len(), 5);
+    assert_eq!(t.journal(0, Some("indexer"), &r, NOW).len(), 5);
 }
 
 #[test]
 fn steering_records_cover_the_writers_own_unless_an_admin_wrote_them() {
-    let mut t = Translator::new(trust());
+    let mut t = Translator::new(trust(), MAX_DELAY);
     let cancel = ControlRecord::Cancel {
         id: "a".into(),
         until_ms: 1,
@@ -333,7 +342,7 @@ fn steering_records_cover_the_writers_own_unless_an_admin_wrote_them() {
 
 #[test]
 fn what_the_index_cannot_hold_is_skipped_not_applied() {
-    let mut t = Translator::new(trust());
+    let mut t = Translator::new(trust(), MAX_DELAY);
     let mut long = item(&"x".repeat(256), None);
     long.owner = None;
     let mut far = item("far", None);
@@ -351,6 +360,7 @@ fn what_the_index_cannot_hold_is_skipped_not_applied() {
         0,
         Some("alice"),
         &scheduled(1, vec![long, far, nowhere, gateway, noisy], vec![]),
+        NOW,
     );
     assert_eq!(e.len(), 2);
     let Entry::Scheduled(g) = &e[0] else { panic!() };
@@ -371,4 +381,173 @@ fn what_the_index_cannot_hold_is_skipped_not_applied() {
             <= MAX_HEADER_BYTES
     );
     assert_eq!(t.skipped(), 3);
+}
+
+fn items(prefix: &str, n: usize) -> Vec<Item> {
+    (0..n)
+        .map(|i| item(&format!("{prefix}{i}"), None))
+        .collect()
+}
+
+fn confirm_failing(n: u64, failed: Vec<String>) -> Record {
+    Record::Confirmed {
+        session: "s1".into(),
+        flushes: vec![Flush {
+            flush: n,
+            failed,
+            unsure: Vec::new(),
+        }],
+    }
+}
+
+/// The attack's shape: one flush split over two records, then a confirm naming 30 000 and
+/// 60 000 failed ids. Every item is accounted for once, and the refused are exactly the failed
+/// ones of the flush.
+#[test]
+fn a_split_flush_and_a_confirm_naming_tens_of_thousands_of_failed_ids_are_read_right() {
+    let max = amqp_delay::journal::MAX_ITEMS;
+    for (flush_no, failed_ids) in [(1, 30_000), (2, 60_000)] {
+        let mut t = Translator::new(trust(), MAX_DELAY);
+        let all = items("m", 2 * max);
+        let (first, second) = all.split_at(max);
+        for (off, part) in [(0, first), (1, second)] {
+            let e = t.journal(
+                off,
+                Some("mallory"),
+                &scheduled(flush_no, part.to_vec(), vec![]),
+                NOW,
+            );
+            assert_eq!(e.len(), max);
+        }
+        // the first record replayed adds nothing
+        t.journal(
+            0,
+            Some("mallory"),
+            &scheduled(flush_no, first.to_vec(), vec![]),
+            NOW,
+        );
+        assert_eq!(t.flushes().members(), 2 * max);
+        let failed: Vec<String> = (0..failed_ids).map(|i| format!("m{i}")).collect();
+        let e = t.journal(2, Some("mallory"), &confirm_failing(flush_no, failed), NOW);
+        assert_eq!(e.len(), 2 * max);
+        assert!(e.iter().all(|e| matches!(e, Entry::Refused { .. })));
+        assert_eq!(t.flushes().members(), 0);
+    }
+}
+
+/// A regression guard for linear cost: a flush spread over 50 records (100 000 items) and a
+/// confirm naming 100 000 failed ids. Matching by scanning (each item against what the flush
+/// holds, each member against the failed list) takes about 10^10 comparisons here, minutes
+/// at least; by lookups it is a few hundred thousand, well under a second. It cannot fail
+/// spuriously: a regression makes it hang, not flake.
+#[test]
+fn a_flush_of_100_000_items_and_100_000_failed_ids_costs_lookups_not_scans() {
+    let max = amqp_delay::journal::MAX_ITEMS;
+    let mut t = Translator::new(trust(), MAX_DELAY);
+    for r in 0..50 {
+        let part = items(&format!("r{r}-"), max);
+        t.journal(r, Some("mallory"), &scheduled(9, part, vec![]), NOW);
+    }
+    assert_eq!(t.flushes().members(), 50 * max);
+    let failed: Vec<String> = (0..50)
+        .flat_map(|r| (0..max).map(move |i| format!("r{r}-{i}")))
+        .collect();
+    let e = t.journal(50, Some("mallory"), &confirm_failing(9, failed), NOW);
+    assert_eq!(e.len(), 50 * max);
+}
+
+/// One writer's unconfirmed flushes never push another's out: past the bound, the writer
+/// holding the most loses its oldest.
+#[test]
+fn a_writer_flooding_the_flush_map_forgets_its_own_flushes_not_others() {
+    let mut t = Translator::new(trust(), MAX_DELAY);
+    t.journal(0, Some("alice"), &scheduled(1, items("a", 3), vec![]), NOW);
+    let max = amqp_delay::journal::MAX_ITEMS;
+    let floods = MAX_FLUSH_MEMBERS / max + 10;
+    for f in 0..floods {
+        let part = items(&format!("f{f}-"), max);
+        t.journal(
+            1 + f as u64,
+            Some("mallory"),
+            &scheduled(f as u64, part, vec![]),
+            NOW,
+        );
+        assert!(t.flushes().members() <= MAX_FLUSH_MEMBERS);
+    }
+    assert_eq!(t.flushes().members_of("alice"), 3);
+    assert_eq!(
+        t.flushes().replay_from(),
+        Some(0),
+        "alice's flush is the oldest waiting"
+    );
+    let e = t.journal(99_999, Some("alice"), &confirm_failing(1, vec![]), NOW);
+    assert_eq!(e.len(), 3);
+    assert!(e.iter().all(|e| matches!(e, Entry::Confirmed { .. })));
+}
+
+fn dated(flush: u64, id: &str, at_ms: u64) -> Record {
+    let mut r = scheduled(flush, vec![item(id, None)], vec![]);
+    if let Record::Scheduled {
+        at_ms: at, items, ..
+    } = &mut r
+    {
+        *at = at_ms;
+        items[0].due_ms = at_ms + 1_000;
+    }
+    r
+}
+
+/// A flush dated where no clock could have put it is skipped and counted, and never stalls
+/// another writer's confirms; nor does one dated within the skew ahead.
+#[test]
+fn a_forged_time_is_skipped_and_never_ages_another_writers_flushes() {
+    let mut t = Translator::new(trust(), MAX_DELAY);
+    let skipped = t.skipped();
+    // far ahead, with its confirm: nothing of it counts
+    let forged = dated(1, "x", i64::MAX as u64 - 1);
+    assert!(t.journal(0, Some("mallory"), &forged, NOW).is_empty());
+    assert!(
+        t.journal(1, Some("mallory"), &confirm_failing(1, vec![]), NOW)
+            .is_empty()
+    );
+    assert_eq!(t.skipped(), skipped + 1);
+    // ahead, but within the skew: read, and no one else's flush ages by it
+    let ahead = dated(2, "y", NOW + CLOCK_SKEW_MS - 1);
+    assert_eq!(t.journal(2, Some("mallory"), &ahead, NOW).len(), 1);
+    // alice, a minute behind the reader's clock, is confirmed when her confirm comes
+    let e = t.journal(3, Some("alice"), &dated(1, "a", NOW - 60_000), NOW);
+    assert_eq!(e.len(), 1);
+    let e = t.journal(4, Some("alice"), &confirm_failing(1, vec![]), NOW + 1_000);
+    assert_eq!(
+        e,
+        [Entry::Confirmed {
+            owner: "alice".into(),
+            id: "a".into()
+        }]
+    );
+    // an item due later than the topology allows after its flush; a run from the future
+    let mut far = dated(3, "far", NOW);
+    if let Record::Scheduled { items, .. } = &mut far {
+        items[0].due_ms = NOW + MAX_DELAY + CLOCK_SKEW_MS + 1;
+        items.push(item("near", None));
+    }
+    let e = t.journal(5, Some("alice"), &far, NOW);
+    assert_eq!(owners_ids(&e), [("alice".into(), "near".into())]);
+    let run = Record::Ran {
+        items: vec![Run {
+            id: "a".into(),
+            owner: Some("alice".into()),
+            queue: "orders".into(),
+            due_ms: NOW,
+            at_ms: NOW + CLOCK_SKEW_MS + 1,
+            outcome: RunOutcome::Done,
+        }],
+    };
+    assert!(t.journal(6, Some("gw"), &run, NOW).is_empty());
+    assert_eq!(t.skipped(), skipped + 3);
+    let text = amqp_delay::metrics::global().encode();
+    assert!(
+        text.contains("stream=\"journal\"") && text.contains("reason=\"time\""),
+        "counted as skipped for its time"
+    );
 }
