@@ -239,10 +239,13 @@ type Done = (u64, Vec<String>, Result<()>);
 /// Serves `gateway`'s configured pairs and every pair registered under its prefix (until its
 /// end is recorded), until `shutdown` completes; then stops every worker (each drains as a
 /// gateway does). A pair sent on `announced` (by the process that registered it) is served at
-/// once, without waiting for its record to be read back and to settle.
+/// once, without waiting for its record to be read back and to settle. With `proxy_pairs_only`,
+/// only the pairs of `delay-proxy`'s shape (ingress `<prefix>.gw.x.<target>`) are followed: the
+/// configured pairs of other gateways are theirs.
 pub(super) async fn serve(
     gateway: Gateway,
     mut announced: mpsc::UnboundedReceiver<Pair>,
+    proxy_pairs_only: bool,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
     let (stop_all, stopped_all) = watch::channel(false);
@@ -292,6 +295,12 @@ pub(super) async fn serve(
                 }
             }
             Some(event) = events.recv() => {
+                if proxy_pairs_only
+                    && let PairEvent::Found(p) = &event
+                    && p.ingress != gateway.layout.proxy_ingress(&p.target)
+                {
+                    continue;
+                }
                 followed.note(event, &configured);
                 unsettled = true;
                 settle.as_mut().reset(tokio::time::Instant::now() + SETTLE);

@@ -737,14 +737,15 @@ impl Gateway {
         }
         if self.settings.gateway.follow {
             let (_none, announced) = tokio::sync::mpsc::unbounded_channel();
-            return follow::serve(self, announced, shutdown).await;
+            return follow::serve(self, announced, false, shutdown).await;
         }
         self.worker().run(shutdown).await
     }
 
-    /// Serves the configured pairs and follows the pairs registered at run time, as
-    /// [`Gateway::run`] with `gateway.follow`, and serves a pair sent on `announced` at once:
-    /// a process that registers pairs itself (`delay-proxy`) serves each before its client
+    /// Serves the configured pairs and follows the pairs of `delay-proxy`'s shape (ingress
+    /// `<prefix>.gw.x.<target>`) registered at run time, as [`Gateway::run`] with
+    /// `gateway.follow` does for every pair, and serves a pair sent on `announced` at once: a
+    /// process that registers pairs itself (`delay-proxy`) serves each before its client
     /// publishes, rather than when the record is read back. Declares the tiers when they are
     /// missing. Runs until `shutdown` completes.
     pub async fn run_announced(
@@ -758,7 +759,7 @@ impl Gateway {
         let declared = self.declare(&conn).await;
         crate::broker::close_connection(&conn, "declared").await;
         declared?;
-        follow::serve(self, announced, shutdown).await
+        follow::serve(self, announced, true, shutdown).await
     }
 }
 

@@ -134,11 +134,14 @@ async fn world() -> World {
     let root = url("guest", &port).replace("guest-pw", "guest");
     let n = |s: &str| format!("{p}-{s}");
     let extra = format!(
-        "[consumer]\nshutdown_grace = \"1s\"\n[trust]\nadmins = [\"{}\"]\npeers = [\"{}\"]\n\n\
+        "[consumer]\nshutdown_grace = \"1s\"\n[trust]\nadmins = [\"{}\"]\npeers = [\"{}\", \"{}\"]\n\n\
          [[gateway.pairs]]\ningress = \"{}\"\ntarget = \"{}\"\nwriters = [\"{}\"]\n\n\
          [[gateway.pairs]]\ningress = \"{}\"\ntarget = \"{}\"\nwriters = [\"{}\"]\n",
         n("admin"),
+        // the proxy's gateway and the gateway following the pairs take each other's due
+        // messages (as the Kubernetes ConfigMap names them)
         n("proxy"),
+        n("gateway"),
         n("a-delayed"),
         n("a-target"),
         n("a2"),
