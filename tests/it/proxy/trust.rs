@@ -467,11 +467,12 @@ async fn a_delayed_publish_through_the_proxy_names_its_clients_user() {
     within(user_id_body()).await;
 }
 
-/// On the main broker, without a gateway: the messages stay in the pair's ingress queue.
+/// On the main broker, a proxy that delivers nothing (`--no-gateway`): the messages stay in
+/// the pair's ingress queue, as the proxy sent them.
 async fn user_id_body() {
     let env = Env::new(small_topology()).await;
     let config = crate::gateway::write_config(&env, "");
-    let proxy = ProxyProc::start(&env, &config.0, &[]);
+    let proxy = ProxyProc::start(&env, &config.0, &["--no-gateway"]);
     let x = format!("{}-uid", env.settings.prefix);
     let layout = env.layout();
     let pair = Pair::new(
