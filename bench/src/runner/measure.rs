@@ -16,9 +16,10 @@ use tokio::task::JoinHandle;
 
 use amqp_delay::broker::ResultExt;
 use amqp_delay::time::now_ms;
-use amqp_delay::{Error, Publisher, Result};
+use amqp_delay::{Error, Result};
 
 use super::Bench;
+use super::app::{AppEnd, Sender};
 use super::publish::Published;
 use super::stage::{Path, Stage, Target};
 use super::tracker::{Lateness, Tracker, steady_window};
@@ -120,6 +121,8 @@ pub(super) struct Running {
     queue: String,
     /// The bench's consumers read `queue` (else the stage's worker does, and deletes it).
     raw_consumers: bool,
+    /// The application whose connections declared `queue` and consume it (else the bench's).
+    app: Option<Arc<AppEnd>>,
     pub(super) target: Target,
     stage: Option<Stage>,
     pub(super) n: usize,
@@ -144,16 +147,24 @@ impl Bench<'_> {
         let tracker = Arc::new(Tracker::new(n));
         // the worker path's queue is a destination the stage declares and its worker reads
         let raw_consumers = !matches!(path, Path::Worker(_));
+        let app = match path {
+            Path::App(app) => Some(app.clone()),
+            _ => None,
+        };
+        // an application's queue is on its broker, declared and read through its connections
+        let (admin, consumer_conn, cleanup) = match &app {
+            Some(a) => (&a.admin, &a.consumer, &a.cleanup),
+            None => (&self.admin, &self.consumer_conn, self.cleanup),
+        };
         if raw_consumers {
-            self.cleanup.add_queue(queue);
-            declare_plain_queue(&self.admin, queue, self.cfg.settings.topology.queue_type).await?;
+            cleanup.add_queue(queue);
+            declare_plain_queue(admin, queue, self.cfg.settings.topology.queue_type).await?;
         }
         let (target, stage) = self.start_stage(path, queue, &tracker).await?;
         let (stop, stop_rx) = watch::channel(false);
         let mut consumers = Vec::new();
         for _ in 0..if raw_consumers { self.cfg.consumers } else { 0 } {
-            let ch = self
-                .consumer_conn
+            let ch = consumer_conn
                 .create_channel()
                 .await
                 .context(|| "opening a consumer channel".into())?;
@@ -192,6 +203,7 @@ impl Bench<'_> {
         Ok(Running {
             queue: queue.to_string(),
             raw_consumers,
+            app,
             target,
             stage,
             tier_counts,
@@ -222,9 +234,13 @@ impl Bench<'_> {
         let _ = run.stop.send(true);
         let (mut lateness, consumer_error) = self.join_consumers(run.consumers).await;
         run.monitor.abort();
-        let leftover = self
-            .take_down(&run.queue, run.raw_consumers, run.stage, &mut lateness)
-            .await;
+        let leftover = match &run.app {
+            Some(app) => app.delete(&run.queue).await,
+            None => {
+                self.take_down(&run.queue, run.raw_consumers, run.stage, &mut lateness)
+                    .await
+            }
+        };
         if let Some(e) = consumer_error {
             return Err(e);
         }
@@ -319,13 +335,17 @@ impl Bench<'_> {
         &mut self,
         label: &str,
         queue: &str,
-        pubs: &[Publisher],
+        pubs: &[Sender],
         delays: Option<&[u64]>,
         n: usize,
         rate: Option<f64>,
         path: &Path,
     ) -> Result<RunOutcome> {
         let run = self.start(label, queue, n, path).await?;
+        // the application declares its exchange and publishes at once: in the measured run
+        if let Some(app) = &run.app {
+            app.declare(queue).await?;
+        }
         let longest = delays.and_then(|d| d.iter().copied().max()).unwrap_or(0);
         if let Some(w) = rate.and_then(|r| steady_window(longest, n, r)) {
             let _ = run.tracker.steady.set(w);
