@@ -198,6 +198,11 @@ impl Bench<'_> {
                 }
             })
         };
+        // an application declares its exchange and publishes at once (the releases of a paced
+        // pass count from the first publish, after the declare)
+        if let Some(app) = &app {
+            app.declare(queue).await?;
+        }
         let tier_counts = tier_counts();
         let _ = tracker.t0.set((Instant::now(), now_ms()));
         Ok(Running {
@@ -342,10 +347,6 @@ impl Bench<'_> {
         path: &Path,
     ) -> Result<RunOutcome> {
         let run = self.start(label, queue, n, path).await?;
-        // the application declares its exchange and publishes at once: in the measured run
-        if let Some(app) = &run.app {
-            app.declare(queue).await?;
-        }
         let longest = delays.and_then(|d| d.iter().copied().max()).unwrap_or(0);
         if let Some(w) = rate.and_then(|r| steady_window(longest, n, r)) {
             let _ = run.tracker.steady.set(w);
