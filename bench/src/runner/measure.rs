@@ -162,31 +162,10 @@ impl Bench<'_> {
         }
         let (target, stage) = self.start_stage(path, queue, &tracker).await?;
         let (stop, stop_rx) = watch::channel(false);
-        let mut consumers = Vec::new();
-        for _ in 0..if raw_consumers { self.cfg.consumers } else { 0 } {
-            let ch = consumer_conn
-                .create_channel()
-                .await
-                .context(|| "opening a consumer channel".into())?;
-            ch.basic_qos(self.cfg.prefetch, BasicQosOptions::default())
-                .await
-                .context(|| "setting the prefetch".into())?;
-            let consumer = ch
-                .basic_consume(
-                    queue.into(),
-                    "".into(),
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .context(|| format!("consuming from '{queue}'"))?;
-            consumers.push(tokio::spawn(consume(
-                ch,
-                consumer,
-                tracker.clone(),
-                stop_rx.clone(),
-            )));
-        }
+        let n_consumers = if raw_consumers { self.cfg.consumers } else { 0 };
+        let consumers = self
+            .consumers(consumer_conn, queue, n_consumers, &tracker, &stop_rx)
+            .await?;
         self.progress.phase(label, n as u64);
         let monitor = {
             let (t, bar) = (tracker.clone(), self.progress.bar().clone());
@@ -218,6 +197,44 @@ impl Bench<'_> {
             consumers,
             monitor,
         })
+    }
+
+    /// `n` consumers of `queue` on `conn`, each on a channel of its own, counting into
+    /// `tracker` until told to stop.
+    async fn consumers(
+        &self,
+        conn: &lapin::Connection,
+        queue: &str,
+        n: usize,
+        tracker: &Arc<Tracker>,
+        stop: &watch::Receiver<bool>,
+    ) -> Result<Vec<JoinHandle<Result<Lateness>>>> {
+        let mut consumers = Vec::new();
+        for _ in 0..n {
+            let ch = conn
+                .create_channel()
+                .await
+                .context(|| "opening a consumer channel".into())?;
+            ch.basic_qos(self.cfg.prefetch, BasicQosOptions::default())
+                .await
+                .context(|| "setting the prefetch".into())?;
+            let consumer = ch
+                .basic_consume(
+                    queue.into(),
+                    "".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .context(|| format!("consuming from '{queue}'"))?;
+            consumers.push(tokio::spawn(consume(
+                ch,
+                consumer,
+                tracker.clone(),
+                stop.clone(),
+            )));
+        }
+        Ok(consumers)
     }
 
     /// Waits until every confirmed message arrived (or nothing arrives for the stall timeout),
