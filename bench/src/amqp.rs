@@ -75,15 +75,7 @@ pub(crate) async fn start_proxy(
         .local_addr()
         .map_err(|e| config(format!("the in-process delay-proxy's address: {e}")))?
         .port();
-    let first = amqp_delay::connection::split_urls(&settings.url)
-        .first()
-        .cloned()
-        .unwrap_or_default();
-    let mut url = url::Url::parse(&first)
-        .map_err(|e| config(format!("the broker URL does not parse: {e}")))?;
-    if url.set_host(Some("127.0.0.1")).is_err() || url.set_port(Some(port)).is_err() {
-        return Err(config("the broker URL cannot take the proxy's address"));
-    }
+    let url = crate::proxy_process::client_url(&settings.url, port)?;
     // every client is local: no cap per address
     let limits = Limits {
         drain: std::time::Duration::from_secs(1),
@@ -130,7 +122,7 @@ pub(crate) async fn start_proxy(
     started
         .await
         .map_err(|_| config("the in-process delay-proxy's thread ended"))??;
-    Ok((url.to_string(), stop))
+    Ok((url, stop))
 }
 
 /// Binds `queue` to `exchange` with `key`.

@@ -11,6 +11,8 @@ use crate::amqp::{connect, delete_exchange, delete_queue, delete_topology};
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Cleanup {
     inner: Arc<Mutex<Registered>>,
+    /// What the run declared on other brokers (the plugin's), by URL.
+    elsewhere: Arc<Mutex<Vec<(String, Cleanup)>>>,
 }
 
 #[derive(Debug, Default)]
@@ -23,6 +25,17 @@ struct Registered {
 }
 
 impl Cleanup {
+    /// What the run declares on the broker at `url`, another than the run's own: deleted by
+    /// [`Cleanup::run`] over a connection to `url`.
+    pub(crate) fn at(&self, url: &str) -> Cleanup {
+        let mut g = self.elsewhere.lock().expect("cleanup");
+        if let Some((_, c)) = g.iter().find(|(u, _)| u == url) {
+            return c.clone();
+        }
+        let c = Cleanup::default();
+        g.push((url.to_string(), c.clone()));
+        c
+    }
     pub(crate) fn add_layout(&self, l: &Layout) {
         self.inner.lock().expect("cleanup").layouts.push(l.clone());
     }
@@ -67,8 +80,20 @@ impl Cleanup {
             .exchanges
             .retain(|e| e != x);
     }
-    /// Deletes every registered queue, exchange and topology (over a fresh connection).
+    /// Deletes every registered queue, exchange and topology (over a fresh connection to
+    /// `url`), then what was registered on other brokers.
     pub(crate) async fn run(&self, url: &str) -> Result<()> {
+        let mut result = self.run_here(url).await;
+        let elsewhere = self.elsewhere.lock().expect("cleanup").clone();
+        for (url, c) in elsewhere {
+            if let Err(e) = Box::pin(c.run(&url)).await {
+                result = Err(e);
+            }
+        }
+        result
+    }
+
+    async fn run_here(&self, url: &str) -> Result<()> {
         let (layouts, queues, exchanges, declared) = {
             let g = self.inner.lock().expect("cleanup");
             let (l, q, x) = (&g.layouts, &g.queues, &g.exchanges);

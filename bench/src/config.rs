@@ -41,10 +41,17 @@ pub(crate) enum Scenario {
     #[value(name = "gateway_long")]
     #[serde(rename = "gateway_long")]
     GatewayLong,
+    /// A plugin-era application on a broker that runs the delayed-message-exchange plugin
+    /// (`--plugin-url`): it declares an `x-delayed-message` exchange, binds its queue and
+    /// publishes `x-delay` 1–5,000 ms to it at once; a raw consumer reads the queue.
+    Plugin,
+    /// The same application through a `delay-proxy` process (`--proxy-url`, else one the bench
+    /// starts from the `delay-proxy` binary beside its own), which runs the gateway itself.
+    Proxy,
 }
 
 impl Scenario {
-    pub(crate) const ALL: [Scenario; 10] = [
+    pub(crate) const ALL: [Scenario; 12] = [
         Scenario::Raw,
         Scenario::Fixed,
         Scenario::Uniform,
@@ -55,6 +62,8 @@ impl Scenario {
         Scenario::Relay,
         Scenario::Gateway,
         Scenario::GatewayLong,
+        Scenario::Plugin,
+        Scenario::Proxy,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -69,22 +78,44 @@ impl Scenario {
             Scenario::Relay => "relay",
             Scenario::Gateway => "gateway",
             Scenario::GatewayLong => "gateway_long",
+            Scenario::Plugin => "plugin",
+            Scenario::Proxy => "proxy",
         }
     }
 
-    /// Those a run without `--scenarios` measures: all but `uniform_batched`, `relay` and
-    /// `gateway_long`, which need more messages than the default to measure the broker rather
-    /// than their 5 s delays (`--batched-messages`), and a minute each.
+    /// Those a run without `--scenarios` measures: all but `uniform_batched`, `relay`,
+    /// `gateway_long` and `proxy`, which need more messages than the default to measure the
+    /// broker rather than their 5 s delays (`--batched-messages`), and a minute each, and
+    /// `plugin`, which needs a broker with the plugin.
     pub(crate) fn defaults() -> Vec<Scenario> {
         Scenario::ALL
             .into_iter()
             .filter(|s| {
                 !matches!(
                     s,
-                    Scenario::UniformBatched | Scenario::Relay | Scenario::GatewayLong
+                    Scenario::UniformBatched
+                        | Scenario::Relay
+                        | Scenario::GatewayLong
+                        | Scenario::Plugin
+                        | Scenario::Proxy
                 )
             })
             .collect()
+    }
+
+    /// A plugin-era application's: `x-delayed-message` exchanges declared and published to
+    /// over plain AMQP connections (to the plugin's broker or through `delay-proxy`).
+    pub(crate) fn app(self) -> bool {
+        matches!(self, Scenario::Plugin | Scenario::Proxy)
+    }
+
+    /// The `x-delay` 1–5,000 ms of `gateway_long` (the same delays for a seed, so that the
+    /// three paths are compared on the same messages).
+    pub(crate) fn long_x_delay(self) -> bool {
+        matches!(
+            self,
+            Scenario::GatewayLong | Scenario::Plugin | Scenario::Proxy
+        )
     }
 
     /// Published plugin-style with `x-delay` to an in-process gateway.
@@ -93,7 +124,7 @@ impl Scenario {
     }
 
     /// Delivered through batches (the destination is consumed by the library's worker, a relay
-    /// or the gateway, which read batches).
+    /// or a gateway, which read batches; the proxy's gateway too).
     pub(crate) fn batched(self) -> bool {
         matches!(
             self,
@@ -102,6 +133,7 @@ impl Scenario {
                 | Scenario::Relay
                 | Scenario::Gateway
                 | Scenario::GatewayLong
+                | Scenario::Proxy
         )
     }
 }
@@ -165,6 +197,10 @@ pub(crate) struct BenchConfig {
     /// The gateway scenarios publish through an in-process `delay-proxy`, to an
     /// `x-delayed-message` exchange declared through it.
     pub(crate) via_proxy: bool,
+    /// The broker with the delayed-message-exchange plugin of the `plugin` scenario.
+    pub(crate) plugin_url: Option<String>,
+    /// A running `delay-proxy` for the `proxy` scenario (else the bench starts one).
+    pub(crate) proxy_url: Option<String>,
     /// Show a progress bar on stderr.
     pub(crate) progress: bool,
     pub(crate) quick: bool,
@@ -193,6 +229,8 @@ impl BenchConfig {
             fixed_shards: 1,
             sustained: false,
             via_proxy: false,
+            plugin_url: None,
+            proxy_url: None,
             objective_ms: 25,
             probe_secs: 2.0,
             probes: 5,
@@ -253,6 +291,14 @@ impl BenchConfig {
         if self.capacity == Some(0) {
             return Err("--capacity must be at least 1".into());
         }
+        if self.scenarios.contains(&Scenario::Plugin) && self.plugin_url.is_none() {
+            return Err(
+                "the plugin scenario needs --plugin-url: a broker that runs \
+                        rabbitmq_delayed_message_exchange (`bash scripts/plugin-node.sh 3.10 up` \
+                        starts one, amqp://guest:guest@127.0.0.1:5931/%2f)"
+                    .into(),
+            );
+        }
         self.settings.validate().map_err(|e| e.to_string())?;
         self.main_layout(true).map_err(|e| e.to_string())?;
         Ok(())
@@ -298,6 +344,14 @@ impl BenchConfig {
         let mut s = self.settings_for(&format!("{}-gwl", self.settings.prefix), false);
         let max = self.max_delay_ms.max(*GATEWAY_LONG_DELAYS_MS.end());
         s.topology.max_delay = DurationMs(max);
+        s
+    }
+
+    /// The settings of the `proxy` scenario's `delay-proxy` (and of the topology the bench
+    /// declares for it): `gateway_long`'s, under `<prefix>-px`.
+    pub(crate) fn proxy_settings(&self) -> Settings {
+        let mut s = self.gateway_long_settings();
+        s.prefix = format!("{}-px", self.settings.prefix);
         s
     }
 

@@ -20,6 +20,12 @@ use crate::report::round3;
 
 /// `n` delays of scenario `sc` (deterministic for a seed).
 pub(crate) fn delays_for(sc: Scenario, cfg: &BenchConfig, n: usize, seed: u64) -> Vec<u64> {
+    // the plugin and the proxy publish gateway_long's very delays
+    let sc = if sc.long_x_delay() {
+        Scenario::GatewayLong
+    } else {
+        sc
+    };
     let mut rng = StdRng::seed_from_u64(seed ^ (sc as u64) << 32);
     let max = cfg.max_delay_ms;
     let fixed = cfg.fixed_levels();
@@ -32,7 +38,9 @@ pub(crate) fn delays_for(sc: Scenario, cfg: &BenchConfig, n: usize, seed: u64) -
                 rng.random_range(0..=max)
             }
             Scenario::Gateway => rng.random_range(GATEWAY_DELAYS_MS),
-            Scenario::GatewayLong => rng.random_range(GATEWAY_LONG_DELAYS_MS),
+            Scenario::GatewayLong | Scenario::Plugin | Scenario::Proxy => {
+                rng.random_range(GATEWAY_LONG_DELAYS_MS)
+            }
             Scenario::Mix => mix_delay(&mut rng, &fixed, max),
         })
         .collect()
@@ -51,7 +59,7 @@ pub(crate) fn longest_delay(sc: Scenario, cfg: &BenchConfig) -> u64 {
             cfg.max_delay_ms
         }
         Scenario::Gateway => *GATEWAY_DELAYS_MS.end(),
-        Scenario::GatewayLong => *GATEWAY_LONG_DELAYS_MS.end(),
+        Scenario::GatewayLong | Scenario::Plugin | Scenario::Proxy => *GATEWAY_LONG_DELAYS_MS.end(),
         Scenario::Mix => fixed.iter().copied().fold(cfg.max_delay_ms, u64::max),
     }
 }

@@ -24,9 +24,15 @@
 //!   message (the library's metrics: how well batches packed), the gateways also the share of
 //!   their messages that crossed the tiers. `uniform_batched`, `relay` and `gateway_long` are
 //!   opt-in.
+//! * **plugin / proxy** (opt-in, `runner::app`): a plugin-era application on plain AMQP
+//!   connections declares an `x-delayed-message` exchange, binds its queue and publishes
+//!   `gateway_long`'s delays to it at once; on a broker with the delayed-message-exchange plugin
+//!   (`--plugin-url`), or through a `delay-proxy` process (`proxy_process`; `--proxy-url` of a
+//!   running one), which runs the gateway itself. Compared with `gateway_long` in one run.
 //! * **lateness** of every scenario, from a second, rate-limited run at half its measured
 //!   capacity (or `rate`): `consume time − x-delay-due-at`, as min/p50/p99/p99.9/max, with its
-//!   broker messages per message.
+//!   broker messages per message; of the messages due once the longest delay has passed (the
+//!   steady state), and of every message from the first (`lateness_from_first_ms`).
 //! * **sustained rate** (optional, `--sustained`): the highest steady rate whose p99 lateness
 //!   stays within an objective, found by short paced probes, each judged after a warm-up as
 //!   long as the scenario's longest delay (`runner::sustained`, the search
@@ -57,6 +63,7 @@
 //! * `search`: pure parts of the sustained-rate mode: the rate search and a probe's verdict.
 //! * `environment`: the machine and what `rabbitmqctl` says about a local broker.
 //! * `report`: the `Report` (the `--json` object) and its table.
+//! * `proxy_process`: the `delay-proxy` child of the proxy scenario.
 //! * `cleanup`, `progress`, `amqp`: deleting what a run declared, the progress bar, AMQP plumbing.
 //!
 //! The binary reaches the library only through its public API (`amqp_delay::...`).
@@ -77,6 +84,7 @@ mod config;
 mod environment;
 mod hops;
 mod progress;
+mod proxy_process;
 mod report;
 mod runner;
 mod search;
@@ -115,10 +123,18 @@ Scenarios (choose with --scenarios; all but uniform_batched, relay and gateway_l
            its target exchange; with --rate 1000: its lateness at a steady 1,000 msg/s
   gateway_long  as gateway with x-delay 1–5,000 ms: longer than gateway.hold (100 ms by
            default), so the messages cross the tiers (opt-in, as uniform_batched)
+  plugin   a plugin-era application on plain AMQP: declares an x-delayed-message exchange,
+           binds its queue, publishes gateway_long's x-delays to it at once, consumes the
+           queue; on the broker of --plugin-url, which runs the delayed-message-exchange
+           plugin (opt-in)
+  proxy    the same application through delay-proxy, which runs the gateway itself: the
+           binary beside delay-bench, started on a free port for a topology of its own (or
+           --proxy-url of a running one) (opt-in)
 
 Each scenario is run twice: saturating (msg/s end to end, from the first publish to the last
 consume, its ratio to raw, average hops per message), then rate-limited at half that rate (or
---rate) for lateness = consume time − x-delay-due-at (min, p50, p99, p99.9, max). Every message
+--rate) for lateness = consume time − x-delay-due-at (min, p50, p99, p99.9, max) of the messages
+due once the longest delay has passed, and of every message from the first. Every message
 is counted: lost, duplicated or early messages are reported and make the exit code 1. Both runs
 report broker messages through the tiers per message (brk/m); the gateways also the share of
 their messages that crossed the tiers.
@@ -241,6 +257,14 @@ struct Args {
     /// ingress); compare with the same run without the flag
     #[arg(long)]
     via_proxy: bool,
+    /// The plugin scenario's broker, one that runs rabbitmq_delayed_message_exchange (e.g.
+    /// amqp://guest:guest@127.0.0.1:5931/%2f of `scripts/plugin-node.sh 3.10 up`)
+    #[arg(long, value_name = "URL")]
+    plugin_url: Option<String>,
+    /// The proxy scenario through this running delay-proxy (its own prefix and settings)
+    /// instead of one the bench starts from the delay-proxy binary beside its own
+    #[arg(long, value_name = "URL")]
+    proxy_url: Option<String>,
     /// No progress display (it is shown only when stderr is a terminal anyway)
     #[arg(long)]
     no_progress: bool,
@@ -312,6 +336,8 @@ fn config(args: &Args) -> Result<BenchConfig, String> {
     c.fixed_shards = args.fixed_shards;
     c.sustained = args.sustained;
     c.via_proxy = args.via_proxy;
+    c.plugin_url = args.plugin_url.clone();
+    c.proxy_url = args.proxy_url.clone();
     c.objective_ms = args.objective_ms;
     c.probe_secs = args
         .probe_secs

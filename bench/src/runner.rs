@@ -3,6 +3,7 @@
 //! capacity mode (`capacity`), and assembles the `Report`. `Bench` holds a run's connections,
 //! progress display and the problems found; one publish-and-consume pass is in `measure`.
 
+mod app;
 mod capacity;
 mod measure;
 mod publish;
@@ -26,6 +27,7 @@ use crate::cleanup::Cleanup;
 use crate::config::{BenchConfig, Scenario};
 use crate::environment::{HANDLES_PER_QUORUM_QUEUE, broker_info, file_handles, machine};
 use crate::progress::Progress;
+use app::Sender;
 use stage::Path;
 
 use crate::report::{Environment, Report, RunConfig, describe_precision, round1};
@@ -56,6 +58,11 @@ pub(crate) async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> 
     let main = cfg.main_layout(true)?;
     let main_nofixed = cfg.main_layout(false)?;
     let binary = cfg.binary_layout()?;
+    let proxy_bin = if wants(Scenario::Proxy) && cfg.proxy_url.is_none() {
+        Some(crate::proxy_process::binary()?)
+    } else {
+        None
+    };
 
     let mut raw = None;
     let mut scenarios = BTreeMap::new();
@@ -80,6 +87,12 @@ pub(crate) async fn run(cfg: &BenchConfig, cleanup: &Cleanup) -> Result<Report> 
     for sc in [Scenario::Gateway, Scenario::GatewayLong] {
         if wants(sc) {
             let r = b.gateway(sc, raw_rate).await?;
+            scenarios.insert(sc.name().to_string(), r);
+        }
+    }
+    for sc in [Scenario::Plugin, Scenario::Proxy] {
+        if wants(sc) {
+            let r = b.app(sc, raw_rate, proxy_bin.as_deref()).await?;
             scenarios.insert(sc.name().to_string(), r);
         }
     }
@@ -152,7 +165,7 @@ fn run_config(cfg: &BenchConfig) -> RunConfig {
 
 /// Publishers, each on its own connection.
 struct Publishers {
-    pubs: Vec<Publisher>,
+    pubs: Vec<Sender>,
     conns: Vec<Arc<Connection>>,
 }
 
@@ -226,7 +239,7 @@ impl<'a> Bench<'a> {
             out.conns.push(conn.clone());
             let p = Publisher::with_connection(conn, layout.clone(), &settings).await;
             match p {
-                Ok(p) => out.pubs.push(p),
+                Ok(p) => out.pubs.push(Sender::Library(p)),
                 Err(e) => {
                     out.close().await;
                     return Err(e);

@@ -1,5 +1,6 @@
-//! `delay-bench --quick` with a tiny N against the real broker, every scenario (the batched ones
-//! through the library's worker, relay and gateway in process): the JSON has the promised shape,
+//! `delay-bench --quick` with a tiny N against the real broker, every scenario but the plugin's
+//! (the batched ones through the library's worker, relay and gateway in process, the proxy's
+//! through the `delay-proxy` binary beside `delay-bench`): the JSON has the promised shape,
 //! nothing was lost, duplicated beyond the report or early, every unbatched message took exactly
 //! its planned hops, the batched scenarios packed messages into fewer broker messages, and the
 //! run deleted what it declared. No timing assertions. Fails (never skips) when no broker answers
@@ -84,6 +85,67 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
     ])
     .await;
     check_sustained(&sustained);
+    // a plugin-era application through delay-proxy: the binary beside delay-bench, which cargo
+    // builds with the cli package's suites (the plugin scenario needs a node with the plugin)
+    let proxy = bench(&[
+        "--quick",
+        "-n",
+        "200",
+        "--lateness-secs",
+        "0.5",
+        "--scenarios",
+        "raw,proxy",
+    ])
+    .await;
+    check_proxy(&proxy).await;
+}
+
+/// The proxy scenario: every message arrived, none early, each counted from the first one;
+/// the proxy's topology, the application's exchanges and the pairs they made are gone.
+async fn check_proxy(report: &Value) {
+    assert_eq!(report["ok"], Value::Bool(true), "{}", report["problems"]);
+    let s = &report["scenarios"]["proxy"];
+    assert!(number(&s["msgs_per_s"], "msgs_per_s") > 0.0, "{s}");
+    for k in ["lost", "early", "publish_errors"] {
+        assert_eq!(s[k], 0, "proxy {k}: {s}");
+    }
+    // the paced run is judged whole from its first message
+    assert_eq!(
+        s["lateness_from_first_ms"]["samples"], s["lateness_messages"],
+        "{s}"
+    );
+    assert!(number(&s["lateness_from_first_ms"]["min"], "min") >= 0.0);
+    // its tiers are in the proxy's process: not counted here
+    assert_eq!(s["broker_msgs_per_msg"], Value::Null, "{s}");
+    assert!(number(&s["avg_hops"], "avg_hops") > 0.0, "{s}");
+
+    let prefix = report["config"]["prefix"].as_str().expect("prefix");
+    let px = Layout::new(&format!("{prefix}-px"), &TopologySettings::default()).expect("layout");
+    let conn = amqp_delay::connection::connect(&broker_url(), "bench smoke test")
+        .await
+        .expect("connect");
+    let exchange = format!("{prefix}.proxy.sat.x");
+    for x in [
+        px.layout_marker(),
+        exchange.clone(),
+        px.proxy_ingress(&exchange),
+    ] {
+        let exists = amqp_delay::broker::exchange_exists(&conn, &x)
+            .await
+            .expect("passive declare");
+        assert!(!exists, "exchange '{x}' still exists after the run");
+    }
+    for q in [
+        px.control_stream(),
+        format!("{prefix}.proxy.sat"),
+        format!("{prefix}.proxy.lat"),
+    ] {
+        let state = amqp_delay::broker::queue_state(&conn, &q)
+            .await
+            .expect("passive declare");
+        assert!(state.is_none(), "queue '{q}' still exists after the run");
+    }
+    let _ = conn.close(200, "bye".into()).await;
 }
 
 /// The sustained-rate search: its shape in the JSON, every probe a steady run below the
@@ -187,6 +249,11 @@ async fn check_every_scenario(report: &Value) {
             "{name}: a message arrived early: {l}"
         );
         assert!(number(&l["samples"], "samples") > 0.0, "{name}");
+        // from the first message: every message of the paced run
+        assert_eq!(
+            s["lateness_from_first_ms"]["samples"], s["lateness_messages"],
+            "{name}"
+        );
         assert_eq!(s["lost"], 0, "{name} lost messages");
         assert_eq!(s["early"], 0, "{name} delivered early");
         assert_eq!(s["publish_errors"], 0, "{name}");

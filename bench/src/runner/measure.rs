@@ -16,9 +16,10 @@ use tokio::task::JoinHandle;
 
 use amqp_delay::broker::ResultExt;
 use amqp_delay::time::now_ms;
-use amqp_delay::{Error, Publisher, Result};
+use amqp_delay::{Error, Result};
 
 use super::Bench;
+use super::app::{AppEnd, Sender};
 use super::publish::Published;
 use super::stage::{Path, Stage, Target};
 use super::tracker::{Lateness, Tracker, steady_window};
@@ -120,6 +121,8 @@ pub(super) struct Running {
     queue: String,
     /// The bench's consumers read `queue` (else the stage's worker does, and deletes it).
     raw_consumers: bool,
+    /// The application whose connections declared `queue` and consume it (else the bench's).
+    app: Option<Arc<AppEnd>>,
     pub(super) target: Target,
     stage: Option<Stage>,
     pub(super) n: usize,
@@ -144,16 +147,71 @@ impl Bench<'_> {
         let tracker = Arc::new(Tracker::new(n));
         // the worker path's queue is a destination the stage declares and its worker reads
         let raw_consumers = !matches!(path, Path::Worker(_));
+        let app = match path {
+            Path::App(app) => Some(app.clone()),
+            _ => None,
+        };
+        // an application's queue is on its broker, declared and read through its connections
+        let (admin, consumer_conn, cleanup) = match &app {
+            Some(a) => (&a.admin, &a.consumer, &a.cleanup),
+            None => (&self.admin, &self.consumer_conn, self.cleanup),
+        };
         if raw_consumers {
-            self.cleanup.add_queue(queue);
-            declare_plain_queue(&self.admin, queue, self.cfg.settings.topology.queue_type).await?;
+            cleanup.add_queue(queue);
+            declare_plain_queue(admin, queue, self.cfg.settings.topology.queue_type).await?;
         }
         let (target, stage) = self.start_stage(path, queue, &tracker).await?;
         let (stop, stop_rx) = watch::channel(false);
+        let n_consumers = if raw_consumers { self.cfg.consumers } else { 0 };
+        let consumers = self
+            .consumers(consumer_conn, queue, n_consumers, &tracker, &stop_rx)
+            .await?;
+        self.progress.phase(label, n as u64);
+        let monitor = {
+            let (t, bar) = (tracker.clone(), self.progress.bar().clone());
+            tokio::spawn(async move {
+                loop {
+                    bar.set_position(t.unique.load(Ordering::Relaxed) as u64);
+                    bar.set_message(format!("published {}", t.published.load(Ordering::Relaxed)));
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+        };
+        // an application declares its exchange and publishes at once (the releases of a paced
+        // pass count from the first publish, after the declare)
+        if let Some(app) = &app {
+            app.declare(queue).await?;
+        }
+        let tier_counts = tier_counts();
+        let _ = tracker.t0.set((Instant::now(), now_ms()));
+        Ok(Running {
+            queue: queue.to_string(),
+            raw_consumers,
+            app,
+            target,
+            stage,
+            tier_counts,
+            n,
+            tracker,
+            stop,
+            consumers,
+            monitor,
+        })
+    }
+
+    /// `n` consumers of `queue` on `conn`, each on a channel of its own, counting into
+    /// `tracker` until told to stop.
+    async fn consumers(
+        &self,
+        conn: &lapin::Connection,
+        queue: &str,
+        n: usize,
+        tracker: &Arc<Tracker>,
+        stop: &watch::Receiver<bool>,
+    ) -> Result<Vec<JoinHandle<Result<Lateness>>>> {
         let mut consumers = Vec::new();
-        for _ in 0..if raw_consumers { self.cfg.consumers } else { 0 } {
-            let ch = self
-                .consumer_conn
+        for _ in 0..n {
+            let ch = conn
                 .create_channel()
                 .await
                 .context(|| "opening a consumer channel".into())?;
@@ -173,34 +231,10 @@ impl Bench<'_> {
                 ch,
                 consumer,
                 tracker.clone(),
-                stop_rx.clone(),
+                stop.clone(),
             )));
         }
-        self.progress.phase(label, n as u64);
-        let monitor = {
-            let (t, bar) = (tracker.clone(), self.progress.bar().clone());
-            tokio::spawn(async move {
-                loop {
-                    bar.set_position(t.unique.load(Ordering::Relaxed) as u64);
-                    bar.set_message(format!("published {}", t.published.load(Ordering::Relaxed)));
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            })
-        };
-        let tier_counts = tier_counts();
-        let _ = tracker.t0.set((Instant::now(), now_ms()));
-        Ok(Running {
-            queue: queue.to_string(),
-            raw_consumers,
-            target,
-            stage,
-            tier_counts,
-            n,
-            tracker,
-            stop,
-            consumers,
-            monitor,
-        })
+        Ok(consumers)
     }
 
     /// Waits until every confirmed message arrived (or nothing arrives for the stall timeout),
@@ -222,9 +256,13 @@ impl Bench<'_> {
         let _ = run.stop.send(true);
         let (mut lateness, consumer_error) = self.join_consumers(run.consumers).await;
         run.monitor.abort();
-        let leftover = self
-            .take_down(&run.queue, run.raw_consumers, run.stage, &mut lateness)
-            .await;
+        let leftover = match &run.app {
+            Some(app) => app.delete(&run.queue).await,
+            None => {
+                self.take_down(&run.queue, run.raw_consumers, run.stage, &mut lateness)
+                    .await
+            }
+        };
         if let Some(e) = consumer_error {
             return Err(e);
         }
@@ -319,7 +357,7 @@ impl Bench<'_> {
         &mut self,
         label: &str,
         queue: &str,
-        pubs: &[Publisher],
+        pubs: &[Sender],
         delays: Option<&[u64]>,
         n: usize,
         rate: Option<f64>,

@@ -12,10 +12,11 @@ use lapin::types::{AMQPValue, FieldTable};
 
 use amqp_delay::headers;
 use amqp_delay::time::now_ms;
-use amqp_delay::{Message, Publisher, Result};
+use amqp_delay::{Message, Result};
 use amqp_delay_cli::cli::chain;
 
 use super::Bench;
+use super::app::Sender;
 use super::measure::Running;
 use super::stage::Target;
 use super::tracker::BENCH_DUE_AT;
@@ -69,7 +70,7 @@ impl Bench<'_> {
     pub(super) async fn publish(
         &self,
         run: &Running,
-        pubs: &[Publisher],
+        pubs: &[Sender],
         delays: Option<&[u64]>,
         rate: Option<f64>,
     ) -> Published {
@@ -137,7 +138,7 @@ impl Pass<'_> {
     }
 
     /// Publisher `j`'s share of the pass, every result counted as published.
-    async fn share(&self, j: usize, publisher: &Publisher) -> Published {
+    async fn share(&self, j: usize, sender: &Sender) -> Published {
         let mut out = Published::empty();
         let mut note = |i: usize, r: Result<usize>| {
             out.note(i, r);
@@ -151,6 +152,10 @@ impl Pass<'_> {
             // them (concurrent calls batch); `schedule_all` would take the next message only
             // when one of its few chunks in hand is confirmed, holding back the pace
             Target::Schedule(queue) if self.rate.is_some() => {
+                let publisher = match sender.library() {
+                    Ok(p) => p,
+                    Err(e) => return self.all_failed(j, e),
+                };
                 let mut results = std::pin::pin!(
                     self.paced(j)
                         .map(|i| async move { (i, publisher.schedule(message(queue, i)).await) })
@@ -161,6 +166,10 @@ impl Pass<'_> {
                 }
             }
             Target::Schedule(queue) => {
+                let publisher = match sender.library() {
+                    Ok(p) => p,
+                    Err(e) => return self.all_failed(j, e),
+                };
                 let msgs = self.paced(j).map(|i| (i, message(queue, i)));
                 let mut results = std::pin::pin!(publisher.schedule_all(msgs));
                 while let Some((i, r)) = results.next().await {
@@ -170,7 +179,7 @@ impl Pass<'_> {
             Target::Queue(_) | Target::Plugin { .. } => {
                 let mut results = std::pin::pin!(
                     self.paced(j)
-                        .map(|i| self.publish_confirmed(publisher, i))
+                        .map(|i| self.publish_confirmed(sender, i))
                         .buffer_unordered(self.in_flight)
                 );
                 while let Some((i, r)) = results.next().await {
@@ -181,9 +190,20 @@ impl Pass<'_> {
         out
     }
 
+    /// Publisher `j`'s share, every message failed with `e` (nothing published).
+    fn all_failed(&self, j: usize, e: amqp_delay::Error) -> Published {
+        let mut out = Published::empty();
+        for i in (j..self.run.n).step_by(self.publishers) {
+            out.note(i, Err(e.clone()));
+            self.run.tracker.published.fetch_add(1, Ordering::Relaxed);
+        }
+        out
+    }
+
     /// Message `i` published with a confirm (not scheduled): plugin-style with `x-delay` to the
-    /// gateway's ingress, or straight into the queue. Returns its planned hops.
-    async fn publish_confirmed(&self, publisher: &Publisher, i: usize) -> (usize, Result<usize>) {
+    /// gateway's ingress or an application's delayed exchange, or straight into the queue.
+    /// Returns its planned hops.
+    async fn publish_confirmed(&self, sender: &Sender, i: usize) -> (usize, Result<usize>) {
         let mut h = FieldTable::default();
         let (exchange, key, hops) = match &self.run.target {
             Target::Plugin { exchange, key } => {
@@ -195,7 +215,7 @@ impl Pass<'_> {
                     AMQPValue::LongLongInt(now_ms() as i64 + x_delay),
                 );
                 // the gateway plans it: alone, this route
-                let hops = publisher.plan(d).map_or(0, |r| r.hops());
+                let hops = sender.planned_hops(d);
                 (exchange.as_str(), key.as_str(), hops)
             }
             Target::Queue(q) | Target::Schedule(q) => {
@@ -207,7 +227,7 @@ impl Pass<'_> {
             .with_message_id(i.to_string().as_str().into())
             .with_delivery_mode(2)
             .with_headers(h);
-        let r = publisher
+        let r = sender
             .publish_confirmed(exchange, key, self.body, props)
             .await;
         (i, r.map(|()| hops))

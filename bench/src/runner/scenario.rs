@@ -5,9 +5,10 @@
 use std::collections::BTreeMap;
 
 use amqp_delay::time::compact_duration;
-use amqp_delay::{Layout, Precision, Publisher, Result};
+use amqp_delay::{Layout, Precision, Result};
 
 use super::Bench;
+use super::app::Sender;
 use super::measure::RunOutcome;
 use super::stage::Path;
 use crate::config::{
@@ -29,7 +30,7 @@ impl Bench<'_> {
             .scenario(
                 Scenario::Raw,
                 &pubs.pubs,
-                main,
+                Some(main),
                 Precision::EXACT,
                 None,
                 &Path::Raw,
@@ -133,11 +134,11 @@ impl Bench<'_> {
     /// Saturating run, then the rate-limited lateness run (at `--rate`, else half the
     /// saturating rate, for `--lateness-secs`), each with its own destination queue; with
     /// `--sustained`, the search for the highest steady rate on time.
-    async fn scenario(
+    pub(super) async fn scenario(
         &mut self,
         sc: Scenario,
-        pubs: &[Publisher],
-        layout: &Layout,
+        pubs: &[Sender],
+        layout: Option<&Layout>,
         precision: Precision,
         raw_rate: Option<f64>,
         path: &Path,
@@ -160,7 +161,7 @@ impl Bench<'_> {
     }
 
     /// The saturating pass and the paced lateness pass of `sc`.
-    async fn passes(&mut self, sc: Scenario, pubs: &[Publisher], path: &Path) -> Result<Passes> {
+    async fn passes(&mut self, sc: Scenario, pubs: &[Sender], path: &Path) -> Result<Passes> {
         let cfg = self.cfg;
         let prefix = &cfg.settings.prefix;
         let raw = sc == Scenario::Raw;
@@ -225,7 +226,7 @@ impl Bench<'_> {
         };
         let pubs = self.publishers(layout, precision, &url).await?;
         let r = self
-            .scenario(sc, &pubs.pubs, layout, precision, raw_rate, path)
+            .scenario(sc, &pubs.pubs, Some(layout), precision, raw_rate, path)
             .await;
         pubs.close().await;
         r
@@ -250,7 +251,7 @@ impl Passes {
     fn result(
         &self,
         description: String,
-        layout: &Layout,
+        layout: Option<&Layout>,
         precision: &Precision,
         raw_rate: Option<f64>,
         real_scale_avg_hops: Option<f64>,
@@ -260,6 +261,8 @@ impl Passes {
         let ok_n = (self.n - sat.publish_errors).max(1) as f64;
         let ok_lat = (self.n_lat - lat.publish_errors).max(1) as f64;
         let per_msg = |r: &RunOutcome| r.broker_msgs_per_msg_of(sc);
+        // an application's tiers, if any, are in the proxy's process: not counted here
+        let counted = sc != Scenario::Raw && !sc.app();
         // raw's own sustained rate is measured against its saturating rate
         let baseline = if sc == Scenario::Raw {
             Some(measured).filter(|&m| m > 0.0)
@@ -272,8 +275,8 @@ impl Passes {
         });
         ScenarioResult {
             description,
-            radix: layout.radix(),
-            unit_ms: layout.unit_ms(),
+            radix: layout.map(Layout::radix),
+            unit_ms: layout.map(Layout::unit_ms),
             precision: describe_precision(precision),
             messages: self.n,
             msgs_per_s: round1(measured),
@@ -283,14 +286,10 @@ impl Passes {
             // a batch member, a relayed or a gateway's message carries no `x-death` of its own
             observed_avg_hops: (!sc.batched())
                 .then(|| round3(sat.observed_hops as f64 / sat.unique.max(1) as f64)),
-            broker_msgs_per_msg: per_msg(sat).map(round3),
-            lateness_broker_msgs_per_msg: per_msg(lat).map(round3),
-            tiers_share: (sc != Scenario::Raw)
-                .then(|| sat.tiers_share().map(round3))
-                .flatten(),
-            lateness_tiers_share: (sc != Scenario::Raw)
-                .then(|| lat.tiers_share().map(round3))
-                .flatten(),
+            broker_msgs_per_msg: per_msg(sat).filter(|_| !sc.app()).map(round3),
+            lateness_broker_msgs_per_msg: per_msg(lat).filter(|_| !sc.app()).map(round3),
+            tiers_share: counted.then(|| sat.tiers_share().map(round3)).flatten(),
+            lateness_tiers_share: counted.then(|| lat.tiers_share().map(round3)).flatten(),
             lateness_messages: self.n_lat,
             lateness_release_lag_ms: lat.release_lag_ms,
             real_scale_avg_hops: real_scale_avg_hops.map(round3),
@@ -300,6 +299,7 @@ impl Passes {
             backlog_p50_ms: sat.lateness.summary().p50,
             delay_bound: sc != Scenario::Raw && sat.delay_bound(),
             lateness_ms: lat.lateness.summary(),
+            lateness_from_first_ms: lat.lateness.summary_from_first(),
             lateness_rate_msgs_per_s: round1(self.rate),
             lost: sat.lost + lat.lost,
             duplicates: sat.duplicates + lat.duplicates,
@@ -396,6 +396,16 @@ fn description(cfg: &BenchConfig, sc: Scenario) -> String {
         ),
         Scenario::GatewayLong => format!(
             "gateway{via}: x-delay {}–{} ms → ingress → tiers → target → {qt} queue",
+            GATEWAY_LONG_DELAYS_MS.start(),
+            GATEWAY_LONG_DELAYS_MS.end()
+        ),
+        Scenario::Plugin => format!(
+            "plugin: x-delay {}–{} ms → x-delayed-message exchange → {qt} queue",
+            GATEWAY_LONG_DELAYS_MS.start(),
+            GATEWAY_LONG_DELAYS_MS.end()
+        ),
+        Scenario::Proxy => format!(
+            "delay-proxy: x-delay {}–{} ms → ingress → tiers → exchange → {qt} queue",
             GATEWAY_LONG_DELAYS_MS.start(),
             GATEWAY_LONG_DELAYS_MS.end()
         ),

@@ -44,6 +44,10 @@ pub(crate) enum Path {
     /// `delay-proxy` at that URL and published to there, as a plugin-era application does; the
     /// proxy sends the delayed publishes to the pair it registered.
     Gateway(Box<Settings>, Option<String>),
+    /// A plugin-era application's `x-delayed-message` exchange, declared through these
+    /// connections (the plugin's broker, or a `delay-proxy`) right before the first publish,
+    /// the measured queue bound to it; published to with `x-delay` and consumed there.
+    App(std::sync::Arc<super::app::AppEnd>),
 }
 
 /// Routing key of the gateway scenario's publishes (the target binding's key).
@@ -118,6 +122,13 @@ impl Bench<'_> {
                 let stage = self.worker_stage(s, &source, relay).await?;
                 Ok((Target::Schedule(source), Some(stage)))
             }
+            Path::App(_) => Ok((
+                Target::Plugin {
+                    exchange: super::app::AppEnd::exchange(queue),
+                    key: GATEWAY_KEY.into(),
+                },
+                None,
+            )),
             Path::Gateway(s, proxy) => {
                 let stage = self.gateway_stage(s, queue, proxy.as_deref()).await?;
                 let exchange = match proxy {

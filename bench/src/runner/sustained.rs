@@ -7,9 +7,10 @@
 //! ([`super::tracker::steady_window`]). A probe of 2 s with delays of 0–5 s judged on all its
 //! messages was a burst, never the steady load it claimed to measure.
 
-use amqp_delay::{Publisher, Result};
+use amqp_delay::Result;
 
 use super::Bench;
+use super::app::Sender;
 use super::measure::RunOutcome;
 use super::stage::Path;
 use crate::config::Scenario;
@@ -26,7 +27,7 @@ impl Bench<'_> {
     pub(super) async fn sustained(
         &mut self,
         sc: Scenario,
-        pubs: &[Publisher],
+        pubs: &[Sender],
         path: &Path,
         sat: &RunOutcome,
     ) -> Result<SustainedResult> {
@@ -67,7 +68,7 @@ impl Bench<'_> {
     async fn probe(
         &mut self,
         sc: Scenario,
-        pubs: &[Publisher],
+        pubs: &[Sender],
         path: &Path,
         rate: f64,
         k: usize,

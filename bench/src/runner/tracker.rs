@@ -14,61 +14,84 @@ use amqp_delay::headers;
 
 use crate::report::Percentiles;
 
-/// Lateness of first deliveries in ms: an HDR histogram (negative values recorded as 0) with
-/// the exact minimum, maximum and the number of early messages beside it. Deliveries outside
-/// a paced run's steady window ([`Tracker::steady`]) stay out of the histogram and the maximum,
-/// but an early one still counts as early and in the minimum.
+/// Lateness of first deliveries in ms: HDR histograms (negative values recorded as 0) with the
+/// exact minimum, maximum and the number of early messages beside them, twice: of the
+/// deliveries in a paced run's steady window ([`Tracker::steady`]; every delivery when there
+/// is none) and of every first delivery from the first message (`from_first`). Outside the
+/// window, an early delivery still counts as early and in the steady minimum.
 pub(super) struct Lateness {
     hist: Histogram<u64>,
     pub(super) min: i64,
     max: i64,
     pub(super) early: u64,
+    /// Every first delivery, from the first message on.
+    all: Histogram<u64>,
+    all_min: i64,
+    all_max: i64,
 }
 
 impl Lateness {
     pub(super) fn new() -> Self {
+        let hist = || Histogram::new(3).expect("3 significant figures is valid");
         Lateness {
-            hist: Histogram::new(3).expect("3 significant figures is valid"),
+            hist: hist(),
             min: i64::MAX,
             max: i64::MIN,
             early: 0,
+            all: hist(),
+            all_min: i64::MAX,
+            all_max: i64::MIN,
         }
     }
     pub(super) fn record(&mut self, ms: i64) {
         self.min = self.min.min(ms);
         self.max = self.max.max(ms);
-        if ms < 0 {
-            self.early += 1;
-        }
         // auto-resizing: recording cannot fail for a non-negative value
         let _ = self.hist.record(ms.max(0) as u64);
+        self.record_outside(ms);
     }
-    /// A delivery outside the steady window: only whether it was early counts.
+    /// A delivery outside the steady window: in the steady figures only whether it was early
+    /// counts; it counts in `from_first`.
     pub(super) fn record_outside(&mut self, ms: i64) {
         if ms < 0 {
             self.min = self.min.min(ms);
             self.early += 1;
         }
+        self.all_min = self.all_min.min(ms);
+        self.all_max = self.all_max.max(ms);
+        let _ = self.all.record(ms.max(0) as u64);
     }
     pub(super) fn merge(&mut self, o: &Lateness) {
         self.min = self.min.min(o.min);
         self.max = self.max.max(o.max);
         self.early += o.early;
         let _ = self.hist.add(&o.hist);
+        self.all_min = self.all_min.min(o.all_min);
+        self.all_max = self.all_max.max(o.all_max);
+        let _ = self.all.add(&o.all);
     }
+    /// Of the steady window.
     pub(super) fn summary(&self) -> Percentiles {
-        if self.hist.is_empty() {
-            return Percentiles::default();
-        }
-        let q = |p: f64| self.hist.value_at_quantile(p) as i64;
-        Percentiles {
-            min: self.min,
-            p50: q(0.5).clamp(self.min, self.max),
-            p99: q(0.99).clamp(self.min, self.max),
-            p999: q(0.999).clamp(self.min, self.max),
-            max: self.max,
-            samples: self.hist.len(),
-        }
+        percentiles(&self.hist, self.min, self.max)
+    }
+    /// Of every first delivery, from the first message.
+    pub(super) fn summary_from_first(&self) -> Percentiles {
+        percentiles(&self.all, self.all_min, self.all_max)
+    }
+}
+
+fn percentiles(hist: &Histogram<u64>, min: i64, max: i64) -> Percentiles {
+    if hist.is_empty() {
+        return Percentiles::default();
+    }
+    let q = |p: f64| hist.value_at_quantile(p) as i64;
+    Percentiles {
+        min,
+        p50: q(0.5).clamp(min, max),
+        p99: q(0.99).clamp(min, max),
+        p999: q(0.999).clamp(min, max),
+        max,
+        samples: hist.len(),
     }
 }
 
@@ -221,6 +244,9 @@ mod tests {
         let s = l.summary();
         assert_eq!((s.samples, s.p99, s.max), (1, 3, 3));
         assert_eq!((l.early, s.min), (1, -2));
+        // from the first message: all three
+        let all = l.summary_from_first();
+        assert_eq!((all.samples, all.min, all.max), (3, -2, 500));
         assert_eq!(t.unique.load(Ordering::Relaxed), 3);
         assert_eq!(t.max_due_ms.load(Ordering::Relaxed), 8_000);
     }

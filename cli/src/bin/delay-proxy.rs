@@ -46,11 +46,10 @@ struct Cli {
     /// PEM private key of --tls-cert
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     tls_key: Option<std::path::PathBuf>,
-    /// CPU niceness to run at, 0 (unchanged) to 19: beside a broker on the same cores the proxy then yields to it and moves more frames per system call (about half its CPU); a niceness already higher is kept
-    /// Deliver nothing: leave the pairs to `delay-publisher gateway --follow-pairs` processes,
-    /// whose `trust.peers` must name this proxy's user.
+    /// Deliver nothing: leave the pairs to `delay-publisher gateway --follow-pairs` processes, run as this proxy's user or with it in their trust.peers
     #[arg(long)]
     no_gateway: bool,
+    /// CPU niceness to run at, 0 (unchanged) to 19: beside a broker on the same cores the proxy then yields to it and moves more frames per system call (about half its CPU); a niceness already higher is kept
     #[arg(long, env = "AMQP_DELAY_PROXY_NICENESS", default_value_t = priority::DEFAULT_NICENESS, value_parser = clap::value_parser!(i32).range(0..=priority::MAX_NICENESS as i64))]
     niceness: i32,
 }
