@@ -721,12 +721,7 @@ impl Gateway {
     /// Declares everything, then relays messages until `shutdown` completes (the worker
     /// reconnects after a connection loss).
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<()> {
-        let conn = crate::connection::Connector::new(&self.settings)?
-            .connect("amqp-delay gateway")
-            .await?;
-        let declared = self.declare(&conn).await;
-        crate::broker::close_connection(&conn, "declared").await;
-        declared?;
+        self.declare_once().await?;
         for p in &self.pairs {
             tracing::info!(
                 ingress = %p.ingress,
@@ -753,13 +748,18 @@ impl Gateway {
         announced: tokio::sync::mpsc::UnboundedReceiver<Pair>,
         shutdown: impl Future<Output = ()>,
     ) -> Result<()> {
+        self.declare_once().await?;
+        follow::serve(self, announced, true, shutdown).await
+    }
+
+    /// [`Gateway::declare`] on a connection of its own, closed after.
+    async fn declare_once(&self) -> Result<()> {
         let conn = crate::connection::Connector::new(&self.settings)?
             .connect("amqp-delay gateway")
             .await?;
         let declared = self.declare(&conn).await;
         crate::broker::close_connection(&conn, "declared").await;
-        declared?;
-        follow::serve(self, announced, true, shutdown).await
+        declared
     }
 }
 

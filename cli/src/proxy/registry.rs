@@ -184,19 +184,25 @@ impl Registry {
         let _ = gateway.send(pair.clone());
         let end = Instant::now() + SERVE_WAIT;
         while Instant::now() < end {
-            let state = match self.connected().await {
-                Ok(guard) => match guard.as_ref() {
-                    Some(c) => amqp_delay::broker::queue_state(c, &pair.ingress_queue).await,
-                    None => return,
-                },
-                Err(_) => return,
+            let Ok(state) = self.ingress_state(pair).await else {
+                return;
             };
-            if matches!(state, Ok(Some(q)) if q.consumers > 0) {
+            if state.is_some_and(|q| q.consumers > 0) {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         tracing::warn!(ingress = %pair.ingress, "the pair is not served yet {SERVE_WAIT:?} after its registration; what is published meanwhile waits in its ingress queue, its delay counted from the publish");
+    }
+
+    /// `pair`'s ingress queue as a passive declare on the proxy's connection sees it (`None`:
+    /// missing); `Err` when the broker cannot be asked.
+    async fn ingress_state(&self, pair: &Pair) -> Result<Option<amqp_delay::broker::QueueState>> {
+        let guard = self.connected().await?;
+        let conn = guard
+            .as_ref()
+            .ok_or_else(|| super::config("no broker connection"))?;
+        amqp_delay::broker::queue_state(conn, &pair.ingress_queue).await
     }
 
     /// Ends delayed exchange `exchange`'s pair: called only after the broker deleted `exchange`
@@ -293,14 +299,11 @@ impl Registry {
                 let Ok(pair) = self.pair_for(&exchange) else {
                     continue;
                 };
-                let state = match self.connected().await {
-                    Ok(guard) => match guard.as_ref() {
-                        Some(c) => amqp_delay::broker::queue_state(c, &pair.ingress_queue).await,
-                        None => continue,
-                    },
+                let q = match self.ingress_state(&pair).await {
+                    Ok(Some(q)) => q,
+                    Ok(None) => continue,
                     Err(_) => break,
                 };
-                let Ok(Some(q)) = state else { continue };
                 if q.ready == 0 || q.consumers > 0 {
                     logged.remove(&exchange);
                     continue;
