@@ -128,6 +128,11 @@ pub struct Metrics {
     /// `delay-proxy`: delayed exchanges whose ingress queue holds messages that no gateway
     /// consumes (checked every few seconds).
     pub proxy_pairs_unserved: Gauge,
+    /// `delay-proxy`: delayed publishes the broker returned to their client because the pair's
+    /// ingress queue was gone (nothing held them).
+    pub proxy_delayed_returned: Counter,
+    /// `delay-proxy`: ingress queues of known pairs found gone and declared again.
+    pub proxy_ingresses_restored: Counter,
 }
 
 /// Lateness buckets: 1 ms to 5 min.
@@ -171,6 +176,8 @@ impl Metrics {
             proxy_delayed_publishes: Counter::default(),
             proxy_pairs_registered: Counter::default(),
             proxy_pairs_unserved: Gauge::default(),
+            proxy_delayed_returned: Counter::default(),
+            proxy_ingresses_restored: Counter::default(),
             proxy_pairs_ended: Counter::default(),
             proxy_pairs_known: Gauge::default(),
         };
@@ -202,6 +209,16 @@ impl Metrics {
             "proxy_pairs_unserved",
             "delay-proxy: delayed exchanges whose ingress queue holds messages that no gateway consumes",
             self.proxy_pairs_unserved.clone(),
+        );
+        self.registry.register(
+            "proxy_delayed_returned",
+            "delay-proxy: delayed publishes returned to their client (312 NO_ROUTE) because the pair's ingress queue was gone",
+            self.proxy_delayed_returned.clone(),
+        );
+        self.registry.register(
+            "proxy_ingresses_restored",
+            "delay-proxy: ingress queues of known delayed exchanges found gone and declared again",
+            self.proxy_ingresses_restored.clone(),
         );
         self.registry.register(
             "proxy_pairs_registered",

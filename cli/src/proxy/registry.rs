@@ -142,6 +142,9 @@ impl Registry {
             let guard = self.connected().await?;
             if let Some(conn) = guard.as_ref()
                 && amqp_delay::broker::exchange_exists(conn, &pair.ingress).await?
+                && amqp_delay::broker::queue_state(conn, &pair.ingress_queue)
+                    .await?
+                    .is_some()
             {
                 drop(guard);
                 self.announce(&pair).await;
@@ -301,7 +304,10 @@ impl Registry {
                 };
                 let q = match self.ingress_state(&pair).await {
                     Ok(Some(q)) => q,
-                    Ok(None) => continue,
+                    Ok(None) => {
+                        self.clone().restore(&exchange, &pair).await;
+                        continue;
+                    }
                     Err(_) => break,
                 };
                 if q.ready == 0 || q.consumers > 0 {
@@ -320,6 +326,28 @@ impl Registry {
             amqp_delay::metrics::global()
                 .proxy_pairs_unserved
                 .set(unserved);
+        }
+    }
+
+    /// Declares the ingress queue of known delayed exchange `exchange` again when it is gone
+    /// (deleted by hand, or by a teardown while clients still publish): meanwhile its delayed
+    /// publishes are returned to their clients ([`super::rewrite::server_frame`]), never
+    /// confirmed and dropped. A pair ended through the proxy is no longer known.
+    async fn restore(self: Arc<Self>, exchange: &str, pair: &Pair) {
+        let Some(writer) = self.pairs.a_writer(exchange) else {
+            return;
+        };
+        let x = escape_controls(exchange).into_owned();
+        tracing::error!(exchange = %x, queue = %pair.ingress_queue, "the ingress queue of a delayed exchange is gone: declaring it again (delayed publishes to it were returned to their clients meanwhile)");
+        let vhost = self.vhost.clone();
+        match self.ensure(exchange, &writer, &vhost).await {
+            Ok(()) => {
+                amqp_delay::metrics::global().proxy_ingresses_restored.inc();
+                tracing::info!(exchange = %x, queue = %pair.ingress_queue, "ingress queue declared again");
+            }
+            Err(e) => {
+                tracing::error!(exchange = %x, error = %amqp_delay::error_chain(&e), "could not declare the ingress queue again; delayed publishes to it are returned to their clients")
+            }
         }
     }
 

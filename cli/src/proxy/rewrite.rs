@@ -76,6 +76,12 @@ impl Pairs {
             .is_some_and(|k| k.writers.iter().any(|w| w == user))
     }
 
+    /// One writer of delayed exchange `exchange` (the first recorded), if it is known.
+    pub fn a_writer(&self, exchange: &str) -> Option<String> {
+        let map = self.by_exchange.read().unwrap_or_else(|e| e.into_inner());
+        map.get(exchange).and_then(|k| k.writers.first().cloned())
+    }
+
     /// Remembers a pair and adds `writers` to its own; true when the pair was new.
     pub fn insert(&self, exchange: &str, ingress: &str, writers: &[String]) -> bool {
         let mut a = self.by_exchange.write().unwrap_or_else(|e| e.into_inner());
@@ -404,9 +410,13 @@ impl ClientSide {
                 .and_then(|t| t.inner().get(X_DELAY));
             // present and not "no delay": the gateway delays it, or parks what it cannot read
             if value.is_some() && parse_x_delay(value, max_delay_ms) != Ok(0) {
+                // mandatory whatever the client asked: when the pair's ingress queue is gone
+                // nothing holds the message, and the client is told (a return) rather than
+                // confirmed a message dropped unseen
                 let publish = basic::Publish {
                     exchange: ShortString::try_new(held.ingress)
                         .map_err(|e| format!("a pair's ingress name: {e}"))?,
+                    mandatory: true,
                     ..held_publish(&out)?
                 };
                 amqp_delay::metrics::global().proxy_delayed_publishes.inc();
@@ -566,6 +576,13 @@ pub fn server_frame(raw: &Raw<'_>, pairs: &Pairs, acts: bool, cap: u32) -> Resul
         AMQPClass::Basic(basic::AMQPMethod::Return(r)) if acts => {
             match pairs.exchange_of(r.exchange.as_str()) {
                 Some(x) => {
+                    amqp_delay::metrics::global().proxy_delayed_returned.inc();
+                    tracing::error!(
+                        exchange = %escape_controls(&x),
+                        ingress = %escape_controls(r.exchange.as_str()),
+                        code = r.reply_code,
+                        "a delayed publish was returned to its client: nothing held it (the pair's ingress queue is gone?); the proxy declares it again within seconds"
+                    );
                     let exchange = ShortString::try_new(x)
                         .map_err(|e| format!("a delayed exchange's name: {e}"))?;
                     let r = basic::Return { exchange, ..r };

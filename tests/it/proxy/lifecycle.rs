@@ -282,3 +282,78 @@ async fn unserved_body() {
     );
     w.env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_publish_nothing_can_hold_is_returned_not_dropped_and_the_ingress_comes_back() {
+    within(returned_body()).await;
+}
+
+/// The pair's ingress queue deleted behind the proxy (by hand, as an operator might): a delayed
+/// publish without `mandatory` is returned to its client (312 NO_ROUTE, naming the client's
+/// exchange), never only confirmed; the proxy's log and metric name it, the proxy declares the
+/// queue again within seconds, and what is published then arrives, not early.
+async fn returned_body() {
+    let mut w = World::new(&["ret"]).await;
+    let x = w.exchange("ret");
+    let ingress = w.env.layout().proxy_ingress(&x);
+    let pair = pairs_of(&w.env, &[(ingress.as_str(), x.as_str())]).remove(0);
+    let app = w.proxy.connect().await;
+    declare_delayed(&app, &x, "direct").await;
+    let q = w.env.queue("app").await;
+    bind(&w.env.conn, &q, &x, "k").await;
+    w.served(&x).await;
+    let admin = w.env.conn.create_channel().await.unwrap();
+    admin
+        .queue_delete(pair.ingress_queue.as_str().into(), Default::default())
+        .await
+        .expect("deleting the ingress queue");
+
+    let ch = app.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let not_mandatory = BasicPublishOptions::default();
+    let confirm = ch
+        .basic_publish(
+            x.as_str().into(),
+            "k".into(),
+            not_mandatory,
+            b"lost?",
+            with_delay(Some(500), "lost?"),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let Confirmation::Ack(Some(returned)) = confirm else {
+        panic!("not returned: {confirm:?}\n{}", w.logs());
+    };
+    assert_eq!(returned.reply_code, 312, "{returned:?}");
+    assert_eq!(returned.exchange.as_str(), x, "names the client's exchange");
+    assert_eq!(
+        w.proxy.metric("amqp_delay_proxy_delayed_returned_total"),
+        1.0
+    );
+    logged(&w, "a delayed publish was returned to its client").await;
+
+    // declared again by the proxy's check, and served: delayed publishes work again
+    logged(&w, "ingress queue declared again").await;
+    assert_eq!(
+        w.proxy.metric("amqp_delay_proxy_ingresses_restored_total"),
+        1.0
+    );
+    w.served(&x).await;
+    let msgs = vec![(300, b"after".to_vec(), with_delay(Some(300), "after"))];
+    let sent = publish_all(&app, &x, "k", msgs).await;
+    let got = collect(
+        &w.env.conn,
+        &q,
+        1,
+        Duration::from_secs(20),
+        Duration::from_millis(300),
+    )
+    .await;
+    check(&sent, &got);
+    let _ = app.close(200, "bye".into()).await;
+    w.env.cleanup().await;
+}
