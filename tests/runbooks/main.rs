@@ -1,5 +1,5 @@
-//! The documentation's procedures, run as written: MIGRATING's runbook A (in place) and B
-//! (blue-green), and the README's quick start "by hand". Their ```sh blocks are read from the
+//! The documentation's procedures, run as written: MIGRATING's "Change only the URL", runbook A
+//! (in place) and B (blue-green), and the README's quick start "by hand". Their ```sh blocks are read from the
 //! markdown at run time (`markdown`), so the test runs what the docs say today, and run in order
 //! with `bash -euo pipefail -c` as one terminal session (`shell`), with only the environment the
 //! text names: the users it names, made as it says, with the permission sets its own
@@ -13,6 +13,7 @@
 //! machine take turns (a lock file): the nodes' names and the quick start's queue are fixed.
 
 mod app;
+mod change_url;
 mod markdown;
 mod migrating;
 mod nodes;
