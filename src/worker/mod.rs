@@ -14,9 +14,11 @@
 
 mod acks;
 mod counters;
+mod hold;
 mod in_hand;
 mod process;
 mod session;
+mod trusted;
 
 pub use counters::Counters;
 pub(crate) use counters::Event;

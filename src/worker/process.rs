@@ -12,6 +12,8 @@ use rand::Rng;
 use tokio::sync::Semaphore;
 
 use super::acks::Settle;
+use super::hold::hold_until_due;
+use super::trusted::{believed_headers, member_properties, owner_of, strip_our_headers};
 use super::{Context, Counters, Event, Handler, Outcome};
 use crate::batch;
 use crate::cancel::{Cancellations, Steer, Subject};
@@ -52,7 +54,7 @@ pub(super) struct TaskCtx {
 }
 
 /// How a message (or a member) ended.
-enum Done {
+pub(super) enum Done {
     Succeeded,
     Retried,
     Parked,
@@ -151,98 +153,6 @@ async fn park_returned(
     tracing::warn!(queue, id = %d.message_id, %reason, "parking a message the broker keeps delivering");
     let r = park(&d, &reason, "delivery_limit", ctx).await;
     settle(acker, queue, &d.message_id, r, requeue).await;
-}
-
-/// Who owns a message with properties `props` (a plain one, or a batch member whose batch
-/// had `batch`): its writer's `user_id`, or the owner a forwarder of ours named
-/// ([`Trust::owner`]). A member's own `user_id` is not the broker's to check: its batch's is.
-fn owner_of(
-    props: &lapin::BasicProperties,
-    batch: Option<&lapin::BasicProperties>,
-    ctx: &TaskCtx,
-) -> Option<String> {
-    let writer = batch
-        .unwrap_or(props)
-        .user_id()
-        .as_ref()
-        .map(|u| u.as_str());
-    ctx.trust
-        .owner(writer, envelope::owner_header(props).as_deref())
-}
-
-/// A batch member's properties as if it had been delivered alone: the `user_id` its batch's
-/// writer had (the broker checked that one), never one the member claims, and only the
-/// headers that writer is believed in ([`believed_headers`]).
-fn member_properties(
-    member: lapin::BasicProperties,
-    batch: &lapin::BasicProperties,
-    trust: &Trust,
-    queue: &str,
-) -> lapin::BasicProperties {
-    let omit = envelope::Omit {
-        user_id: true,
-        ..envelope::Omit::default()
-    };
-    let writer = batch.user_id().as_ref().map(|u| u.as_str());
-    let p = believed_headers(
-        envelope::copy_properties(&member, omit),
-        writer,
-        trust,
-        queue,
-    );
-    match batch.user_id() {
-        Some(u) => p.with_user_id(u.clone()),
-        None => p,
-    }
-}
-
-/// `props` with only the `x-delay-*` headers its writer is believed in: all of them from one
-/// of ours (this process's user, a peer, an admin), only the schedule headers from anyone else
-/// (a forged `x-delay-routing-key` would redirect a forward, a forged `x-delay-user-id` name
-/// another user); the others are removed, counted and logged.
-fn believed_headers(
-    props: lapin::BasicProperties,
-    writer: Option<&str>,
-    trust: &Trust,
-    queue: &str,
-) -> lapin::BasicProperties {
-    let Some(h) = props.headers().as_ref() else {
-        return props;
-    };
-    let forged = |k: &str| headers::is_ours(k) && !headers::is_schedule_header(k);
-    if trust.vouches_for_headers(writer) || !h.inner().keys().any(|k| forged(k.as_str())) {
-        return props;
-    }
-    let names: Vec<String> = h
-        .inner()
-        .keys()
-        .filter(|k| forged(k.as_str()))
-        .map(|k| k.to_string())
-        .collect();
-    let writer = writer.unwrap_or("(none)");
-    tracing::warn!(queue, %writer, headers = %names.join(","), "removed x-delay-* headers its writer may not set");
-    let metrics = crate::metrics::global();
-    let label = Metrics::queue(queue);
-    metrics
-        .untrusted_headers_removed
-        .get_or_create(&label)
-        .inc();
-    let clean = headers::filter(h, |k| !forged(k));
-    props.with_headers(clean)
-}
-
-/// An application's message (a queue whose handler does not read our headers): it cannot set
-/// our headers, nor pass for a batch. [`headers::ADDED_USER_ID`] is kept: it only keeps the
-/// message's own `user_id` from being named at the target; so is [`headers::PUBLISHED_AT`],
-/// which can only shorten the writer's own delay.
-fn strip_our_headers(raw: &mut lapin::message::Delivery) {
-    let h = raw.properties.headers().clone().unwrap_or_default();
-    let forged =
-        |k: &str| headers::is_ours(k) && k != headers::ADDED_USER_ID && k != headers::PUBLISHED_AT;
-    if h.inner().keys().any(|k| forged(k.as_str())) {
-        let clean = headers::filter(&h, |k| !forged(k));
-        raw.properties = raw.properties.clone().with_headers(clean);
-    }
 }
 
 /// A batch: every member runs (and is retried, parked or put back) on its own; the batch is
@@ -487,104 +397,6 @@ fn ran(ctx: &TaskCtx, d: &Delivery, outcome: RunOutcome) {
     });
 }
 
-/// Holds `d` until `due` (its cancel sync done on the way, half a notice before), never
-/// returning before it. `Some` when it is not to run now: the worker is stopping
-/// ([`Done::NotStarted`]), or it came more than `consumer.max_hold` early and was sent through
-/// the tiers again for the rest ([`Done::Retried`]).
-async fn hold_until_due(
-    d: &Delivery,
-    due: u64,
-    ctx: &TaskCtx,
-    may_skip: bool,
-) -> Result<Option<Done>> {
-    // the cancel sync it needs may start half a notice before its due time: done while it is
-    // held, it adds nothing to its lateness
-    let sync_at = due.saturating_sub(ctx.cancels.notice_ms() / 2);
-    let held = match hold_until(sync_at, due, ctx, may_skip).await {
-        Hold::Due if sync_at < due && now_ms() < due => {
-            if ctx.cancels.sync_for(Some(due)).await? {
-                ctx.counters.count(Event::CancelSync, &d.queue);
-            }
-            hold_until(due, due, ctx, may_skip).await
-        }
-        other => other,
-    };
-    match held {
-        Hold::Due => Ok(None),
-        Hold::Stopping => Ok(Some(Done::NotStarted)),
-        Hold::TooEarly(left) => {
-            let reason = format!(
-                "arrived {} before its due time, more than consumer.max_hold ({}): sent through the tiers again for the rest",
-                crate::time::DurationMs(left),
-                ctx.settings.max_hold
-            );
-            tracing::warn!(queue = %d.queue, id = %d.message_id, %reason);
-            reschedule(
-                d,
-                &reason,
-                ctx,
-                d.attempt,
-                left.min(ctx.layout.max_delay_ms()),
-            )
-            .await?;
-            Ok(Some(Done::Retried))
-        }
-    }
-}
-
-/// How waiting for a due time ended.
-enum Hold {
-    /// It is due now.
-    Due,
-    /// The worker began stopping while it waited (only when it may be skipped).
-    Stopping,
-    /// It is due in this many ms, more than `consumer.max_hold`: not held.
-    TooEarly(u64),
-}
-
-/// Waits until `until` (ms since the epoch, by this machine's clock; at most the message's
-/// `due` time), never returning before it; a message due further off than
-/// `consumer.max_hold` is not waited for. Counted in the `held` gauge while it waits.
-async fn hold_until(until: u64, due: u64, ctx: &TaskCtx, may_skip: bool) -> Hold {
-    let now = now_ms();
-    let left = due.saturating_sub(now);
-    if left > ctx.settings.max_hold.as_millis() {
-        return Hold::TooEarly(left);
-    }
-    let target = until.min(due);
-    let Some(mut step) = hold_sleep(now, target, may_skip) else {
-        return Hold::Due;
-    };
-    let held = &crate::metrics::global().held;
-    held.inc();
-    let end = loop {
-        if may_skip && ctx.stopping.load(Ordering::Relaxed) {
-            break Hold::Stopping;
-        }
-        tokio::time::sleep(Duration::from_millis(step)).await;
-        match hold_sleep(now_ms(), target, may_skip) {
-            None => break Hold::Due,
-            Some(s) => step = s,
-        }
-    };
-    held.dec();
-    end
-}
-
-/// How long the hold sleeps at `now` before it looks at the clock again, waiting for `target`
-/// (both ms since the epoch, the wall clock); `None` once `target` has come. The timer runs on
-/// the monotonic clock, the due time on the wall clock, so the hold looks again after every
-/// wake-up and never takes a wake-up for the due time itself. A message that may be skipped is
-/// looked at at least every 100 ms, so a stopping worker gives it back (a batch's members run
-/// to the end anyway).
-fn hold_sleep(now: u64, target: u64, may_skip: bool) -> Option<u64> {
-    let left = target.saturating_sub(now);
-    if left == 0 {
-        return None;
-    }
-    Some(if may_skip { left.min(100) } else { left })
-}
-
 /// Runs the handler (within `consumer.handler_timeout`), again with a growing pause while it
 /// says "not now", for up to `consumer.requeue_hold`; `None` when the message was cancelled
 /// meanwhile. Observes lateness, time in the handler and the handlers in flight.
@@ -692,7 +504,7 @@ fn cancelled(d: &Delivery, ctx: &TaskCtx, what: &str) {
 }
 
 /// Re-schedules a copy of `d` through the tiers after `delay` ms with attempt `attempt`.
-async fn reschedule(
+pub(super) async fn reschedule(
     d: &Delivery,
     reason: &str,
     ctx: &TaskCtx,
@@ -757,9 +569,10 @@ async fn park(d: &Delivery, reason: &str, kind: &str, ctx: &TaskCtx) -> Result<(
 
 #[cfg(test)]
 mod tests {
-    use super::{believed_headers, hold_sleep};
+    use super::believed_headers;
     use crate::settings::TrustSettings;
     use crate::trust::Trust;
+    use crate::worker::hold::hold_sleep;
     use lapin::BasicProperties;
     use lapin::types::{AMQPValue, FieldTable};
     use proptest::prelude::*;
