@@ -7,6 +7,7 @@ mod app;
 mod capacity;
 mod measure;
 mod publish;
+mod published;
 mod scenario;
 mod stage;
 mod sustained;

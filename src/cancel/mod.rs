@@ -59,6 +59,9 @@ use stream::{Starting, pump, steps_back, wait_progress, write_checkpoint};
 
 /// Executed ids remembered, to report a cancel that arrived too late.
 const RECENTLY_EXECUTED: usize = 10_000;
+
+/// What the follower's skips name as their source (`amqp_delay_skipped_total`'s `kind`).
+const KIND: &str = "control stream";
 /// Tombstones kept after their `until`, at most (the most recently expired).
 pub const EXPIRED_KEPT: usize = 100_000;
 /// How long after its `until` an expired tombstone is kept: the control stream keeps records

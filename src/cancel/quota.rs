@@ -205,7 +205,7 @@ impl<R: Rule> Pool<R> {
         let r = self.remove(&key);
         if let Some(r) = &r {
             crate::stream_log::skipped(
-                super::state::KIND,
+                super::KIND,
                 "rules_full",
                 &format!(
                     "one of the {} of '{}', held until now: the owners together hold {}, the \

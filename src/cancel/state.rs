@@ -9,7 +9,7 @@ use tokio::sync::oneshot;
 
 use super::quota::{MOVES, PURGES};
 use super::steer::{PURGES_PER_PART, Rules};
-use super::{CHECKPOINT_PART, EXPIRED_KEPT, EXPIRED_KEPT_MS, MAX_LIVE};
+use super::{CHECKPOINT_PART, EXPIRED_KEPT, EXPIRED_KEPT_MS, KIND, MAX_LIVE};
 use crate::control::{HeldPurge, MAX_ID_BYTES, MAX_ITEMS, Move, Record};
 use crate::stream_log::skipped;
 use crate::trust::Trust;
@@ -36,8 +36,6 @@ const MAX_PARTS: u32 = ((MAX_LIVE + EXPIRED_KEPT) / CHECKPOINT_PART
 /// Users writing cancels a checkpoint allows for: far more than a deployment has (users are
 /// broker accounts an administrator creates).
 const MAX_WRITERS: usize = 10_000;
-
-pub(super) const KIND: &str = "control stream";
 
 /// A tombstone's name: the cancelled message id and the user who wrote the cancel (it stops
 /// only that user's messages, or any when the user is an admin: [`Trust::may_cancel`]).

@@ -12,7 +12,7 @@ use rand::Rng;
 use tokio::sync::Semaphore;
 
 use super::acks::Settle;
-use super::hold::hold_until_due;
+use super::hold::{Hold, hold_until};
 use super::trusted::{believed_headers, member_properties, owner_of, strip_our_headers};
 use super::{Context, Counters, Event, Handler, Outcome};
 use crate::batch;
@@ -54,7 +54,7 @@ pub(super) struct TaskCtx {
 }
 
 /// How a message (or a member) ended.
-pub(super) enum Done {
+enum Done {
     Succeeded,
     Retried,
     Parked,
@@ -106,7 +106,7 @@ pub(super) async fn delivery<H: Handler>(
         batch_delivery(raw, acker, queue, handler, ctx, requeue).await;
         return;
     }
-    let owner = owner_of(&raw.properties, None, ctx);
+    let owner = owner_of(&raw.properties, None, &ctx.trust);
     let mut decoded = envelope::decode(
         queue,
         raw.data,
@@ -208,7 +208,7 @@ async fn batch_delivery<H: Handler>(
     let runs = futures::stream::iter(members).map(|m| async move {
         // the whole batch was parsed before the first member was given out
         let m = m.map_err(|reason| Error::Invalid(format!("invalid batch: {reason}")))?;
-        let owner = owner_of(&m.properties, Some(batch_props), ctx);
+        let owner = owner_of(&m.properties, Some(batch_props), &ctx.trust);
         let props = member_properties(m.properties, batch_props, &ctx.trust, queue);
         let mut decoded = envelope::decode(queue, m.body, props, key, exchange, redelivered);
         decoded.0.owner = owner;
@@ -397,6 +397,52 @@ fn ran(ctx: &TaskCtx, d: &Delivery, outcome: RunOutcome) {
     });
 }
 
+/// Holds `d` until `due` (its cancel sync done on the way, half a notice before), never
+/// returning before it. `Some` when it is not to run now: the worker is stopping
+/// ([`Done::NotStarted`]), or it came more than `consumer.max_hold` early and was sent through
+/// the tiers again for the rest ([`Done::Retried`]).
+async fn hold_until_due(
+    d: &Delivery,
+    due: u64,
+    ctx: &TaskCtx,
+    may_skip: bool,
+) -> Result<Option<Done>> {
+    // the cancel sync it needs may start half a notice before its due time: done while it is
+    // held, it adds nothing to its lateness
+    let sync_at = due.saturating_sub(ctx.cancels.notice_ms() / 2);
+    let max_hold = ctx.settings.max_hold.as_millis();
+    let held = match hold_until(sync_at, due, max_hold, &ctx.stopping, may_skip).await {
+        Hold::Due if sync_at < due && now_ms() < due => {
+            if ctx.cancels.sync_for(Some(due)).await? {
+                ctx.counters.count(Event::CancelSync, &d.queue);
+            }
+            hold_until(due, due, max_hold, &ctx.stopping, may_skip).await
+        }
+        other => other,
+    };
+    match held {
+        Hold::Due => Ok(None),
+        Hold::Stopping => Ok(Some(Done::NotStarted)),
+        Hold::TooEarly(left) => {
+            let reason = format!(
+                "arrived {} before its due time, more than consumer.max_hold ({}): sent through the tiers again for the rest",
+                crate::time::DurationMs(left),
+                ctx.settings.max_hold
+            );
+            tracing::warn!(queue = %d.queue, id = %d.message_id, %reason);
+            reschedule(
+                d,
+                &reason,
+                ctx,
+                d.attempt,
+                left.min(ctx.layout.max_delay_ms()),
+            )
+            .await?;
+            Ok(Some(Done::Retried))
+        }
+    }
+}
+
 /// Runs the handler (within `consumer.handler_timeout`), again with a growing pause while it
 /// says "not now", for up to `consumer.requeue_hold`; `None` when the message was cancelled
 /// meanwhile. Observes lateness, time in the handler and the handlers in flight.
@@ -504,7 +550,7 @@ fn cancelled(d: &Delivery, ctx: &TaskCtx, what: &str) {
 }
 
 /// Re-schedules a copy of `d` through the tiers after `delay` ms with attempt `attempt`.
-pub(super) async fn reschedule(
+async fn reschedule(
     d: &Delivery,
     reason: &str,
     ctx: &TaskCtx,

@@ -1,7 +1,6 @@
 //! What a worker believes of a delivery's writer: who owns it, and which of our headers it may
 //! have set (a batch member's, an application's).
 
-use super::process::TaskCtx;
 use crate::envelope;
 use crate::headers;
 use crate::metrics::Metrics;
@@ -13,15 +12,14 @@ use crate::trust::Trust;
 pub(super) fn owner_of(
     props: &lapin::BasicProperties,
     batch: Option<&lapin::BasicProperties>,
-    ctx: &TaskCtx,
+    trust: &Trust,
 ) -> Option<String> {
     let writer = batch
         .unwrap_or(props)
         .user_id()
         .as_ref()
         .map(|u| u.as_str());
-    ctx.trust
-        .owner(writer, envelope::owner_header(props).as_deref())
+    trust.owner(writer, envelope::owner_header(props).as_deref())
 }
 
 /// A batch member's properties as if it had been delivered alone: the `user_id` its batch's

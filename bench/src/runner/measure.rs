@@ -20,7 +20,7 @@ use amqp_delay::{Error, Result};
 
 use super::Bench;
 use super::app::{AppEnd, Sender};
-use super::publish::Published;
+use super::published::Published;
 use super::stage::{Path, Stage, Target};
 use super::tracker::{Lateness, Tracker, steady_window};
 use crate::amqp::{declare_plain_queue, delete_queue};

@@ -13,56 +13,13 @@ use lapin::types::{AMQPValue, FieldTable};
 use amqp_delay::headers;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Message, Result};
-use amqp_delay_cli::cli::chain;
 
 use super::Bench;
 use super::app::Sender;
 use super::measure::Running;
+use super::published::Published;
 use super::stage::Target;
 use super::tracker::BENCH_DUE_AT;
-
-/// What the publishers did in one pass: the indexes that failed and how long publishing took.
-pub(super) struct Published {
-    pub(super) failed: Vec<usize>,
-    pub(super) first_error: Option<String>,
-    pub(super) hops_sum: u64,
-    pub(super) publish_s: f64,
-    /// Paced passes: the longest a message waited past its release time for its publisher to
-    /// take it (0 when the publishers kept up).
-    pub(super) release_lag_ms: u64,
-}
-
-impl Published {
-    fn empty() -> Self {
-        Published {
-            failed: Vec::new(),
-            first_error: None,
-            hops_sum: 0,
-            publish_s: 0.0,
-            release_lag_ms: 0,
-        }
-    }
-
-    /// One publish's result: its planned hops, or its index as failed (the first error kept).
-    fn note(&mut self, i: usize, r: Result<usize>) {
-        match r {
-            Ok(h) => self.hops_sum += h as u64,
-            Err(e) => {
-                self.failed.push(i);
-                self.first_error.get_or_insert_with(|| chain(&e));
-            }
-        }
-    }
-
-    /// Adds one publisher's share (the first error of the earliest publisher kept).
-    fn add(&mut self, share: Published) {
-        self.failed.extend(share.failed);
-        if self.first_error.is_none() {
-            self.first_error = share.first_error;
-        }
-        self.hops_sum += share.hops_sum;
-    }
-}
 
 impl Bench<'_> {
     /// Publishes message `i` (`0..n`) with `delays[i]` where the run's target says (raw: no
