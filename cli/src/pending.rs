@@ -1,4 +1,4 @@
-//! The `pending` application (issue 47): what is scheduled and not yet run, seen and steered.
+//! The `pending` application: what is scheduled and not yet run, seen and steered.
 //! [`follow`] reads the journal and the control stream into a [`crate::pending_index`];
 //! [`service`] answers and steers for the CLI, the HTTP API ([`http`]) and the console, with
 //! the rights of the user who asks; [`auth`] checks an HTTP login against the broker.

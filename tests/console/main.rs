@@ -1,4 +1,4 @@
-//! `delay-console` in a real browser (issue 48): headless Chromium through chromedriver, a real
+//! `delay-console` in a real browser: headless Chromium through chromedriver, a real
 //! broker, the real binaries; the console follows the journal into its own index. 300 messages
 //! wait for A and 200 for B; a person logs in with the broker's guest credentials, sees A with
 //! 300 and B with 200, searches `b-7`, sees its destination and due time, cancels it from its

@@ -1,4 +1,4 @@
-//! Leader spread (issue 24): a quorum queue's leader does its TTL expiry and dead-lettering, so
+//! Leader spread: a quorum queue's leader does its TTL expiry and dead-lettering, so
 //! the tiers must not all be led from the node the declaring connection happens to use. The
 //! topology, declared through node 1 only, has its queues' leaders on every node of the
 //! cluster (`x-queue-leader-locator: balanced` on every queue we declare; the cluster's nodes

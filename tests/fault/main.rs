@@ -1,4 +1,4 @@
-//! The fault suite (issue 10): amqp-delay on a real 3-node RabbitMQ cluster started by
+//! The fault suite: amqp-delay on a real 3-node RabbitMQ cluster started by
 //! `scripts/cluster.sh` beside the main broker (nodes adfault1..3@localhost, AMQP 5701..5703,
 //! management 15701..15703;
 //! the broker on 5672 is never touched). The cluster comes up once per binary (the tests FAIL

@@ -1,4 +1,4 @@
-//! A node lost for good (issue 24): the other scenarios restart the node they kill; production
+//! A node lost for good: the other scenarios restart the node they kill; production
 //! nodes also die and stay dead. 2,000 messages of 2–15 s scheduled (and one more sent while
 //! the node is down), a worker on node 2, node 1 killed with `kill -9` and left down.
 //!

@@ -1,4 +1,4 @@
-//! Attacks of issue 23 replayed against the fixed code: records anyone allowed to write a
+//! Attacks once made on the trust rules, replayed against the fixed code: records anyone allowed to write a
 //! stream may append (2: a never-expiring tombstone; 3: a snapshot that covers everything) and
 //! a batch announcing more members than a batch may hold (7). Each test fails on the code
 //! before the fix.

@@ -290,7 +290,7 @@ async fn fake_management(body: String) -> (u16, std::sync::Arc<std::sync::atomic
 
 /// Messages held by the broker's dead-letter worker (unacknowledged, invisible over AMQP) are
 /// counted from the management API: `stats` shows them with the tier's leader, and `teardown`
-/// refuses to call the topology empty (issue 10: it once removed a topology with 7 389 held
+/// refuses to call the topology empty (it once removed a topology with 7 389 held
 /// messages). The management API is a stand-in answering what RabbitMQ's answers after a
 /// restart: a tier with 0 ready and 7 unacknowledged messages.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

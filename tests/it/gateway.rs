@@ -859,7 +859,7 @@ async fn teardown_removes_the_gateway_queues_without_a_config() {
     .await;
 }
 
-/// Teardown deletes only what it owns (issue 23, attack 5): gateway-pair records that anyone
+/// Teardown deletes only what it owns: gateway-pair records that anyone
 /// allowed to write the control stream may append, naming another application's exchange and a
 /// broker's own, leave both (listed with the reason) and the rest is deleted all the same; a
 /// pair the configuration names is deleted whatever its name.

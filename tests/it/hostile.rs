@@ -1,4 +1,4 @@
-//! Hostile and careless input against every binary (issue 11): nothing panics, every refusal
+//! Hostile and careless input against every binary: nothing panics, every refusal
 //! names what is wrong, nothing valid is lost because of a bad neighbour, no reserved header
 //! gets through, nothing hangs on a silent server, and a timed-out handler leaves no process.
 

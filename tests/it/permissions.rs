@@ -471,7 +471,7 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     };
     assert!(pair_exists().await);
     // the ingress is outside the prefix: teardown deletes it only when the configuration
-    // names its pair (a record in the control stream is not enough, issue 23)
+    // names its pair (a record in the control stream is not enough)
     let cfg_pairs = temp_path(&p, "perm-pairs.toml");
     let mut text = std::fs::read_to_string(&cfg).unwrap();
     text.push_str(&format!(

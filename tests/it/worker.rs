@@ -841,7 +841,7 @@ async fn ready(env: &Env, q: &str) -> u32 {
 /// With the default `consumer.hold_prefetch` (512 on top of the prefetch of 64) about 500
 /// deliveries that have not started are in hand at the stop: a stop that nacked them one by
 /// one pushed the consumer channel of the quorum queue past its 32 unapplied Raft commands,
-/// the broker stashed the acks that followed and dropped them with the channel (issue 22: 48
+/// the broker stashed the acks that followed and dropped them with the channel (once: 48
 /// finished deliveries ready again on 4.0.5; 48, 35 and 57 on 3.10.8, in one run of two to
 /// ten). 1 000 messages, so that at the stop some are finished, some in hand and some still
 /// in the queue.

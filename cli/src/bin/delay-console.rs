@@ -1,4 +1,4 @@
-//! `delay-console`: a web page to see and steer what is waiting (issue 48). Thin: the work is
+//! `delay-console`: a web page to see and steer what is waiting. Thin: the work is
 //! in `amqp_delay_cli::console`.
 
 use amqp_delay_cli::cli::{self, EXIT_USAGE, GlobalArgs};

@@ -1,4 +1,4 @@
-//! `delay-console` (issue 48): one small web application to see and steer what is waiting.
+//! `delay-console`: one small web application to see and steer what is waiting.
 //!
 //! * **The index** is the console's own: the pending follower ([`crate::pending::follow`])
 //!   keeps it up to date from the journal and the control stream, as `pending serve` does.

@@ -1,5 +1,5 @@
 //! The proxy acts only for its own client, and only for what the broker let that client do
-//! (issue 43's attacks 3 and 4, replayed). On the TLS test node's plain port, where users and
+//! (two attacks once made on it, replayed). On the TLS test node's plain port, where users and
 //! virtual hosts are created: each user holds exactly the set `deploy/rabbitmq/permissions.sh`
 //! prints (admin, proxy, gateway, and applications A of `P-a.x`, B and B2 of `P-b.x`); A also
 //! has a virtual host of its own where it may do anything. Before, A registered a pair for
