@@ -22,7 +22,6 @@ const LAYERS: &[(&str, u8)] = &[
     ("message", 0),
     ("metrics", 0),
     ("retry", 0),
-    ("jsonl", 0),
     ("settings", 0),
     ("tally", 0),
     ("error", 0),
@@ -37,6 +36,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("topology", 1),
     ("publisher", 1),
     ("parked", 1),
+    ("ops", 1),
     ("stream_log", 1),
     ("worker", 1),
     ("gateway", 2),
@@ -59,6 +59,12 @@ const TOOL_LAYERS: &[(&str, u8)] = &[
     ("pending_index", 2),
     ("proxy", 2),
     ("cli", 3),
+];
+
+/// The library's public modules: what an application uses (the root re-exports the rest of
+/// it), and `ops`, the operator API the tools use. Anything else stays inside the crate.
+const PUBLIC_MODULES: &[&str] = &[
+    "gateway", "headers", "layout", "metrics", "ops", "settings", "time", "trust",
 ];
 
 /// Crates only the tools or the benchmark use: never a normal, non-optional dependency of the
@@ -239,6 +245,29 @@ fn every_reference_points_down_or_sideways() {
 }
 
 #[test]
+fn the_public_surface_is_the_listed_modules() {
+    let lib = code_of(&root().join("src/lib.rs"));
+    let public: BTreeSet<&str> = lib
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("pub mod "))
+        .map(|l| l.trim_end_matches(';').trim())
+        .collect();
+    let listed: BTreeSet<&str> = PUBLIC_MODULES.iter().copied().collect();
+    assert_eq!(
+        public, listed,
+        "src/lib.rs's public modules differ from PUBLIC_MODULES: a module is public only when \
+         an application (or, in `ops`, a tool) needs it"
+    );
+    assert!(PUBLIC_MODULES.len() <= 8, "at most 8 public modules");
+    for line in lib.lines().map(str::trim) {
+        assert!(
+            !line.starts_with("pub use") || !line.contains("::*"),
+            "a glob re-export widens the surface unseen: {line}"
+        );
+    }
+}
+
+#[test]
 fn the_library_never_names_the_tools() {
     for (module, code) in sources() {
         assert!(
@@ -272,6 +301,151 @@ fn the_module_graph_has_no_cycle() {
     no_cycle(&edges(&sources()));
     no_cycle(&edges(&sources_in(&root().join("cli/src"))));
     no_cycle(&edges(&sources_in(&root().join("bench/src"))));
+    for src in ["src", "cli/src", "bench/src"] {
+        for (parent, graph) in sibling_graphs(&root().join(src)) {
+            let left = cycle_in(&graph);
+            assert!(
+                left.is_empty(),
+                "modules of {src}/{} in a cycle (through `crate::` or `super::` paths): {left:?}",
+                parent.join("/")
+            );
+        }
+    }
+}
+
+/// The module path of the file `rel` (relative to its crate's `src`): `runner/measure.rs` →
+/// `[runner, measure]`; a `mod.rs`, `lib.rs` or `main.rs` names its directory.
+fn module_path(rel: &Path) -> Vec<String> {
+    let mut parts: Vec<String> = rel
+        .iter()
+        .map(|p| p.to_string_lossy().trim_end_matches(".rs").to_string())
+        .collect();
+    if parts
+        .last()
+        .is_some_and(|l| ["mod", "lib", "main"].contains(&l.as_str()))
+    {
+        parts.pop();
+    }
+    parts
+}
+
+/// The identifier at the start of `s`.
+fn ident(s: &str) -> &str {
+    let end = s
+        .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .unwrap_or(s.len());
+    &s[..end]
+}
+
+/// The absolute module paths that the code of the module at `path` names with `crate::`,
+/// `super::` or `self::` (each name of a `{...}` group too), as far as identifiers go.
+fn named_paths(path: &[String], code: &str) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    for start in ["crate::", "super::", "self::"] {
+        for (i, _) in code.match_indices(start) {
+            let before = code[..i].chars().next_back();
+            if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
+                continue;
+            }
+            let mut base: Vec<String> = match start {
+                "crate::" => Vec::new(),
+                "self::" => path.to_vec(),
+                _ => path[..path.len().saturating_sub(1)].to_vec(),
+            };
+            let mut rest = &code[i + start.len()..];
+            while let Some(r) = rest.strip_prefix("super::") {
+                base.pop();
+                rest = r;
+            }
+            loop {
+                if let Some(group) = rest.strip_prefix('{') {
+                    let inner = &group[..group.find('}').unwrap_or(group.len())];
+                    for item in inner.split(',') {
+                        let name = ident(item.trim());
+                        if !name.is_empty() && name != "self" {
+                            out.push([base.clone(), vec![name.to_string()]].concat());
+                        }
+                    }
+                    break;
+                }
+                let name = ident(rest);
+                if name.is_empty() {
+                    break;
+                }
+                base.push(name.to_string());
+                rest = &rest[name.len()..];
+                match rest.strip_prefix("::") {
+                    Some(r) => rest = r,
+                    None => break,
+                }
+            }
+            out.push(base);
+        }
+    }
+    out
+}
+
+/// For the modules of the crate whose sources are in `src` (its `bin/` left out): for every
+/// module with children, the graph of those children, child `a` → child `b` when code in `a`
+/// (or below it) names `b` (or something below it).
+fn sibling_graphs(src: &Path) -> BTreeMap<Vec<String>, BTreeMap<String, BTreeSet<String>>> {
+    let files: Vec<(Vec<String>, String)> = files_in(src)
+        .into_iter()
+        .filter_map(|(file, code)| {
+            let rel = root().join(&file);
+            let rel = rel.strip_prefix(src).ok()?.to_path_buf();
+            (!rel.starts_with("bin")).then(|| (module_path(&rel), code))
+        })
+        .collect();
+    let mut graphs: BTreeMap<Vec<String>, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    for (path, _) in &files {
+        for k in 0..path.len() {
+            let children = graphs.entry(path[..k].to_vec()).or_default();
+            children.entry(path[k].clone()).or_default();
+        }
+    }
+    for (path, code) in &files {
+        for named in named_paths(path, code) {
+            let k = path.iter().zip(&named).take_while(|(a, b)| a == b).count();
+            if k >= path.len() || k >= named.len() {
+                continue;
+            }
+            let graph = graphs
+                .get_mut(&path[..k])
+                .expect("every prefix has a graph");
+            if graph.contains_key(&named[k]) {
+                let tos = graph.get_mut(&path[k]).expect("a child of its parent");
+                tos.insert(named[k].clone());
+            }
+        }
+    }
+    graphs
+}
+
+#[test]
+fn paths_are_read_through_super_self_and_groups() {
+    let path = ["runner".to_string(), "measure".to_string()];
+    let named = named_paths(
+        &path,
+        "use super::publish::Published; use super::{app::Sender, stage}; \
+         use crate::amqp::x; use self::inner::y; let a = my_super::z;",
+    );
+    let named: Vec<String> = named.iter().map(|p| p.join("::")).collect();
+    for want in [
+        "runner::publish::Published",
+        "runner::app",
+        "runner::stage",
+        "amqp::x",
+        "runner::measure::inner::y",
+    ] {
+        assert!(named.iter().any(|n| n == want), "{want} in {named:?}");
+    }
+    assert!(!named.iter().any(|n| n.ends_with('z')), "{named:?}");
+    assert_eq!(module_path(Path::new("runner/mod.rs")), ["runner"]);
+    assert_eq!(
+        module_path(Path::new("runner/measure.rs")),
+        ["runner", "measure"]
+    );
 }
 
 /// Every `.rs` file under `dir` (binaries included; not this file, whose messages name what they
@@ -336,6 +510,12 @@ fn only_the_bench_picks_an_allocator() {
 }
 
 fn no_cycle(g: &BTreeMap<String, BTreeSet<String>>) {
+    let left = cycle_in(g);
+    assert!(left.is_empty(), "modules in a cycle: {left:?}");
+}
+
+/// The modules of `g` left in or behind a cycle (none when it has no cycle).
+fn cycle_in(g: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
     // Kahn's algorithm: repeatedly remove modules nothing left depends on.
     let mut left: BTreeMap<String, BTreeSet<String>> = g.clone();
     loop {
@@ -351,7 +531,7 @@ fn no_cycle(g: &BTreeMap<String, BTreeSet<String>>) {
             left.remove(&m);
         }
     }
-    assert!(left.is_empty(), "modules in a cycle: {:?}", left.keys());
+    left.into_keys().collect()
 }
 
 #[test]

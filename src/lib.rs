@@ -19,17 +19,12 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Public modules: [`settings`] (every setting), [`layout`] (tier names and sizes), [`headers`]
-//! (the header names on the wire), [`time`] (durations as written in settings), [`trust`]
-//! (whose records and messages count for what), [`metrics`] (the Prometheus registry the
-//! library fills), [`batch`] (the batch envelope on the wire); for tools that operate a deployment, as the amqp-delay tools do:
-//! [`connection`] (brokers' URLs, connecting and reconnecting), [`broker`] (the AMQP
-//! primitives the library is built on), [`control`] (the control stream's records: gateway
-//! pairs, batch markers, cancels), [`cancel`] (following the cancels), [`ledger`] (counting
-//! the messages that wait), [`parked`] (list, retry and drop parked messages; an admin's
-//! tool) and [`gateway`] (the `x-delay` gateway's pairs); with the
-//! `management` feature, `management` (RabbitMQ's HTTP API, to count messages its dead-letter
-//! worker holds).
+//! Public modules, for applications: [`settings`] (every setting), [`layout`] (tier names and
+//! sizes), [`headers`] (the header names on the wire), [`time`] (durations as written in
+//! settings), [`trust`] (whose records and messages count for what), [`metrics`] (the
+//! Prometheus registry the library fills) and [`gateway`] (the `x-delay` gateway's pairs). For
+//! tools that operate a deployment, as the amqp-delay tools do: [`ops`] (the control and journal
+//! streams, cancels, the ledger, parked messages, broker primitives).
 //!
 //! Features: `management` (an HTTP client, for `Topology::stats_with`).
 //!
@@ -37,7 +32,6 @@
 //! when a public module or the root re-exports reach it.
 
 // ---- pure core: no I/O ---------------------------------------------------------------------
-pub mod batch;
 mod endpoints;
 mod envelope;
 mod error;
@@ -53,15 +47,12 @@ pub mod time;
 pub mod trust;
 
 // ---- broker edge ---------------------------------------------------------------------------
-pub mod broker;
-pub mod cancel;
-pub mod connection;
-pub mod control;
-pub mod journal;
-pub mod ledger;
+// the operator API's modules (batch, broker, cancel, connection, control, journal, ledger,
+// management, parked) are declared in `ops`; the library names them from the root
+pub mod ops;
 #[cfg(feature = "management")]
-pub mod management;
-pub mod parked;
+use ops::management;
+use ops::{batch, broker, cancel, connection, control, journal, ledger};
 mod publisher;
 // the one log both streams use
 mod stream_log;

@@ -58,7 +58,7 @@ pub struct Settings {
     pub cancel: CancelSettings,
     /// Whose records and messages count for what (see `amqp_delay::trust`).
     pub trust: TrustSettings,
-    /// The journal of what is scheduled (`amqp_delay::journal`).
+    /// The journal of what is scheduled (`amqp_delay::ops::journal`).
     pub journal: JournalSettings,
     /// The `pending` commands and `pending serve` (the tools' index of what is scheduled).
     pub pending: PendingSettings,
@@ -204,7 +204,7 @@ pub struct CancelSettings {
     pub notice: DurationMs,
     /// How long after its due time a cancelled message may still arrive (retries, handler
     /// timeouts, redeliveries): its tombstone is live that long (then kept, bounded in number,
-    /// for a week more; see `amqp_delay::cancel`). At least the consumer's retry horizon.
+    /// for a week more; see `amqp_delay::ops::cancel`). At least the consumer's retry horizon.
     pub horizon: DurationMs,
 }
 

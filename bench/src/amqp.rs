@@ -7,8 +7,9 @@ use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ExchangeKind};
 
-use amqp_delay::broker::{self, ResultExt};
-use amqp_delay::{Layout, QueueType, Result, connection};
+use amqp_delay::ops::broker::{self, ResultExt};
+use amqp_delay::ops::connection;
+use amqp_delay::{Layout, QueueType, Result};
 
 pub(crate) async fn connect(url: &str, name: &str) -> Result<Connection> {
     connection::connect(url, name).await

@@ -92,7 +92,7 @@ mod search;
 use std::io::IsTerminal;
 
 use amqp_delay::QueueType;
-use amqp_delay::connection::redact_url;
+use amqp_delay::ops::connection::redact_url;
 use amqp_delay::time::DurationMs;
 use amqp_delay_cli::cli::{self, EXIT_FAILURES, EXIT_USAGE, GlobalArgs};
 use clap::Parser;

@@ -178,14 +178,14 @@ fn free_port() -> Result<u16> {
 
 /// The first of `urls` with the address of a local proxy on `port`: how its clients reach it.
 pub(crate) fn client_url(urls: &str, port: u16) -> Result<String> {
-    let first = amqp_delay::connection::split_urls(urls)
+    let first = amqp_delay::ops::connection::split_urls(urls)
         .first()
         .cloned()
         .unwrap_or_default();
     let mut url = url::Url::parse(&first).map_err(|e| {
         invalid(format!(
             "the broker URL '{}' does not parse: {e}",
-            amqp_delay::connection::redact_url(&first)
+            amqp_delay::ops::connection::redact_url(&first)
         ))
     })?;
     if url.set_host(Some("127.0.0.1")).is_err() || url.set_port(Some(port)).is_err() {
@@ -200,7 +200,7 @@ pub(crate) fn client_url(urls: &str, port: u16) -> Result<String> {
 /// (given in the environment), the management URL, a metrics address.
 fn config_text(settings: &Settings) -> Result<String> {
     let mut s = settings.clone();
-    s.url = amqp_delay::connection::redact_url(&s.url);
+    s.url = amqp_delay::ops::connection::redact_url(&s.url);
     s.management_url = None;
     s.metrics_addr = None;
     toml::to_string(&s).map_err(|e| invalid(format!("writing delay-proxy's settings: {e}")))

@@ -4,6 +4,7 @@
 //! progress display and the problems found; one publish-and-consume pass is in `measure`.
 
 mod app;
+mod app_passes;
 mod capacity;
 mod measure;
 mod publish;
@@ -20,7 +21,7 @@ use std::time::{Duration, Instant};
 use lapin::Connection;
 
 use amqp_delay::QueueType;
-use amqp_delay::connection::redact_url;
+use amqp_delay::ops::connection::redact_url;
 use amqp_delay::{Layout, Precision, Publisher, Result, Settings, Topology};
 
 use crate::amqp::{connect, delete_topology};

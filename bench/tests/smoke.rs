@@ -121,7 +121,7 @@ async fn check_proxy(report: &Value) {
 
     let prefix = report["config"]["prefix"].as_str().expect("prefix");
     let px = Layout::new(&format!("{prefix}-px"), &TopologySettings::default()).expect("layout");
-    let conn = amqp_delay::connection::connect(&broker_url(), "bench smoke test")
+    let conn = amqp_delay::ops::connection::connect(&broker_url(), "bench smoke test")
         .await
         .expect("connect");
     let exchange = format!("{prefix}.proxy.sat.x");
@@ -130,7 +130,7 @@ async fn check_proxy(report: &Value) {
         exchange.clone(),
         px.proxy_ingress(&exchange),
     ] {
-        let exists = amqp_delay::broker::exchange_exists(&conn, &x)
+        let exists = amqp_delay::ops::broker::exchange_exists(&conn, &x)
             .await
             .expect("passive declare");
         assert!(!exists, "exchange '{x}' still exists after the run");
@@ -140,7 +140,7 @@ async fn check_proxy(report: &Value) {
         format!("{prefix}.proxy.sat"),
         format!("{prefix}.proxy.lat"),
     ] {
-        let state = amqp_delay::broker::queue_state(&conn, &q)
+        let state = amqp_delay::ops::broker::queue_state(&conn, &q)
             .await
             .expect("passive declare");
         assert!(state.is_none(), "queue '{q}' still exists after the run");
@@ -281,7 +281,7 @@ async fn check_every_scenario(report: &Value) {
     // everything the run declared is gone
     let prefix = report["config"]["prefix"].as_str().expect("prefix");
     assert!(prefix.starts_with("bench-"), "{prefix}");
-    let conn = amqp_delay::connection::connect(&broker_url(), "bench smoke test")
+    let conn = amqp_delay::ops::connection::connect(&broker_url(), "bench smoke test")
         .await
         .expect("connect");
     // the names the library gives: the run's four layouts (main, radix 2, the two gateways)
@@ -308,7 +308,7 @@ async fn check_every_scenario(report: &Value) {
         ingress_long.clone(),
     ];
     for x in &exchanges {
-        let exists = amqp_delay::broker::exchange_exists(&conn, x)
+        let exists = amqp_delay::ops::broker::exchange_exists(&conn, x)
             .await
             .expect("passive declare");
         assert!(!exists, "exchange '{x}' still exists after the run");
@@ -326,7 +326,7 @@ async fn check_every_scenario(report: &Value) {
         gwl.control_stream(),
     ];
     for q in &queues {
-        let state = amqp_delay::broker::queue_state(&conn, q)
+        let state = amqp_delay::ops::broker::queue_state(&conn, q)
             .await
             .expect("passive declare");
         assert!(state.is_none(), "queue '{q}' still exists after the run");

@@ -12,8 +12,8 @@ use tokio::io::AsyncWriteExt;
 use amqp_delay::Delivery;
 use amqp_delay::Error;
 use amqp_delay::Publisher;
-use amqp_delay::connection::Connector;
 use amqp_delay::headers;
+use amqp_delay::ops::connection::Connector;
 use amqp_delay::settings::{RouteConfig, Settings};
 use amqp_delay::time::now_ms;
 use amqp_delay::{Context, Handler, Outcome};
@@ -144,7 +144,7 @@ impl Action {
         let connector = Connector::new(settings)?;
         let check = connector.connect("amqp-delay forward check").await?;
         let exists = exchange_exists(&check, exchange).await;
-        amqp_delay::broker::close_connection(&check, "checked").await;
+        amqp_delay::ops::broker::close_connection(&check, "checked").await;
         if !exists? {
             return Err(Error::Missing {
                 object: format!("forward exchange '{exchange}'"),
@@ -208,7 +208,7 @@ impl ForwardOut {
                 let found = match self.connector.connect("amqp-delay forward check").await {
                     Ok(conn) => {
                         let r = exchange_exists(&conn, exchange).await;
-                        amqp_delay::broker::close_connection(&conn, "checked").await;
+                        amqp_delay::ops::broker::close_connection(&conn, "checked").await;
                         r
                     }
                     Err(e) => Err(e),
@@ -253,7 +253,7 @@ async fn exchange_exists(conn: &lapin::Connection, name: &str) -> Result<bool, E
     if name.is_empty() {
         return Ok(true);
     }
-    amqp_delay::broker::exchange_exists(conn, name).await
+    amqp_delay::ops::broker::exchange_exists(conn, name).await
 }
 
 impl Handler for Action {

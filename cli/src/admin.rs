@@ -5,11 +5,11 @@ use lapin::Connection;
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 
 use amqp_delay::Topology;
-use amqp_delay::broker::{self, ResultExt};
-use amqp_delay::control::{self, Record};
 use amqp_delay::gateway;
 use amqp_delay::layout::Layout;
-use amqp_delay::management::Management;
+use amqp_delay::ops::broker::{self, ResultExt};
+use amqp_delay::ops::control::{self, Record};
+use amqp_delay::ops::management::Management;
 use amqp_delay::settings::Settings;
 use amqp_delay::{Error, Result};
 
@@ -411,7 +411,7 @@ pub async fn pairs_and_parking(
 pub struct StatsSummary {
     /// Messages not yet due, counted from the ledger; `None` when the topology has none or it
     /// could not be read (`messages_error` says why).
-    pub messages: Option<amqp_delay::ledger::Counted>,
+    pub messages: Option<amqp_delay::ops::ledger::Counted>,
     /// Why the messages could not be counted.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub messages_error: Option<String>,
@@ -448,7 +448,7 @@ impl StatsSummary {
     /// The totals of `stats` and what counting the ledger gave.
     pub fn of(
         stats: &[amqp_delay::QueueStat],
-        counted: Result<Option<amqp_delay::ledger::Counted>>,
+        counted: Result<Option<amqp_delay::ops::ledger::Counted>>,
     ) -> StatsSummary {
         // saturating: the depths are the broker's (or its management API's) numbers
         let mut b = BrokerTotals::default();

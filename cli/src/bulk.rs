@@ -301,7 +301,7 @@ struct CancelLine {
 pub async fn cancel_jsonl<R: AsyncRead + Unpin + Send>(
     publisher: &Publisher,
     input: R,
-    mut done: impl FnMut(&amqp_delay::cancel::Cancelled),
+    mut done: impl FnMut(&amqp_delay::ops::cancel::Cancelled),
     failed: impl FnMut(usize, &str),
 ) -> (u64, u64) {
     let failed = std::cell::RefCell::new((0u64, failed));

@@ -133,7 +133,7 @@ pub async fn run(
     let layout = settings
         .layout()
         .map_err(amqp_delay::settings::SettingsError::from)?;
-    let conn = amqp_delay::connection::Connector::new(settings)?
+    let conn = amqp_delay::ops::connection::Connector::new(settings)?
         .connect("amqp-delay import-plugin")
         .await?;
     let conn = Arc::new(conn);
@@ -164,7 +164,7 @@ pub async fn run(
         r
     }
     .await;
-    amqp_delay::broker::close_connection(&conn, "bye").await;
+    amqp_delay::ops::broker::close_connection(&conn, "bye").await;
     result
 }
 

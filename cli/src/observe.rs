@@ -15,9 +15,9 @@ use axum::routing::get;
 
 use crate::admin;
 use amqp_delay::Topology;
-use amqp_delay::connection::Connector;
-use amqp_delay::ledger;
 use amqp_delay::metrics::{self, DueLabel, TierLabel};
+use amqp_delay::ops::connection::Connector;
+use amqp_delay::ops::ledger;
 use amqp_delay::settings::Settings;
 use amqp_delay::{Error, Result};
 

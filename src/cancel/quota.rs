@@ -325,7 +325,7 @@ pub(super) mod tests {
     };
 
     /// A worker's trust, with one admin, `admin`.
-    pub(in crate::cancel) fn trust() -> Trust {
+    pub(in crate::ops::cancel) fn trust() -> Trust {
         Trust::new(
             Some("worker".into()),
             &TrustSettings {

@@ -325,7 +325,7 @@ pub(crate) fn load_settings(
     let mut map = HashMap::new();
     for (k, v) in env {
         if k == "AMQP_URL" {
-            amqp_delay::connection::validate_urls(v)
+            amqp_delay::ops::connection::validate_urls(v)
                 .unwrap_or_else(|e| panic!("{what}: AMQP_URL: {e}"));
             continue;
         }

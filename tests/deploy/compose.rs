@@ -244,7 +244,7 @@ fn the_cluster_nodes_know_each_other_and_the_clients_know_all_of_them() {
             continue;
         }
         let urls = s(&svc["environment"]["AMQP_URL"]);
-        let in_url: BTreeSet<String> = amqp_delay::connection::split_urls(urls)
+        let in_url: BTreeSet<String> = amqp_delay::ops::connection::split_urls(urls)
             .iter()
             .map(|u| url::Url::parse(u).unwrap().host_str().unwrap().to_string())
             .collect();

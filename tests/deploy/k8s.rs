@@ -282,7 +282,7 @@ fn kubernetes_manifests_run_what_the_code_accepts() {
     }
     for (k, v) in secret_data {
         if k.ends_with("-url") {
-            amqp_delay::connection::validate_urls(s(v)).unwrap_or_else(|e| panic!("{k}: {e}"));
+            amqp_delay::ops::connection::validate_urls(s(v)).unwrap_or_else(|e| panic!("{k}: {e}"));
         }
     }
 }

@@ -182,7 +182,7 @@ async fn http_action_posts_and_maps_statuses() {
 /// is back, every message arrives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forward_to_a_missing_exchange_is_refused_at_start_and_never_costs_the_connection() {
-    use amqp_delay::broker;
+    use amqp_delay::ops::broker;
     use lapin::ExchangeKind;
     use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
     use lapin::types::FieldTable;

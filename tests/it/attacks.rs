@@ -5,11 +5,12 @@
 
 use std::time::Duration;
 
-use amqp_delay::batch;
-use amqp_delay::cancel::Cancellations;
+use amqp_delay::Message;
+use amqp_delay::ops::batch;
+use amqp_delay::ops::broker;
+use amqp_delay::ops::cancel::Cancellations;
 use amqp_delay::settings::PublisherSettings;
 use amqp_delay::time::{DurationMs, now_ms};
-use amqp_delay::{Message, broker};
 use lapin::BasicProperties;
 use lapin::options::BasicGetOptions;
 use lapin::types::FieldTable;
@@ -121,7 +122,7 @@ async fn a_forged_snapshot_covering_everything_hides_nothing() {
     // the first count reads everything (and leaves a snapshot of its own), the second starts
     // from that one: both see the 8
     for read in ["first", "second"] {
-        let c = amqp_delay::ledger::count(&env.conn, &layout, &Default::default())
+        let c = amqp_delay::ops::ledger::count(&env.conn, &layout, &Default::default())
             .await
             .unwrap()
             .expect("the topology has a ledger");
@@ -187,7 +188,7 @@ async fn read_on_fresh_connections<T>(
     env: &Env,
     read: impl AsyncFn(&lapin::Connection) -> amqp_delay::Result<T>,
 ) -> (Option<T>, Vec<String>) {
-    let connector = amqp_delay::connection::Connector::new(&env.settings).unwrap();
+    let connector = amqp_delay::ops::connection::Connector::new(&env.settings).unwrap();
     let mut lost = Vec::new();
     for _ in 0..6 {
         let conn = connector.connect("poison reader").await.unwrap();
@@ -217,7 +218,7 @@ async fn a_ledger_count_reads_past_a_record_over_frame_max_opening_its_window() 
         .unwrap();
     p.close().await;
     let (counted, lost) = read_on_fresh_connections(&env, async |conn| {
-        amqp_delay::ledger::count(conn, &layout, &Default::default()).await
+        amqp_delay::ops::ledger::count(conn, &layout, &Default::default()).await
     })
     .await;
     let counted = counted.flatten();
@@ -308,7 +309,7 @@ async fn a_control_record_over_frame_max_stops_no_worker_and_hides_no_cancel() {
 /// past it, to the pair registered after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_of_the_control_stream_go_on_past_a_record_over_frame_max() {
-    use amqp_delay::control::{self, Record};
+    use amqp_delay::ops::control::{self, Record};
     let env = Env::new(small_topology()).await;
     let layout = env.layout();
     append_over_frame_max(&env, &layout.control_stream()).await;
@@ -343,8 +344,8 @@ async fn reads_of_the_control_stream_go_on_past_a_record_over_frame_max() {
 /// retention, for as long as the stream kept it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_careful_follower_that_saw_no_record_starts_from_near_the_end() {
-    use amqp_delay::cancel::FollowOptions;
-    use amqp_delay::control;
+    use amqp_delay::ops::cancel::FollowOptions;
+    use amqp_delay::ops::control;
     let env = Env::new(small_topology()).await;
     let layout = env.layout();
     let stream = layout.control_stream();

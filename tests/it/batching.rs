@@ -336,7 +336,7 @@ async fn stats_count_messages_not_broker_messages() {
         (1..30).contains(&in_tiers),
         "300 messages took {in_tiers} broker messages"
     );
-    let c = amqp_delay::ledger::count(&env.conn, &layout, &Default::default())
+    let c = amqp_delay::ops::ledger::count(&env.conn, &layout, &Default::default())
         .await
         .unwrap()
         .expect("the topology has a ledger");
@@ -355,7 +355,7 @@ async fn stats_count_messages_not_broker_messages() {
     drop(p);
     let mut c = None;
     for _ in 0..50 {
-        let now = amqp_delay::ledger::count(&env.conn, &layout, &Default::default())
+        let now = amqp_delay::ops::ledger::count(&env.conn, &layout, &Default::default())
             .await
             .unwrap()
             .unwrap();
@@ -407,14 +407,14 @@ async fn stats_count_messages_not_broker_messages() {
 
     // the ledger stream deleted (by an operator): a publisher refuses to start, naming it and
     // what adds it back; stats says what it cannot count
-    let ch = amqp_delay::broker::open(&env.conn).await.unwrap();
+    let ch = amqp_delay::ops::broker::open(&env.conn).await.unwrap();
     ch.queue_delete(
         layout.ledger_stream().as_str().into(),
         lapin::options::QueueDeleteOptions::default(),
     )
     .await
     .unwrap();
-    amqp_delay::broker::close(&ch, "ok").await;
+    amqp_delay::ops::broker::close(&ch, "ok").await;
     let refused = |what: String| {
         let settings = env.settings.clone();
         async move {
@@ -431,7 +431,7 @@ async fn stats_count_messages_not_broker_messages() {
     };
     refused(format!("the ledger stream '{}'", layout.ledger_stream())).await;
     assert_eq!(
-        amqp_delay::ledger::count(&env.conn, &layout, &Default::default())
+        amqp_delay::ops::ledger::count(&env.conn, &layout, &Default::default())
             .await
             .unwrap(),
         None
@@ -446,22 +446,22 @@ async fn stats_count_messages_not_broker_messages() {
         .declare(&env.conn)
         .await
         .unwrap();
-    let ch = amqp_delay::broker::open(&env.conn).await.unwrap();
+    let ch = amqp_delay::ops::broker::open(&env.conn).await.unwrap();
     ch.exchange_delete(
         layout.stream_exchange().as_str().into(),
         lapin::options::ExchangeDeleteOptions::default(),
     )
     .await
     .unwrap();
-    amqp_delay::broker::close(&ch, "ok").await;
+    amqp_delay::ops::broker::close(&ch, "ok").await;
     refused(format!(
         "the stream exchange '{}'",
         layout.stream_exchange()
     ))
     .await;
     // an append on a channel of its own says the same (the broker closed the channel)
-    let record = amqp_delay::control::Record::Barrier { nonce: "n".into() };
-    let e = amqp_delay::control::append(&env.conn, &layout, &record)
+    let record = amqp_delay::ops::control::Record::Barrier { nonce: "n".into() };
+    let e = amqp_delay::ops::control::append(&env.conn, &layout, &record)
         .await
         .unwrap_err()
         .to_string();

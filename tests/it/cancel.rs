@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use amqp_delay::cancel::{CHECKPOINT_EVERY, Cancellations, EXPIRED_KEPT, FollowOptions, Verdict};
+use amqp_delay::ops::cancel::{
+    CHECKPOINT_EVERY, Cancellations, EXPIRED_KEPT, FollowOptions, Verdict,
+};
 use amqp_delay::time::{DurationMs, now_ms};
 use amqp_delay::{Counters, Message, Outcome, Precision, Settings, Topology, Worker};
 use rand::seq::SliceRandom;
@@ -953,13 +955,13 @@ async fn stream_readers_ended_in_turn_never_cost_the_connection() {
     use futures::StreamExt;
     let conn = connect().await;
     let q = format!("{}-readers", random_prefix());
-    let ch = amqp_delay::broker::open(&conn).await.unwrap();
+    let ch = amqp_delay::ops::broker::open(&conn).await.unwrap();
     let mut stream = lapin::types::FieldTable::default();
     stream.insert(
         "x-queue-type".into(),
-        amqp_delay::broker::long_string("stream"),
+        amqp_delay::ops::broker::long_string("stream"),
     );
-    amqp_delay::broker::declare_queue(&ch, &q, stream)
+    amqp_delay::ops::broker::declare_queue(&ch, &q, stream)
         .await
         .unwrap();
     ch.confirm_select(Default::default()).await.unwrap();
@@ -977,14 +979,14 @@ async fn stream_readers_ended_in_turn_never_cost_the_connection() {
         .unwrap();
     }
     for round in 0..200 {
-        let reader = amqp_delay::broker::open(&conn)
+        let reader = amqp_delay::ops::broker::open(&conn)
             .await
             .unwrap_or_else(|e| panic!("round {round}: {e}"));
         reader.basic_qos(100, Default::default()).await.unwrap();
         let mut args = lapin::types::FieldTable::default();
         args.insert(
             "x-stream-offset".into(),
-            amqp_delay::broker::long_string("first"),
+            amqp_delay::ops::broker::long_string("first"),
         );
         let mut consumer = reader
             .basic_consume(q.as_str().into(), "".into(), Default::default(), args)
@@ -994,7 +996,7 @@ async fn stream_readers_ended_in_turn_never_cost_the_connection() {
             consumer.next().await.is_some(),
             "round {round}: nothing read"
         );
-        amqp_delay::broker::end_consumer(&reader, &consumer, "read").await;
+        amqp_delay::ops::broker::end_consumer(&reader, &consumer, "read").await;
         drop(consumer);
     }
     assert!(conn.status().connected(), "the connection was lost");

@@ -208,7 +208,7 @@ async fn cli_send_stats_and_clear_errors() {
     let layout = env.layout();
     let marker = layout.batch_marker(&fresh).unwrap();
     assert!(
-        amqp_delay::broker::exchange_exists(&env.conn, &marker)
+        amqp_delay::ops::broker::exchange_exists(&env.conn, &marker)
             .await
             .unwrap()
     );
@@ -239,7 +239,7 @@ async fn cli_send_stats_and_clear_errors() {
     assert!(text.contains("its batch marker"), "{text}");
     for gone in [fresh.clone(), layout.parked_queue(&fresh)] {
         assert!(
-            amqp_delay::broker::queue_state(&env.conn, &gone)
+            amqp_delay::ops::broker::queue_state(&env.conn, &gone)
                 .await
                 .unwrap()
                 .is_none(),
@@ -247,7 +247,7 @@ async fn cli_send_stats_and_clear_errors() {
         );
     }
     assert!(
-        !amqp_delay::broker::exchange_exists(&env.conn, &marker)
+        !amqp_delay::ops::broker::exchange_exists(&env.conn, &marker)
             .await
             .unwrap()
     );

@@ -93,7 +93,7 @@ impl Refusing {
 
     /// What reached the destination queue within `wait` (then 300 ms of quiet).
     async fn delivered(&self, wait: Duration) -> Vec<Received> {
-        let conn = amqp_delay::connection::connect(&self.root, "files check")
+        let conn = amqp_delay::ops::connection::connect(&self.root, "files check")
             .await
             .unwrap();
         let got = collect(&conn, &self.q, usize::MAX, wait, Duration::from_millis(300)).await;

@@ -611,17 +611,17 @@ async fn concurrent_publishes_on_one_channel_each_get_their_own_ack_or_nack() {
     let conn = connect().await;
     let prefix = random_prefix();
     let (refusing, taking) = (format!("{prefix}-refusing"), format!("{prefix}-taking"));
-    let ch = amqp_delay::broker::open(&conn).await.unwrap();
-    amqp_delay::broker::declare_queue(&ch, &refusing, refusing_args())
+    let ch = amqp_delay::ops::broker::open(&conn).await.unwrap();
+    amqp_delay::ops::broker::declare_queue(&ch, &refusing, refusing_args())
         .await
         .unwrap();
-    amqp_delay::broker::declare_queue(&ch, &taking, FieldTable::default())
+    amqp_delay::ops::broker::declare_queue(&ch, &taking, FieldTable::default())
         .await
         .unwrap();
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    let shared = amqp_delay::broker::SharedChannel::new(ch.clone());
+    let shared = amqp_delay::ops::broker::SharedChannel::new(ch.clone());
     let tasks: Vec<_> = (0..4000u32)
         .map(|i| {
             let shared = shared.clone();
@@ -648,7 +648,7 @@ async fn concurrent_publishes_on_one_channel_each_get_their_own_ack_or_nack() {
             swapped += 1;
         }
     }
-    let admin = amqp_delay::broker::open(&conn).await.unwrap();
+    let admin = amqp_delay::ops::broker::open(&conn).await.unwrap();
     for q in [&refusing, &taking] {
         admin
             .queue_delete(q.as_str().into(), Default::default())
@@ -679,11 +679,11 @@ async fn under_concurrent_schedules_a_refusing_tier_refuses_exactly_its_own_mess
     // the tier, replaced by a queue that refuses every message (nack)
     let tier = layout.cascade_queue(level, digit);
     env.delete_queue(&tier).await;
-    let ch = amqp_delay::broker::open(&env.conn).await.unwrap();
-    amqp_delay::broker::declare_queue(&ch, &tier, refusing_args())
+    let ch = amqp_delay::ops::broker::open(&env.conn).await.unwrap();
+    amqp_delay::ops::broker::declare_queue(&ch, &tier, refusing_args())
         .await
         .unwrap();
-    amqp_delay::broker::bind_queue(
+    amqp_delay::ops::broker::bind_queue(
         &ch,
         &tier,
         &layout.level_exchange(level),
@@ -691,7 +691,7 @@ async fn under_concurrent_schedules_a_refusing_tier_refuses_exactly_its_own_mess
     )
     .await
     .unwrap();
-    amqp_delay::broker::close(&ch, "ok").await;
+    amqp_delay::ops::broker::close(&ch, "ok").await;
 
     // every call its own publish, from many tasks at once
     let mut s = env.settings.clone();

@@ -8,8 +8,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use amqp_delay::Settings;
-use amqp_delay::broker;
 use amqp_delay::gateway::{Gateway, Pair};
+use amqp_delay::ops::broker;
 use amqp_delay::settings::GatewaySettings;
 use amqp_delay::time::DurationMs;
 
@@ -656,8 +656,8 @@ async fn ingress_messages_gather_into_batches_without_a_handler_permit_each() {
                 .unwrap();
             // a message alone in its window travels alone, not as a batch
             batches += 1;
-            members += if amqp_delay::batch::is_batch(&d.properties) {
-                amqp_delay::batch::announced_count(&d.properties)
+            members += if amqp_delay::ops::batch::is_batch(&d.properties) {
+                amqp_delay::ops::batch::announced_count(&d.properties)
             } else {
                 1
             };
@@ -801,7 +801,7 @@ async fn teardown_removes_the_gateway_queues_without_a_config() {
         .await
         .unwrap();
         let end = Instant::now() + Duration::from_secs(5);
-        while amqp_delay::broker::queue_state(&env.conn, &pair.ingress_queue)
+        while amqp_delay::ops::broker::queue_state(&env.conn, &pair.ingress_queue)
             .await
             .unwrap()
             .is_none_or(|s| s.ready == 0)
@@ -837,20 +837,22 @@ async fn teardown_removes_the_gateway_queues_without_a_config() {
             "{text}"
         );
         for q in pair.queues() {
-            let state = amqp_delay::broker::queue_state(&env.conn, q).await.unwrap();
+            let state = amqp_delay::ops::broker::queue_state(&env.conn, q)
+                .await
+                .unwrap();
             assert!(state.is_none(), "{q} is still there");
         }
         // its ingress exchange is outside the prefix and no configuration names it: not
         // teardown's to delete (the record could be anyone's), and said so
         assert!(
-            amqp_delay::broker::exchange_exists(&env.conn, &x_in)
+            amqp_delay::ops::broker::exchange_exists(&env.conn, &x_in)
                 .await
                 .unwrap()
         );
         assert!(text.contains(&format!("left exchange '{x_in}'")), "{text}");
         let marker = env.layout().layout_marker();
         assert!(
-            !amqp_delay::broker::exchange_exists(&env.conn, &marker)
+            !amqp_delay::ops::broker::exchange_exists(&env.conn, &marker)
                 .await
                 .unwrap()
         );
@@ -874,13 +876,13 @@ async fn teardown_leaves_the_exchanges_a_forged_record_names_and_deletes_the_res
         declare_exchange(&env.conn, &configured, ExchangeKind::Fanout).await;
         let layout = env.layout();
         for ingress in [other.as_str(), "amq.direct", configured.as_str()] {
-            let forged = amqp_delay::control::Record::GatewayPair {
+            let forged = amqp_delay::ops::control::Record::GatewayPair {
                 ingress: ingress.into(),
                 target: "x".into(),
                 writers: vec![],
                 vhost: None,
             };
-            amqp_delay::control::append(&env.conn, &layout, &forged)
+            amqp_delay::ops::control::append(&env.conn, &layout, &forged)
                 .await
                 .unwrap();
         }

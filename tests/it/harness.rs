@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use amqp_delay::broker;
+use amqp_delay::ops::broker;
 use amqp_delay::time::{DurationMs, now_ms};
 use amqp_delay::{Layout, Precision, Publisher, QueueType, Settings, Topology, TopologySettings};
 use futures::StreamExt;
@@ -31,7 +31,7 @@ pub fn rabbitmqctl() -> std::process::Command {
 
 /// Connects or panics with a message saying how to get a broker.
 pub async fn connect() -> Connection {
-    match amqp_delay::connection::connect(&broker_url(), "amqp-delay tests").await {
+    match amqp_delay::ops::connection::connect(&broker_url(), "amqp-delay tests").await {
         Ok(c) => c,
         Err(e) => panic!(
             "NO RABBITMQ BROKER: {e}\nThese tests need a real broker; run ./scripts/test.sh, which starts one."
@@ -147,7 +147,9 @@ where
             .build()
             .unwrap();
         rt.block_on(async move {
-            if let Ok(conn) = amqp_delay::connection::connect(&broker_url(), "test cleanup").await {
+            if let Ok(conn) =
+                amqp_delay::ops::connection::connect(&broker_url(), "test cleanup").await
+            {
                 f(conn).await;
             }
         });
@@ -404,7 +406,7 @@ pub async fn wait_for_queue(conn: &Connection, queue: &str, timeout: Duration) {
     let start = Instant::now();
     let mut absent = false;
     loop {
-        match amqp_delay::broker::queue_state(conn, queue).await {
+        match amqp_delay::ops::broker::queue_state(conn, queue).await {
             Ok(Some(_)) => {
                 // a quorum queue declared a moment ago (by the process under test) exists
                 // before its Raft member runs: RabbitMQ 3.10 answered a consume then with

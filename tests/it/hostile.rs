@@ -423,7 +423,7 @@ async fn a_frame_max_out_of_bounds_is_refused_before_connecting() {
         no_panic(&err);
         assert_eq!(out.status.code(), Some(2), "frame_max={fm}: {err}");
         assert!(err.contains(want), "frame_max={fm}: {err}");
-        match amqp_delay::connection::connect(&with(fm), "frame_max test").await {
+        match amqp_delay::ops::connection::connect(&with(fm), "frame_max test").await {
             // the URL is configuration
             Err(e @ amqp_delay::Error::Settings(_)) => {
                 assert!(e.to_string().contains(want), "{e}")
@@ -432,7 +432,7 @@ async fn a_frame_max_out_of_bounds_is_refused_before_connecting() {
             Ok(_) => panic!("frame_max={fm} was accepted"),
         }
     }
-    let conn = amqp_delay::connection::connect(&with("1048576"), "frame_max test")
+    let conn = amqp_delay::ops::connection::connect(&with("1048576"), "frame_max test")
         .await
         .expect("1 MiB is allowed");
     assert!(conn.configuration().frame_max() <= 1 << 20);
@@ -445,7 +445,7 @@ async fn a_frame_max_out_of_bounds_is_refused_before_connecting() {
     let port = tune_rewriting_proxy(8192).await;
     let mut url = url::Url::parse(&broker_url()).unwrap();
     url.set_port(Some(port)).unwrap();
-    match amqp_delay::connection::connect(url.as_str(), "frame_max test").await {
+    match amqp_delay::ops::connection::connect(url.as_str(), "frame_max test").await {
         // the broker's configuration, not the request
         Err(e @ amqp_delay::Error::Settings(_)) => {
             assert!(
@@ -627,7 +627,7 @@ async fn a_timed_out_handler_leaves_no_process_behind() {
 
 /// Messages `q` holds (passive declare), or `None` when it does not exist.
 async fn depth(env: &Env, q: &str) -> Option<u32> {
-    amqp_delay::broker::queue_state(&env.conn, q)
+    amqp_delay::ops::broker::queue_state(&env.conn, q)
         .await
         .unwrap()
         .map(|s| s.ready)

@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use amqp_delay::broker;
+use amqp_delay::ops::broker;
 use amqp_delay::time::{DurationMs, now_ms};
 use amqp_delay::{Settings, TopologySettings};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
@@ -72,7 +72,7 @@ impl World {
             },
             ..Settings::default()
         };
-        let conn = amqp_delay::connection::connect(&url, "import test")
+        let conn = amqp_delay::ops::connection::connect(&url, "import test")
             .await
             .expect("the plugin node answers AMQP");
         amqp_delay::Topology::new(settings.layout().unwrap())
@@ -848,7 +848,7 @@ async fn blue_green_to_the_suites_broker() {
     const N: u64 = 60;
     let mut old = World::new("4.0", "").await;
     let new_url = crate::harness::broker_url();
-    let new = amqp_delay::connection::connect(&new_url, "blue-green new cluster")
+    let new = amqp_delay::ops::connection::connect(&new_url, "blue-green new cluster")
         .await
         .expect("NO RABBITMQ BROKER for the new cluster (AMQP_URL)");
     let layout = old.settings.layout().unwrap();

@@ -223,7 +223,7 @@ async fn exchange_with_queues(conn: &Connection, x: &str, bound: &[(&str, &str)]
     .await
     .unwrap();
     for (q, key) in bound {
-        amqp_delay::broker::declare_queue(&ch, q, FieldTable::default())
+        amqp_delay::ops::broker::declare_queue(&ch, q, FieldTable::default())
             .await
             .unwrap();
         ch.queue_bind(
@@ -260,7 +260,7 @@ async fn start_gateway_and_proxy(w: &mut World, root: &Connection) {
     for i in ["a-delayed", "b-delayed"] {
         let q = w.layout.gateway_ingress_queue(&w.n(i));
         let ok = wait_until_async(Duration::from_secs(30), || async {
-            amqp_delay::broker::queue_state(root, &q)
+            amqp_delay::ops::broker::queue_state(root, &q)
                 .await
                 .unwrap()
                 .is_some_and(|s| s.consumers > 0)
@@ -274,14 +274,14 @@ async fn start_gateway_and_proxy(w: &mut World, root: &Connection) {
 async fn connect_as(url: &str) -> Connection {
     let end = std::time::Instant::now() + Duration::from_secs(20);
     loop {
-        match amqp_delay::connection::connect(url, "isolation app").await {
+        match amqp_delay::ops::connection::connect(url, "isolation app").await {
             Ok(c) => return c,
             Err(_) if std::time::Instant::now() < end => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Err(e) => panic!(
                 "cannot connect as {}: {e}",
-                amqp_delay::connection::redact_url(url)
+                amqp_delay::ops::connection::redact_url(url)
             ),
         }
     }
@@ -349,7 +349,7 @@ async fn declare_delayed(conn: &Connection, x: &str, q: &str, key: &str) {
     )
     .await
     .unwrap_or_else(|e| panic!("declaring {x} through the proxy: {e}"));
-    amqp_delay::broker::declare_queue(&ch, q, FieldTable::default())
+    amqp_delay::ops::broker::declare_queue(&ch, q, FieldTable::default())
         .await
         .unwrap();
     ch.queue_bind(
@@ -366,7 +366,7 @@ async fn declare_delayed(conn: &Connection, x: &str, q: &str, key: &str) {
 
 /// How many messages `q` holds now.
 async fn depth(conn: &Connection, q: &str) -> u32 {
-    amqp_delay::broker::queue_state(conn, q)
+    amqp_delay::ops::broker::queue_state(conn, q)
         .await
         .unwrap()
         .map(|s| s.ready)
@@ -379,7 +379,7 @@ async fn depth(conn: &Connection, q: &str) -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cc_acts_once_at_the_target_and_never_in_the_tiers() {
     let mut w = world().await;
-    let root = amqp_delay::connection::connect(&w.root, "isolation root")
+    let root = amqp_delay::ops::connection::connect(&w.root, "isolation root")
         .await
         .unwrap();
     let (a_out, a_out2, b_out) = (w.n("a-out"), w.n("a-out2"), w.n("b-out"));
@@ -473,7 +473,7 @@ async fn cc_acts_once_at_the_target_and_never_in_the_tiers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_application_cannot_deliver_through_another_ones_pair() {
     let mut w = world().await;
-    let root = amqp_delay::connection::connect(&w.root, "isolation root")
+    let root = amqp_delay::ops::connection::connect(&w.root, "isolation root")
         .await
         .unwrap();
     let b_out = w.n("b-out");
@@ -637,7 +637,7 @@ async fn an_application_cannot_deliver_through_another_ones_pair() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_reserved_headers_get_nowhere_at_a_forward_worker() {
     let mut w = world().await;
-    let root = amqp_delay::connection::connect(&w.root, "isolation root")
+    let root = amqp_delay::ops::connection::connect(&w.root, "isolation root")
         .await
         .unwrap();
     let (q, grant, out) = (w.n("q-fwd"), w.n("fx-grant"), w.n("fx-out"));

@@ -5,8 +5,8 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use amqp_delay::control::Purge;
-use amqp_delay::journal::{self, Record, RunOutcome, Start};
+use amqp_delay::ops::control::Purge;
+use amqp_delay::ops::journal::{self, Record, RunOutcome, Start};
 use amqp_delay::time::now_ms;
 use amqp_delay::{Message, Outcome};
 

@@ -75,7 +75,7 @@ fn ids(l: &[(String, String)]) -> Vec<&str> {
 }
 
 async fn ready(env: &Env, queue: &str) -> u32 {
-    amqp_delay::broker::queue_state(&env.conn, queue)
+    amqp_delay::ops::broker::queue_state(&env.conn, queue)
         .await
         .unwrap()
         .unwrap()
@@ -183,7 +183,7 @@ async fn parked_messages_are_listed_in_order_and_only_the_chosen_ones_change() {
     assert_eq!(ids(&listed(&cfg, &q).await), ["m0", "m1"]);
 
     // the library on a connection that stays open lets go of the lock when done
-    let all = amqp_delay::parked::list(&env.conn, &env.layout(), Some(&q), 10, 4)
+    let all = amqp_delay::ops::parked::list(&env.conn, &env.layout(), Some(&q), 10, 4)
         .await
         .unwrap();
     assert_eq!(all.len(), 2);

@@ -149,7 +149,8 @@ impl Drop for Cleanup {
                 return;
             };
             rt.block_on(async move {
-                let Ok(conn) = amqp_delay::connection::connect(&root, "perm cleanup").await else {
+                let Ok(conn) = amqp_delay::ops::connection::connect(&root, "perm cleanup").await
+                else {
                     return;
                 };
                 if let Ok(ch) = conn.create_channel().await {
@@ -239,7 +240,7 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
         &["declare", "--queue", &q, "--worker"],
     )
     .await;
-    let conn = amqp_delay::connection::connect(&root, "perm root")
+    let conn = amqp_delay::ops::connection::connect(&root, "perm root")
         .await
         .unwrap();
     let topo = amqp_delay::Topology::new(settings.layout().unwrap());
@@ -280,7 +281,7 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
         .await
         .expect("the library's cancel works too");
     // ... and cannot bind a queue of its own to the delivery exchange, even when it may have one
-    let pc = amqp_delay::connection::connect(&url(&format!("{p}-pubq"), &port), "perm pub")
+    let pc = amqp_delay::ops::connection::connect(&url(&format!("{p}-pubq"), &port), "perm pub")
         .await
         .unwrap();
     let ch = pc.create_channel().await.unwrap();
@@ -418,7 +419,7 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
         .pairs()[0]
         .clone();
     let end = std::time::Instant::now() + Duration::from_secs(15);
-    while amqp_delay::broker::queue_state(&conn, &pair.due_queue)
+    while amqp_delay::ops::broker::queue_state(&conn, &pair.due_queue)
         .await
         .unwrap()
         .is_none_or(|s| s.consumers == 0)
@@ -465,7 +466,7 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     // the admin removes it all: the topology, the gateway pair and the batch marker the
     // control stream names
     let pair_exists = || async {
-        amqp_delay::broker::exchange_exists(&conn, &ingress)
+        amqp_delay::ops::broker::exchange_exists(&conn, &ingress)
             .await
             .unwrap()
     };
@@ -495,14 +496,14 @@ async fn each_role_works_with_its_permission_set_and_no_more() {
     assert_eq!(markers.len(), 4);
     for marker in markers {
         assert!(
-            !amqp_delay::broker::exchange_exists(&conn, &marker)
+            !amqp_delay::ops::broker::exchange_exists(&conn, &marker)
                 .await
                 .unwrap(),
             "teardown left the batch marker {marker}: {said}"
         );
     }
     assert!(
-        amqp_delay::broker::queue_state(&conn, &topo.layout().control_stream())
+        amqp_delay::ops::broker::queue_state(&conn, &topo.layout().control_stream())
             .await
             .unwrap()
             .is_none(),
@@ -535,11 +536,11 @@ async fn keda_reads_a_queue_depth_with_the_monitoring_tag_alone() {
         exchanges: Vec::new(),
         users: vec![keda.clone()],
     };
-    let conn = amqp_delay::connection::connect(&root, "keda test")
+    let conn = amqp_delay::ops::connection::connect(&root, "keda test")
         .await
         .unwrap();
     let ch = conn.create_channel().await.unwrap();
-    amqp_delay::broker::declare_queue(&ch, &q, FieldTable::default())
+    amqp_delay::ops::broker::declare_queue(&ch, &q, FieldTable::default())
         .await
         .unwrap();
     for _ in 0..3 {
@@ -628,11 +629,11 @@ async fn a_relay_works_with_its_permission_set() {
         &args,
     )
     .await;
-    let conn = amqp_delay::connection::connect(&root, "relay test")
+    let conn = amqp_delay::ops::connection::connect(&root, "relay test")
         .await
         .unwrap();
     let ch = conn.create_channel().await.unwrap();
-    amqp_delay::broker::declare_queue(&ch, &r, FieldTable::default())
+    amqp_delay::ops::broker::declare_queue(&ch, &r, FieldTable::default())
         .await
         .unwrap();
     let relay = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-consumer"))
@@ -751,9 +752,10 @@ async fn pending_serve_works_with_its_permission_set_and_no_more() {
         String::from_utf8_lossy(&out.stderr)
     );
     // and no more: the pending user takes nothing from a destination
-    let conn = amqp_delay::connection::connect(&url(&format!("{p}-pending"), &port), "pending")
-        .await
-        .unwrap();
+    let conn =
+        amqp_delay::ops::connection::connect(&url(&format!("{p}-pending"), &port), "pending")
+            .await
+            .unwrap();
     let ch = conn.create_channel().await.unwrap();
     let taken = ch
         .basic_get(q.as_str().into(), Default::default())

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use amqp_delay::connection::Connector;
+use amqp_delay::ops::connection::Connector;
 use amqp_delay::settings::TlsSettings;
 use tokio::io::AsyncReadExt;
 
@@ -150,7 +150,7 @@ async fn the_server_certificate_is_verified_against_the_configured_ca() {
 /// verified handshake ends in "not the management API", a refused one in a certificate error).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_management_api_over_https_is_verified_against_the_configured_ca() {
-    use amqp_delay::management::Management;
+    use amqp_delay::ops::management::Management;
 
     let cert = PathBuf::from(&tls_node()["SERVER_CERT"]);
     let key = cert.with_extension("key");

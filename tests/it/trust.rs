@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use amqp_delay::cancel::{Cancellations, FollowOptions};
+use amqp_delay::ops::cancel::{Cancellations, FollowOptions};
 use amqp_delay::settings::TrustSettings;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Message, Outcome, Publisher, Settings, Worker};
@@ -161,7 +161,7 @@ pub(crate) async fn append_to(
     stream: &str,
     bodies: &[String],
 ) -> Result<(), String> {
-    let conn = amqp_delay::connection::connect(&w.url(who), "trust forger")
+    let conn = amqp_delay::ops::connection::connect(&w.url(who), "trust forger")
         .await
         .unwrap();
     let ch = conn.create_channel().await.unwrap();
@@ -300,7 +300,7 @@ async fn a_cancel_stops_only_its_writers_messages_and_forged_checkpoints_hide_no
     };
     // what the attack did: a reader that trusts mallory starts from her checkpoint (the
     // node's administrator reads here, so that its own checkpoint counts for no one below)
-    let root = amqp_delay::connection::connect(&w.root, "trust root")
+    let root = amqp_delay::ops::connection::connect(&w.root, "trust root")
         .await
         .unwrap();
     let fooled = Cancellations::follow_with(&root, &layout, opts(vec![w.user("mallory")]))
@@ -312,7 +312,7 @@ async fn a_cancel_stops_only_its_writers_messages_and_forged_checkpoints_hide_no
     );
     drop(fooled);
     // the worker's user trusts only itself and the admin
-    let wrk = amqp_delay::connection::connect(&w.url("wrk"), "trust wrk")
+    let wrk = amqp_delay::ops::connection::connect(&w.url("wrk"), "trust wrk")
         .await
         .unwrap();
     let follower = Cancellations::follow_with(&wrk, &layout, opts(vec![]))
@@ -347,7 +347,7 @@ async fn a_cancel_stops_only_its_writers_messages_and_forged_checkpoints_hide_no
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_due_stage_takes_only_what_a_gateway_wrote() {
     let w = world().await;
-    let root = amqp_delay::connection::connect(&w.root, "trust root")
+    let root = amqp_delay::ops::connection::connect(&w.root, "trust root")
         .await
         .unwrap();
     let out = format!("{}-out", w.p);
@@ -406,7 +406,7 @@ async fn the_due_stage_takes_only_what_a_gateway_wrote() {
     .pairs()[0]
         .clone();
     let consuming = wait_until_async(Duration::from_secs(15), || async {
-        amqp_delay::broker::queue_state(&root, &pair.due_queue)
+        amqp_delay::ops::broker::queue_state(&root, &pair.due_queue)
             .await
             .unwrap()
             .is_some_and(|s| s.consumers > 0)
@@ -415,7 +415,7 @@ async fn the_due_stage_takes_only_what_a_gateway_wrote() {
     assert!(consuming, "the gateway did not start");
 
     // mallory may not write straight into a queue (no role has the default exchange) ...
-    let mallory = amqp_delay::connection::connect(&w.url("mallory"), "trust mallory")
+    let mallory = amqp_delay::ops::connection::connect(&w.url("mallory"), "trust mallory")
         .await
         .unwrap();
     let mch = mallory.create_channel().await.unwrap();
@@ -523,7 +523,7 @@ async fn one_owners_purges_cannot_crowd_out_anothers() {
         .schedule(Message::new(q.clone(), 200, "x").with_id("a-purged"))
         .await
         .unwrap();
-    let purge = |queue: &str| amqp_delay::control::Purge {
+    let purge = |queue: &str| amqp_delay::ops::control::Purge {
         queue: queue.to_string(),
         ..Default::default()
     };

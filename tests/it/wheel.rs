@@ -229,7 +229,7 @@ async fn a_worker_killed_while_holding_is_redelivered_and_runs_each_at_least_onc
     }
     // held: out of the tiers and out of the queue, and not run yet
     let held = wait_until_async(Duration::from_secs(10), || async {
-        let ready = amqp_delay::broker::queue_state(&env.conn, &q)
+        let ready = amqp_delay::ops::broker::queue_state(&env.conn, &q)
             .await
             .unwrap();
         let stats = Topology::new(env.layout()).stats(&env.conn).await.unwrap();
@@ -264,7 +264,7 @@ async fn a_worker_killed_while_holding_is_redelivered_and_runs_each_at_least_onc
 /// Waits until `q` has a consumer.
 async fn wait_for_consumer(env: &Env, q: &str) {
     let up = wait_until_async(Duration::from_secs(20), || async {
-        amqp_delay::broker::queue_state(&env.conn, q)
+        amqp_delay::ops::broker::queue_state(&env.conn, q)
             .await
             .unwrap()
             .is_some_and(|s| s.consumers > 0)

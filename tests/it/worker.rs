@@ -675,7 +675,8 @@ async fn the_worker_reconnects_after_losing_its_connection() {
 /// leaves, everything is processed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_worker_whose_queue_has_ready_messages_renews_its_subscription() {
-    use amqp_delay::{QueueType, broker};
+    use amqp_delay::QueueType;
+    use amqp_delay::ops::broker;
     use futures::StreamExt;
     use lapin::options::{BasicConsumeOptions, BasicQosOptions};
     let mut env = Env::new(small_topology()).await;
@@ -794,7 +795,8 @@ impl Handler for Paced {
 /// A quorum queue `<prefix>-<name>` holding plain messages with ids `ids`, published by an
 /// application (no amqp-delay headers).
 async fn queue_with_plain_messages(env: &mut Env, name: &str, ids: &[String]) -> String {
-    use amqp_delay::{QueueType, broker};
+    use amqp_delay::QueueType;
+    use amqp_delay::ops::broker;
     let q = format!("{}-{name}", env.settings.prefix);
     let ch = env.conn.create_channel().await.unwrap();
     broker::declare_queue(&ch, &q, broker::queue_type_args(QueueType::Quorum))
@@ -827,7 +829,7 @@ async fn queue_with_plain_messages(env: &mut Env, name: &str, ids: &[String]) ->
 }
 
 async fn ready(env: &Env, q: &str) -> u32 {
-    amqp_delay::broker::queue_state(&env.conn, q)
+    amqp_delay::ops::broker::queue_state(&env.conn, q)
         .await
         .unwrap()
         .expect("the queue exists")

@@ -129,11 +129,11 @@ impl Drop for Collector {
 }
 
 async fn consume(url: &str, port: u16, got: &Mutex<Vec<Got>>) -> Result<(), String> {
-    let conn = amqp_delay::connection::connect(url, "runbook observer")
+    let conn = amqp_delay::ops::connection::connect(url, "runbook observer")
         .await
         .map_err(|e| e.to_string())?;
     // the queue may be declared later by the runbook
-    while amqp_delay::broker::queue_state(&conn, QUEUE)
+    while amqp_delay::ops::broker::queue_state(&conn, QUEUE)
         .await
         .map_err(|e| e.to_string())?
         .is_none()

@@ -14,7 +14,7 @@ use lapin::types::FieldTable;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use amqp_delay::broker::ResultExt;
+use amqp_delay::ops::broker::ResultExt;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Error, Result};
 

@@ -11,13 +11,14 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use amqp_delay::broker;
 use amqp_delay::gateway::Gateway;
+use amqp_delay::ops::broker;
 use amqp_delay::settings::{PairConfig, Settings};
 use amqp_delay::{Context, Delivery, Error, Handler, Outcome, Result, Topology, Worker};
 use amqp_delay_cli::actions::Action;
 
 use super::Bench;
+use super::app::GATEWAY_KEY;
 use super::tracker::{Lateness, Tracker};
 use crate::amqp::{
     bind, connect, declare_delayed_exchange, declare_direct_exchange, delete_exchange, delete_queue,
@@ -49,9 +50,6 @@ pub(crate) enum Path {
     /// the measured queue bound to it; published to with `x-delay` and consumed there.
     App(std::sync::Arc<super::app::AppEnd>),
 }
-
-/// Routing key of the gateway scenario's publishes (the target binding's key).
-pub(super) const GATEWAY_KEY: &str = "bench";
 
 /// Where a pass publishes.
 pub(super) enum Target {

@@ -26,8 +26,8 @@
 
 use std::time::{Duration, Instant};
 
-use amqp_delay::control::Purge;
-use amqp_delay::journal::{self, Record, Start};
+use amqp_delay::ops::control::Purge;
+use amqp_delay::ops::journal::{self, Record, Start};
 use amqp_delay::{Message, Publisher, Settings, Topology};
 use futures::StreamExt;
 use lapin::types::{AMQPValue, FieldTable};
@@ -75,7 +75,7 @@ async fn main() {
     }
     s.prefix = a.prefix.clone();
     let layout = s.layout().expect("layout");
-    let conn = amqp_delay::connection::connect(&s.url, "journal capacity")
+    let conn = amqp_delay::ops::connection::connect(&s.url, "journal capacity")
         .await
         .expect("a broker");
     let topology = Topology::new(layout.clone());

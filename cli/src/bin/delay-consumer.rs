@@ -187,7 +187,7 @@ fn actions(s: &amqp_delay::Settings, levels: u32) -> Result<Vec<(String, Action)
 /// bad settings: [`EXIT_USAGE`] by [`cli::exit_code`]) ends the process; anything else (the
 /// broker cannot be reached, or refused) is tried again, as the worker would.
 async fn prepare(actions: &[(String, Action)], s: &amqp_delay::Settings) {
-    let mut backoff = amqp_delay::connection::Backoff::default();
+    let mut backoff = amqp_delay::ops::connection::Backoff::default();
     for (_, action) in actions {
         loop {
             match action.prepare(s).await {
@@ -199,7 +199,7 @@ async fn prepare(actions: &[(String, Action)], s: &amqp_delay::Settings) {
                         "checking the action's target: {}; trying again in {pause:?}",
                         cli::chain(&e)
                     );
-                    amqp_delay::connection::Backoff::wait(pause, &s.url).await;
+                    amqp_delay::ops::connection::Backoff::wait(pause, &s.url).await;
                 }
             }
         }

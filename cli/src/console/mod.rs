@@ -13,7 +13,7 @@
 //!   one message with its history and body.
 //! * **Actions** ([`steer`]) are the CLI's: cancel, reschedule and purge through the pending
 //!   service ([`crate::pending::service::Service`], after a confirmation page that counts for a
-//!   purge), retry or drop parked messages (`amqp_delay::parked`).
+//!   purge), retry or drop parked messages (`amqp_delay::ops::parked`).
 //!   Every POST carries a token tied to the user and an hour old at most, and must come from
 //!   this console's own pages (Origin or Referer naming this host) ([`csrf`]).
 //! * **HTML** comes from templates embedded at compile time and escaped by the engine

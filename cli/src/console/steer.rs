@@ -8,8 +8,8 @@
 use std::sync::Arc;
 
 use amqp_delay::Publisher;
-use amqp_delay::connection::Connector;
-use amqp_delay::parked;
+use amqp_delay::ops::connection::Connector;
+use amqp_delay::ops::parked;
 use amqp_delay::settings::Settings;
 use axum::extract::{Extension, Form, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -347,6 +347,6 @@ async fn parked_on_broker(
     } else {
         parked::drop(&conn, &layout, Some(queue), &ids).await
     };
-    amqp_delay::broker::close_connection(&conn, "bye").await;
+    amqp_delay::ops::broker::close_connection(&conn, "bye").await;
     r
 }

@@ -5,8 +5,8 @@
 
 use std::collections::HashMap;
 
-use amqp_delay::control::{self, Record};
 use amqp_delay::gateway::{Gateway, Pair};
+use amqp_delay::ops::control::{self, Record};
 use amqp_delay::settings::PairConfig;
 use amqp_delay::{Layout, Settings};
 use amqp_delay::{Result, error_chain as chain};
@@ -83,7 +83,7 @@ impl Pairs {
         conn: &Connection,
         exchange: &str,
     ) -> Result<std::result::Result<Pair, String>> {
-        if exchange.is_empty() || !amqp_delay::broker::exchange_exists(conn, exchange).await? {
+        if exchange.is_empty() || !amqp_delay::ops::broker::exchange_exists(conn, exchange).await? {
             return Ok(Err(format!(
                 "exchange '{exchange}' does not exist on the target broker (the plugin would drop \
                  these when due): declare it with its bindings, then run the import again"
@@ -125,7 +125,7 @@ impl Pairs {
         pair: Pair,
         cfg: &PairConfig,
     ) -> Result<std::result::Result<Pair, String>> {
-        let due = amqp_delay::broker::queue_state(conn, &pair.due_queue).await?;
+        let due = amqp_delay::ops::broker::queue_state(conn, &pair.due_queue).await?;
         let state = match due {
             Some(s) => s,
             None if self.dry_run && self.declare => return Ok(Ok(pair)),

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use amqp_delay::connection::Connector;
+use amqp_delay::ops::connection::Connector;
 use amqp_delay::settings::Settings;
 use axum::http::{HeaderMap, header};
 use futures::future::BoxFuture;
@@ -130,7 +130,7 @@ pub fn settings_as(settings: &Settings, login: &Credentials) -> Result<Settings,
     let user = utf8_percent_encode(&login.user, NON_ALPHANUMERIC).to_string();
     let password = utf8_percent_encode(&login.password, NON_ALPHANUMERIC).to_string();
     let mut urls = Vec::new();
-    for u in amqp_delay::connection::split_urls(&settings.url) {
+    for u in amqp_delay::ops::connection::split_urls(&settings.url) {
         let mut url = url::Url::parse(&u).map_err(|e| format!("the broker URL: {e}"))?;
         url.set_username(&user)
             .and_then(|()| url.set_password(Some(&password)))
@@ -223,7 +223,7 @@ impl Logins {
             .map_err(|e| Refusal::Unavailable(amqp_delay::error_chain(&e)))?;
         match connector.connect("amqp-delay pending login").await {
             Ok(conn) => {
-                amqp_delay::broker::close_connection(&conn, "login checked").await;
+                amqp_delay::ops::broker::close_connection(&conn, "login checked").await;
                 self.remember(key, &login.user);
                 Ok(as_user)
             }

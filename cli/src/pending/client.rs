@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use amqp_delay::connection::Connector;
+use amqp_delay::ops::connection::Connector;
 use amqp_delay::settings::Settings;
 use base64::Engine as _;
 use serde::de::DeserializeOwned;
@@ -46,7 +46,7 @@ impl Remote {
                 "pending.index_url '{index_url}' must be http://HOST:PORT or https://HOST:PORT"
             )));
         }
-        let first = amqp_delay::connection::split_urls(&settings.url)
+        let first = amqp_delay::ops::connection::split_urls(&settings.url)
             .into_iter()
             .next()
             .unwrap_or_default();
@@ -165,7 +165,7 @@ impl Source {
             .connect("amqp-delay pending")
             .await?;
         let built = follow::build_once(settings, &conn).await;
-        amqp_delay::broker::close_connection(&conn, "bye").await;
+        amqp_delay::ops::broker::close_connection(&conn, "bye").await;
         let (ix, end) = built?;
         let status = Status::settled(end);
         Ok(Source::Local(Box::new(Service::new(

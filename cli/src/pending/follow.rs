@@ -20,7 +20,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use amqp_delay::connection::{Backoff, Connector};
+use amqp_delay::ops::connection::{Backoff, Connector};
 use amqp_delay::settings::Settings;
 use amqp_delay::time::now_ms;
 use amqp_delay::trust::Trust;
@@ -29,8 +29,8 @@ use tokio::sync::{mpsc, watch};
 
 use super::translate::Translator;
 use crate::pending_index::{self, Entry, PendingIndex};
-use amqp_delay::journal::{Start, Tail};
-use amqp_delay::{control, journal};
+use amqp_delay::ops::journal::{Start, Tail};
+use amqp_delay::ops::{control, journal};
 
 /// The index, shared by the follower and the queries (SQLite's connection is used by one
 /// thread at a time).
@@ -238,7 +238,7 @@ pub async fn apply(
 
 /// The user the settings' URL logs in as (what the broker puts in its `user_id`s).
 pub fn url_user(settings: &Settings) -> Option<String> {
-    let first = amqp_delay::connection::split_urls(&settings.url)
+    let first = amqp_delay::ops::connection::split_urls(&settings.url)
         .into_iter()
         .next()?;
     let u = url::Url::parse(&first).ok()?;

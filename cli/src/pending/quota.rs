@@ -1,5 +1,5 @@
 //! Each owner's quota of live purges and reschedules, checked at the moment of asking: the
-//! workers hold at most so many of one owner's (`amqp_delay::cancel`), so a request beyond is
+//! workers hold at most so many of one owner's (`amqp_delay::ops::cancel`), so a request beyond is
 //! refused here with the quota, how many are live and when they are over, rather than
 //! written and skipped by every worker. The service follows the control stream as the workers
 //! do (a [`Cancellations`] of its own user, which writes no checkpoint), syncs it to a barrier
@@ -7,13 +7,20 @@
 //! of one owner through one service do not both take its last place. An admin's are never
 //! refused.
 
-use amqp_delay::cancel::{Cancellations, FollowOptions};
-use amqp_delay::connection::Connector;
+use amqp_delay::ops::cancel::{Cancellations, FollowOptions};
+use amqp_delay::ops::connection::Connector;
 use amqp_delay::settings::Settings;
 use lapin::Connection;
 use tokio::sync::{Mutex, MutexGuard};
 
-use super::service::Failure;
+/// Why a request was not let through.
+#[derive(Debug)]
+pub enum Refused {
+    /// The owner holds its quota: how many are live and when they are over.
+    Quota(String),
+    /// The control stream could not be followed to check.
+    Broker(amqp_delay::Error),
+}
 
 /// The follower a service checks quotas with, started at the first check.
 pub struct Quotas {
@@ -57,8 +64,8 @@ impl Quotas {
         }
     }
 
-    /// Whether `user` (no admin) may write what it asks now: [`Failure::Quota`] says why not.
-    pub async fn check(&self, user: &str, ask: Ask<'_>) -> Result<Passed<'_>, Failure> {
+    /// Whether `user` (no admin) may write what it asks now: [`Refused::Quota`] says why not.
+    pub async fn check(&self, user: &str, ask: Ask<'_>) -> Result<Passed<'_>, Refused> {
         let mut held = self.follower.lock().await;
         // a follower that stopped (its connection lost) is started again, once
         let synced = match held.as_ref() {
@@ -69,18 +76,18 @@ impl Quotas {
             if let Some(old) = held.take() {
                 old.stop().await;
             }
-            *held = Some(self.start().await?);
+            *held = Some(self.start().await.map_err(Refused::Broker)?);
         }
         let cancels = &held.as_ref().expect("started above").cancels;
         let r = match ask {
             Ask::Purge => cancels.may_purge(user),
             Ask::Reschedule(id) => cancels.may_reschedule(user, id),
         };
-        r.map_err(Failure::Quota)?;
+        r.map_err(Refused::Quota)?;
         Ok(Passed { _held: Some(held) })
     }
 
-    async fn start(&self) -> Result<Following, Failure> {
+    async fn start(&self) -> Result<Following, amqp_delay::Error> {
         let s = &self.settings;
         let layout = s.layout().map_err(amqp_delay::Error::from)?;
         let conn = Connector::new(s)?
@@ -94,8 +101,8 @@ impl Quotas {
         match Cancellations::follow_with(&conn, &layout, opts).await {
             Ok(cancels) => Ok(Following { cancels, conn }),
             Err(e) => {
-                amqp_delay::broker::close_connection(&conn, "bye").await;
-                Err(e.into())
+                amqp_delay::ops::broker::close_connection(&conn, "bye").await;
+                Err(e)
             }
         }
     }
@@ -105,6 +112,6 @@ impl Following {
     async fn stop(self) {
         let Following { cancels, conn } = self;
         drop(cancels);
-        amqp_delay::broker::close_connection(&conn, "bye").await;
+        amqp_delay::ops::broker::close_connection(&conn, "bye").await;
     }
 }

@@ -15,10 +15,10 @@ use amqp_delay::{ErrorKind, Message, Publisher};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 use super::follow::{SharedIndex, Status, url_user, with_index};
-use super::quota::{Ask, Passed, Quotas};
+use super::quota::{Ask, Passed, Quotas, Refused};
 use super::wire::{MessageOut, PageOut, PurgeOut, RowOut, ShowOut, SteeredOut};
 use crate::pending_index::{Cursor, Destination, Filter, MAX_ID_BYTES, Record, State, Viewer};
-use amqp_delay::control;
+use amqp_delay::ops::control;
 
 /// Rows a page holds at most through `pending` (the index allows more; a page's memory and an
 /// HTTP answer stay small).
@@ -393,7 +393,10 @@ impl Service {
         if admin {
             return Ok(Passed::admin());
         }
-        self.quotas.check(user, ask).await
+        self.quotas.check(user, ask).await.map_err(|r| match r {
+            Refused::Quota(m) => Failure::Quota(m),
+            Refused::Broker(e) => Failure::Broker(e),
+        })
     }
 
     /// Cancels pending message `id` (with its due time from the index) as the user of

@@ -25,8 +25,8 @@ use amqp_delay::trust::Trust;
 use indexmap::IndexSet;
 
 use crate::pending_index::{Destination, Entry, MAX_ID_BYTES, Outcome, Purge, Scheduled};
-use amqp_delay::control::Record as ControlRecord;
-use amqp_delay::journal::{Flush, Item, Record, Run, RunOutcome};
+use amqp_delay::ops::control::Record as ControlRecord;
+use amqp_delay::ops::journal::{Flush, Item, Record, Run, RunOutcome};
 
 mod flushes;
 use flushes::Waiting;

@@ -11,7 +11,7 @@ use super::codec::decode_headers;
 use super::{DESTINATION, Destination, EV_CANCELLED, OWNER, Result, State, Writer, check_user, ms};
 
 /// What a purge record covers, as its reader decided (the owner follows the writer's rights:
-/// `amqp_delay::control::Record::Purge`).
+/// `amqp_delay::ops::control::Record::Purge`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Purge {
     /// Whose messages (`None`: everyone's, an admin's purge).

@@ -12,7 +12,7 @@ fn props(headers: Option<FieldTable>, id: Option<&str>) -> Vec<u8> {
     if let Some(id) = id {
         p = p.with_message_id(id.into());
     }
-    amqp_delay::batch::encode_properties(&p)
+    amqp_delay::ops::batch::encode_properties(&p)
 }
 
 fn cc(keys: &[&str]) -> FieldTable {

@@ -67,7 +67,7 @@ pub struct Upstream {
 /// The broker nodes a proxy connects its clients to, in the order of the settings' URLs (a
 /// client goes to the first that answers). `amqps://` ones are reached with TLS, verified.
 pub fn upstreams_of(urls: &str) -> Result<Vec<Upstream>> {
-    let list = amqp_delay::connection::split_urls(urls);
+    let list = amqp_delay::ops::connection::split_urls(urls);
     if list.is_empty() {
         return Err(config("the broker URL is empty"));
     }
@@ -75,7 +75,7 @@ pub fn upstreams_of(urls: &str) -> Result<Vec<Upstream>> {
 }
 
 fn upstream_of(url: &str) -> Result<Upstream> {
-    let redacted = amqp_delay::connection::redact_url(url);
+    let redacted = amqp_delay::ops::connection::redact_url(url);
     let u = url::Url::parse(url)
         .map_err(|e| config(format!("broker URL '{redacted}' is invalid: {e}")))?;
     let (tls, port) = match u.scheme() {

@@ -8,9 +8,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use amqp_delay::connection::{Backoff, Connector};
-use amqp_delay::control;
 use amqp_delay::gateway::{Gateway, Pair};
+use amqp_delay::ops::connection::{Backoff, Connector};
+use amqp_delay::ops::control;
 use amqp_delay::settings::PairConfig;
 use amqp_delay::{Error, Result};
 use amqp_delay::{Layout, Settings};
@@ -141,8 +141,8 @@ impl Registry {
         if known && self.pairs.has_writer(exchange, user) {
             let guard = self.connected().await?;
             if let Some(conn) = guard.as_ref()
-                && amqp_delay::broker::exchange_exists(conn, &pair.ingress).await?
-                && amqp_delay::broker::queue_state(conn, &pair.ingress_queue)
+                && amqp_delay::ops::broker::exchange_exists(conn, &pair.ingress).await?
+                && amqp_delay::ops::broker::queue_state(conn, &pair.ingress_queue)
                     .await?
                     .is_some()
             {
@@ -200,12 +200,15 @@ impl Registry {
 
     /// `pair`'s ingress queue as a passive declare on the proxy's connection sees it (`None`:
     /// missing); `Err` when the broker cannot be asked.
-    async fn ingress_state(&self, pair: &Pair) -> Result<Option<amqp_delay::broker::QueueState>> {
+    async fn ingress_state(
+        &self,
+        pair: &Pair,
+    ) -> Result<Option<amqp_delay::ops::broker::QueueState>> {
         let guard = self.connected().await?;
         let conn = guard
             .as_ref()
             .ok_or_else(|| super::config("no broker connection"))?;
-        amqp_delay::broker::queue_state(conn, &pair.ingress_queue).await
+        amqp_delay::ops::broker::queue_state(conn, &pair.ingress_queue).await
     }
 
     /// Ends delayed exchange `exchange`'s pair: called only after the broker deleted `exchange`
@@ -375,7 +378,7 @@ impl Registry {
                     )
                     .await;
                     drop(live);
-                    amqp_delay::broker::close_connection(&conn, "bye").await;
+                    amqp_delay::ops::broker::close_connection(&conn, "bye").await;
                     // a follow that fails at once (the topology not declared yet) backs off,
                     // instead of warning several times a second
                     if followed.elapsed() >= amqp_delay::gateway::follow::FOLLOWED_LONG {
@@ -400,8 +403,8 @@ impl Registry {
 /// reads it); every URL of the list must name the same.
 fn vhost_of(urls: &str) -> Result<String> {
     let mut found: Option<String> = None;
-    for url in amqp_delay::connection::split_urls(urls) {
-        let redacted = amqp_delay::connection::redact_url(&url);
+    for url in amqp_delay::ops::connection::split_urls(urls) {
+        let redacted = amqp_delay::ops::connection::redact_url(&url);
         let uri: lapin::uri::AMQPUri = url
             .parse()
             .map_err(|e| super::config(format!("broker URL '{redacted}' is invalid: {e}")))?;

@@ -307,14 +307,15 @@ pub async fn unstick_dead_letters(who: &str, prefix: Option<&str>) -> Vec<usize>
 /// the nodes answer AMQP but refuse declares for a while (`INTERNAL_ERROR`), and a test that
 /// starts then fails in its set-up, not in what it tests.
 pub(super) async fn quorum_ready(prefix: &str) -> Result<(), String> {
-    use amqp_delay::{QueueType, broker};
+    use amqp_delay::QueueType;
+    use amqp_delay::ops::broker;
     use lapin::options::QueueDeleteOptions;
     let end = Instant::now() + Duration::from_secs(90);
     for i in 1..=NODES {
         let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", port(i));
         loop {
             let attempt = async {
-                let conn = amqp_delay::connection::connect(&url, "fault probe")
+                let conn = amqp_delay::ops::connection::connect(&url, "fault probe")
                     .await
                     .map_err(|e| e.to_string())?;
                 let ch = conn.create_channel().await.map_err(|e| e.to_string())?;

@@ -7,7 +7,7 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use amqp_delay::journal::{Flush, Item, Record};
+use amqp_delay::ops::journal::{Flush, Item, Record};
 use amqp_delay::time::now_ms;
 use amqp_delay::{Message, Publisher};
 use amqp_delay_cli::pending_index::Viewer;

@@ -8,8 +8,8 @@ use lapin::ExchangeKind;
 use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions};
 use lapin::types::FieldTable;
 
-use amqp_delay::broker::{exchange_exists, queue_state};
-use amqp_delay::control::{self, Record};
+use amqp_delay::ops::broker::{exchange_exists, queue_state};
+use amqp_delay::ops::control::{self, Record};
 
 use super::*;
 

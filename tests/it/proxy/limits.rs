@@ -133,19 +133,19 @@ async fn refused_body() {
     for x in [&taken, &typo] {
         let ingress = layout.proxy_ingress(x);
         assert!(
-            !amqp_delay::broker::exchange_exists(&w.env.conn, &ingress)
+            !amqp_delay::ops::broker::exchange_exists(&w.env.conn, &ingress)
                 .await
                 .unwrap(),
             "a pair was registered for refused '{x}'"
         );
     }
-    let records = amqp_delay::control::read_all(&w.env.conn, &layout, &Default::default())
+    let records = amqp_delay::ops::control::read_all(&w.env.conn, &layout, &Default::default())
         .await
         .unwrap();
     assert!(
         !records
             .iter()
-            .any(|r| matches!(r, amqp_delay::control::Record::GatewayPair { .. })),
+            .any(|r| matches!(r, amqp_delay::ops::control::Record::GatewayPair { .. })),
         "{records:?}"
     );
     // the proxy is still serving: a new connection declares fine
@@ -305,7 +305,7 @@ async fn redeclare_body() {
         .unwrap();
     declare_delayed(&app, &x, "direct").await;
     assert!(
-        amqp_delay::broker::exchange_exists(&w.env.conn, &ingress)
+        amqp_delay::ops::broker::exchange_exists(&w.env.conn, &ingress)
             .await
             .unwrap(),
         "{}",
@@ -393,7 +393,7 @@ async fn idle_body() {
 
 async fn connect_until(url: &str, proxy: &ProxyProc) -> lapin::Connection {
     for _ in 0..100 {
-        if let Ok(c) = amqp_delay::connection::connect(url, "idle test").await {
+        if let Ok(c) = amqp_delay::ops::connection::connect(url, "idle test").await {
             return c;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -31,7 +31,7 @@ mod trust;
 /// The broker's URL (its user and vhost) with `scheme`, `host` and `port` instead: what an
 /// application behind a proxy uses.
 fn proxied_url(scheme: &str, host: &str, port: u16) -> String {
-    let first = amqp_delay::connection::split_urls(&broker_url())
+    let first = amqp_delay::ops::connection::split_urls(&broker_url())
         .into_iter()
         .next()
         .expect("a broker URL");
@@ -45,7 +45,7 @@ fn proxied_url(scheme: &str, host: &str, port: u16) -> String {
 
 /// `user:password` of the broker's URL.
 fn credentials() -> String {
-    let first = amqp_delay::connection::split_urls(&broker_url())
+    let first = amqp_delay::ops::connection::split_urls(&broker_url())
         .into_iter()
         .next()
         .expect("a broker URL");
@@ -134,7 +134,7 @@ impl ProxyProc {
     async fn connect(&self) -> Connection {
         let end = Instant::now() + Duration::from_secs(20);
         loop {
-            match amqp_delay::connection::connect(&self.url(), "proxy test app").await {
+            match amqp_delay::ops::connection::connect(&self.url(), "proxy test app").await {
                 Ok(c) => return c,
                 Err(e) => assert!(
                     Instant::now() < end,

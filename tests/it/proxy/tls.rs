@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use amqp_delay::connection::Connector;
+use amqp_delay::ops::connection::Connector;
 use amqp_delay::settings::TlsSettings;
 
 use super::*;
@@ -143,7 +143,7 @@ async fn tls_body() {
     assert!(untrusted.connect("untrusted").await.is_err());
     let plain = proxied_url("amqp", "127.0.0.1", proxy.port);
     assert!(
-        amqp_delay::connection::connect(&plain, "plain")
+        amqp_delay::ops::connection::connect(&plain, "plain")
             .await
             .is_err()
     );

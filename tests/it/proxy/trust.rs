@@ -12,9 +12,9 @@
 use std::time::{Duration, Instant};
 
 use amq_protocol::protocol::{AMQPClass, channel, exchange};
-use amqp_delay::broker::{exchange_exists, queue_state};
-use amqp_delay::control::{self, Record};
 use amqp_delay::gateway::Pair;
+use amqp_delay::ops::broker::{exchange_exists, queue_state};
+use amqp_delay::ops::control::{self, Record};
 use amqp_delay::settings::{PairConfig, TrustSettings};
 use amqp_delay::{Layout, Settings};
 use lapin::options::{ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions};
@@ -74,7 +74,7 @@ impl Node {
         let url = self.via_proxy(role, vhost);
         let end = Instant::now() + Duration::from_secs(20);
         loop {
-            match amqp_delay::connection::connect(&url, "proxy trust test").await {
+            match amqp_delay::ops::connection::connect(&url, "proxy trust test").await {
                 Ok(c) => return c,
                 Err(e) => assert!(
                     Instant::now() < end,
@@ -223,7 +223,7 @@ async fn node() -> Node {
         &["--handshake-timeout", "5s"],
         &[],
     );
-    let root = amqp_delay::connection::connect(&root_url, "proxy trust test")
+    let root = amqp_delay::ops::connection::connect(&root_url, "proxy trust test")
         .await
         .expect("THE TLS TEST NODE'S PLAIN PORT DOES NOT ANSWER");
     let settings = Settings {

@@ -10,9 +10,9 @@ mod send;
 mod topology;
 
 use amqp_delay::Error;
-use amqp_delay::connection::Connector;
-use amqp_delay::control;
 use amqp_delay::gateway::Gateway;
+use amqp_delay::ops::connection::Connector;
+use amqp_delay::ops::control;
 use amqp_delay::settings::{GatewaySettings, Settings};
 use amqp_delay_cli::cli::{self, EXIT_USAGE};
 use args::{Cli, Cmd, GatewayArgs};
@@ -72,7 +72,7 @@ async fn connected<T>(
     loop {
         let conn = connector.connect(name).await?;
         let r = f(&conn).await;
-        amqp_delay::broker::close_connection(&conn, "bye").await;
+        amqp_delay::ops::broker::close_connection(&conn, "bye").await;
         match r {
             Err(e) if control::is_record_over_frame_max(&e) && tries < STREAM_TRIES => {
                 tracing::warn!(

@@ -1,11 +1,11 @@
 //! `parked list|show|retry|drop`: the parked messages of one destination (or of
-//! `<prefix>.parked`), through `amqp_delay::parked`, which reads the whole parking queue under a
+//! `<prefix>.parked`), through `amqp_delay::ops::parked`, which reads the whole parking queue under a
 //! lock and gives back what it does not change, in order.
 
 use std::io::{BufRead, IsTerminal, Write};
 
 use amqp_delay::Publisher;
-use amqp_delay::parked::{self, Changed, Parked};
+use amqp_delay::ops::parked::{self, Changed, Parked};
 use amqp_delay::settings::Settings;
 use amqp_delay_cli::cli::EXIT_FAILURES;
 use amqp_delay_cli::logline::escape_controls;

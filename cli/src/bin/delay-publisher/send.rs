@@ -77,7 +77,7 @@ pub(crate) async fn cancel(settings: &Settings, a: CancelArgs) -> amqp_delay::Re
     code
 }
 
-fn show_cancelled(c: &amqp_delay::cancel::Cancelled) {
+fn show_cancelled(c: &amqp_delay::ops::cancel::Cancelled) {
     amqp_delay_cli::outln!(
         "{}",
         serde_json::json!({"id": c.id, "until": c.until_ms, "verdict": c.verdict})

@@ -1,6 +1,6 @@
 //! The topology subcommands: `declare`, `stats` and `teardown`.
 
-use amqp_delay::connection;
+use amqp_delay::ops::connection;
 use amqp_delay::settings::Settings;
 use amqp_delay::{Layout, QueueStat, Topology};
 use amqp_delay_cli::admin;
@@ -94,14 +94,14 @@ pub(crate) async fn stats(
         // messages rather than broker messages: a failure to count is said, not fatal (but a
         // record over frame_max is read past, on a new connection)
         let counted = match &stats {
-            Ok(_) => amqp_delay::ledger::count(conn, &layout, &settings.trust).await,
+            Ok(_) => amqp_delay::ops::ledger::count(conn, &layout, &settings.trust).await,
             Err(_) => Ok(None),
         };
         for e in [stats.as_ref().err(), counted.as_ref().err()]
             .into_iter()
             .flatten()
         {
-            if amqp_delay::control::is_record_over_frame_max(e) {
+            if amqp_delay::ops::control::is_record_over_frame_max(e) {
                 return Err(e.clone());
             }
         }

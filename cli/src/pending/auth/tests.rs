@@ -74,7 +74,7 @@ fn every_url_logs_in_as_the_user_with_every_character_as_sent() {
         ("ålice", "ü"),
     ] {
         let as_user = settings_as(&s, &Credentials::new(user, pw)).unwrap();
-        let urls = amqp_delay::connection::split_urls(&as_user.url);
+        let urls = amqp_delay::ops::connection::split_urls(&as_user.url);
         assert_eq!(urls.len(), 2);
         for u in &urls {
             // what the AMQP client logs in with: decoded once

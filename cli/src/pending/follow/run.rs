@@ -58,7 +58,7 @@ pub async fn run(
         let once = async {
             let conn = connector.connect("amqp-delay pending follow").await?;
             let r = follow_once(&conn, &layout, &index, &status, &mut tr, replay, &options).await;
-            amqp_delay::broker::close_connection(&conn, "bye").await;
+            amqp_delay::ops::broker::close_connection(&conn, "bye").await;
             r
         };
         let e = tokio::select! {

@@ -275,7 +275,7 @@ fn steering_records_cover_the_writers_own_unless_an_admin_wrote_them() {
         items: vec![("a".into(), 1), ("".into(), 1), ("b".into(), 1)],
     };
     assert_eq!(t.control(Some("alice"), &cancels, 77).len(), 2);
-    let purge = ControlRecord::Purge(amqp_delay::control::Purge {
+    let purge = ControlRecord::Purge(amqp_delay::ops::control::Purge {
         nonce: "n".into(),
         queue: "orders".into(),
         owner: Some("bob".into()),
@@ -405,7 +405,7 @@ fn confirm_failing(n: u64, failed: Vec<String>) -> Record {
 /// ones of the flush.
 #[test]
 fn a_split_flush_and_a_confirm_naming_tens_of_thousands_of_failed_ids_are_read_right() {
-    let max = amqp_delay::journal::MAX_ITEMS;
+    let max = amqp_delay::ops::journal::MAX_ITEMS;
     for (flush_no, failed_ids) in [(1, 30_000), (2, 60_000)] {
         let mut t = Translator::new(trust(), MAX_DELAY);
         let all = items("m", 2 * max);
@@ -442,7 +442,7 @@ fn a_split_flush_and_a_confirm_naming_tens_of_thousands_of_failed_ids_are_read_r
 /// spuriously: a regression makes it hang, not flake.
 #[test]
 fn a_flush_of_100_000_items_and_100_000_failed_ids_costs_lookups_not_scans() {
-    let max = amqp_delay::journal::MAX_ITEMS;
+    let max = amqp_delay::ops::journal::MAX_ITEMS;
     let mut t = Translator::new(trust(), MAX_DELAY);
     for r in 0..50 {
         let part = items(&format!("r{r}-"), max);
@@ -462,7 +462,7 @@ fn a_flush_of_100_000_items_and_100_000_failed_ids_costs_lookups_not_scans() {
 fn a_writer_flooding_the_flush_map_forgets_its_own_flushes_not_others() {
     let mut t = Translator::new(trust(), MAX_DELAY);
     t.journal(0, Some("alice"), &scheduled(1, items("a", 3), vec![]), NOW);
-    let max = amqp_delay::journal::MAX_ITEMS;
+    let max = amqp_delay::ops::journal::MAX_ITEMS;
     let floods = MAX_FLUSH_MEMBERS / max + 10;
     for f in 0..floods {
         let part = items(&format!("f{f}-"), max);
