@@ -594,6 +594,30 @@ INSERT INTO meta (k, v) VALUES ('position', 41), ('control_position', 7);
 PRAGMA user_version = 1;
 ";
 
+/// `t`'s index opened, with what it logged.
+fn opened_logging(t: &Temp) -> (PendingIndex, String) {
+    #[derive(Clone, Default)]
+    struct Buf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let out = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || out.clone())
+        .with_ansi(false)
+        .finish();
+    let ix = tracing::subscriber::with_default(subscriber, || t.open());
+    let logged = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+    (ix, logged)
+}
+
 #[test]
 fn an_index_of_the_unversioned_layout_is_emptied_for_a_rebuild_and_then_written_as_new() {
     let t = Temp::new();
@@ -601,7 +625,11 @@ fn an_index_of_the_unversioned_layout_is_emptied_for_a_rebuild_and_then_written_
     let c = Connection::open(&path).unwrap();
     c.execute_batch(UNVERSIONED_LAYOUT).unwrap();
     drop(c);
-    let mut ix = t.open();
+    let (mut ix, logged) = opened_logging(&t);
+    assert!(
+        logged.contains("WARN") && logged.contains("older version") && logged.contains("rebuilds"),
+        "{logged}"
+    );
     // nothing of the old file is believed: the follower starts from the streams' start
     assert_eq!(ix.position().unwrap(), None);
     assert_eq!(ix.mark("control_position").unwrap(), None);
@@ -622,7 +650,8 @@ fn an_index_of_the_unversioned_layout_is_emptied_for_a_rebuild_and_then_written_
     put(&mut ix, "alice", "m", "q", 5_000);
     ix.apply_at(&[], 3).unwrap();
     drop(ix);
-    let mut ix = t.open();
+    let (mut ix, logged) = opened_logging(&t);
+    assert_eq!(logged, "", "a file of this layout is opened as it is");
     assert_eq!(ix.position().unwrap(), Some(3));
     assert_eq!(ix.count(&Filter::new(Viewer::Admin)).unwrap(), 1);
 }
