@@ -151,13 +151,13 @@ pub enum Record {
     },
 }
 
-/// What a purge covers: messages of one destination queue, scheduled before a time, due in
-/// a range, with a header. The default has no queue, no filter, and zeros the publisher fills
-/// in ([`crate::Publisher::purge`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Purge {
-    /// Unique per purge.
-    pub nonce: String,
+/// What a purge covers, as its writer asks it: messages of one destination queue, due in a
+/// range, with a header, of one owner (an admin's). Parsed once where it is asked (the
+/// console's form, the `pending` API's JSON, the CLI's flags) and carried unchanged into the
+/// record, [`Purge`], which adds only what the publisher knows when it writes
+/// ([`crate::Publisher::purge`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PurgeScope {
     /// The destination queue (a gateway's due queue for a gateway's messages).
     pub queue: String,
     /// Whose messages (an admin's purge only; `None`: everyone's).
@@ -172,19 +172,22 @@ pub struct Purge {
     /// Only messages with this user header (its value as text).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub header: Option<(String, String)>,
-    /// Only messages scheduled before (ms since the epoch): when the purge was written.
-    pub scheduled_before_ms: u64,
-    /// When it is forgotten: no message it covers can fall due later.
-    pub until_ms: u64,
 }
 
-/// The longest header value a purge filters on: 100 purges, a checkpoint part's, fit one
-/// record ([`MAX_RECORD_BYTES`]) even with every byte escaped.
-pub const MAX_PURGE_HEADER_VALUE: usize = 1_024;
+impl PurgeScope {
+    /// Every message of `queue`, no filter.
+    pub fn queue(queue: impl Into<String>) -> PurgeScope {
+        PurgeScope {
+            queue: queue.into(),
+            owner: None,
+            due_after_ms: None,
+            due_before_ms: None,
+            header: None,
+        }
+    }
 
-impl Purge {
-    /// Why no writer of ours makes this purge, if none does: a queue of no name or over 255
-    /// bytes, a nonce, owner or header name over 255 bytes, a header value over
+    /// Why no writer of ours asks this, if none does: a queue of no name or over 255 bytes,
+    /// an owner or header name over 255 bytes, a header value over
     /// [`MAX_PURGE_HEADER_VALUE`].
     pub fn check(&self) -> Result<(), String> {
         let long = |s: &str| s.len() > MAX_ID_BYTES;
@@ -192,8 +195,11 @@ impl Purge {
             .header
             .as_ref()
             .map_or((1, 0), |(k, v)| (k.len(), v.len()));
-        if self.queue.is_empty() || long(&self.queue) || long(&self.nonce) {
-            return Err(format!("a purge of a {}-byte queue name", self.queue.len()));
+        if self.queue.is_empty() || long(&self.queue) {
+            return Err(format!(
+                "a purge names its queue in 1 to 255 bytes, not {}",
+                self.queue.len()
+            ));
         }
         if self.owner.as_deref().is_some_and(long) {
             return Err("a purge's owner is at most 255 bytes".into());
@@ -205,6 +211,37 @@ impl Purge {
             ));
         }
         Ok(())
+    }
+}
+
+/// A purge record: its [`PurgeScope`] as asked, and what the publisher adds when it writes.
+/// On the wire the scope's fields sit beside the others (one flat JSON object, as records
+/// written before the scope had a type of its own).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Purge {
+    /// Unique per purge.
+    pub nonce: String,
+    /// What it covers.
+    #[serde(flatten)]
+    pub scope: PurgeScope,
+    /// Only messages scheduled before (ms since the epoch): when the purge was written.
+    pub scheduled_before_ms: u64,
+    /// When it is forgotten: no message it covers can fall due later.
+    pub until_ms: u64,
+}
+
+/// The longest header value a purge filters on: 100 purges, a checkpoint part's, fit one
+/// record ([`MAX_RECORD_BYTES`]) even with every byte escaped.
+pub const MAX_PURGE_HEADER_VALUE: usize = 1_024;
+
+impl Purge {
+    /// Why no writer of ours makes this purge, if none does: a nonce over 255 bytes, or a
+    /// scope no writer asks ([`PurgeScope::check`]).
+    pub fn check(&self) -> Result<(), String> {
+        if self.nonce.len() > MAX_ID_BYTES {
+            return Err(format!("a purge of a {}-byte nonce", self.nonce.len()));
+        }
+        self.scope.check()
     }
 }
 
@@ -404,6 +441,38 @@ mod tests {
         assert_eq!(body, br#"{"type":"cancels","items":[["a",5]]}"#);
         let body = log.encode(&Record::barrier("n".into()));
         assert_eq!(body, br#"{"type":"barrier","nonce":"n"}"#);
+    }
+
+    /// A purge as records carried it before its scope had a type of its own, and as they
+    /// carry it now: one flat object, read and written alike (a running worker of either
+    /// version reads the other's).
+    #[test]
+    fn a_purge_keeps_its_flat_wire_form() {
+        let wire = r#"{"type":"purge","nonce":"n","queue":"q","owner":"o","due_before_ms":9,"header":["k","v"],"scheduled_before_ms":5,"until_ms":20}"#;
+        let mut scope = PurgeScope::queue("q");
+        scope.owner = Some("o".into());
+        scope.due_before_ms = Some(9);
+        scope.header = Some(("k".into(), "v".into()));
+        let purge = Purge {
+            nonce: "n".into(),
+            scope,
+            scheduled_before_ms: 5,
+            until_ms: 20,
+        };
+        let record = Record::Purge(purge.clone());
+        assert_eq!(serde_json::to_string(&record).unwrap(), wire);
+        assert_eq!(serde_json::from_str::<Record>(wire).unwrap(), record);
+        // a checkpoint's copy names its writer beside the same fields
+        let held = HeldPurge {
+            by: "alice".into(),
+            purge,
+        };
+        let json = serde_json::to_string(&held).unwrap();
+        assert!(
+            json.starts_with(r#"{"by":"alice","nonce":"n","queue":"q""#),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<HeldPurge>(&json).unwrap(), held);
     }
 
     #[test]

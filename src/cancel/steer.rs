@@ -6,6 +6,8 @@ use std::collections::{HashMap, HashSet};
 use lapin::types::FieldTable;
 
 use super::quota::{MOVES, PURGES, Pool, Rule};
+#[cfg(test)]
+use crate::control::PurgeScope;
 use crate::control::{HeldPurge, MAX_ID_BYTES, Move, Purge};
 use crate::trust::Trust;
 
@@ -133,7 +135,7 @@ impl Rules {
         ahead_ms: u64,
     ) -> Result<(), String> {
         if !trust.is_admin(by) {
-            p.owner = Some(by.to_string());
+            p.scope.owner = Some(by.to_string());
         }
         p.until_ms = p.until_ms.min(now.saturating_add(ahead_ms));
         let h = HeldPurge {
@@ -155,7 +157,11 @@ impl Rules {
             return Ok(());
         }
         h.purge.check()?;
-        let (queue, owner, nonce) = (h.purge.queue.clone(), h.purge.owner.clone(), h.key());
+        let (queue, owner, nonce) = (
+            h.purge.scope.queue.clone(),
+            h.purge.scope.owner.clone(),
+            h.key(),
+        );
         let gone = self.purges.hold(h, trust, false, now)?;
         self.unindex(&gone);
         let t = self.targets.entry(queue).or_default();
@@ -169,10 +175,10 @@ impl Rules {
     fn unindex(&mut self, gone: &[HeldPurge]) {
         for h in gone {
             let p = &h.purge;
-            let Some(t) = self.targets.get_mut(&p.queue) else {
+            let Some(t) = self.targets.get_mut(&p.scope.queue) else {
                 continue;
             };
-            match &p.owner {
+            match &p.scope.owner {
                 Some(o) => {
                     if let Some(set) = t.owned.get_mut(o) {
                         set.remove(&p.nonce);
@@ -186,7 +192,7 @@ impl Rules {
                 }
             }
             if t.everyone.is_empty() && t.owned.is_empty() {
-                self.targets.remove(&p.queue);
+                self.targets.remove(&p.scope.queue);
             }
         }
     }
@@ -294,7 +300,8 @@ impl Rules {
 }
 
 /// Whether purge `p` covers `s`.
-fn covers(p: &Purge, s: &Subject<'_>) -> bool {
+fn covers(purge: &Purge, s: &Subject<'_>) -> bool {
+    let p = &purge.scope;
     if p.queue != s.queue {
         return false;
     }
@@ -304,7 +311,7 @@ fn covers(p: &Purge, s: &Subject<'_>) -> bool {
     let Some(scheduled) = s.scheduled_at_ms() else {
         return false;
     };
-    if scheduled >= p.scheduled_before_ms {
+    if scheduled >= purge.scheduled_before_ms {
         return false;
     }
     let due = s.due_at_ms.unwrap_or_default();
@@ -330,11 +337,7 @@ mod tests {
     fn purge(queue: &str) -> Purge {
         Purge {
             nonce: "n1".into(),
-            queue: queue.into(),
-            owner: None,
-            due_after_ms: None,
-            due_before_ms: None,
-            header: None,
+            scope: PurgeScope::queue(queue),
             scheduled_before_ms: 1_000,
             until_ms: 10_000,
         }
@@ -356,7 +359,7 @@ mod tests {
     fn a_users_purge_covers_only_its_own_messages_scheduled_before_it() {
         let mut r = Rules::default();
         let mut p = purge("q");
-        p.owner = Some("bob".into()); // not believed from alice
+        p.scope.owner = Some("bob".into()); // not believed from alice
         r.purge(p, "alice", &trust(), 0, 1_000_000).unwrap();
         assert_eq!(
             r.steer(&subject("alice", 2_000, 1_500, None)),
@@ -374,9 +377,9 @@ mod tests {
     fn an_admins_purge_filters_by_due_range_and_header() {
         let mut r = Rules::default();
         let mut p = purge("q");
-        p.due_after_ms = Some(1_500);
-        p.due_before_ms = Some(2_500);
-        p.header = Some(("tenant".into(), "x".into()));
+        p.scope.due_after_ms = Some(1_500);
+        p.scope.due_before_ms = Some(2_500);
+        p.scope.header = Some(("tenant".into(), "x".into()));
         r.purge(p, "admin", &trust(), 0, 1_000_000).unwrap();
         let mut h = FieldTable::default();
         h.insert("tenant".into(), AMQPValue::LongString("x".into()));
@@ -482,13 +485,13 @@ mod tests {
     fn a_purge_no_writer_of_ours_makes_is_not_held() {
         let (mut r, t) = (Rules::default(), trust());
         let mut p = purge("q");
-        p.header = Some((
+        p.scope.header = Some((
             "k".into(),
             "v".repeat(crate::control::MAX_PURGE_HEADER_VALUE + 1),
         ));
         assert!(r.purge(p, "alice", &t, 0, 1_000_000).is_err());
         let mut p = purge("q");
-        p.owner = Some("o".repeat(256));
+        p.scope.owner = Some("o".repeat(256));
         assert!(r.purge(p, "admin", &t, 0, 1_000_000).is_err());
         assert_eq!(r.purges.len(), 0);
     }

@@ -248,27 +248,25 @@ impl Publisher {
         out
     }
 
-    /// Records `purge` in the control stream: every worker, gateway and relay then acks what it
-    /// covers without running it. `scheduled_before_ms` 0 means now, `until_ms` 0 as long as a
-    /// covered message can fall due. A user's (no admin's) purge covers only its own messages.
-    pub async fn purge(&self, mut purge: crate::control::Purge) -> Result<crate::control::Purge> {
+    /// Records a purge of what `scope` covers in the control stream: every worker, gateway and
+    /// relay then acks what it covers without running it. It covers what was scheduled before
+    /// now, and is forgotten once no message it covers can fall due. A user's (no admin's)
+    /// purge covers only its own messages. Returns the record as written.
+    pub async fn purge(&self, scope: crate::control::PurgeScope) -> Result<crate::control::Purge> {
+        scope.check().map_err(Error::Invalid)?;
         self.inner
             .layout
-            .validate_destination(&purge.queue)
+            .validate_destination(&scope.queue)
             .map_err(Error::Invalid)?;
         let now = now_ms();
-        if purge.scheduled_before_ms == 0 {
-            purge.scheduled_before_ms = now;
-        }
-        if purge.nonce.is_empty() {
-            purge.nonce = uuid::Uuid::now_v7().to_string();
-        }
-        if purge.until_ms == 0 {
-            let latest = now.saturating_add(self.inner.layout.max_delay_ms());
-            let latest = purge.due_before_ms.map_or(latest, |b| b.min(latest));
-            purge.until_ms = latest.saturating_add(self.cancel.horizon.as_millis());
-        }
-        purge.check().map_err(Error::Invalid)?;
+        let latest = now.saturating_add(self.inner.layout.max_delay_ms());
+        let latest = scope.due_before_ms.map_or(latest, |b| b.min(latest));
+        let purge = crate::control::Purge {
+            nonce: uuid::Uuid::now_v7().to_string(),
+            scope,
+            scheduled_before_ms: now,
+            until_ms: latest.saturating_add(self.cancel.horizon.as_millis()),
+        };
         self.append_control(&Record::Purge(purge.clone())).await?;
         Ok(purge)
     }

@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use amqp_delay::ops::control::Purge;
+use amqp_delay::ops::control::PurgeScope;
 use amqp_delay::ops::journal::{self, Record, RunOutcome, Start};
 use amqp_delay::time::now_ms;
 use amqp_delay::{Message, Outcome};
@@ -144,15 +144,9 @@ async fn a_purge_stops_exactly_the_messages_it_covers() {
         r.unwrap();
     }
     let recorded = Instant::now();
-    p.purge(Purge {
-        nonce: String::new(),
-        queue: q.clone(),
-        owner: None,
-        due_after_ms: None,
-        due_before_ms: None,
+    p.purge(PurgeScope {
         header: Some(("tenant".into(), "a".into())),
-        scheduled_before_ms: 0,
-        until_ms: 0,
+        ..PurgeScope::queue(q.clone())
     })
     .await
     .unwrap();

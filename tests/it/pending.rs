@@ -6,13 +6,14 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use amqp_delay::ops::control::PurgeScope;
 use amqp_delay::settings::Settings;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Message, Outcome};
 use amqp_delay_cli::pending::auth::throttle;
 use amqp_delay_cli::pending::follow::{self, FollowOptions, Status};
 use amqp_delay_cli::pending::http::{Api, listen, router};
-use amqp_delay_cli::pending::service::{MoveTo, PurgeQuery, Query, Service};
+use amqp_delay_cli::pending::service::{MoveTo, Query, Reschedule, Service};
 use amqp_delay_cli::pending::wire::RowOut;
 use amqp_delay_cli::pending_index::{Options, PendingIndex, Viewer};
 use tokio::sync::oneshot;
@@ -192,6 +193,15 @@ async fn scheduled_messages_are_listed_and_leave_pending_when_cancelled_or_run()
     env.cleanup().await;
 }
 
+/// A reschedule of the caller's own message `id` to `to`.
+fn moving(id: &str, to: MoveTo) -> Reschedule {
+    Reschedule {
+        id: id.into(),
+        owner: None,
+        to,
+    }
+}
+
 /// A purge covers exactly the matching messages: none of them runs, the others do; a
 /// reschedule later runs at the new time and not before; earlier without a kept body is a
 /// clear error.
@@ -231,14 +241,14 @@ async fn purge_and_reschedule_steer_what_runs() {
     let new_due = moved.due_at_ms + 2_000;
     let r = ix
         .service
-        .reschedule(&env.settings, "moved", None, MoveTo::At(new_due))
+        .reschedule(&env.settings, &moving("moved", MoveTo::At(new_due)))
         .await
         .unwrap();
     assert!(!r.resent);
     // earlier without the body: a clear error
     let e = ix
         .service
-        .reschedule(&env.settings, "a-0", None, MoveTo::Delay(100))
+        .reschedule(&env.settings, &moving("a-0", MoveTo::Delay(100)))
         .await
         .unwrap_err()
         .to_string();
@@ -246,12 +256,15 @@ async fn purge_and_reschedule_steer_what_runs() {
         e.contains("can only be moved later") && e.contains("journal.keep_body"),
         "{e}"
     );
-    let purge = PurgeQuery {
-        queue: q.clone(),
+    let purge = PurgeScope {
         header: Some(("tenant".into(), "a".into())),
-        ..PurgeQuery::default()
+        ..PurgeScope::queue(q.clone())
     };
-    let out = ix.service.purge(&env.settings, &purge).await.unwrap();
+    let out = ix
+        .service
+        .purge(&env.settings, &purge, false)
+        .await
+        .unwrap();
     assert_eq!(out.covered, 5);
     until_listed(
         &ix,

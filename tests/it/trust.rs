@@ -13,7 +13,7 @@ use amqp_delay::settings::TrustSettings;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Message, Outcome, Publisher, Settings, Worker};
 use amqp_delay_cli::pending::follow::Status;
-use amqp_delay_cli::pending::service::{Failure, PurgeQuery, Service};
+use amqp_delay_cli::pending::service::{Failure, Service};
 use amqp_delay_cli::pending_index::{Options, PendingIndex};
 use futures::StreamExt;
 use lapin::BasicProperties;
@@ -523,10 +523,7 @@ async fn one_owners_purges_cannot_crowd_out_anothers() {
         .schedule(Message::new(q.clone(), 200, "x").with_id("a-purged"))
         .await
         .unwrap();
-    let purge = |queue: &str| amqp_delay::ops::control::Purge {
-        queue: queue.to_string(),
-        ..Default::default()
-    };
+    let purge = |queue: &str| amqp_delay::ops::control::PurgeScope::queue(queue);
     // the attack: 1 000 purges, as many as a follower held of everyone's together
     let mallory = Publisher::connect(&w.as_role("mallory")).await.unwrap();
     let flood = futures::stream::iter(0..1_000)
@@ -542,12 +539,13 @@ async fn one_owners_purges_cannot_crowd_out_anothers() {
     let ix = PendingIndex::open(&path, Options::default()).unwrap();
     let index = std::sync::Arc::new(std::sync::Mutex::new(ix));
     let service = Service::new(w.as_role("pending"), index, Status::new());
-    let ask = |owner: Option<String>| PurgeQuery {
-        queue: q.clone(),
+    let ask = |owner: Option<String>| amqp_delay::ops::control::PurgeScope {
         owner,
-        ..PurgeQuery::default()
+        ..amqp_delay::ops::control::PurgeScope::queue(q.clone())
     };
-    let refused = service.purge(&w.as_role("mallory"), &ask(None)).await;
+    let refused = service
+        .purge(&w.as_role("mallory"), &ask(None), false)
+        .await;
     let Err(f @ Failure::Quota(_)) = &refused else {
         panic!("mallory's purge beyond her quota: {refused:?}");
     };
@@ -562,10 +560,10 @@ async fn one_owners_purges_cannot_crowd_out_anothers() {
             && why.contains("the first of these is over at 20"),
         "{why}"
     );
-    let taken = service.purge(&w.as_role("alice"), &ask(None)).await;
+    let taken = service.purge(&w.as_role("alice"), &ask(None), false).await;
     assert!(taken.as_ref().is_ok_and(|o| o.written), "{taken:?}");
     let admin = service
-        .purge(&w.as_role("adm"), &ask(Some(w.user("mallory"))))
+        .purge(&w.as_role("adm"), &ask(Some(w.user("mallory"))), false)
         .await;
     assert!(admin.as_ref().is_ok_and(|o| o.written), "{admin:?}");
     // a message of alice's scheduled after her purge is not covered: it runs

@@ -26,7 +26,7 @@
 
 use std::time::{Duration, Instant};
 
-use amqp_delay::ops::control::Purge;
+use amqp_delay::ops::control::PurgeScope;
 use amqp_delay::ops::journal::{self, Record, Start};
 use amqp_delay::{Message, Publisher, Settings, Topology};
 use futures::StreamExt;
@@ -116,18 +116,9 @@ async fn main() {
     schedule(&p, &queues, a.messages).await;
     measure_journal(&conn, &layout).await;
     let recorded = Instant::now();
-    p.purge(Purge {
-        nonce: String::new(),
-        queue: queues[0].clone(),
-        owner: None,
-        due_after_ms: None,
-        due_before_ms: None,
-        header: None,
-        scheduled_before_ms: 0,
-        until_ms: 0,
-    })
-    .await
-    .expect("purge");
+    p.purge(PurgeScope::queue(queues[0].clone()))
+        .await
+        .expect("purge");
     println!(
         "purge of {} (1/{} of them) recorded in {:?}",
         queues[0],

@@ -43,7 +43,10 @@ use amqp_delay::settings::Settings;
 use amqp_delay::{Error, Result};
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
+use axum::http::StatusCode;
+use axum::response::Response;
 use axum::routing::{get, post};
+use minijinja::{Value, context};
 
 use crate::pending::auth::{Gate, Logins, Style};
 use crate::pending::follow::{self, FollowOptions, SharedIndex, Status};
@@ -238,6 +241,46 @@ pub async fn serve(
 
 fn config_err_listen(listen: &str, e: std::io::Error) -> Error {
     config(format!("listening on {listen}: {e}"))
+}
+
+/// What every page's layout needs (the pages' and the actions' alike).
+fn base(app: &App, login: &Login, q: &search::Query, page: &str, title: &str) -> Value {
+    context! {
+        user => login.user,
+        admin => login.is_admin(),
+        q => q,
+        page => page,
+        title => title,
+        now => view::time(amqp_delay::time::now_ms()),
+        csrf => app.csrf.token(&login.user),
+        refresh => Value::from(()),
+        notice => Value::from(()),
+        behind => app.status.lag().describe(),
+    }
+}
+
+/// A page that says what went wrong (escaped like every value), with `status`.
+fn notice(
+    app: &App,
+    login: &Login,
+    status: StatusCode,
+    heading: &str,
+    text: &str,
+    back: Option<&str>,
+) -> Response {
+    let kind = if status.is_success() {
+        "notice"
+    } else {
+        "error"
+    };
+    let ctx = context! {
+        heading => heading,
+        text => text,
+        kind => kind,
+        back => back,
+        ..base(app, login, &search::Query::default(), "", heading)
+    };
+    app.views.page(status, "notice.html", ctx)
 }
 
 #[cfg(test)]

@@ -12,53 +12,14 @@ use minijinja::{Value, context};
 use serde::{Deserialize, Serialize};
 
 use super::search::{self, Query as Search};
-use super::{App, Login, MAX_PAGE, view};
+use super::{App, Login, MAX_PAGE, base, notice, view};
+use crate::pending::service::purge_filter;
 use crate::pending_index::{
     Destination, DestinationSummary, Event, Outcome, Record, Row, State as RowState,
 };
 
 /// Body bytes a message page shows at most.
 pub const BODY_MAX: usize = 64 * 1024;
-
-/// What every page's layout needs.
-pub(super) fn base(app: &App, login: &Login, q: &Search, page: &str, title: &str) -> Value {
-    context! {
-        user => login.user,
-        admin => login.is_admin(),
-        q => q,
-        page => page,
-        title => title,
-        now => view::time(amqp_delay::time::now_ms()),
-        csrf => app.csrf.token(&login.user),
-        refresh => Value::from(()),
-        notice => Value::from(()),
-        behind => app.status.lag().describe(),
-    }
-}
-
-/// A page that says what went wrong (escaped like every value), with `status`.
-pub(super) fn notice(
-    app: &App,
-    login: &Login,
-    status: StatusCode,
-    heading: &str,
-    text: &str,
-    back: Option<&str>,
-) -> Response {
-    let kind = if status.is_success() {
-        "notice"
-    } else {
-        "error"
-    };
-    let ctx = context! {
-        heading => heading,
-        text => text,
-        kind => kind,
-        back => back,
-        ..base(app, login, &Search::default(), "", heading)
-    };
-    app.views.page(status, "notice.html", ctx)
-}
 
 fn bad_request(app: &App, login: &Login, why: &str) -> Response {
     notice(
@@ -498,14 +459,13 @@ pub async fn purge_confirm(
     Extension(login): Extension<Login>,
     Query(q): Query<Search>,
 ) -> Response {
-    let now = amqp_delay::time::now_ms();
-    let mut filter = match purge_filter(&q, &login, now) {
-        Ok(f) => f,
+    let scope = match q.purge_scope(amqp_delay::time::now_ms()) {
+        Ok(s) => s,
         Err(e) => return bad_request(&app, &login, &e),
     };
-    filter.after = None;
     // the times as absolute ones: the post purges what this page counted
-    let hidden = purge_fields(&q, filter.due_after, filter.due_before);
+    let hidden = purge_fields(&q, scope.due_after_ms, scope.due_before_ms);
+    let filter = purge_filter(login.viewer.clone(), &scope);
     let count = match app.store.read(move |ix| ix.count(&filter)).await {
         Ok(n) => n,
         Err(e) => return store_failed(&app, &login, &e),
@@ -521,30 +481,6 @@ pub async fn purge_confirm(
         ..base(&app, &login, &q, "purge", "Purge")
     };
     app.views.page(StatusCode::OK, "confirm.html", ctx)
-}
-
-/// The filter of a purge: pending messages of one destination, narrowed by header and due
-/// times.
-pub(super) fn purge_filter(
-    q: &Search,
-    login: &Login,
-    now: u64,
-) -> Result<crate::pending_index::Filter, String> {
-    if q.parked()? {
-        return Err("a purge cancels pending messages; drop parked ones one by one".into());
-    }
-    match q.destination()? {
-        Some(Destination::Queue(_)) => {}
-        Some(Destination::Exchange { .. }) => {
-            return Err(
-                "a purge names a queue: a gateway's messages are purged by its due \
-                        queue (delay-publisher pending purge --queue)"
-                    .into(),
-            );
-        }
-        None => return Err("a purge names the queue whose messages it cancels".into()),
-    }
-    q.filter(login.viewer.clone(), now)
 }
 
 /// The fields a purge form posts back, its times absolute.

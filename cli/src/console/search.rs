@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use amqp_delay::ops::control::PurgeScope;
+
 use super::MAX_PAGE;
 use crate::pending_index::{Cursor, Destination, Filter, Listing, MAX_ID_BYTES, Viewer};
 
@@ -108,6 +110,35 @@ impl Query {
             f.after = Some(self.after.parse::<Cursor>()?);
         }
         Ok(f)
+    }
+
+    /// The purge of what this query lists, times relative to `now_ms`: pending messages of one
+    /// queue, narrowed by header and due times (what the purge form shows and posts back).
+    pub fn purge_scope(&self, now_ms: u64) -> Result<PurgeScope, String> {
+        if self.parked()? {
+            return Err("a purge cancels pending messages; drop parked ones one by one".into());
+        }
+        let f = self.filter(Viewer::Admin, now_ms)?;
+        let queue = match f.destination {
+            Some(Destination::Queue(q)) => q,
+            Some(Destination::Exchange { .. }) => {
+                return Err(
+                    "a purge names a queue: a gateway's messages are purged by its due \
+                            queue (delay-publisher pending purge --queue)"
+                        .into(),
+                );
+            }
+            None => return Err("a purge names the queue whose messages it cancels".into()),
+        };
+        let scope = PurgeScope {
+            queue,
+            owner: None,
+            due_after_ms: f.due_after,
+            due_before_ms: f.due_before,
+            header: f.header,
+        };
+        scope.check()?;
+        Ok(scope)
     }
 
     /// The query string of this query continuing after `cursor` (the "next page" link).
@@ -291,6 +322,54 @@ mod tests {
                 routing_key: "rk".into()
             })
         );
+    }
+
+    #[test]
+    fn a_purge_is_parsed_once_into_its_scope_and_names_a_queue() {
+        let q = Query {
+            queue: "orders".into(),
+            header: "tenant=t1".into(),
+            due_before: "1h".into(),
+            after: "1.2.3".into(),
+            ..Query::default()
+        };
+        let s = q.purge_scope(NOW).unwrap();
+        assert_eq!(s.queue, "orders");
+        assert_eq!(s.owner, None);
+        assert_eq!(s.header, Some(("tenant".into(), "t1".into())));
+        assert_eq!(
+            (s.due_after_ms, s.due_before_ms),
+            (None, Some(NOW + 3_600_000))
+        );
+        for (q, why) in [
+            (Query::default(), "names the queue"),
+            (
+                Query {
+                    exchange: "ex".into(),
+                    ..Query::default()
+                },
+                "due queue",
+            ),
+            (
+                Query {
+                    queue: "orders".into(),
+                    listing: "parked".into(),
+                    ..Query::default()
+                },
+                "parked",
+            ),
+            (
+                Query {
+                    queue: "orders".into(),
+                    header: format!("k={}", "v".repeat(1_025)),
+                    ..Query::default()
+                },
+                "header",
+            ),
+        ] {
+            let e = q.purge_scope(NOW).unwrap_err();
+            assert!(e.contains(why), "{e}");
+        }
     }
 
     #[test]

@@ -16,12 +16,10 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
-use super::pages::notice;
 use super::search::{self, Query as Search};
-use super::{App, Login, csrf};
+use super::{App, Login, csrf, notice};
 use crate::logline::escape_controls;
-use crate::pending::service::{Failure, MoveTo, PurgeQuery};
-use crate::pending_index::Destination;
+use crate::pending::service::{Failure, MoveTo, Reschedule};
 
 /// A refused form post: 403 and why, as plain text.
 fn forbidden(why: &str) -> Response {
@@ -145,12 +143,12 @@ pub async fn reschedule(
         Ok(t) => t,
         Err(e) => return bad(&e),
     };
-    let owner = (!f.owner.is_empty()).then_some(f.owner.as_str());
-    match app
-        .service
-        .reschedule(&login.as_user, &id, owner, MoveTo::At(to))
-        .await
-    {
+    let r = Reschedule {
+        id: id.clone(),
+        owner: (!f.owner.is_empty()).then(|| f.owner.clone()),
+        to: MoveTo::At(to),
+    };
+    match app.service.reschedule(&login.as_user, &r).await {
         Ok(done) => {
             tracing::info!(user = %escape_controls(&login.user), id = %escape_controls(&id), due_at_ms = to, "console: rescheduled");
             let text = format!(
@@ -196,25 +194,12 @@ pub async fn purge(
     if let Some(refused) = guard(&app, &login, &headers, &f.csrf) {
         return refused;
     }
-    let now = amqp_delay::time::now_ms();
     let back = format!("/messages?{}", f.query.first_page());
-    let filter = match super::pages::purge_filter(&f.query, &login, now) {
-        Ok(f) => f,
+    let p = match f.query.purge_scope(amqp_delay::time::now_ms()) {
+        Ok(p) => p,
         Err(e) => return notice(&app, &login, StatusCode::BAD_REQUEST, "Not done", &e, None),
     };
-    let Some(Destination::Queue(queue)) = filter.destination else {
-        let e = "a purge names a queue";
-        return notice(&app, &login, StatusCode::BAD_REQUEST, "Not done", e, None);
-    };
-    let p = PurgeQuery {
-        queue,
-        owner: None,
-        due_after_ms: filter.due_after,
-        due_before_ms: filter.due_before,
-        header: filter.header,
-        dry_run: false,
-    };
-    match app.service.purge(&login.as_user, &p).await {
+    match app.service.purge(&login.as_user, &p, false).await {
         Ok(out) => {
             tracing::info!(user = %escape_controls(&login.user), queue = %escape_controls(&p.queue), covered = out.covered, "console: purged");
             let was = f.expected.parse::<u64>().ok().filter(|n| *n != out.covered);

@@ -12,9 +12,10 @@ use base64::Engine as _;
 use serde::de::DeserializeOwned;
 
 use super::follow::{self, Status, percent_decode};
-use super::service::{Failure, MoveTo, PurgeQuery, Query, Service};
+use super::service::{Failure, MoveTo, Query, Reschedule, Service};
 use super::wire::{ErrorOut, PageOut, PurgeOut, ShowOut, StatusOut, SteeredOut};
 use crate::pending_index::Viewer;
+use amqp_delay::ops::control::PurgeScope;
 
 /// How long one request to a `pending serve` may take.
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -232,18 +233,18 @@ impl Source {
         }
     }
 
-    /// A purge (or with `dry_run`, its count).
-    pub async fn purge(&self, p: &PurgeQuery) -> Result<PurgeOut, Failure> {
+    /// A purge of what `scope` covers (or with `dry_run`, its count).
+    pub async fn purge(&self, scope: &PurgeScope, dry_run: bool) -> Result<PurgeOut, Failure> {
         match self {
-            Source::Local(s) => s.purge(s.settings(), p).await,
+            Source::Local(s) => s.purge(s.settings(), scope, dry_run).await,
             Source::Remote(r) => {
                 let body = serde_json::json!({
-                    "queue": p.queue,
-                    "owner": p.owner,
-                    "due_after": p.due_after_ms,
-                    "due_before": p.due_before_ms,
-                    "header": p.header.as_ref().map(|(k, v)| format!("{k}={v}")),
-                    "dry_run": p.dry_run,
+                    "queue": scope.queue,
+                    "owner": scope.owner,
+                    "due_after": scope.due_after_ms,
+                    "due_before": scope.due_before_ms,
+                    "header": scope.header.as_ref().map(|(k, v)| format!("{k}={v}")),
+                    "dry_run": dry_run,
                 });
                 r.call(Some(body), r.url("api/v1/pending/purge", &[])?)
                     .await
@@ -264,21 +265,17 @@ impl Source {
         Ok(u.to_string())
     }
 
-    /// Moves message `id`.
-    pub async fn reschedule(
-        &self,
-        id: &str,
-        owner: Option<&str>,
-        to: MoveTo,
-    ) -> Result<SteeredOut, Failure> {
+    /// Moves message `r.id`.
+    pub async fn reschedule(&self, r: &Reschedule) -> Result<SteeredOut, Failure> {
         match self {
-            Source::Local(s) => s.reschedule(s.settings(), id, owner, to).await,
-            Source::Remote(r) => {
-                let body = match to {
-                    MoveTo::Delay(d) => serde_json::json!({ "delay": d, "owner": owner }),
-                    MoveTo::At(t) => serde_json::json!({ "at": t, "owner": owner }),
+            Source::Local(s) => s.reschedule(s.settings(), r).await,
+            Source::Remote(remote) => {
+                let body = match r.to {
+                    MoveTo::Delay(d) => serde_json::json!({ "delay": d, "owner": r.owner }),
+                    MoveTo::At(t) => serde_json::json!({ "at": t, "owner": r.owner }),
                 };
-                r.call(Some(body), Source::action_url(r, id, "reschedule")?)
+                remote
+                    .call(Some(body), Source::action_url(remote, &r.id, "reschedule")?)
                     .await
             }
         }

@@ -34,10 +34,11 @@ use serde::Deserialize;
 
 use super::auth::{Authenticate, Gate, Login, Logins, Style, require_login};
 use super::follow::{self, FollowOptions, Status};
-use super::service::{Failure, MoveTo, PurgeQuery, Query, Service};
+use super::service::{Failure, MoveTo, Query, Reschedule, Service};
 use super::when::parse_time;
 use super::wire::{ErrorOut, StatusOut};
 use crate::pending_index::{Options, PendingIndex};
+use amqp_delay::ops::control::PurgeScope;
 
 pub mod listen;
 
@@ -301,19 +302,21 @@ fn body_of<T: serde::de::DeserializeOwned + Default>(b: &[u8]) -> std::result::R
     serde_json::from_slice(b).map_err(|e| format!("the JSON body: {e}"))
 }
 
-fn purge_query(b: PurgeBody) -> std::result::Result<PurgeQuery, String> {
+/// The purge a JSON body asks, parsed once.
+fn purge_scope(b: PurgeBody) -> std::result::Result<PurgeScope, String> {
     let now = now_ms();
     if b.queue.is_empty() {
         return Err("a purge names its destination queue: \"queue\"".into());
     }
-    Ok(PurgeQuery {
+    let scope = PurgeScope {
         queue: b.queue,
         owner: b.owner,
         due_after_ms: b.due_after.map(|t| t.ms(now)).transpose()?,
         due_before_ms: b.due_before.map(|t| t.ms(now)).transpose()?,
         header: b.header.as_deref().map(header_filter).transpose()?,
-        dry_run: b.dry_run,
-    })
+    };
+    scope.check()?;
+    Ok(scope)
 }
 
 async fn purge(
@@ -325,11 +328,12 @@ async fn purge(
         Ok(b) => b,
         Err(e) => return error(400, format!("the JSON body: {e}")),
     };
-    let q = match purge_query(b) {
-        Ok(q) => q,
+    let dry_run = b.dry_run;
+    let scope = match purge_scope(b) {
+        Ok(s) => s,
         Err(why) => return error(400, why),
     };
-    match api.service.purge(&login.as_user, &q).await {
+    match api.service.purge(&login.as_user, &scope, dry_run).await {
         Ok(out) => json(StatusCode::OK, &out),
         Err(f) => failed(&f),
     }
@@ -356,15 +360,15 @@ async fn reschedule(
         Ok(b) => b,
         Err(why) => return error(400, why),
     };
-    let to = match move_to(&b) {
-        Ok(t) => t,
+    let r = match move_to(&b) {
+        Ok(to) => Reschedule {
+            id,
+            owner: b.owner,
+            to,
+        },
         Err(why) => return error(400, why),
     };
-    match api
-        .service
-        .reschedule(&login.as_user, &id, b.owner.as_deref(), to)
-        .await
-    {
+    match api.service.reschedule(&login.as_user, &r).await {
         Ok(out) => json(StatusCode::OK, &out),
         Err(f) => failed(&f),
     }

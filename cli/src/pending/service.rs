@@ -18,7 +18,7 @@ use super::follow::{SharedIndex, Status, url_user, with_index};
 use super::quota::{Ask, Passed, Quotas, Refused};
 use super::wire::{MessageOut, PageOut, PurgeOut, RowOut, ShowOut, SteeredOut};
 use crate::pending_index::{Cursor, Destination, Filter, MAX_ID_BYTES, Record, State, Viewer};
-use amqp_delay::ops::control;
+use amqp_delay::ops::control::PurgeScope;
 
 /// Rows a page holds at most through `pending` (the index allows more; a page's memory and an
 /// HTTP answer stay small).
@@ -146,25 +146,6 @@ impl Query {
     }
 }
 
-/// What a purge covers: one destination queue, narrowed.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PurgeQuery {
-    /// The destination queue (required).
-    pub queue: String,
-    /// An admin's purge: only this owner's messages (default: everyone's).
-    pub owner: Option<String>,
-    /// Only due strictly after (ms since the epoch).
-    pub due_after_ms: Option<u64>,
-    /// Only due strictly before (ms since the epoch).
-    pub due_before_ms: Option<u64>,
-    /// Only with this user header `(key, value)`.
-    pub header: Option<(String, String)>,
-    /// Only count what it would cover; write nothing.
-    #[serde(default)]
-    pub dry_run: bool,
-}
-
 /// Where a reschedule moves a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoveTo {
@@ -172,6 +153,29 @@ pub enum MoveTo {
     Delay(u64),
     /// At this time (ms since the epoch).
     At(u64),
+}
+
+/// A reschedule as asked: which message and where to. Parsed once where it is asked (the
+/// console's form, the API's JSON, the CLI's flags); the service finds the message's due time
+/// in the index and the publisher writes the control record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reschedule {
+    /// The message id.
+    pub id: String,
+    /// An admin's reschedule of another owner's message: that owner.
+    pub owner: Option<String>,
+    /// Where to.
+    pub to: MoveTo,
+}
+
+/// What `scope` covers in the index as `viewer` sees it: what a purge would cancel.
+pub fn purge_filter(viewer: Viewer, scope: &PurgeScope) -> Filter {
+    let mut f = Filter::new(viewer);
+    f.destination = Some(Destination::Queue(scope.queue.clone()));
+    f.due_after = scope.due_after_ms;
+    f.due_before = scope.due_before_ms;
+    f.header = scope.header.clone();
+    f
 }
 
 /// The query and steering layer over one index.
@@ -295,82 +299,71 @@ impl Service {
         Ok((user, r))
     }
 
-    /// Cancels every pending message `p` covers with one control record written as the user of
-    /// `as_user` (with `dry_run`, writes nothing); how many the index knows of.
-    pub async fn purge(&self, as_user: &Settings, p: &PurgeQuery) -> Result<PurgeOut, Failure> {
+    /// Cancels every pending message `scope` covers with one control record written as the
+    /// user of `as_user` (with `dry_run`, writes nothing); how many the index knows of. A
+    /// user's purge covers its own messages, whatever owner it names (its record names none);
+    /// an admin's the named owner's, or everyone's.
+    pub async fn purge(
+        &self,
+        as_user: &Settings,
+        scope: &PurgeScope,
+        dry_run: bool,
+    ) -> Result<PurgeOut, Failure> {
         let user = acting_user(as_user)?;
         let admin = viewer_of(&self.settings, &user) == Viewer::Admin;
-        // a user's purge covers its own messages; an admin's the named owner's, or everyone's
-        let (viewer, owner) = match (admin, &p.owner) {
-            (true, Some(o)) => (Viewer::User(o.clone()), Some(o.clone())),
-            (true, None) => (Viewer::Admin, None),
-            (false, _) => (Viewer::User(user.clone()), None),
+        scope.check().map_err(Failure::Invalid)?;
+        let (viewer, scope) = match (admin, &scope.owner) {
+            (true, Some(o)) => (Viewer::User(o.clone()), scope.clone()),
+            (true, None) => (Viewer::Admin, scope.clone()),
+            (false, _) => (
+                Viewer::User(user.clone()),
+                PurgeScope {
+                    owner: None,
+                    ..scope.clone()
+                },
+            ),
         };
-        let q = Query {
-            queue: Some(p.queue.clone()),
-            due_after_ms: p.due_after_ms,
-            due_before_ms: p.due_before_ms,
-            header: p.header.clone(),
-            limit: Some(1),
-            after: None,
-        };
-        let covered = self.count(viewer, &q).await?;
-        if p.dry_run {
-            return Ok(PurgeOut {
-                covered,
-                queue: p.queue.clone(),
-                written: false,
-                lag: self.status.lag(),
-            });
+        let f = purge_filter(viewer, &scope);
+        let covered = with_index(&self.index, move |ix| ix.count(&f)).await?;
+        let queue = scope.queue.clone();
+        if !dry_run {
+            let _passed = self.may(&user, admin, Ask::Purge).await?;
+            let publisher = Publisher::connect(as_user).await?;
+            let r = publisher.purge(scope).await;
+            publisher.close().await;
+            r?;
         }
-        let purge = control::Purge {
-            queue: p.queue.clone(),
-            owner,
-            due_after_ms: p.due_after_ms,
-            due_before_ms: p.due_before_ms,
-            header: p.header.clone(),
-            // the publisher fills these in: now, and as long as a covered message can fall due
-            nonce: String::new(),
-            scheduled_before_ms: 0,
-            until_ms: 0,
-        };
-        let _passed = self.may(&user, admin, Ask::Purge).await?;
-        let publisher = Publisher::connect(as_user).await?;
-        let r = publisher.purge(purge).await;
-        publisher.close().await;
-        r?;
         Ok(PurgeOut {
             covered,
-            queue: p.queue.clone(),
-            written: true,
+            queue,
+            written: !dry_run,
             lag: self.status.lag(),
         })
     }
 
-    /// Moves pending message `id` (of `owner`, for an admin naming another's) to `to`, as the
-    /// user of `as_user`. Later: one control record. Earlier: the message is sent again from
-    /// its kept body, then the record; without a kept body, an error saying why.
+    /// Moves pending message `r.id` (of `r.owner`, for an admin naming another's) to `r.to`,
+    /// as the user of `as_user`. Later: one control record. Earlier: the message is sent again
+    /// from its kept body, then the record; without a kept body, an error saying why.
     pub async fn reschedule(
         &self,
         as_user: &Settings,
-        id: &str,
-        owner: Option<&str>,
-        to: MoveTo,
+        r: &Reschedule,
     ) -> Result<SteeredOut, Failure> {
-        let (user, r) = self.find_one(as_user, id, owner).await?;
+        let id = r.id.as_str();
+        let (user, found) = self.find_one(as_user, id, r.owner.as_deref()).await?;
         let now = now_ms();
-        let due = match to {
+        let due = match r.to {
             MoveTo::Delay(d) => now.saturating_add(d),
             MoveTo::At(t) => t,
         };
-        let from = r.row.due_at_ms;
+        let from = found.row.due_at_ms;
         let copy = if due < from {
-            Some(copy_of(&r, due.saturating_sub(now))?)
+            Some(copy_of(&found, due.saturating_sub(now))?)
         } else {
             None
         };
         let resent = copy.is_some();
-        let named = (r.row.owner != user).then_some(r.row.owner.as_str());
+        let named = (found.row.owner != user).then_some(found.row.owner.as_str());
         let admin = viewer_of(&self.settings, &user) == Viewer::Admin;
         let _passed = self.may(&user, admin, Ask::Reschedule(id)).await?;
         let publisher = Publisher::connect(as_user).await?;
@@ -379,7 +372,7 @@ impl Service {
         res?;
         Ok(SteeredOut {
             id: id.to_string(),
-            owner: r.row.owner.clone(),
+            owner: found.row.owner.clone(),
             action: "rescheduled".into(),
             from_due_at_ms: from,
             due_at_ms: Some(due),

@@ -25,7 +25,7 @@ use amqp_delay::trust::Trust;
 use indexmap::IndexSet;
 
 use crate::pending_index::{Destination, Entry, MAX_ID_BYTES, Outcome, Purge, Scheduled};
-use amqp_delay::ops::control::Record as ControlRecord;
+use amqp_delay::ops::control::{PurgeScope, Record as ControlRecord};
 use amqp_delay::ops::journal::{Flush, Item, Record, Run, RunOutcome};
 
 mod flushes;
@@ -303,16 +303,17 @@ impl Translator {
                 .filter(|(id, _)| fits_id(id))
                 .map(|(id, _)| cancel(id))
                 .collect(),
-            ControlRecord::Purge(p) if !p.queue.is_empty() => vec![Entry::Purged(Purge {
-                owner: if admin {
-                    p.owner.clone()
-                } else {
-                    Some(by.to_string())
+            ControlRecord::Purge(p) if !p.scope.queue.is_empty() => vec![Entry::Purged(Purge {
+                scope: PurgeScope {
+                    owner: if admin {
+                        p.scope.owner.clone()
+                    } else {
+                        Some(by.to_string())
+                    },
+                    due_after_ms: p.scope.due_after_ms.map(|v| v.min(MAX_MS)),
+                    due_before_ms: p.scope.due_before_ms.map(|v| v.min(MAX_MS)),
+                    ..p.scope.clone()
                 },
-                destination: Destination::Queue(p.queue.clone()),
-                due_after_ms: p.due_after_ms.map(|v| v.min(MAX_MS)),
-                due_before_ms: p.due_before_ms.map(|v| v.min(MAX_MS)),
-                header: p.header.clone(),
                 scheduled_before_ms: p.scheduled_before_ms.min(MAX_MS),
                 by: by.to_string(),
                 at_ms: now_ms,

@@ -5,25 +5,21 @@
 //! hashes the SQL cannot compute), by primary key. Memory stays bounded: the chosen rows live
 //! in the temporary file, never in a `Vec`.
 
+use amqp_delay::ops::control::PurgeScope;
 use rusqlite::params;
 
 use super::codec::decode_headers;
-use super::{DESTINATION, Destination, EV_CANCELLED, OWNER, Result, State, Writer, check_user, ms};
+use super::schema::{DESTINATION, EV_CANCELLED, OWNER};
+use super::write::Writer;
+use super::{Result, State, check_user, ms};
 
-/// What a purge record covers, as its reader decided (the owner follows the writer's rights:
-/// `amqp_delay::ops::control::Record::Purge`).
+/// A purge record as the index applies it: its scope with the owner its reader decided (the
+/// writer's rights: `amqp_delay::ops::control::Record::Purge`), when and by whom.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Purge {
-    /// Whose messages (`None`: everyone's, an admin's purge).
-    pub owner: Option<String>,
-    /// Only this destination.
-    pub destination: Destination,
-    /// Only due strictly after (ms since the epoch).
-    pub due_after_ms: Option<u64>,
-    /// Only due strictly before (ms since the epoch).
-    pub due_before_ms: Option<u64>,
-    /// Only with this user header `(key, value)`.
-    pub header: Option<(String, String)>,
+    /// What it covers: the destination queue, due range and header as asked; the owner as
+    /// believed (`None`: everyone's, an admin's purge).
+    pub scope: PurgeScope,
     /// Only what was scheduled strictly before this (ms since the epoch): what was scheduled
     /// after the purge was recorded is not covered.
     pub scheduled_before_ms: u64,
@@ -39,13 +35,16 @@ impl Writer<'_> {
         check_user(&p.by, "a purge's writer")?;
         let at = ms(p.at_ms, "a purge's time")?;
         let sched_before = ms(p.scheduled_before_ms, "a purge's schedule bound")?;
-        let due_after = p.due_after_ms.map(|v| ms(v, "due_after")).transpose()?;
-        let due_before = p.due_before_ms.map(|v| ms(v, "due_before")).transpose()?;
-        let (ex, rkey) = p.destination.parts();
-        let Some(dest) = self.names.lookup(self.tx, DESTINATION, ex, rkey)? else {
+        let scope = &p.scope;
+        let due_after = scope.due_after_ms.map(|v| ms(v, "due_after")).transpose()?;
+        let due_before = scope
+            .due_before_ms
+            .map(|v| ms(v, "due_before"))
+            .transpose()?;
+        let Some(dest) = self.names.lookup(self.tx, DESTINATION, "", &scope.queue)? else {
             return Ok(0);
         };
-        let own = match &p.owner {
+        let own = match &scope.owner {
             Some(o) => match self.names.lookup(self.tx, OWNER, o, "")? {
                 Some(n) => Some(n),
                 None => return Ok(0),
@@ -54,7 +53,8 @@ impl Writer<'_> {
         };
         self.tx.execute_batch(
             "DROP TABLE IF EXISTS temp.purged;
-             CREATE TEMP TABLE purged (rk INTEGER PRIMARY KEY, own INTEGER, due INTEGER, hdrs BLOB);",
+             CREATE TEMP TABLE purged (row_id INTEGER PRIMARY KEY, owner_id INTEGER,
+                 due_ms INTEGER, headers BLOB);",
         )?;
         let n = self.choose(
             dest,
@@ -62,21 +62,21 @@ impl Writer<'_> {
             due_after,
             due_before,
             sched_before,
-            p.header.as_ref(),
+            scope.header.as_ref(),
         )?;
         if n > 0 {
-            self.unindex_headers()?;
+            self.unindex_purged()?;
             self.tx
                 .prepare(
-                    "INSERT INTO history (rk, n, kind, at, by, x, y) \
-                     SELECT r.rk, r.nev + 1, ?1, ?2, ?3, NULL, NULL \
-                     FROM temp.purged t CROSS JOIN records r ON r.rk = t.rk",
+                    "INSERT INTO history (row_id, seq, kind, at_ms, by_user) \
+                     SELECT r.row_id, r.events + 1, ?1, ?2, ?3 \
+                     FROM temp.purged t CROSS JOIN messages r ON r.row_id = t.row_id",
                 )?
                 .execute(params![EV_CANCELLED, at, p.by])?;
             self.tx
                 .prepare(
-                    "UPDATE records SET nev = nev + 1, state = ?1, lst = NULL, fin = ?2 \
-                     WHERE rk IN (SELECT rk FROM temp.purged)",
+                    "UPDATE messages SET events = events + 1, state = ?1, listing = NULL, \
+                     finished_ms = ?2 WHERE row_id IN (SELECT row_id FROM temp.purged)",
                 )?
                 .execute(params![State::Cancelled.code(), at])?;
         }
@@ -94,16 +94,16 @@ impl Writer<'_> {
         sched_before: i64,
         header: Option<&(String, String)>,
     ) -> Result<u64> {
-        // `lst = 1` (pending or unconfirmed) and the destination: a range of its listing
+        // `listing = 1` (pending or unconfirmed) and the destination: a range of its listing
         // index (the other bounds are added only when given, so that they narrow the range)
-        let mut sql = "SELECT rk, own, due, hdrs FROM records WHERE lst = 1 AND dest = :dest \
-                       AND sched < :sb"
+        let mut sql = "SELECT row_id, owner_id, due_ms, headers FROM messages \
+                       WHERE listing = 1 AND destination_id = :dest AND scheduled_ms < :sb"
             .to_string();
         let mut p: Vec<(&str, i64)> = vec![(":dest", dest), (":sb", sched_before)];
         for (cond, name, v) in [
-            (" AND own = :own", ":own", own),
-            (" AND due > :da", ":da", due_after),
-            (" AND due < :db", ":db", due_before),
+            (" AND owner_id = :own", ":own", own),
+            (" AND due_ms > :da", ":da", due_after),
+            (" AND due_ms < :db", ":db", due_before),
         ] {
             if let Some(v) = v {
                 sql.push_str(cond);
@@ -116,9 +116,9 @@ impl Writer<'_> {
             .collect();
         let mut read = self.tx.prepare(&sql)?;
         let mut rows = read.query(&*bound)?;
-        let mut put = self
-            .tx
-            .prepare("INSERT INTO temp.purged (rk, own, due, hdrs) VALUES (?1, ?2, ?3, ?4)")?;
+        let mut put = self.tx.prepare(
+            "INSERT INTO temp.purged (row_id, owner_id, due_ms, headers) VALUES (?1, ?2, ?3, ?4)",
+        )?;
         let mut n = 0u64;
         while let Some(r) = rows.next()? {
             let hdrs: Option<Vec<u8>> = r.get(3)?;
@@ -139,15 +139,15 @@ impl Writer<'_> {
     }
 
     /// Removes the header index's entries of every row in `temp.purged`.
-    fn unindex_headers(&self) -> Result<()> {
-        let mut read = self
-            .tx
-            .prepare("SELECT rk, own, due, hdrs FROM temp.purged WHERE hdrs IS NOT NULL")?;
+    fn unindex_purged(&self) -> Result<()> {
+        let mut read = self.tx.prepare(
+            "SELECT row_id, owner_id, due_ms, headers FROM temp.purged WHERE headers IS NOT NULL",
+        )?;
         let mut rows = read.query([])?;
         while let Some(r) = rows.next()? {
             let (rk, own, due): (i64, i64, i64) = (r.get(0)?, r.get(1)?, r.get(2)?);
             let b: Vec<u8> = r.get(3)?;
-            self.hdr_remove(rk, due, own, &decode_headers(&b).unwrap_or_default())?;
+            self.unindex_headers(rk, due, own, &decode_headers(&b).unwrap_or_default())?;
         }
         Ok(())
     }

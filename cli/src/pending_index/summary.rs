@@ -4,13 +4,13 @@
 //!
 //! Every figure is one bounded read of an index that exists already:
 //!
-//! * pending, next due and the due-time buckets: one `GROUP BY dest` over the listing index
-//!   `by_dest (lst, dest, due, own)`, index only (the owner filter of a user is read from the
+//! * pending, next due and the due-time buckets: one `GROUP BY destination_id` over the
+//!   listing index `by_dest (listing, destination_id, due_ms, owner_id)`, index only (the owner filter of a user is read from the
 //!   index too), in destination order, stopping after [`MAX_DESTINATIONS`] groups. It visits
 //!   every pending entry the viewer's destinations hold: ~40 ns each, so at 10 million pending
 //!   it takes a few hundred milliseconds. A page that must answer faster shows a summary made
 //!   beforehand (the console keeps one per viewer and refreshes it in the background).
-//! * parked: the same over the parked entries (`lst = 2`).
+//! * parked: the same over the parked entries (`listing = 2`).
 //! * lateness p99: the [`RECENT_RUNS`] most recently finished rows (`by_fin`, newest first,
 //!   within [`RECENT_WINDOW_MS`]), the done ones among them joined with their history's run
 //!   event. A sample, not every run: enough for a p99 of a busy destination, and bounded
@@ -18,10 +18,11 @@
 
 use std::collections::HashMap;
 
-use rusqlite::OptionalExtension;
 use rusqlite::types::Value;
 
-use super::{Destination, EV_DONE, PendingIndex, Result, Viewer, bind, check_user, ms};
+use super::paging::bind;
+use super::schema::{EV_DONE, OWNER};
+use super::{Destination, PendingIndex, Result, State, Viewer, check_user, ms};
 
 /// Destinations a summary holds at most; past it, [`Summary::truncated`] says so.
 pub const MAX_DESTINATIONS: usize = 10_000;
@@ -99,19 +100,6 @@ fn quantile(v: &mut [u64], q: f64) -> Option<u64> {
 }
 
 impl PendingIndex {
-    /// Whether a rebuild is under way now, as the file says: another connection (the
-    /// follower's) may have begun or finished one since this one opened.
-    pub fn rebuilding_now(&mut self) -> Result<bool> {
-        let r: Option<i64> = self
-            .conn
-            .query_row("SELECT v FROM meta WHERE k = 'rebuilding'", [], |r| {
-                r.get(0)
-            })
-            .optional()?;
-        self.rebuilding = r.is_some();
-        Ok(self.rebuilding)
-    }
-
     /// The summary of every destination `viewer` sees, the due-time buckets relative to
     /// `now_ms`. Bounded: at most [`MAX_DESTINATIONS`] destinations and [`RECENT_RUNS`] runs
     /// read; the cost is one index-only pass over the viewer's pending and parked entries.
@@ -122,7 +110,7 @@ impl PendingIndex {
             Viewer::Admin => None,
             Viewer::User(u) => {
                 check_user(u, "the viewer's user name")?;
-                match self.names.lookup(&self.conn, super::OWNER, u, "")? {
+                match self.names.lookup(&self.conn, OWNER, u, "")? {
                     Some(o) => Some(o),
                     None => {
                         return Ok(Summary {
@@ -177,9 +165,11 @@ impl PendingIndex {
             .collect();
         p.push((":lim", Value::Integer((MAX_DESTINATIONS + 1) as i64)));
         let sql = format!(
-            "SELECT dest, count(*), min(due), sum(due < :b1), sum(due >= :b1 AND due < :b2), \
-             sum(due >= :b2 AND due < :b3), sum(due >= :b3 AND due < :b4) \
-             FROM records INDEXED BY by_dest WHERE lst = 1{} GROUP BY dest LIMIT :lim",
+            "SELECT destination_id, count(*), min(due_ms), sum(due_ms < :b1), \
+             sum(due_ms >= :b1 AND due_ms < :b2), sum(due_ms >= :b2 AND due_ms < :b3), \
+             sum(due_ms >= :b3 AND due_ms < :b4) \
+             FROM messages INDEXED BY by_dest WHERE listing = 1{} \
+             GROUP BY destination_id LIMIT :lim",
             owner_clause(own, "", &mut p)
         );
         let groups: Vec<(i64, i64, i64, [i64; 4])> = self
@@ -218,8 +208,8 @@ impl PendingIndex {
     ) -> Result<()> {
         let mut p = vec![(":lim", Value::Integer(MAX_DESTINATIONS as i64))];
         let sql = format!(
-            "SELECT dest, count(*) FROM records INDEXED BY by_dest WHERE lst = 2{} GROUP BY dest \
-             LIMIT :lim",
+            "SELECT destination_id, count(*) FROM messages INDEXED BY by_dest WHERE listing = 2{} \
+             GROUP BY destination_id LIMIT :lim",
             owner_clause(own, "", &mut p)
         );
         let groups: Vec<(i64, i64)> = self
@@ -252,9 +242,12 @@ impl PendingIndex {
             (":lim", Value::Integer(RECENT_RUNS as i64)),
         ];
         let sql = format!(
-            "SELECT f.dest, h.x FROM (SELECT rk, dest, own, state FROM records INDEXED BY by_fin \
-             WHERE fin >= :since ORDER BY fin DESC LIMIT :lim) f \
-             JOIN history h ON h.rk = f.rk AND h.kind = {EV_DONE} WHERE f.state = 3{}",
+            "SELECT f.destination_id, h.lateness_ms FROM (SELECT row_id, destination_id, \
+             owner_id, state FROM messages INDEXED BY by_fin WHERE finished_ms >= :since \
+             ORDER BY finished_ms DESC LIMIT :lim) f \
+             JOIN history h ON h.row_id = f.row_id AND h.kind = {EV_DONE} \
+             WHERE f.state = {}{}",
+            State::Done.code(),
             owner_clause(own, "f.", &mut p)
         );
         let mut late: HashMap<i64, Vec<u64>> = HashMap::new();
@@ -281,12 +274,12 @@ impl PendingIndex {
     }
 }
 
-/// ` AND {table}own = :own` for a user's summary (binding `:own`), nothing for an admin's.
+/// ` AND {table}owner_id = :own` for a user's summary (binding `:own`), nothing for an admin's.
 fn owner_clause(own: Option<i64>, table: &str, p: &mut Vec<(&'static str, Value)>) -> String {
     match own {
         Some(o) => {
             p.push((":own", Value::Integer(o)));
-            format!(" AND {table}own = :own")
+            format!(" AND {table}owner_id = :own")
         }
         None => String::new(),
     }
@@ -495,8 +488,8 @@ mod tests {
         let plan: Vec<String> = ix
             .conn
             .prepare(
-                "EXPLAIN QUERY PLAN SELECT dest, count(*), min(due) FROM records INDEXED BY by_dest \
-                 WHERE lst = 1 AND own = 3 GROUP BY dest",
+                "EXPLAIN QUERY PLAN SELECT destination_id, count(*), min(due_ms) FROM messages \
+                 INDEXED BY by_dest WHERE listing = 1 AND owner_id = 3 GROUP BY destination_id",
             )
             .unwrap()
             .query_map([], |r| r.get::<_, String>(3))

@@ -1,7 +1,11 @@
+use super::paging::bind;
+use super::read::ROW_COLUMNS;
 use super::*;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
+
+use rusqlite::Connection;
 
 use proptest::prelude::*;
 
@@ -565,6 +569,93 @@ fn a_schema_of_another_version_is_refused_with_what_to_do() {
     assert!(e.to_string().contains("rebuild from the journal"), "{e}");
 }
 
+/// The layout the index had before its schema lived in migrations, as that version wrote it.
+const UNVERSIONED_LAYOUT: &str = "
+CREATE TABLE names (nid INTEGER PRIMARY KEY, kind INTEGER NOT NULL, a TEXT NOT NULL,
+    b TEXT NOT NULL, UNIQUE (kind, a, b));
+CREATE TABLE records (rk INTEGER PRIMARY KEY, own INTEGER NOT NULL, id ANY NOT NULL,
+    dest INTEGER NOT NULL, due INTEGER NOT NULL, sched INTEGER NOT NULL, size INTEGER NOT NULL,
+    ctype INTEGER, state INTEGER NOT NULL, lst INTEGER, fin INTEGER, nev INTEGER NOT NULL,
+    hdrs BLOB, body BLOB);
+CREATE UNIQUE INDEX by_id ON records (own, id);
+CREATE INDEX by_fin ON records (fin) WHERE fin IS NOT NULL;
+CREATE INDEX by_unconfirmed ON records (due) WHERE state = 0;
+CREATE TABLE hdr (h INTEGER NOT NULL, due INTEGER NOT NULL, own INTEGER NOT NULL,
+    rk INTEGER NOT NULL, dest INTEGER NOT NULL, PRIMARY KEY (h, due, own, rk)) WITHOUT ROWID;
+CREATE TABLE history (rk INTEGER NOT NULL, n INTEGER NOT NULL, kind INTEGER NOT NULL,
+    at INTEGER NOT NULL, by TEXT, x INTEGER, y INTEGER, PRIMARY KEY (rk, n)) WITHOUT ROWID;
+CREATE TABLE meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL) WITHOUT ROWID;
+CREATE INDEX by_dest ON records (lst, dest, due, own) WHERE lst IS NOT NULL;
+CREATE INDEX by_owner ON records (lst, own, due) WHERE lst IS NOT NULL;
+CREATE INDEX by_due ON records (lst, due, own) WHERE lst IS NOT NULL;
+INSERT INTO names (nid, kind, a, b) VALUES (1, 0, 'alice', ''), (2, 2, '', 'q');
+INSERT INTO records VALUES (1, 1, 'old', 2, 5000, 1000, 3, NULL, 1, 1, NULL, 0, NULL, NULL);
+INSERT INTO meta (k, v) VALUES ('position', 41), ('control_position', 7);
+PRAGMA user_version = 1;
+";
+
+/// `t`'s index opened, with what it logged.
+fn opened_logging(t: &Temp) -> (PendingIndex, String) {
+    #[derive(Clone, Default)]
+    struct Buf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let out = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || out.clone())
+        .with_ansi(false)
+        .finish();
+    let ix = tracing::subscriber::with_default(subscriber, || t.open());
+    let logged = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+    (ix, logged)
+}
+
+#[test]
+fn an_index_of_the_unversioned_layout_is_emptied_for_a_rebuild_and_then_written_as_new() {
+    let t = Temp::new();
+    let path = t.dir.join("index.db");
+    let c = Connection::open(&path).unwrap();
+    c.execute_batch(UNVERSIONED_LAYOUT).unwrap();
+    drop(c);
+    let (mut ix, logged) = opened_logging(&t);
+    assert!(
+        logged.contains("WARN") && logged.contains("older version") && logged.contains("rebuilds"),
+        "{logged}"
+    );
+    // nothing of the old file is believed: the follower starts from the streams' start
+    assert_eq!(ix.position().unwrap(), None);
+    assert_eq!(ix.mark("control_position").unwrap(), None);
+    assert!(ix.show("old", &Viewer::Admin).unwrap().is_empty());
+    let tables: Vec<String> = ix
+        .conn
+        .prepare("SELECT name FROM sqlite_schema WHERE type = 'table' ORDER BY name")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap();
+    assert_eq!(
+        tables,
+        ["header_index", "history", "messages", "meta", "names"]
+    );
+    // and it works as a new index, here and after it is opened again
+    put(&mut ix, "alice", "m", "q", 5_000);
+    ix.apply_at(&[], 3).unwrap();
+    drop(ix);
+    let (mut ix, logged) = opened_logging(&t);
+    assert_eq!(logged, "", "a file of this layout is opened as it is");
+    assert_eq!(ix.position().unwrap(), Some(3));
+    assert_eq!(ix.count(&Filter::new(Viewer::Admin)).unwrap(), 1);
+}
+
 #[test]
 fn the_list_plans_are_index_range_scans_never_a_full_sort() {
     let t = Temp::new();
@@ -788,11 +879,10 @@ fn a_rebuild_ends_with_the_same_pages_as_applying_one_by_one() {
 
 fn purge_of(queue: &str, owner: Option<&str>) -> Purge {
     Purge {
-        owner: owner.map(Into::into),
-        destination: q(queue),
-        due_after_ms: None,
-        due_before_ms: None,
-        header: None,
+        scope: amqp_delay::ops::control::PurgeScope {
+            owner: owner.map(Into::into),
+            ..amqp_delay::ops::control::PurgeScope::queue(queue)
+        },
         scheduled_before_ms: 10_000,
         by: "root".into(),
         at_ms: 3_000,
@@ -825,8 +915,8 @@ fn a_purge_cancels_exactly_what_it_covers() {
     ])
     .unwrap();
     let mut p = purge_of("orders", Some("alice"));
-    p.due_before_ms = Some(8_000);
-    p.header = Some(("tenant".into(), "t1".into()));
+    p.scope.due_before_ms = Some(8_000);
+    p.scope.header = Some(("tenant".into(), "t1".into()));
     ix.apply(&[Entry::Purged(p.clone())]).unwrap();
     let mut f = Filter::new(Viewer::Admin);
     let mut left = ids(&ix.list(&f).unwrap());
@@ -880,7 +970,7 @@ fn a_purge_of_many_rows_is_one_transaction_and_keeps_the_indexes_right() {
     ix.apply(&batch).unwrap();
     put(&mut ix, "alice", "kept", "other", 5_000);
     let mut p = purge_of("orders", None);
-    p.header = Some(("tenant".into(), "t0".into()));
+    p.scope.header = Some(("tenant".into(), "t0".into()));
     let started = std::time::Instant::now();
     ix.apply_at(&[Entry::Purged(p)], 77).unwrap();
     println!("purged {} rows in {:?}", n / 2, started.elapsed());

@@ -4,13 +4,14 @@
 
 use std::io::{BufRead, IsTerminal, Write};
 
+use amqp_delay::ops::control::PurgeScope;
 use amqp_delay::settings::Settings;
 use amqp_delay_cli::cli::{self, escape_controls};
 use amqp_delay_cli::outln;
 use amqp_delay_cli::pending::client::Source;
 use amqp_delay_cli::pending::follow::{FollowOptions, Lag};
 use amqp_delay_cli::pending::http;
-use amqp_delay_cli::pending::service::{Failure, MoveTo, PurgeQuery, Query};
+use amqp_delay_cli::pending::service::{Failure, MoveTo, Query, Reschedule};
 use amqp_delay_cli::pending::when::format_time;
 use amqp_delay_cli::pending::wire::{MessageOut, RowOut, SteeredOut};
 
@@ -107,7 +108,7 @@ async fn answer(settings: &Settings, cmd: PendingCmd) -> Result<i32, Failure> {
                 (None, Some(t)) => MoveTo::At(t),
                 (None, None) => return Err(Failure::Invalid("give --delay or --at".into())),
             };
-            steered(&src.reschedule(&id, owner.as_deref(), to).await?);
+            steered(&src.reschedule(&Reschedule { id, owner, to }).await?);
             Ok(0)
         }
         PendingCmd::Cancel { id, owner, .. } => {
@@ -155,13 +156,12 @@ async fn purge(
     filter: crate::args::PendingFilter,
     yes: bool,
 ) -> Result<i32, Failure> {
-    let mut p = PurgeQuery {
+    let scope = PurgeScope {
         queue,
         owner,
         due_after_ms: filter.due_after,
         due_before_ms: filter.due_before,
         header: filter.header,
-        dry_run: true,
     };
     if !yes {
         if !std::io::stdin().is_terminal() {
@@ -171,15 +171,14 @@ async fn purge(
                     .into(),
             ));
         }
-        let n = src.purge(&p).await?;
+        let n = src.purge(&scope, true).await?;
         behind(&n.lag);
-        if !confirm(n.covered, &p.queue) {
+        if !confirm(n.covered, &scope.queue) {
             outln!("nothing purged");
             return Ok(cli::EXIT_FAILURES);
         }
     }
-    p.dry_run = false;
-    let done = src.purge(&p).await?;
+    let done = src.purge(&scope, false).await?;
     outln!(
         "purged {} pending message(s) of queue {}",
         done.covered,

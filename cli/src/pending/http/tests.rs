@@ -192,11 +192,11 @@ fn bodies_read_with_clear_errors() {
     assert!(serde_json::from_str::<RescheduleBody>(r#"{"later": 1}"#).is_err());
     let p: PurgeBody =
         serde_json::from_str(r#"{"queue": "q", "due_before": "+1h", "header": "k=v"}"#).unwrap();
-    let q = purge_query(p).unwrap();
+    let q = purge_scope(p).unwrap();
     assert_eq!(q.header, Some(("k".into(), "v".into())));
     assert!(q.due_before_ms.unwrap() > now_ms());
     let p: PurgeBody = serde_json::from_str(r#"{"queue": ""}"#).unwrap();
-    assert!(purge_query(p).unwrap_err().contains("queue"));
+    assert!(purge_scope(p).unwrap_err().contains("queue"));
     assert!(body_of::<CancelBody>(b" ").is_ok());
     assert!(body_of::<CancelBody>(b"{").is_err());
 }

@@ -187,7 +187,14 @@ async fn steering_needs_a_pending_message_of_one_owner() {
     let e = s.cancel(&alice, "c", None).await.unwrap_err();
     assert!(e.to_string().contains("is cancelled, not pending"), "{e}");
     let e = s
-        .reschedule(&alice, "gone", None, MoveTo::Delay(5))
+        .reschedule(
+            &alice,
+            &Reschedule {
+                id: "gone".into(),
+                owner: None,
+                to: MoveTo::Delay(5),
+            },
+        )
         .await
         .unwrap_err();
     assert!(matches!(e, Failure::NotFound(_)), "{e:?}");

@@ -277,16 +277,17 @@ fn steering_records_cover_the_writers_own_unless_an_admin_wrote_them() {
     assert_eq!(t.control(Some("alice"), &cancels, 77).len(), 2);
     let purge = ControlRecord::Purge(amqp_delay::ops::control::Purge {
         nonce: "n".into(),
-        queue: "orders".into(),
-        owner: Some("bob".into()),
-        due_after_ms: Some(1),
-        due_before_ms: None,
-        header: Some(("k".into(), "v".into())),
+        scope: amqp_delay::ops::control::PurgeScope {
+            owner: Some("bob".into()),
+            due_after_ms: Some(1),
+            header: Some(("k".into(), "v".into())),
+            ..amqp_delay::ops::control::PurgeScope::queue("orders")
+        },
         scheduled_before_ms: 500,
         until_ms: 9,
     });
     let owner_of = |e: &[Entry]| match &e[0] {
-        Entry::Purged(p) => p.owner.clone(),
+        Entry::Purged(p) => p.scope.owner.clone(),
         Entry::Rescheduled { owner, .. } => owner.clone(),
         other => panic!("{other:?}"),
     };
@@ -302,9 +303,9 @@ fn steering_records_cover_the_writers_own_unless_an_admin_wrote_them() {
     let Entry::Purged(p) = &t.control(Some("root"), &purge, 77)[0] else {
         panic!()
     };
-    assert_eq!(p.destination, Destination::Queue("orders".into()));
+    assert_eq!(p.scope.queue, "orders");
     assert_eq!(p.scheduled_before_ms, 500);
-    assert_eq!(p.header, Some(("k".into(), "v".into())));
+    assert_eq!(p.scope.header, Some(("k".into(), "v".into())));
     let resched = |owner: Option<&str>| ControlRecord::Reschedule {
         id: "a".into(),
         owner: owner.map(Into::into),
