@@ -27,6 +27,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("tally", 0),
     ("error", 0),
     ("trust", 0),
+    ("recurring", 0),
     ("broker", 1),
     ("cancel", 1),
     ("connection", 1),
@@ -58,6 +59,7 @@ const TOOL_LAYERS: &[(&str, u8)] = &[
     ("pending", 2),
     ("pending_index", 2),
     ("proxy", 2),
+    ("recurring", 2),
     ("cli", 3),
 ];
 

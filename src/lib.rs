@@ -22,7 +22,8 @@
 //! Public modules: [`settings`] (every setting), [`layout`] (tier names and sizes), [`headers`]
 //! (the header names on the wire), [`time`] (durations as written in settings), [`trust`]
 //! (whose records and messages count for what), [`metrics`] (the Prometheus registry the
-//! library fills), [`batch`] (the batch envelope on the wire); for tools that operate a deployment, as the amqp-delay tools do:
+//! library fills), [`batch`] (the batch envelope on the wire), [`recurring`] (recurring
+//! schedules: cron ticks in a time zone, the occurrences to publish, the book of definitions); for tools that operate a deployment, as the amqp-delay tools do:
 //! [`connection`] (brokers' URLs, connecting and reconnecting), [`broker`] (the AMQP
 //! primitives the library is built on), [`control`] (the control stream's records: gateway
 //! pairs, batch markers, cancels), [`cancel`] (following the cancels), [`ledger`] (counting
@@ -46,6 +47,7 @@ pub mod layout;
 mod message;
 pub mod metrics;
 mod planner;
+pub mod recurring;
 mod retry;
 pub mod settings;
 mod tally;
