@@ -15,6 +15,8 @@ pub struct Window {
     pub grace_ms: u64,
     /// The most occurrences one plan holds (the rest wait for the next plan).
     pub max: usize,
+    /// The longest delay the topology takes: nothing is planned due later than this from now.
+    pub max_delay_ms: u64,
 }
 
 /// One occurrence to publish.
@@ -51,7 +53,8 @@ pub fn plan(def: &Definition, ticks: &Ticks, done_ms: u64, w: Window) -> Plan {
     let horizon = ticks
         .next_after(w.now_ms)
         .map_or(ahead, |t| t.max(ahead))
-        .min(until);
+        .min(until)
+        .min(w.now_ms.saturating_add(w.max_delay_ms));
     let mut out = Plan {
         occurrences: Vec::new(),
         missed: false,

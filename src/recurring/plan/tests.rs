@@ -20,6 +20,7 @@ fn window(now_ms: u64) -> Window {
         ahead_ms: MIN,
         grace_ms: 0,
         max: 1_000,
+        max_delay_ms: u64::MAX,
     }
 }
 
@@ -46,6 +47,12 @@ fn a_minute_ahead_or_the_next_tick_whichever_is_later() {
     let (d, t) = def("0 2 * * *", Misfire::Once);
     let p = plan(&d, &t, T0, window(T0 + 5_000));
     assert_eq!(ticks_of(&p), ["2026-12-07T02:00:00Z"]);
+    // no further than the topology's longest delay: the rest in a later plan
+    let w = Window {
+        max_delay_ms: 3_600_000,
+        ..window(T0 + 5_000)
+    };
+    assert!(plan(&d, &t, T0, w).occurrences.is_empty());
     // planned again at once: nothing more
     let again = plan(&d, &t, p.through_ms, window(T0 + 6_000));
     assert!(again.occurrences.is_empty(), "{again:?}");
@@ -83,20 +90,37 @@ fn from_until_and_max_bound_a_plan() {
     let p = plan(&d, &t, T0, window(T0));
     assert_eq!(
         ticks_of(&p),
-        ["2026-12-07T00:00:30Z", "2026-12-07T00:00:40Z", "2026-12-07T00:00:50Z"]
+        [
+            "2026-12-07T00:00:30Z",
+            "2026-12-07T00:00:40Z",
+            "2026-12-07T00:00:50Z"
+        ]
     );
     assert_eq!(p.next_tick_ms, None, "ended");
-    assert!(plan(&d, &t, p.through_ms, window(T0 + MIN)).occurrences.is_empty());
+    assert!(
+        plan(&d, &t, p.through_ms, window(T0 + MIN))
+            .occurrences
+            .is_empty()
+    );
     d.until_ms = None;
-    let w = Window { max: 2, ..window(T0) };
+    let w = Window {
+        max: 2,
+        ..window(T0)
+    };
     let p = plan(&d, &t, T0, w);
     assert_eq!(p.occurrences.len(), 2);
     assert_eq!(p.through_ms, T0 + 40_000, "the rest in the next plan");
     let p = plan(&d, &t, p.through_ms, w);
     assert_eq!(p.occurrences[0].tick_ms, T0 + 50_000);
-    let w = Window { max: 0, ..window(T0) };
+    let w = Window {
+        max: 0,
+        ..window(T0)
+    };
     let p = plan(&d, &t, T0, w);
-    assert!(p.occurrences.is_empty() && p.through_ms < T0 + 30_000, "nothing dealt with");
+    assert!(
+        p.occurrences.is_empty() && p.through_ms < T0 + 30_000,
+        "nothing dealt with"
+    );
 }
 
 proptest! {
