@@ -176,7 +176,10 @@ pub fn set_schedule_headers(table: &mut FieldTable, delay_ms: u64, due_at_ms: u6
 /// Sets the headers of an occurrence of recurring schedule `name` at `tick_ms`.
 pub fn set_occurrence_headers(table: &mut FieldTable, name: &str, tick_ms: u64) {
     table.insert(RECURRING.into(), AMQPValue::LongString(name.into()));
-    table.insert(RECURRING_TICK.into(), AMQPValue::LongLongInt(tick_ms as i64));
+    table.insert(
+        RECURRING_TICK.into(),
+        AMQPValue::LongLongInt(tick_ms as i64),
+    );
 }
 
 /// Bytes `table` takes in AMQP's field-table encoding (as it travels in a content header).

@@ -115,7 +115,10 @@ impl Definition {
     pub fn check(&self) -> Result<Ticks, String> {
         check_name(&self.name)?;
         if self.queue.is_empty() || self.queue.len() > 255 {
-            return Err(format!("a queue name is 1 to 255 bytes, not {}", self.queue.len()));
+            return Err(format!(
+                "a queue name is 1 to 255 bytes, not {}",
+                self.queue.len()
+            ));
         }
         if self.body.len() > MAX_BODY_BYTES {
             return Err(format!(
@@ -192,11 +195,13 @@ mod tests {
         assert!(bad(&|d| d.headers = vec![("CC".into(), "q".into())]).contains("reserved"));
         assert!(bad(&|d| d.tz = "Mars/Olympus".into()).contains("time zone"));
         assert!(bad(&|d| d.cron = "61 * * * *".into()).contains("cron"));
-        assert!(bad(&|d| {
-            d.from_ms = Some(2);
-            d.until_ms = Some(1)
-        })
-        .contains("--until"));
+        assert!(
+            bad(&|d| {
+                d.from_ms = Some(2);
+                d.until_ms = Some(1)
+            })
+            .contains("--until")
+        );
     }
 
     #[test]
@@ -218,7 +223,8 @@ mod tests {
             r#"{"name":"n","cron":"@hourly","tz":"UTC","queue":"q","body":"b","misfire":"once"}"#
         );
         let back: Definition =
-            serde_json::from_str(r#"{"name":"n","cron":"@hourly","queue":"q","body":"b"}"#).unwrap();
+            serde_json::from_str(r#"{"name":"n","cron":"@hourly","queue":"q","body":"b"}"#)
+                .unwrap();
         assert_eq!(back, d);
     }
 }

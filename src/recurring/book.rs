@@ -156,7 +156,10 @@ impl Book {
         a.schedule.check()?;
         tag("revision", &a.rev)?;
         self.put(owner, &a.rev, a.schedule.clone(), trust)?;
-        if let Some(e) = self.entries.get_mut(&(owner.to_string(), a.schedule.name.clone())) {
+        if let Some(e) = self
+            .entries
+            .get_mut(&(owner.to_string(), a.schedule.name.clone()))
+        {
             e.since_ms = a.at_ms;
         }
         Ok(())
@@ -200,7 +203,10 @@ impl Book {
                 e.through_ms = e.through_ms.max(Some(m.through_ms));
                 Ok(())
             }
-            _ => Err(format!("no revision {} of {}'s {:?}", m.rev, m.owner, m.name)),
+            _ => Err(format!(
+                "no revision {} of {}'s {:?}",
+                m.rev, m.owner, m.name
+            )),
         }
     }
 
@@ -262,7 +268,13 @@ impl Book {
 
     /// Puts revision `rev` of `owner`'s `def`, replacing one of the same name (unpaused, not
     /// marked), within the caps.
-    fn put(&mut self, owner: &str, rev: &str, def: Definition, trust: &Trust) -> Result<(), String> {
+    fn put(
+        &mut self,
+        owner: &str,
+        rev: &str,
+        def: Definition,
+        trust: &Trust,
+    ) -> Result<(), String> {
         let key = (owner.to_string(), def.name.clone());
         if let Some(old) = self.entries.get(&key) {
             let old = old.rev.clone();
@@ -270,7 +282,9 @@ impl Book {
         } else {
             let mine = self.per_owner.get(owner).copied().unwrap_or(0);
             if !trust.is_admin(owner) && mine >= MAX_PER_OWNER {
-                return Err(format!("{owner} has {MAX_PER_OWNER} schedules, the most a user may"));
+                return Err(format!(
+                    "{owner} has {MAX_PER_OWNER} schedules, the most a user may"
+                ));
             }
             if self.entries.len() >= MAX_SCHEDULES {
                 return Err(format!("{MAX_SCHEDULES} schedules, the most a book holds"));
@@ -322,7 +336,9 @@ fn scheduler(by: Option<&str>, owner: &str, trust: &Trust) -> Result<(), String>
         Ok(())
     } else {
         let by = by.unwrap_or("no user_id");
-        Err(format!("a mark or keep of {owner}'s by '{by}', no scheduler of this topology"))
+        Err(format!(
+            "a mark or keep of {owner}'s by '{by}', no scheduler of this topology"
+        ))
     }
 }
 

@@ -53,12 +53,22 @@ fn a_schedule_is_its_writers_and_only_it_or_an_admin_steers_it() {
     assert!(!b.get("alice", "n").unwrap().paused);
     assert!(b.get("bob", "n").unwrap().paused);
     // mallory has none of that name
-    assert!(b.set(Some("mallory"), &set("n", None, Action::Remove, 30), &t).is_err());
+    assert!(
+        b.set(Some("mallory"), &set("n", None, Action::Remove, 30), &t)
+            .is_err()
+    );
     // an admin steers anyone's
-    b.set(Some("admin"), &set("n", Some("alice"), Action::Pause, 40), &t)
-        .unwrap();
+    b.set(
+        Some("admin"),
+        &set("n", Some("alice"), Action::Pause, 40),
+        &t,
+    )
+    .unwrap();
     assert!(b.get("alice", "n").unwrap().paused);
-    let seen: Vec<_> = b.visible_to("alice", &t).map(|e| e.owner.as_str()).collect();
+    let seen: Vec<_> = b
+        .visible_to("alice", &t)
+        .map(|e| e.owner.as_str())
+        .collect();
     assert_eq!(seen, ["alice"]);
     assert_eq!(b.visible_to("admin", &t).count(), 2);
     assert_eq!(b.visible_to("mallory", &t).count(), 0);
@@ -86,27 +96,41 @@ fn marks_and_keeps_count_only_from_the_owner_or_a_scheduler_and_for_their_revisi
     let t = trust();
     let mut b = Book::default();
     b.add(Some("alice"), &add("n", "r1", 10), &t).unwrap();
-    assert!(b.mark(Some("bob"), &mark("alice", "n", "r1", 99), &t).is_err());
-    b.mark(Some("alice"), &mark("alice", "n", "r1", 5), &t).unwrap();
+    assert!(
+        b.mark(Some("bob"), &mark("alice", "n", "r1", 99), &t)
+            .is_err()
+    );
+    b.mark(Some("alice"), &mark("alice", "n", "r1", 5), &t)
+        .unwrap();
     b.mark(Some("scheduler2"), &mark("alice", "n", "r1", 50), &t)
         .unwrap();
     b.mark(Some("scheduler"), &mark("alice", "n", "r1", 40), &t)
         .unwrap();
-    assert_eq!(b.get("alice", "n").unwrap().through_ms, Some(50), "never back");
+    assert_eq!(
+        b.get("alice", "n").unwrap().through_ms,
+        Some(50),
+        "never back"
+    );
     // replaced: the old revision's marks no longer count, nor its keeps
     b.add(Some("alice"), &add("n", "r2", 60), &t).unwrap();
     let old = Keep {
         through_ms: Some(1_000),
         ..b.get("alice", "n").unwrap().keep()
     };
-    assert!(b.mark(Some("scheduler"), &mark("alice", "n", "r1", 70), &t).is_err());
+    assert!(
+        b.mark(Some("scheduler"), &mark("alice", "n", "r1", 70), &t)
+            .is_err()
+    );
     let stale = Keep {
         rev: "r1".into(),
         ..old.clone()
     };
     assert!(b.keep(Some("scheduler"), &stale, &t).is_err());
     let e = b.get("alice", "n").unwrap();
-    assert_eq!((e.rev.as_str(), e.through_ms, e.done_ms()), ("r2", None, 60));
+    assert_eq!(
+        (e.rev.as_str(), e.through_ms, e.done_ms()),
+        ("r2", None, 60)
+    );
     // a keep of the live revision takes only its mark
     b.keep(Some("scheduler"), &old, &t).unwrap();
     assert_eq!(b.get("alice", "n").unwrap().through_ms, Some(1_000));
@@ -133,10 +157,16 @@ fn an_owner_and_the_book_are_capped() {
     let t = trust();
     let mut b = Book::default();
     for i in 0..MAX_PER_OWNER {
-        b.add(Some("alice"), &add(&format!("n{i}"), &format!("r{i}"), 0), &t)
-            .unwrap();
+        b.add(
+            Some("alice"),
+            &add(&format!("n{i}"), &format!("r{i}"), 0),
+            &t,
+        )
+        .unwrap();
     }
-    let e = b.add(Some("alice"), &add("one-more", "x", 0), &t).unwrap_err();
+    let e = b
+        .add(Some("alice"), &add("one-more", "x", 0), &t)
+        .unwrap_err();
     assert!(e.contains("the most a user may"), "{e}");
     // a replace is no new schedule
     b.add(Some("alice"), &add("n0", "r0b", 0), &t).unwrap();

@@ -46,7 +46,14 @@ fn five_and_six_fields_and_names_tick_in_utc() {
 
 #[test]
 fn what_is_no_cron_or_no_zone_is_refused_with_a_reason() {
-    for bad in ["", "* * * *", "* * * * * * * *", "61 * * * *", "@sometimes", "a b c d e"] {
+    for bad in [
+        "",
+        "* * * *",
+        "* * * * * * * *",
+        "61 * * * *",
+        "@sometimes",
+        "a b c d e",
+    ] {
         let e = Ticks::new(bad, "UTC").unwrap_err();
         assert!(e.contains("cron"), "{bad:?}: {e}");
     }
