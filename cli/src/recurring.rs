@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use amqp_delay::connection::Connector;
 use amqp_delay::control::{self, Record, Start};
-use amqp_delay::recurring::{self, Book, Entry, Keep, Mark, Ticks, Window};
+use amqp_delay::recurring::{self, Book, Definition, Entry, Keep, Mark, Ticks, Window};
 use amqp_delay::settings::Settings;
 use amqp_delay::time::now_ms;
 use amqp_delay::trust::Trust;
@@ -270,19 +270,24 @@ async fn publish(
     e: &Entry,
     occurrences: &[recurring::Occurrence],
 ) -> Result<()> {
-    let mut headers = FieldTable::default();
-    for (k, v) in &e.def.headers {
-        headers.insert(k.as_str().into(), AMQPValue::LongString(v.as_str().into()));
-    }
     let now = now_ms();
-    let msgs = occurrences.iter().map(|o| {
-        let delay = o.due_ms.saturating_sub(now);
-        Message::new(e.def.queue.as_str(), delay, e.def.body.as_bytes().to_vec())
-            .with_headers(headers.clone())
-            .occurrence(&e.def.name, o.tick_ms)
-    });
+    let msgs = occurrences
+        .iter()
+        .map(|o| occurrence(&e.def, o.tick_ms, o.due_ms.saturating_sub(now)));
     for r in publisher.schedule_batch(msgs.collect()).await {
         r?;
     }
     Ok(())
+}
+
+/// The occurrence of `def` at `tick_ms`, due after `delay_ms`: its queue, body and headers,
+/// named by its tick.
+pub fn occurrence(def: &Definition, tick_ms: u64, delay_ms: u64) -> Message {
+    let mut headers = FieldTable::default();
+    for (k, v) in &def.headers {
+        headers.insert(k.as_str().into(), AMQPValue::LongString(v.as_str().into()));
+    }
+    Message::new(def.queue.as_str(), delay_ms, def.body.as_bytes().to_vec())
+        .with_headers(headers)
+        .occurrence(&def.name, tick_ms)
 }

@@ -9,11 +9,10 @@ use amqp_delay::recurring::{Action, Add, Book, Definition, Entry, Set, rfc3339};
 use amqp_delay::settings::Settings;
 use amqp_delay::time::now_ms;
 use amqp_delay::trust::Trust;
-use amqp_delay::{Error, Message, Publisher};
+use amqp_delay::{Error, Publisher};
 use amqp_delay_cli::cli::escape_controls;
 use amqp_delay_cli::outln;
-use amqp_delay_cli::recurring::{ServeOptions, serve};
-use lapin::types::{AMQPValue, FieldTable};
+use amqp_delay_cli::recurring::{ServeOptions, occurrence, serve};
 
 use crate::args::{RecurringAddArgs, RecurringCmd, RecurringName};
 use crate::connected;
@@ -181,14 +180,7 @@ async fn set(settings: &Settings, n: &RecurringName, action: Action) -> amqp_del
 async fn run_now(settings: &Settings, n: &RecurringName) -> amqp_delay::Result<i32> {
     let (book, user, trust) = book(settings).await?;
     let e = visible(&book, &user, &trust, n)?;
-    let mut headers = FieldTable::default();
-    for (k, v) in &e.def.headers {
-        headers.insert(k.as_str().into(), AMQPValue::LongString(v.as_str().into()));
-    }
-    let tick = now_ms() / 1000 * 1000;
-    let msg = Message::new(e.def.queue.as_str(), 0, e.def.body.as_bytes().to_vec())
-        .with_headers(headers)
-        .occurrence(&e.def.name, tick);
+    let msg = occurrence(&e.def, now_ms() / 1000 * 1000, 0);
     let publisher = Publisher::connect(settings).await?;
     let r = publisher.schedule(msg).await;
     publisher.close().await;
