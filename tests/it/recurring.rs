@@ -289,3 +289,56 @@ async fn each_tick_arrives_once_never_early_with_its_id_across_a_kill_9_of_the_a
     assert_eq!(ticks, every, "a tick missing or run twice");
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_paused_schedule_runs_no_tick_until_resumed_and_its_paused_ticks_never() {
+    let mut env = Env::new(small_topology()).await;
+    let q = env.queue("paused").await;
+    let cfg = env.write_config("");
+    let add = [
+        "recurring",
+        "add",
+        "each",
+        "--cron",
+        "* * * * * *",
+        "--queue",
+        &q,
+    ];
+    let (code, _, err) = publisher_cli(&cfg, &add).await;
+    assert_eq!(code, Some(0), "{err}");
+    let serve = Serve::start(&env, &cfg, "p");
+    let mut got = env.expect(&q, 2).await;
+    assert_eq!(got.len(), 2, "nothing published:\n{}", serve.log());
+    let (code, _, err) = publisher_cli(&cfg, &["recurring", "pause", "each"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let paused_at = amqp_delay::time::now_ms();
+    // what was published before the pause (at most the topology's longest delay ahead, 1.5 s,
+    // and one round of the scheduler) still arrives; nothing after it
+    got.extend(
+        collect(
+            &env.conn,
+            &q,
+            usize::MAX,
+            Duration::from_secs(5),
+            Duration::ZERO,
+        )
+        .await,
+    );
+    let resuming_at = amqp_delay::time::now_ms();
+    let (code, _, err) = publisher_cli(&cfg, &["recurring", "resume", "each"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let after = env.expect(&q, 2).await;
+    assert_eq!(after.len(), 2, "nothing after the resume:\n{}", serve.log());
+    let tick = |m: &Received| m.int_header("x-delay-recurring-tick").unwrap() as u64;
+    for m in &got {
+        assert!(tick(m) <= paused_at + 2_500, "{} ran while paused", m.id());
+    }
+    for m in &after {
+        assert!(
+            tick(m) > resuming_at,
+            "{}: a paused tick ran after the resume",
+            m.id()
+        );
+    }
+    env.cleanup().await;
+}
