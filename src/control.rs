@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::broker;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
+use crate::recurring::{self, Book};
 use crate::settings::TrustSettings;
 use crate::stream_log::{LogRecord, StreamLog, skipped};
 use crate::trust::Trust;
@@ -149,6 +150,15 @@ pub enum Record {
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         moves: Vec<Move>,
     },
+    /// A recurring schedule is added, or replaced: its writer's ([`crate::recurring`]).
+    RecurringAdd(recurring::Add),
+    /// A recurring schedule is paused, resumed or removed: its writer's, or an admin's of
+    /// anyone's.
+    RecurringSet(recurring::Set),
+    /// A scheduler published a schedule's occurrences up to a tick.
+    RecurringMark(recurring::Mark),
+    /// A scheduler restated a live schedule before the stream drops its add.
+    RecurringKeep(recurring::Keep),
 }
 
 /// What a purge covers, as its writer asks it: messages of one destination queue, due in a
@@ -352,6 +362,34 @@ async fn read_named(
     read.map(|_| named.out)
 }
 
+/// The recurring schedules the stream's records make ([`Record::apply_to`]), each record
+/// believed as far as its writer's `user_id` allows (with the connection's own user as a
+/// scheduler: [`Trust::may_compact`]), and the offset of the barrier the read ended at, to
+/// follow the stream from. An empty book when the stream does not exist.
+pub async fn read_schedules(
+    conn: &Connection,
+    layout: &Layout,
+    trust: &TrustSettings,
+) -> Result<(Book, Option<u64>)> {
+    let trust = Trust::new(crate::connection::user_of(conn), trust);
+    let log = log(layout);
+    let mut book = Book::default();
+    if !log.exists(conn).await? {
+        return Ok((book, None));
+    }
+    let nonce = log.barrier(conn).await?;
+    let mut reader = log.open_reader(conn, broker::long_string("first")).await?;
+    let read = reader
+        .read_to_barrier(&nonce, |read| {
+            if let Some(r) = read.record {
+                r.apply_to(&mut book, read.by.as_deref(), &trust);
+            }
+        })
+        .await;
+    reader.end("read").await;
+    read.map(|at| (book, at))
+}
+
 /// Follows the control stream from `from` (what `pending`'s index reads besides the journal:
 /// cancels, purges, reschedules).
 pub async fn tail(conn: &Connection, layout: &Layout, from: Start) -> Result<Tail<Record>> {
@@ -378,6 +416,23 @@ impl Record {
                 | Record::GatewayPairEnded { .. }
                 | Record::BatchMarker { .. }
         )
+    }
+
+    /// Applies a recurring schedule's record written by `by` to `book` (whether it is one):
+    /// one no writer of ours makes, or whose writer may not, is skipped, logged and counted.
+    pub fn apply_to(&self, book: &mut Book, by: Option<&str>, trust: &Trust) -> bool {
+        let applied = match self {
+            Record::RecurringAdd(a) => book.add(by, a, trust),
+            Record::RecurringSet(s) => book.set(by, s, trust),
+            Record::RecurringMark(m) => book.mark(by, m, trust),
+            Record::RecurringKeep(k) => book.keep(by, k, trust),
+            _ => return false,
+        };
+        if let Err(why) = applied {
+            let by = by.unwrap_or("no user_id");
+            skipped(KIND, "recurring", &format!("by '{by}': {why}"));
+        }
+        true
     }
 
     /// What a named record is about: a pair's ingress and target (registered or ended alike),

@@ -61,6 +61,11 @@ pub const HTTP_MESSAGE_ID: &str = "x-delay-message-id";
 /// The `http` action's request header with the delivery attempt (same name as the AMQP header).
 pub const HTTP_ATTEMPT: &str = ATTEMPT;
 
+/// An occurrence of a recurring schedule: the schedule's name (see `amqp_delay::recurring`).
+pub const RECURRING: &str = "x-delay-recurring";
+/// An occurrence of a recurring schedule: its tick, ms since the Unix epoch.
+pub const RECURRING_TICK: &str = "x-delay-recurring-tick";
+
 /// On a batch: the envelope version (see the `batch` module).
 pub const BATCH: &str = "x-delay-batch";
 /// On a batch: how many messages it carries.
@@ -166,6 +171,15 @@ pub fn set_schedule_headers(table: &mut FieldTable, delay_ms: u64, due_at_ms: u6
     table.insert(DELAY_MS.into(), AMQPValue::LongLongInt(delay_ms as i64));
     table.insert(DUE_AT.into(), AMQPValue::LongLongInt(due_at_ms as i64));
     table.insert(ATTEMPT.into(), AMQPValue::LongLongInt(i64::from(attempt)));
+}
+
+/// Sets the headers of an occurrence of recurring schedule `name` at `tick_ms`.
+pub fn set_occurrence_headers(table: &mut FieldTable, name: &str, tick_ms: u64) {
+    table.insert(RECURRING.into(), AMQPValue::LongString(name.into()));
+    table.insert(
+        RECURRING_TICK.into(),
+        AMQPValue::LongLongInt(tick_ms as i64),
+    );
 }
 
 /// Bytes `table` takes in AMQP's field-table encoding (as it travels in a content header).

@@ -26,6 +26,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("tally", 0),
     ("error", 0),
     ("trust", 0),
+    ("recurring", 0),
     ("broker", 1),
     ("cancel", 1),
     ("connection", 1),
@@ -58,13 +59,21 @@ const TOOL_LAYERS: &[(&str, u8)] = &[
     ("pending", 2),
     ("pending_index", 2),
     ("proxy", 2),
+    ("recurring", 2),
     ("cli", 3),
 ];
 
 /// The library's public modules: what an application uses (the root re-exports the rest of
 /// it), and `ops`, the operator API the tools use. Anything else stays inside the crate.
 const PUBLIC_MODULES: &[&str] = &[
-    "gateway", "headers", "layout", "metrics", "ops", "settings", "time", "trust",
+    "gateway",
+    "headers",
+    "layout",
+    "metrics",
+    "ops",
+    "recurring",
+    "settings",
+    "time",
 ];
 
 /// Crates only the tools or the benchmark use: never a normal, non-optional dependency of the

@@ -21,10 +21,11 @@
 //!
 //! Public modules, for applications: [`settings`] (every setting), [`layout`] (tier names and
 //! sizes), [`headers`] (the header names on the wire), [`time`] (durations as written in
-//! settings), [`trust`] (whose records and messages count for what), [`metrics`] (the
-//! Prometheus registry the library fills) and [`gateway`] (the `x-delay` gateway's pairs). For
-//! tools that operate a deployment, as the amqp-delay tools do: [`ops`] (the control and journal
-//! streams, cancels, the ledger, parked messages, broker primitives).
+//! settings), [`metrics`] (the Prometheus registry the library fills), [`gateway`] (the
+//! `x-delay` gateway's pairs) and [`recurring`] (recurring schedules: cron ticks in a time
+//! zone, the occurrences to publish, the book of definitions). For tools that operate a
+//! deployment, as the amqp-delay tools do: [`ops`] (the control and journal streams, cancels,
+//! trust, the ledger, parked messages, broker primitives).
 //!
 //! Features: `management` (an HTTP client, for `Topology::stats_with`).
 //!
@@ -40,11 +41,11 @@ pub mod layout;
 mod message;
 pub mod metrics;
 mod planner;
+pub mod recurring;
 mod retry;
 pub mod settings;
 mod tally;
 pub mod time;
-pub mod trust;
 
 // ---- broker edge ---------------------------------------------------------------------------
 // the operator API's modules (batch, broker, cancel, connection, control, journal, ledger,
@@ -52,7 +53,7 @@ pub mod trust;
 pub mod ops;
 #[cfg(feature = "management")]
 use ops::management;
-use ops::{batch, broker, cancel, connection, control, journal, ledger};
+use ops::{batch, broker, cancel, connection, control, journal, ledger, trust};
 mod publisher;
 // the one log both streams use
 mod stream_log;

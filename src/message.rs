@@ -45,6 +45,8 @@ pub struct Message {
     /// Due at exactly this time (ms since the epoch) rather than `delay_ms` from its publish:
     /// a rescheduled copy, which its worker tells from the old copy by its due time.
     pub(crate) due_at: Option<u64>,
+    /// An occurrence of this recurring schedule at this tick ([`Message::occurrence`]).
+    pub(crate) occurrence: Option<(String, u64)>,
 }
 
 impl Message {
@@ -61,6 +63,7 @@ impl Message {
             journaled: true,
             target: None,
             due_at: None,
+            occurrence: None,
         }
     }
     /// Sets the message id (default: a generated UUID v7); 1 to 255 bytes.
@@ -70,6 +73,20 @@ impl Message {
             Ok(s) => self.properties = self.properties.with_message_id(s),
             Err(e) => self.problem = Some(e),
         }
+        self
+    }
+    /// Makes it the occurrence of recurring schedule `schedule` at `tick_ms`
+    /// ([`crate::recurring`]): the publisher names it `NAME@<tick>` and adds the headers
+    /// `x-delay-recurring` (the name) and `x-delay-recurring-tick` (the tick, ms).
+    pub fn occurrence(mut self, schedule: &str, tick_ms: u64) -> Self {
+        // `recurring::MAX_NAME_BYTES`: the id stays a short string
+        if schedule.is_empty() || schedule.len() > 100 {
+            self.problem = Some(format!(
+                "a schedule name is 1 to 100 bytes, not {}",
+                schedule.len()
+            ));
+        }
+        self.occurrence = Some((schedule.to_string(), tick_ms));
         self
     }
     /// Sets the content type (at most 255 bytes).

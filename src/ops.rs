@@ -12,6 +12,7 @@
 //! | [`journal`] | the journal stream's records: what was scheduled and what became of it | `pending`, the console |
 //! | [`ledger`] | counting the messages that wait | `stats`, `/metrics` |
 //! | [`parked`] | listing, retrying and dropping parked messages (an admin's) | `parked` |
+//! | [`trust`] | whose records and messages count for what (admins, peers, a record's writer) | every follower: `pending`, the console, the proxy |
 //! | [`batch`] | the batch envelope on the wire | `send --jsonl`, the bench |
 //! | `management` (feature `management`) | RabbitMQ's HTTP API: messages its dead-letter worker holds | `stats`, `teardown` |
 
@@ -34,3 +35,5 @@ pub mod ledger;
 pub mod management;
 #[path = "parked.rs"]
 pub mod parked;
+#[path = "trust.rs"]
+pub mod trust;

@@ -19,3 +19,4 @@ pub mod pending;
 pub mod pending_index;
 pub mod plugin_store;
 pub mod proxy;
+pub mod recurring;

@@ -24,6 +24,8 @@
 #                       an application of configured gateway pairs, user USER, that
 #                       publishes to their ingresses I; repeatable. Name USER in those
 #                       pairs' `writers`. Add what it needs for its own queues
+#   --recurring USER    a tenant USER of recurring schedules (`recurring add|list|...|serve`
+#                       as USER); repeatable
 #   --user-prefix U     users are U-admin, U-publisher, U-worker, U-gateway, U-relay,
 #                       U-proxy, U-pending, U-keda (default: the prefix)
 #   --apply             run the commands instead of printing them
@@ -43,6 +45,8 @@
 #   pending    delay-publisher pending serve and delay-console's own user: reads the journal and
 #              the control stream (and appends its barriers through P.streams); what it shows
 #              and steers is the logged-in user's
+#   USER       (--recurring) a publisher that also reads the control stream (its schedules
+#              are records there) and holds its recurring serve's lock queue
 #   keda       KEDA's rabbitmq trigger over the management API: the monitoring tag, no rights
 #   USER       (--app) an application behind delay-proxy: its exchanges, its pairs'
 #              ingresses, its queues; (--gateway-app) an application of configured pairs:
@@ -62,6 +66,7 @@ RELAY_FROM=()
 RELAY_TO=()
 APPS=()
 GATEWAY_APPS=()
+RECURRING=()
 
 die() {
     echo "permissions.sh: $*" >&2
@@ -100,9 +105,10 @@ while [[ $# -gt 0 ]]; do
             APPS+=("${app}")
             shift 2
             ;;
+        --recurring) RECURRING+=("${2:?--recurring needs a USER}"); shift 2 ;;
         --user-prefix) USER_PREFIX="${2:?--user-prefix needs a value}"; shift 2 ;;
         --apply) APPLY=1; shift ;;
-        -h | --help) sed -n '2,44p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,53p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument '$1' (see --help)" ;;
     esac
 done
@@ -164,6 +170,12 @@ marks() { printf '(parked|holds|batched)\\.(%s)' "$1"; }
 run set_permissions -p "${VHOST}" "${USER_PREFIX}-admin" "${ADMIN}" "${ADMIN}" "${ADMIN}"
 run set_permissions -p "${VHOST}" "${USER_PREFIX}-publisher" '^$' \
     "^(${TIERS}|${P}\\.(streams|control|ledger|journal|${CHECKED}|(holds|batched)\\..+))\$" '^$'
+for u in ${RECURRING[@]+"${RECURRING[@]}"}; do
+    # a publisher that reads the control stream and declares its own exclusive lock queue
+    run set_permissions -p "${VHOST}" "${u}" "^${P}\\.recurring\\.lock\\.$(esc "${u}")\$" \
+        "^(${TIERS}|${P}\\.(streams|control|ledger|journal|${CHECKED}|(holds|batched)\\..+))\$" \
+        "^${P}\\.control\$"
+done
 if [[ -n "${Q}" ]]; then
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-worker" '^$' \
         "^(${TIERS}|${P}\\.(streams|park|journal|${CHECKED}|$(marks "${Q}")))\$" \

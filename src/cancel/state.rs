@@ -388,7 +388,11 @@ impl State {
             r @ Record::Checkpoint { .. } => self.take_part(r, now),
             Record::GatewayPair { .. }
             | Record::GatewayPairEnded { .. }
-            | Record::BatchMarker { .. } => {}
+            | Record::BatchMarker { .. }
+            | Record::RecurringAdd(_)
+            | Record::RecurringSet(_)
+            | Record::RecurringMark(_)
+            | Record::RecurringKeep(_) => {}
         }
         if now.saturating_sub(self.last_prune) >= 1_000 {
             self.prune(now);

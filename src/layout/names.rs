@@ -58,6 +58,11 @@ impl Layout {
     pub fn stream_exchange(&self) -> String {
         format!("{}.streams", self.prefix)
     }
+    /// The lock of `user`'s `recurring serve`: an exclusive queue, so that one of its
+    /// replicas is active at a time (the others wait to declare it).
+    pub fn recurring_lock(&self, user: &str) -> String {
+        format!("{}.recurring.lock.{user}", self.prefix)
+    }
     /// Direct exchange in front of the destinations' parking queues (each bound with its
     /// destination's name as the key): where a worker parks, without the default exchange.
     pub fn park_exchange(&self) -> String {

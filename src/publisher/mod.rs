@@ -584,9 +584,13 @@ impl Publisher {
 
         let due_at_ms = msg.due_at.unwrap_or_else(|| now_ms() + msg.delay_ms);
         headers::set_schedule_headers(&mut hdrs, msg.delay_ms, due_at_ms, msg.attempt);
-        let message_id = match msg.properties.message_id() {
-            Some(id) => id.to_string(),
-            None => uuid::Uuid::now_v7().to_string(),
+        if let Some((name, tick_ms)) = &msg.occurrence {
+            headers::set_occurrence_headers(&mut hdrs, name, *tick_ms);
+        }
+        let message_id = match (msg.properties.message_id(), &msg.occurrence) {
+            (Some(id), _) => id.to_string(),
+            (None, Some((name, tick))) => crate::recurring::occurrence_id(name, *tick),
+            (None, None) => uuid::Uuid::now_v7().to_string(),
         };
         let journal = self.journal_item(&msg, &message_id, due_at_ms);
         let properties = msg

@@ -20,6 +20,7 @@ mod parked;
 mod pending;
 mod permissions;
 mod proxy;
+mod recurring;
 mod security;
 mod trust;
 mod wheel;

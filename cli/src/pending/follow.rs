@@ -21,9 +21,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use amqp_delay::ops::connection::{Backoff, Connector};
+use amqp_delay::ops::trust::Trust;
 use amqp_delay::settings::Settings;
 use amqp_delay::time::now_ms;
-use amqp_delay::trust::Trust;
 use amqp_delay::{Error, Layout, Result};
 use tokio::sync::{mpsc, watch};
 

@@ -5,7 +5,7 @@
 //!
 //! A user sees and steers what it owns; an admin (`trust.admins`) everything. An admin naming
 //! a message of another owner writes records naming that owner; a user's records cover its own
-//! messages whatever they name (the readers decide, `amqp_delay::trust`).
+//! messages whatever they name (the readers decide, `amqp_delay::ops::trust`).
 
 use std::fmt;
 

@@ -1,5 +1,5 @@
 //! Journal and control records into the index's entries, pure: what each record counts for
-//! follows from its broker-checked writer (`amqp_delay::trust`), exactly as the workers decide.
+//! follows from its broker-checked writer (`amqp_delay::ops::trust`), exactly as the workers decide.
 //!
 //! * A `Scheduled` record counts for its writer `by`: each item is owned by `by`, or by the
 //!   item's `owner` when `by` is a forwarder (a gateway, a worker: `Trust::owner`). Its items are
@@ -21,7 +21,7 @@
 
 use std::collections::HashSet;
 
-use amqp_delay::trust::Trust;
+use amqp_delay::ops::trust::Trust;
 use indexmap::IndexSet;
 
 use crate::pending_index::{Destination, Entry, MAX_ID_BYTES, Outcome, Purge, Scheduled};

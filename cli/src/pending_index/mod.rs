@@ -11,7 +11,7 @@
 //! # Keys, order and who sees what
 //!
 //! * A message is named by its **owner and id**: ids are user-given (1 to 255 bytes), two users
-//!   may pick the same one, and a cancel names `(writer, id)` already ([`amqp_delay::trust`]).
+//!   may pick the same one, and a cancel names `(writer, id)` already ([`amqp_delay::ops::trust`]).
 //!   The owner is the journal record's broker-checked `user_id`, or the `x-delay-owner` a
 //!   forwarder (gateway, worker) names, exactly as `Trust::owner` decides. A second schedule of
 //!   the same `(owner, id)` replaces the first's fields and keeps one history.

@@ -71,6 +71,10 @@ pub(crate) enum Cmd {
     /// `pending serve` keeps an index of it and serves it over HTTP
     #[command(subcommand)]
     Pending(PendingCmd),
+    /// Recurring schedules: a cron expression whose every tick sends an ordinary delayed
+    /// message. Kept in the control stream; a user sees and steers its own, an admin all
+    #[command(subcommand)]
+    Recurring(RecurringCmd),
     /// Delete every exchange and queue of the topology, or with --queue one destination
     Teardown {
         /// Delete even if tiers or the parking queue still hold messages (they are lost)
@@ -407,4 +411,86 @@ pub(crate) enum PendingCmd {
         #[arg(long, value_name = "PATH")]
         index: Option<PathBuf>,
     },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum RecurringCmd {
+    /// Add a schedule (or replace this user's schedule of the same name)
+    #[command(
+        after_help = "CRON: five fields (minute hour day-of-month month day-of-week), six with seconds first, or @yearly, @monthly, @weekly, @daily, @hourly. A wall time the clocks skip runs once at the change; one they repeat runs once, on its first pass."
+    )]
+    Add(RecurringAddArgs),
+    /// This user's schedules (an admin's: everyone's), with their next tick
+    List {
+        /// Print JSON lines
+        #[arg(long)]
+        json: bool,
+    },
+    /// One schedule and its next ticks
+    Show(RecurringName),
+    /// No more occurrences until resumed (those already scheduled stay)
+    Pause(RecurringName),
+    /// Occurrences again, from the next tick on (the ticks while paused do not run)
+    Resume(RecurringName),
+    /// Remove a schedule (those already scheduled stay, as after pause)
+    Remove(RecurringName),
+    /// Send one occurrence now (named by this second), besides the ticks
+    RunNow(RecurringName),
+    /// Stop every occurrence of a schedule already scheduled and not yet run (a purge of its
+    /// queue's messages carrying x-delay-recurring=NAME: honoured by our workers, gateways
+    /// and relays)
+    Purge(RecurringName),
+    /// Publish this user's schedules' occurrences ahead, as this user, until SIGTERM/SIGINT.
+    /// Run any number of replicas: one is active (it holds <prefix>.recurring.lock.<user>)
+    Serve {
+        /// Publish at least this far ahead (or up to the next tick, when later)
+        #[arg(long, default_value = "1m")]
+        ahead: DurationMs,
+        /// A tick found unpublished later than this is missed (see --misfire)
+        #[arg(long, default_value = "5s")]
+        grace: DurationMs,
+    },
+}
+
+#[derive(clap::Args)]
+pub(crate) struct RecurringName {
+    /// The schedule's name
+    pub(crate) name: String,
+    /// Whose schedule (an admin's command; default: this user's)
+    #[arg(long)]
+    pub(crate) owner: Option<String>,
+    /// Print JSON (show)
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(clap::Args)]
+pub(crate) struct RecurringAddArgs {
+    /// The schedule's name (ASCII letters, digits, '.', '_', '-'; at most 100)
+    pub(crate) name: String,
+    /// When it ticks (see below)
+    #[arg(long)]
+    pub(crate) cron: String,
+    /// The IANA time zone the cron is read in
+    #[arg(long, default_value = "UTC")]
+    pub(crate) tz: String,
+    /// The destination queue of its occurrences (must exist)
+    #[arg(long)]
+    pub(crate) queue: String,
+    /// Their body (text)
+    #[arg(long, default_value = "")]
+    pub(crate) body: String,
+    /// Header NAME=VALUE (string value), repeatable
+    #[arg(long = "header", value_name = "NAME=VALUE", value_parser = header_arg)]
+    pub(crate) headers: Vec<(String, String)>,
+    /// After an outage longer than the schedule-ahead window: one catch-up occurrence
+    /// (once) or none (skip)
+    #[arg(long, default_value = "once")]
+    pub(crate) misfire: amqp_delay::recurring::Misfire,
+    /// No tick before this time
+    #[arg(long, value_name = "TIME", value_parser = time_arg, allow_hyphen_values = true)]
+    pub(crate) from: Option<u64>,
+    /// No tick after this time
+    #[arg(long, value_name = "TIME", value_parser = time_arg, allow_hyphen_values = true)]
+    pub(crate) until: Option<u64>,
 }

@@ -6,6 +6,7 @@ mod args;
 mod import;
 mod parked;
 mod pending;
+mod recurring;
 mod send;
 mod topology;
 
@@ -50,6 +51,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
         Cmd::ImportPlugin(a) => import::import_plugin(&settings, a).await,
         Cmd::Parked(c) => parked::run(&settings, c).await,
         Cmd::Pending(c) => pending::run(settings, c).await,
+        Cmd::Recurring(c) => recurring::run(&settings, c).await,
     }
 }
 

@@ -1,0 +1,293 @@
+//! `delay-publisher recurring serve`: publishes the occurrences of its own user's recurring
+//! schedules ahead, each an ordinary delayed message published by that user (journaled,
+//! listed by `pending`, cancellable), so no schedule reaches further than its owner's rights.
+//!
+//! It keeps nothing a restart loses: the schedules, and how far each is published (its mark),
+//! are control-stream records. Of any number of replicas of one user, the one that holds the
+//! user's lock queue (exclusive: the broker deletes it the moment its connection dies) is
+//! active; the others try to declare it every [`STANDBY_POLL`]. The active one reads the
+//! schedules, follows the stream, and every second publishes what [`recurring::plan`] says,
+//! then appends a mark (after the confirms). After a takeover, the next replica starts from the
+//! marks: an occurrence published but not yet marked when the active one died is published
+//! again, with the same id (`NAME@<tick>`).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use amqp_delay::ops::connection::Connector;
+use amqp_delay::ops::control::{self, Record, Start};
+use amqp_delay::ops::trust::Trust;
+use amqp_delay::recurring::{self, Book, Definition, Entry, Keep, Mark, Ticks, Window};
+use amqp_delay::settings::Settings;
+use amqp_delay::time::now_ms;
+use amqp_delay::{Error, Message, Publisher, Result};
+use lapin::Connection;
+use lapin::options::QueueDeclareOptions;
+use lapin::types::{AMQPValue, FieldTable};
+
+/// How often a replica that is not active tries to take the lock.
+pub const STANDBY_POLL: Duration = Duration::from_secs(2);
+/// How long a schedule whose publish failed waits before it is tried again.
+const RETRY_AFTER_MS: u64 = 30_000;
+/// Occurrences one schedule publishes in one round, at most.
+const MAX_PER_ROUND: usize = 100;
+/// How often the active replica restates its schedules ([`Keep`]), so that they outlive the
+/// records that made them (the stream keeps a record for a week past the longest delay).
+const KEEP_EVERY: Duration = Duration::from_secs(24 * 3600);
+
+/// How far ahead `serve` publishes.
+#[derive(Debug, Clone, Copy)]
+pub struct ServeOptions {
+    /// Occurrences are published at least this far ahead (or up to the next tick).
+    pub ahead_ms: u64,
+    /// A tick later than this when found unpublished is missed (`--misfire`).
+    pub grace_ms: u64,
+}
+
+impl Default for ServeOptions {
+    fn default() -> ServeOptions {
+        ServeOptions {
+            ahead_ms: 60_000,
+            grace_ms: 5_000,
+        }
+    }
+}
+
+/// Runs until `shutdown`: waits for the lock, then publishes; a lost connection starts over.
+pub async fn serve(
+    settings: &Settings,
+    opts: ServeOptions,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<()> {
+    let connector = Connector::new(settings)?;
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let round = async {
+            let conn = connector.connect("amqp-delay recurring serve").await?;
+            let r = run(settings, opts, &conn).await;
+            amqp_delay::ops::broker::close_connection(&conn, "bye").await;
+            r
+        };
+        tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            r = round => {
+                let e = r.err().unwrap_or_else(|| Error::Stopped("the scheduler stopped".into()));
+                if e.kind() == amqp_delay::ErrorKind::Usage {
+                    return Err(e);
+                }
+                tracing::error!("recurring serve: {}; starting over", amqp_delay::error_chain(&e));
+                tokio::time::sleep(STANDBY_POLL).await;
+            }
+        }
+    }
+}
+
+/// One connection's life: the lock, then the schedules.
+async fn run(settings: &Settings, opts: ServeOptions, conn: &Connection) -> Result<()> {
+    let layout = settings.layout()?;
+    // connected: ready, standing by or active
+    let _live = amqp_delay::metrics::Live::open();
+    let user = conn.status().username();
+    let lock = layout.recurring_lock(&user);
+    let _lock = take_lock(conn, &lock).await?;
+    tracing::info!(%user, "active: publishing this user's recurring schedules");
+    let (book, at) = control::read_schedules(conn, &layout, &settings.trust).await?;
+    let from = at.map_or(Start::Next, |o| Start::Offset(o + 1));
+    let mut tail = control::tail(conn, &layout, from).await?;
+    let publisher = Publisher::connect(settings).await?;
+    let mut s = Scheduler {
+        trust: Trust::new(Some(user.clone()), &settings.trust),
+        user,
+        book,
+        ticks: HashMap::new(),
+        wake: HashMap::new(),
+        opts,
+        max_delay_ms: layout.max_delay_ms(),
+    };
+    let mut round = tokio::time::interval(Duration::from_secs(1));
+    let mut kept = Instant::now();
+    s.keep(conn, &layout).await?;
+    let r = loop {
+        tokio::select! {
+            e = tail.next() => match e {
+                Some(Ok(e)) => s.apply(e.record.as_ref(), e.by.as_deref()),
+                Some(Err(e)) => break Err(e),
+                None => break Err(Error::Stopped("the control stream's reader ended".into())),
+            },
+            _ = round.tick() => {
+                s.round(&publisher, conn, &layout).await?;
+                if kept.elapsed() >= KEEP_EVERY {
+                    s.keep(conn, &layout).await?;
+                    kept = Instant::now();
+                }
+            }
+        }
+    };
+    publisher.close().await;
+    r
+}
+
+/// Declares `lock` exclusive, as soon as no other connection holds it; the channel holds it.
+async fn take_lock(conn: &Connection, lock: &str) -> Result<lapin::Channel> {
+    let opts = QueueDeclareOptions {
+        exclusive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let mut waited = false;
+    loop {
+        let ch = amqp_delay::ops::broker::open(conn).await?;
+        match ch
+            .queue_declare(lock.into(), opts, FieldTable::default())
+            .await
+        {
+            Ok(_) => return Ok(ch),
+            // RESOURCE_LOCKED: another replica is active
+            Err(e) if is_reply(&e, 405) => {
+                if !waited {
+                    tracing::info!(%lock, "standing by: another replica is active");
+                    waited = true;
+                }
+                tokio::time::sleep(STANDBY_POLL).await;
+            }
+            Err(e) => {
+                return Err(Error::Invalid(format!(
+                    "cannot declare the lock queue '{lock}' (this user needs configure on \
+                     it): {e}"
+                )));
+            }
+        }
+    }
+}
+
+fn is_reply(e: &lapin::Error, code: u16) -> bool {
+    matches!(e.kind(), lapin::ErrorKind::ProtocolError(r) if r.get_id() == code)
+}
+
+/// The active replica's state: the book, each revision's ticks, and when each schedule is
+/// next worth planning.
+struct Scheduler {
+    user: String,
+    trust: Trust,
+    book: Book,
+    ticks: HashMap<String, Ticks>,
+    /// By revision: not before this (ms since the epoch).
+    wake: HashMap<String, u64>,
+    opts: ServeOptions,
+    /// The topology's longest delay.
+    max_delay_ms: u64,
+}
+
+impl Scheduler {
+    /// A record read from the stream: a schedule's change wakes it.
+    fn apply(&mut self, record: Option<&Record>, by: Option<&str>) {
+        if let Some(r) = record
+            && r.apply_to(&mut self.book, by, &self.trust)
+            && !matches!(r, Record::RecurringMark(_))
+        {
+            self.wake.clear();
+        }
+    }
+
+    /// Publishes what each of this user's live schedules needs now, each then marked.
+    async fn round(
+        &mut self,
+        publisher: &Publisher,
+        conn: &Connection,
+        layout: &amqp_delay::Layout,
+    ) -> Result<()> {
+        let now = now_ms();
+        let due: Vec<Entry> = self
+            .book
+            .iter()
+            .filter(|e| e.owner == self.user && !e.paused)
+            .filter(|e| self.wake.get(&e.rev).is_none_or(|&w| w <= now))
+            .cloned()
+            .collect();
+        for e in due {
+            let Some(ticks) = self.ticks_of(&e) else {
+                continue;
+            };
+            let w = Window {
+                now_ms: now,
+                ahead_ms: self.opts.ahead_ms,
+                grace_ms: self.opts.grace_ms,
+                max: MAX_PER_ROUND,
+                max_delay_ms: self.max_delay_ms,
+            };
+            let plan = recurring::plan(&e.def, &ticks, e.done_ms(), w);
+            let wake = plan
+                .next_tick_ms
+                .map_or(u64::MAX, |t| t.saturating_sub(self.opts.ahead_ms));
+            if plan.occurrences.is_empty() {
+                self.wake.insert(e.rev.clone(), wake);
+                continue;
+            }
+            if let Err(err) = publish(publisher, &e, &plan.occurrences).await {
+                tracing::error!(
+                    schedule = %e.def.name,
+                    "publishing recurring occurrences failed (tried again in 30 s): {}",
+                    amqp_delay::error_chain(&err)
+                );
+                self.wake.insert(e.rev.clone(), now + RETRY_AFTER_MS);
+                continue;
+            }
+            let mark = Mark {
+                owner: e.owner.clone(),
+                name: e.def.name.clone(),
+                rev: e.rev.clone(),
+                through_ms: plan.through_ms,
+            };
+            control::append(conn, layout, &Record::RecurringMark(mark.clone())).await?;
+            let _ = self.book.mark(Some(&self.user), &mark, &self.trust);
+            self.wake.insert(e.rev.clone(), wake);
+        }
+        Ok(())
+    }
+
+    /// The ticks of `e`'s revision (parsed once).
+    fn ticks_of(&mut self, e: &Entry) -> Option<Ticks> {
+        if !self.ticks.contains_key(&e.rev) {
+            let t = e.def.check().ok()?;
+            self.ticks.insert(e.rev.clone(), t);
+        }
+        self.ticks.get(&e.rev).cloned()
+    }
+
+    /// Restates this user's schedules, so that they outlive their adds.
+    async fn keep(&self, conn: &Connection, layout: &amqp_delay::Layout) -> Result<()> {
+        let mine = self.book.iter().filter(|e| e.owner == self.user);
+        for e in mine {
+            let k: Keep = e.keep();
+            control::append(conn, layout, &Record::RecurringKeep(k)).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Publishes `occurrences` of `e` and waits for every confirm.
+async fn publish(
+    publisher: &Publisher,
+    e: &Entry,
+    occurrences: &[recurring::Occurrence],
+) -> Result<()> {
+    let now = now_ms();
+    let msgs = occurrences
+        .iter()
+        .map(|o| occurrence(&e.def, o.tick_ms, o.due_ms.saturating_sub(now)));
+    for r in publisher.schedule_batch(msgs.collect()).await {
+        r?;
+    }
+    Ok(())
+}
+
+/// The occurrence of `def` at `tick_ms`, due after `delay_ms`: its queue, body and headers,
+/// named by its tick.
+pub fn occurrence(def: &Definition, tick_ms: u64, delay_ms: u64) -> Message {
+    let mut headers = FieldTable::default();
+    for (k, v) in &def.headers {
+        headers.insert(k.as_str().into(), AMQPValue::LongString(v.as_str().into()));
+    }
+    Message::new(def.queue.as_str(), delay_ms, def.body.as_bytes().to_vec())
+        .with_headers(headers)
+        .occurrence(&def.name, tick_ms)
+}

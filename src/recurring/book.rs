@@ -1,0 +1,359 @@
+//! The schedules a control stream's records make, pure: the fold of [`Add`], [`Set`] (pause,
+//! resume, remove), [`Mark`] and [`Keep`] records in stream order, each believed as far as its
+//! writer's broker-checked `user_id` allows ([`crate::trust`]):
+//!
+//! * an **add** is its writer's schedule (its owner is the writer, never a field); a new add
+//!   of the same name replaces it, with a new `rev`;
+//! * a **pause, resume or remove** acts on its writer's schedule, or, written by an admin, on
+//!   `owner`'s;
+//! * a **mark** (every tick up to `through_ms` published) and a **keep** (a schedule restated
+//!   before the stream's `x-max-age` drops its add) count only from the schedule's owner (whose
+//!   `recurring serve` publishes its occurrences) or a scheduler of the topology: this
+//!   process's user, a peer or an admin ([`Trust::may_compact`]). A keep never brings back a
+//!   revision that was removed or replaced, and never overrides what the records before it
+//!   said.
+//!
+//! Anything else is skipped with a reason. The book holds at most [`MAX_SCHEDULES`], and a
+//! user who is no admin at most [`MAX_PER_OWNER`].
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use super::{Definition, check_name};
+use crate::trust::Trust;
+
+/// Schedules a book holds, at most.
+pub const MAX_SCHEDULES: usize = 200_000;
+/// Schedules of one owner who is no admin, at most.
+pub const MAX_PER_OWNER: usize = 10_000;
+/// The longest owner or revision in a record.
+const MAX_TAG_BYTES: usize = 255;
+
+/// A schedule is added, or replaced when its writer has one of that name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Add {
+    /// Unique per add: marks and keeps name the revision they are about.
+    pub rev: String,
+    /// When it was written (ms since the epoch): no tick before it runs.
+    pub at_ms: u64,
+    /// The definition.
+    pub schedule: Definition,
+}
+
+/// What a [`Set`] does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// No more occurrences until resumed (those published stay).
+    Pause,
+    /// Occurrences again, from the next tick after the resume on.
+    Resume,
+    /// Gone (those published stay: a purge of its queue's `x-delay-recurring` removes them).
+    Remove,
+}
+
+/// A pause, resume or remove of a schedule.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Set {
+    /// The schedule's name.
+    pub name: String,
+    /// Whose schedule (an admin's record only; others act on their own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// What it does.
+    pub action: Action,
+    /// When it was written.
+    pub at_ms: u64,
+}
+
+/// A scheduler published every occurrence of `owner`'s schedule `name` (revision `rev`) up to
+/// `through_ms`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Mark {
+    /// Whose schedule.
+    pub owner: String,
+    /// Its name.
+    pub name: String,
+    /// Its revision.
+    pub rev: String,
+    /// Every tick up to here is published (ms since the epoch).
+    pub through_ms: u64,
+}
+
+/// A scheduler restates a live schedule as of this record, so that it outlives its add.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Keep {
+    /// Whose schedule.
+    pub owner: String,
+    /// Its revision.
+    pub rev: String,
+    /// No tick before runs (its add, or its last resume).
+    pub since_ms: u64,
+    /// Whether it is paused.
+    #[serde(default)]
+    pub paused: bool,
+    /// Its latest mark.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub through_ms: Option<u64>,
+    /// The definition.
+    pub schedule: Definition,
+}
+
+/// A schedule as the book holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// Its owner: the user who added it.
+    pub owner: String,
+    /// Its revision.
+    pub rev: String,
+    /// The definition.
+    pub def: Definition,
+    /// Whether it is paused.
+    pub paused: bool,
+    /// No tick before runs: when it was added, or last resumed.
+    pub since_ms: u64,
+    /// A scheduler's latest mark.
+    pub through_ms: Option<u64>,
+}
+
+impl Entry {
+    /// Every tick up to here is dealt with: its mark, or when it was added or resumed.
+    pub fn done_ms(&self) -> u64 {
+        self.through_ms.unwrap_or(0).max(self.since_ms)
+    }
+
+    /// This entry as a [`Keep`] record.
+    pub fn keep(&self) -> Keep {
+        Keep {
+            owner: self.owner.clone(),
+            rev: self.rev.clone(),
+            since_ms: self.since_ms,
+            paused: self.paused,
+            through_ms: self.through_ms,
+            schedule: self.def.clone(),
+        }
+    }
+}
+
+/// The schedules of a control stream.
+#[derive(Debug, Default)]
+pub struct Book {
+    /// By owner and name.
+    entries: BTreeMap<(String, String), Entry>,
+    /// Schedules of each owner.
+    per_owner: HashMap<String, usize>,
+    /// Revisions removed or replaced, newest last, at most [`MAX_SCHEDULES`]: no keep brings
+    /// them back.
+    gone: HashSet<String>,
+    gone_order: VecDeque<String>,
+}
+
+impl Book {
+    /// Applies an add written by `by`.
+    pub fn add(&mut self, by: Option<&str>, a: &Add, trust: &Trust) -> Result<(), String> {
+        let owner = writer(by)?;
+        a.schedule.check()?;
+        tag("revision", &a.rev)?;
+        self.put(owner, &a.rev, a.schedule.clone(), trust)?;
+        if let Some(e) = self
+            .entries
+            .get_mut(&(owner.to_string(), a.schedule.name.clone()))
+        {
+            e.since_ms = a.at_ms;
+        }
+        Ok(())
+    }
+
+    /// Applies a pause, resume or remove written by `by`.
+    pub fn set(&mut self, by: Option<&str>, s: &Set, trust: &Trust) -> Result<(), String> {
+        let by = writer(by)?;
+        check_set(s)?;
+        let owner = match &s.owner {
+            Some(o) if trust.is_admin(by) => o.as_str(),
+            _ => by,
+        };
+        let key = (owner.to_string(), s.name.clone());
+        let Some(e) = self.entries.get_mut(&key) else {
+            return Err(format!("{owner} has no schedule {:?}", s.name));
+        };
+        match s.action {
+            Action::Pause => e.paused = true,
+            Action::Resume if e.paused => {
+                e.paused = false;
+                // the ticks while paused are none to run
+                e.since_ms = e.since_ms.max(s.at_ms);
+            }
+            Action::Resume => {}
+            Action::Remove => {
+                let rev = e.rev.clone();
+                self.entries.remove(&key);
+                self.forget(owner, rev);
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies a scheduler's mark written by `by`.
+    pub fn mark(&mut self, by: Option<&str>, m: &Mark, trust: &Trust) -> Result<(), String> {
+        scheduler(by, &m.owner, trust)?;
+        let key = (m.owner.clone(), m.name.clone());
+        match self.entries.get_mut(&key) {
+            Some(e) if e.rev == m.rev => {
+                e.through_ms = e.through_ms.max(Some(m.through_ms));
+                Ok(())
+            }
+            _ => Err(format!(
+                "no revision {} of {}'s {:?}",
+                m.rev, m.owner, m.name
+            )),
+        }
+    }
+
+    /// Applies a scheduler's keep written by `by`: a schedule whose add the stream no longer
+    /// holds comes back as it says; one the book holds takes only its mark.
+    pub fn keep(&mut self, by: Option<&str>, k: &Keep, trust: &Trust) -> Result<(), String> {
+        scheduler(by, &k.owner, trust)?;
+        tag("owner", &k.owner)?;
+        tag("revision", &k.rev)?;
+        k.schedule.check()?;
+        if self.gone.contains(&k.rev) {
+            return Err(format!("revision {} was removed or replaced", k.rev));
+        }
+        let key = (k.owner.clone(), k.schedule.name.clone());
+        if let Some(e) = self.entries.get_mut(&key) {
+            if e.rev != k.rev {
+                return Err(format!("revision {} is not {}'s", k.rev, e.rev));
+            }
+            e.through_ms = e.through_ms.max(k.through_ms);
+            return Ok(());
+        }
+        self.put(&k.owner, &k.rev, k.schedule.clone(), trust)?;
+        let e = self.entries.get_mut(&key).expect("just put");
+        e.since_ms = k.since_ms;
+        e.paused = k.paused;
+        e.through_ms = k.through_ms;
+        Ok(())
+    }
+
+    /// `owner`'s schedule `name`.
+    pub fn get(&self, owner: &str, name: &str) -> Option<&Entry> {
+        self.entries.get(&(owner.to_string(), name.to_string()))
+    }
+
+    /// Every schedule, by owner and name.
+    pub fn iter(&self) -> impl Iterator<Item = &Entry> {
+        self.entries.values()
+    }
+
+    /// The schedules `user` may see and steer: its own, or every one for an admin.
+    pub fn visible_to<'a>(
+        &'a self,
+        user: &'a str,
+        trust: &'a Trust,
+    ) -> impl Iterator<Item = &'a Entry> + 'a {
+        let all = trust.is_admin(user);
+        self.iter().filter(move |e| all || e.owner == user)
+    }
+
+    /// How many schedules it holds.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Puts revision `rev` of `owner`'s `def`, replacing one of the same name (unpaused, not
+    /// marked), within the caps.
+    fn put(
+        &mut self,
+        owner: &str,
+        rev: &str,
+        def: Definition,
+        trust: &Trust,
+    ) -> Result<(), String> {
+        let key = (owner.to_string(), def.name.clone());
+        if let Some(old) = self.entries.get(&key) {
+            let old = old.rev.clone();
+            self.forget(owner, old);
+        } else {
+            let mine = self.per_owner.get(owner).copied().unwrap_or(0);
+            if !trust.is_admin(owner) && mine >= MAX_PER_OWNER {
+                return Err(format!(
+                    "{owner} has {MAX_PER_OWNER} schedules, the most a user may"
+                ));
+            }
+            if self.entries.len() >= MAX_SCHEDULES {
+                return Err(format!("{MAX_SCHEDULES} schedules, the most a book holds"));
+            }
+        }
+        *self.per_owner.entry(owner.to_string()).or_default() += 1;
+        let entry = Entry {
+            owner: owner.to_string(),
+            rev: rev.to_string(),
+            def,
+            paused: false,
+            since_ms: 0,
+            through_ms: None,
+        };
+        self.entries.insert(key, entry);
+        Ok(())
+    }
+
+    /// Revision `rev` of one of `owner`'s schedules is gone (removed, or about to be replaced).
+    fn forget(&mut self, owner: &str, rev: String) {
+        if let Some(n) = self.per_owner.get_mut(owner) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_owner.remove(owner);
+            }
+        }
+        if self.gone_order.len() >= MAX_SCHEDULES
+            && let Some(old) = self.gone_order.pop_front()
+        {
+            self.gone.remove(&old);
+        }
+        if self.gone.insert(rev.clone()) {
+            self.gone_order.push_back(rev);
+        }
+    }
+}
+
+/// The writer of a record, which must have one.
+fn writer(by: Option<&str>) -> Result<&str, String> {
+    match by {
+        Some(u) if !u.is_empty() && u.len() <= MAX_TAG_BYTES => Ok(u),
+        _ => Err("a record without a user_id steers no schedule".into()),
+    }
+}
+
+/// Whether `by` writes marks and keeps of `owner`'s schedules: `owner` itself, or a scheduler.
+fn scheduler(by: Option<&str>, owner: &str, trust: &Trust) -> Result<(), String> {
+    if by == Some(owner) || trust.may_compact(by) {
+        Ok(())
+    } else {
+        let by = by.unwrap_or("no user_id");
+        Err(format!(
+            "a mark or keep of {owner}'s by '{by}', no scheduler of this topology"
+        ))
+    }
+}
+
+fn tag(what: &str, s: &str) -> Result<(), String> {
+    if s.is_empty() || s.len() > MAX_TAG_BYTES {
+        return Err(format!("a {what} of {} bytes", s.len()));
+    }
+    Ok(())
+}
+
+/// Whether a [`Set`] names a schedule as a writer of ours would.
+fn check_set(s: &Set) -> Result<(), String> {
+    check_name(&s.name)?;
+    s.owner.as_deref().map_or(Ok(()), |o| tag("owner", o))
+}
+
+#[cfg(test)]
+mod tests;

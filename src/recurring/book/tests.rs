@@ -1,0 +1,207 @@
+use proptest::prelude::*;
+
+use super::*;
+use crate::settings::TrustSettings;
+
+fn trust() -> Trust {
+    Trust::new(
+        Some("scheduler".into()),
+        &TrustSettings {
+            admins: vec!["admin".into()],
+            peers: vec!["scheduler2".into()],
+        },
+    )
+}
+
+fn add(name: &str, rev: &str, at_ms: u64) -> Add {
+    Add {
+        rev: rev.into(),
+        at_ms,
+        schedule: Definition::new(name, "* * * * *", "q", "b"),
+    }
+}
+
+fn set(name: &str, owner: Option<&str>, action: Action, at_ms: u64) -> Set {
+    Set {
+        name: name.into(),
+        owner: owner.map(Into::into),
+        action,
+        at_ms,
+    }
+}
+
+fn mark(owner: &str, name: &str, rev: &str, through_ms: u64) -> Mark {
+    Mark {
+        owner: owner.into(),
+        name: name.into(),
+        rev: rev.into(),
+        through_ms,
+    }
+}
+
+#[test]
+fn a_schedule_is_its_writers_and_only_it_or_an_admin_steers_it() {
+    let t = trust();
+    let mut b = Book::default();
+    b.add(Some("alice"), &add("n", "r1", 10), &t).unwrap();
+    b.add(Some("bob"), &add("n", "r2", 20), &t).unwrap();
+    assert_eq!(b.len(), 2, "the same name, two owners");
+    assert!(b.add(None, &add("x", "r3", 0), &t).is_err());
+    // bob's pause naming alice pauses bob's own
+    b.set(Some("bob"), &set("n", Some("alice"), Action::Pause, 30), &t)
+        .unwrap();
+    assert!(!b.get("alice", "n").unwrap().paused);
+    assert!(b.get("bob", "n").unwrap().paused);
+    // mallory has none of that name
+    assert!(
+        b.set(Some("mallory"), &set("n", None, Action::Remove, 30), &t)
+            .is_err()
+    );
+    // an admin steers anyone's
+    b.set(
+        Some("admin"),
+        &set("n", Some("alice"), Action::Pause, 40),
+        &t,
+    )
+    .unwrap();
+    assert!(b.get("alice", "n").unwrap().paused);
+    let seen: Vec<_> = b
+        .visible_to("alice", &t)
+        .map(|e| e.owner.as_str())
+        .collect();
+    assert_eq!(seen, ["alice"]);
+    assert_eq!(b.visible_to("admin", &t).count(), 2);
+    assert_eq!(b.visible_to("mallory", &t).count(), 0);
+}
+
+#[test]
+fn resume_runs_nothing_of_the_pause_and_remove_forgets() {
+    let t = trust();
+    let mut b = Book::default();
+    b.add(Some("alice"), &add("n", "r1", 10), &t).unwrap();
+    assert_eq!(b.get("alice", "n").unwrap().done_ms(), 10);
+    b.set(Some("alice"), &set("n", None, Action::Pause, 100), &t)
+        .unwrap();
+    b.set(Some("alice"), &set("n", None, Action::Resume, 500), &t)
+        .unwrap();
+    let e = b.get("alice", "n").unwrap();
+    assert!(!e.paused && e.done_ms() == 500);
+    b.set(Some("alice"), &set("n", None, Action::Remove, 600), &t)
+        .unwrap();
+    assert!(b.is_empty());
+}
+
+#[test]
+fn marks_and_keeps_count_only_from_the_owner_or_a_scheduler_and_for_their_revision() {
+    let t = trust();
+    let mut b = Book::default();
+    b.add(Some("alice"), &add("n", "r1", 10), &t).unwrap();
+    assert!(
+        b.mark(Some("bob"), &mark("alice", "n", "r1", 99), &t)
+            .is_err()
+    );
+    b.mark(Some("alice"), &mark("alice", "n", "r1", 5), &t)
+        .unwrap();
+    b.mark(Some("scheduler2"), &mark("alice", "n", "r1", 50), &t)
+        .unwrap();
+    b.mark(Some("scheduler"), &mark("alice", "n", "r1", 40), &t)
+        .unwrap();
+    assert_eq!(
+        b.get("alice", "n").unwrap().through_ms,
+        Some(50),
+        "never back"
+    );
+    // replaced: the old revision's marks no longer count, nor its keeps
+    b.add(Some("alice"), &add("n", "r2", 60), &t).unwrap();
+    let old = Keep {
+        through_ms: Some(1_000),
+        ..b.get("alice", "n").unwrap().keep()
+    };
+    assert!(
+        b.mark(Some("scheduler"), &mark("alice", "n", "r1", 70), &t)
+            .is_err()
+    );
+    let stale = Keep {
+        rev: "r1".into(),
+        ..old.clone()
+    };
+    assert!(b.keep(Some("scheduler"), &stale, &t).is_err());
+    let e = b.get("alice", "n").unwrap();
+    assert_eq!(
+        (e.rev.as_str(), e.through_ms, e.done_ms()),
+        ("r2", None, 60)
+    );
+    // a keep of the live revision takes only its mark
+    b.keep(Some("scheduler"), &old, &t).unwrap();
+    assert_eq!(b.get("alice", "n").unwrap().through_ms, Some(1_000));
+    // a stream that no longer holds the add: the keep brings the schedule back as it was
+    let mut fresh = Book::default();
+    let paused = Keep {
+        paused: true,
+        ..old.clone()
+    };
+    assert!(fresh.keep(Some("mallory"), &paused, &t).is_err());
+    fresh.keep(Some("scheduler"), &paused, &t).unwrap();
+    let e = fresh.get("alice", "n").unwrap();
+    assert!(e.paused && e.owner == "alice" && e.done_ms() == 1_000);
+    // removed: no keep brings it back
+    fresh
+        .set(Some("alice"), &set("n", None, Action::Remove, 0), &t)
+        .unwrap();
+    assert!(fresh.keep(Some("scheduler"), &old, &t).is_err());
+    assert!(fresh.is_empty());
+}
+
+#[test]
+fn an_owner_and_the_book_are_capped() {
+    let t = trust();
+    let mut b = Book::default();
+    for i in 0..MAX_PER_OWNER {
+        b.add(
+            Some("alice"),
+            &add(&format!("n{i}"), &format!("r{i}"), 0),
+            &t,
+        )
+        .unwrap();
+    }
+    let e = b
+        .add(Some("alice"), &add("one-more", "x", 0), &t)
+        .unwrap_err();
+    assert!(e.contains("the most a user may"), "{e}");
+    // a replace is no new schedule
+    b.add(Some("alice"), &add("n0", "r0b", 0), &t).unwrap();
+    b.add(Some("admin"), &add("one-more", "y", 0), &t).unwrap();
+    b.set(Some("alice"), &set("n1", None, Action::Remove, 0), &t)
+        .unwrap();
+    b.add(Some("alice"), &add("one-more", "z", 0), &t).unwrap();
+    assert_eq!(b.len(), MAX_PER_OWNER + 1);
+}
+
+proptest! {
+    /// Whatever records arrive, from whomever, a user's schedules are only those it added,
+    /// and nothing panics.
+    #[test]
+    fn a_users_schedules_are_those_it_added(
+        ops in proptest::collection::vec((0..4u8, 0..4usize, 0..3usize, 0..3usize, 0..5u64), 0..60),
+    ) {
+        let t = trust();
+        let users = ["alice", "bob", "admin", "scheduler"];
+        let names = ["a", "b", "c"];
+        let mut b = Book::default();
+        let mut added: HashSet<(String, String)> = HashSet::new();
+        for (i, (kind, u, n, o, at)) in ops.into_iter().enumerate() {
+            let (by, name, other) = (users[u], names[n], users[o]);
+            let _ = match kind {
+                0 => b.add(Some(by), &add(name, &format!("r{i}"), at), &t).map(|_| {
+                    added.insert((by.into(), name.into()));
+                }),
+                1 => b.set(Some(by), &set(name, Some(other), Action::Pause, at), &t),
+                2 => b.set(Some(by), &set(name, Some(other), Action::Remove, at), &t),
+                _ => b.mark(Some(by), &mark(other, name, &format!("r{at}"), at), &t),
+            };
+        }
+        for e in b.iter() {
+            prop_assert!(added.contains(&(e.owner.clone(), e.def.name.clone())));
+        }
+    }
+}
