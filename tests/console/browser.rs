@@ -11,18 +11,18 @@ use fantoccini::wd::{Capabilities, WebDriverCompatibleCommand};
 use fantoccini::{Client, ClientBuilder};
 use serde_json::{Value, json};
 
-pub const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
-pub const CHROMIUM: &str = "/usr/bin/chromium";
+pub(crate) const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
+pub(crate) const CHROMIUM: &str = "/usr/bin/chromium";
 
 /// A running chromedriver and one browser session on it.
-pub struct Browser {
+pub(crate) struct Browser {
     pub client: Client,
     driver: tokio::process::Child,
     shots: PathBuf,
 }
 
 /// A free TCP port on 127.0.0.1 (bound, then released for the process that takes it).
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -54,7 +54,7 @@ impl WebDriverCompatibleCommand for BrowserLog {
 impl Browser {
     /// Starts chromedriver on a free port and a headless Chromium session; screenshots go to
     /// `shots`.
-    pub async fn start(shots: &Path) -> Browser {
+    pub(crate) async fn start(shots: &Path) -> Browser {
         for (what, path, package) in [
             ("chromedriver", CHROMEDRIVER, "chromium-driver"),
             ("Chromium", CHROMIUM, "chromium"),
@@ -110,7 +110,7 @@ impl Browser {
     }
 
     /// Saves a screenshot of the page as `<name>.png`; returns its path.
-    pub async fn screenshot(&self, name: &str) -> PathBuf {
+    pub(crate) async fn screenshot(&self, name: &str) -> PathBuf {
         let png = self.client.screenshot().await.expect("a screenshot");
         let path = self.shots.join(format!("{name}.png"));
         std::fs::write(&path, png).unwrap();
@@ -118,12 +118,12 @@ impl Browser {
     }
 
     /// The page's HTML.
-    pub async fn source(&self) -> String {
+    pub(crate) async fn source(&self) -> String {
         self.client.source().await.expect("the page source")
     }
 
     /// The browser console's messages since the last call: `(level, message)`.
-    pub async fn console_log(&self) -> Vec<(String, String)> {
+    pub(crate) async fn console_log(&self) -> Vec<(String, String)> {
         let v = self
             .client
             .issue_cmd(BrowserLog)
@@ -144,7 +144,7 @@ impl Browser {
     }
 
     /// Ends the session and chromedriver.
-    pub async fn close(mut self) {
+    pub(crate) async fn close(mut self) {
         let _ = self.client.close().await;
         let _ = self.driver.start_kill();
         let _ = self.driver.wait().await;

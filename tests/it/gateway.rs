@@ -23,7 +23,7 @@ use lapin::{Connection, ExchangeKind};
 const APP: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/py/plugin_app.py");
 
 /// The tests need Python 3 with pika (installed by ./scripts/test.sh): fail, never skip.
-pub fn require_pika() {
+pub(crate) fn require_pika() {
     let ok = Command::new("python3")
         .args(["-c", "import pika"])
         .stdout(Stdio::null())
@@ -38,7 +38,7 @@ pub fn require_pika() {
 }
 
 /// A temporary `--config` file, removed when dropped.
-pub struct ConfigFile(pub PathBuf);
+pub(crate) struct ConfigFile(pub PathBuf);
 
 impl Drop for ConfigFile {
     fn drop(&mut self) {
@@ -48,18 +48,18 @@ impl Drop for ConfigFile {
 
 /// The test's settings (the harness's small topology), a short shutdown grace and `extra` TOML,
 /// as a `--config` file.
-pub fn write_config(env: &Env, extra: &str) -> ConfigFile {
+pub(crate) fn write_config(env: &Env, extra: &str) -> ConfigFile {
     ConfigFile(env.write_config(&format!("[consumer]\nshutdown_grace = \"2s\"\n\n{extra}")))
 }
 
 /// A `delay-publisher gateway` process; killed when dropped.
-pub struct GatewayProc {
+pub(crate) struct GatewayProc {
     child: Child,
     log: PathBuf,
 }
 
 /// A process of ours whose log a failing test prints.
-pub trait Logged {
+pub(crate) trait Logged {
     fn log(&self) -> String;
 }
 
@@ -70,7 +70,12 @@ impl Logged for GatewayProc {
 }
 
 impl GatewayProc {
-    pub fn start(env: &Env, config: &Path, pairs: &[(&str, &str)], name: &str) -> GatewayProc {
+    pub(crate) fn start(
+        env: &Env,
+        config: &Path,
+        pairs: &[(&str, &str)],
+        name: &str,
+    ) -> GatewayProc {
         let log = std::env::temp_dir().join(format!("{}-{name}.log", env.settings.prefix));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_delay-publisher"));
         cmd.arg("--config")
@@ -139,7 +144,7 @@ fn settings_with(env: &Env, pairs: &[(&str, &str)]) -> Settings {
     }
 }
 
-pub fn pairs_of(env: &Env, pairs: &[(&str, &str)]) -> Vec<Pair> {
+pub(crate) fn pairs_of(env: &Env, pairs: &[(&str, &str)]) -> Vec<Pair> {
     Gateway::new(settings_with(env, pairs))
         .unwrap()
         .pairs()
@@ -147,7 +152,7 @@ pub fn pairs_of(env: &Env, pairs: &[(&str, &str)]) -> Vec<Pair> {
 }
 
 /// Declares exchange `name` (durable), unwrapping.
-pub async fn declare_exchange(conn: &Connection, name: &str, kind: ExchangeKind) {
+pub(crate) async fn declare_exchange(conn: &Connection, name: &str, kind: ExchangeKind) {
     let ch = broker::open(conn).await.unwrap();
     broker::declare_exchange(&ch, name, kind, FieldTable::default())
         .await
@@ -156,14 +161,19 @@ pub async fn declare_exchange(conn: &Connection, name: &str, kind: ExchangeKind)
 }
 
 /// Binds `queue` to `exchange` with `key`, unwrapping.
-pub async fn bind(conn: &Connection, queue: &str, exchange: &str, key: &str) {
+pub(crate) async fn bind(conn: &Connection, queue: &str, exchange: &str, key: &str) {
     let ch = broker::open(conn).await.unwrap();
     broker::bind_queue(&ch, queue, exchange, key).await.unwrap();
     broker::close(&ch, "ok").await;
 }
 
 /// Waits until every gateway queue has `n` consumers (the gateways are ready).
-pub async fn wait_for_consumers(conn: &Connection, pairs: &[Pair], n: u32, gws: &[&dyn Logged]) {
+pub(crate) async fn wait_for_consumers(
+    conn: &Connection,
+    pairs: &[Pair],
+    n: u32,
+    gws: &[&dyn Logged],
+) {
     let end = Instant::now() + Duration::from_secs(20);
     loop {
         let mut ready = true;
@@ -196,7 +206,7 @@ fn start_app(mode: &str, cfg: serde_json::Value) -> tokio::process::Child {
 }
 
 /// Starts the Python app connected to `url`.
-pub fn start_app_at(mode: &str, cfg: serde_json::Value, url: &str) -> tokio::process::Child {
+pub(crate) fn start_app_at(mode: &str, cfg: serde_json::Value, url: &str) -> tokio::process::Child {
     tokio::process::Command::new("python3")
         .arg(APP)
         .arg(mode)
@@ -209,7 +219,7 @@ pub fn start_app_at(mode: &str, cfg: serde_json::Value, url: &str) -> tokio::pro
         .expect("starting python3")
 }
 
-pub async fn finish(app: tokio::process::Child, gws: &[&dyn Logged]) -> serde_json::Value {
+pub(crate) async fn finish(app: tokio::process::Child, gws: &[&dyn Logged]) -> serde_json::Value {
     let out = tokio::time::timeout(Duration::from_secs(75), app.wait_with_output())
         .await
         .expect("the Python app did not finish within 75 s")
@@ -242,13 +252,13 @@ pub async fn finish(app: tokio::process::Child, gws: &[&dyn Logged]) -> serde_js
 /// Deletes the gateway's objects (ingress exchanges, gateway and parking queues) and the
 /// targets when the test ends, passed or not, on a fresh connection in a thread (the test's
 /// runtime may be gone after a panic). The topology is the harness's `Env` to delete.
-pub struct GatewayObjects {
+pub(crate) struct GatewayObjects {
     settings: Settings,
     targets: Vec<String>,
 }
 
 impl GatewayObjects {
-    pub fn new(env: &Env, pairs: &[(&str, &str)], targets: &[&str]) -> GatewayObjects {
+    pub(crate) fn new(env: &Env, pairs: &[(&str, &str)], targets: &[&str]) -> GatewayObjects {
         GatewayObjects {
             settings: settings_with(env, pairs),
             targets: targets.iter().map(|t| t.to_string()).collect(),
@@ -278,7 +288,7 @@ impl Drop for GatewayObjects {
 
 /// The test's one pair, `<prefix>-delayed` → `<prefix>-target` (a direct exchange declared
 /// here): its names, and a guard that deletes the pair's objects and the target when dropped.
-pub async fn one_pair(env: &Env) -> (String, String, GatewayObjects) {
+pub(crate) async fn one_pair(env: &Env) -> (String, String, GatewayObjects) {
     let p = &env.settings.prefix;
     let (x_in, x_t) = (format!("{p}-delayed"), format!("{p}-target"));
     declare_exchange(&env.conn, &x_t, ExchangeKind::Direct).await;
@@ -287,7 +297,7 @@ pub async fn one_pair(env: &Env) -> (String, String, GatewayObjects) {
 }
 
 /// A hung broker operation fails the test instead of hanging it.
-pub async fn within(test: impl std::future::Future<Output = ()>) {
+pub(crate) async fn within(test: impl std::future::Future<Output = ()>) {
     tokio::time::timeout(Duration::from_secs(90), test)
         .await
         .expect("the test did not finish within 90 s (broker unresponsive?)");
@@ -299,7 +309,7 @@ fn text(s: &str) -> AMQPValue {
 
 /// The plugin's delivered form of an ingress message: `x-delay` → minus the delay when
 /// positive; `user_id` moved into `x-delay-user-id` (documented limit).
-pub fn expected_headers(original: &Received) -> Option<FieldTable> {
+pub(crate) fn expected_headers(original: &Received) -> Option<FieldTable> {
     let mut h = original.properties.headers().clone();
     if let Some(n) = original
         .int_header("x-delay")

@@ -14,14 +14,14 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
 use rand::Rng;
 
-pub fn broker_url() -> String {
+pub(crate) fn broker_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| amqp_delay::settings::DEFAULT_URL.into())
 }
 
 /// `rabbitmqctl` for the broker under test: `TEST_RABBITMQCTL` (a command line split
 /// on spaces, e.g. `bash scripts/rabbitmq4.sh rabbitmqctl` for the 4.x nodes, whose tools and
 /// cookie are their own), else the host's `rabbitmqctl`.
-pub fn rabbitmqctl() -> std::process::Command {
+pub(crate) fn rabbitmqctl() -> std::process::Command {
     let cmd = std::env::var("TEST_RABBITMQCTL").unwrap_or_else(|_| "rabbitmqctl".into());
     let mut words = cmd.split_whitespace();
     let mut c = std::process::Command::new(words.next().unwrap_or("rabbitmqctl"));
@@ -30,7 +30,7 @@ pub fn rabbitmqctl() -> std::process::Command {
 }
 
 /// Connects or panics with a message saying how to get a broker.
-pub async fn connect() -> Connection {
+pub(crate) async fn connect() -> Connection {
     match amqp_delay::ops::connection::connect(&broker_url(), "amqp-delay tests").await {
         Ok(c) => c,
         Err(e) => panic!(
@@ -41,7 +41,7 @@ pub async fn connect() -> Connection {
 
 /// The small topology with delays up to `max_delay_ms` and a 20 ms lateness budget: room for a
 /// cancel, purge or reschedule to be in time (the cancel, journal and pending tests).
-pub async fn steering_env(max_delay_ms: u64) -> Env {
+pub(crate) async fn steering_env(max_delay_ms: u64) -> Env {
     let mut t = small_topology();
     t.max_delay = DurationMs(max_delay_ms);
     let mut env = Env::new(t).await;
@@ -53,20 +53,20 @@ pub async fn steering_env(max_delay_ms: u64) -> Env {
 }
 
 /// Headers with `tenant` set to `t`.
-pub fn tenant(t: &str) -> FieldTable {
+pub(crate) fn tenant(t: &str) -> FieldTable {
     let mut h = FieldTable::default();
     h.insert("tenant".into(), AMQPValue::LongString(t.into()));
     h
 }
 
-pub fn random_prefix() -> String {
+pub(crate) fn random_prefix() -> String {
     let n: u64 = rand::rng().random();
     format!("t{:012x}", n & 0xffff_ffff_ffff)
 }
 
 /// The small topology most tests use: radix 4, 1 ms units, delays up to 1.5 s, tiers capped at
 /// 200 ms so the overflow chain is exercised, one 150 ms fixed level.
-pub fn small_topology() -> TopologySettings {
+pub(crate) fn small_topology() -> TopologySettings {
     TopologySettings {
         radix: 4,
         unit: DurationMs(1),
@@ -80,7 +80,7 @@ pub fn small_topology() -> TopologySettings {
 }
 
 /// One test's world: its prefix, settings, declared topology and destination queues.
-pub struct Env {
+pub(crate) struct Env {
     pub settings: Settings,
     pub conn: Connection,
     queues: Vec<String>,
@@ -136,7 +136,7 @@ async fn delete_batch_markers(conn: &Connection, layout: &Layout, queues: &[Stri
 
 /// Runs `f` with a new connection on a new runtime in its own thread, and waits for it: for
 /// clean-up in `Drop`, where the test's runtime may be gone. Does nothing without a broker.
-pub fn with_fresh_connection<F, Fut>(f: F)
+pub(crate) fn with_fresh_connection<F, Fut>(f: F)
 where
     F: FnOnce(Connection) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()>,
@@ -158,7 +158,7 @@ where
 }
 
 impl Env {
-    pub async fn new(topology: TopologySettings) -> Env {
+    pub(crate) async fn new(topology: TopologySettings) -> Env {
         let settings = Settings {
             url: broker_url(),
             prefix: random_prefix(),
@@ -178,29 +178,29 @@ impl Env {
         env
     }
 
-    pub fn layout(&self) -> Layout {
+    pub(crate) fn layout(&self) -> Layout {
         self.settings.layout().unwrap()
     }
 
-    pub async fn declare(&mut self) -> amqp_delay::Result<()> {
+    pub(crate) async fn declare(&mut self) -> amqp_delay::Result<()> {
         let layout = self.layout();
         self.declared.push(layout.clone());
         Topology::new(layout).declare(&self.conn).await
     }
 
-    pub async fn publisher(&self) -> Publisher {
+    pub(crate) async fn publisher(&self) -> Publisher {
         Publisher::connect(&self.settings).await.expect("publisher")
     }
 
     /// A destination queue named `<prefix>-<name>` (classic, durable), deleted on clean-up.
-    pub async fn queue(&mut self, name: &str) -> String {
+    pub(crate) async fn queue(&mut self, name: &str) -> String {
         let q = format!("{}-{name}", self.settings.prefix);
         self.declare_queue(&q).await;
         q
     }
 
     /// Declares exactly `q` (deleted on clean-up).
-    pub async fn declare_queue(&mut self, q: &str) {
+    pub(crate) async fn declare_queue(&mut self, q: &str) {
         let ch = broker::open(&self.conn).await.unwrap();
         broker::declare_queue(&ch, q, FieldTable::default())
             .await
@@ -209,7 +209,7 @@ impl Env {
         self.queues.push(q.to_string());
     }
 
-    pub async fn delete_queue(&self, q: &str) {
+    pub(crate) async fn delete_queue(&self, q: &str) {
         let ch = self.conn.create_channel().await.unwrap();
         ch.queue_delete(q.into(), QueueDeleteOptions::default())
             .await
@@ -218,7 +218,7 @@ impl Env {
     }
 
     /// Consumes `n` messages from `q` (up to 15 s), then 300 ms more for duplicates.
-    pub async fn expect(&self, q: &str, n: usize) -> Vec<Received> {
+    pub(crate) async fn expect(&self, q: &str, n: usize) -> Vec<Received> {
         collect(
             &self.conn,
             q,
@@ -230,13 +230,13 @@ impl Env {
     }
 
     /// Asserts that `q` holds nothing (consumes for 300 ms).
-    pub async fn assert_empty(&self, q: &str) {
+    pub(crate) async fn assert_empty(&self, q: &str) {
         let got = collect(&self.conn, q, 0, Duration::from_millis(300), Duration::ZERO).await;
         assert!(got.is_empty(), "{q} holds {} messages", got.len());
     }
 
     /// Asserts that every tier and the unroutable queue are empty.
-    pub async fn assert_tiers_empty(&self) {
+    pub(crate) async fn assert_tiers_empty(&self) {
         let stats = Topology::new(self.layout())
             .stats(&self.conn)
             .await
@@ -248,14 +248,14 @@ impl Env {
     }
 
     /// The worker's parking queue of `q`, deleted on clean-up.
-    pub fn parked_queue(&mut self, q: &str) -> String {
+    pub(crate) fn parked_queue(&mut self, q: &str) -> String {
         let parked = self.layout().parked_queue(q);
         self.track_queue(&parked);
         parked
     }
 
     /// Deletes everything this test declared.
-    pub async fn cleanup(mut self) {
+    pub(crate) async fn cleanup(mut self) {
         for q in &self.queues {
             self.delete_queue(q).await;
         }
@@ -276,7 +276,7 @@ impl Env {
 
 /// A message as a consumer saw it.
 #[derive(Debug, Clone)]
-pub struct Received {
+pub(crate) struct Received {
     pub body: Vec<u8>,
     pub properties: BasicProperties,
     pub routing_key: String,
@@ -284,11 +284,11 @@ pub struct Received {
 }
 
 impl Received {
-    pub fn header(&self, name: &str) -> Option<&AMQPValue> {
+    pub(crate) fn header(&self, name: &str) -> Option<&AMQPValue> {
         self.properties.headers().as_ref()?.inner().get(name)
     }
     /// The `reason` of each of its `x-death` entries (none without the header).
-    pub fn death_reasons(&self) -> Vec<String> {
+    pub(crate) fn death_reasons(&self) -> Vec<String> {
         let Some(AMQPValue::FieldArray(deaths)) = self.header("x-death") else {
             return Vec::new();
         };
@@ -307,17 +307,17 @@ impl Received {
             .collect()
     }
     /// A string header's text (`None` if absent or not a string).
-    pub fn text_header(&self, name: &str) -> Option<String> {
+    pub(crate) fn text_header(&self, name: &str) -> Option<String> {
         match self.header(name)? {
             AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
             AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
             _ => None,
         }
     }
-    pub fn int_header(&self, name: &str) -> Option<i64> {
+    pub(crate) fn int_header(&self, name: &str) -> Option<i64> {
         amqp_delay::headers::get_int(self.properties.headers().as_ref()?, name)
     }
-    pub fn id(&self) -> String {
+    pub(crate) fn id(&self) -> String {
         self.properties
             .message_id()
             .as_ref()
@@ -325,7 +325,7 @@ impl Received {
             .unwrap_or_default()
     }
     /// Queues named in `x-death`, in the broker's order (most recent first).
-    pub fn death_queues(&self) -> Vec<(String, i64)> {
+    pub(crate) fn death_queues(&self) -> Vec<(String, i64)> {
         let Some(AMQPValue::FieldArray(a)) = self.header("x-death") else {
             return vec![];
         };
@@ -354,7 +354,7 @@ impl Received {
 
 /// Consumes from `queue` until `n` messages arrived or `timeout` passed, then waits `linger`
 /// more for duplicates. Acks everything.
-pub async fn collect(
+pub(crate) async fn collect(
     conn: &Connection,
     queue: &str,
     n: usize,
@@ -402,7 +402,7 @@ pub async fn collect(
 }
 
 /// Waits until `queue` exists and answers (it may be declared by the process under test).
-pub async fn wait_for_queue(conn: &Connection, queue: &str, timeout: Duration) {
+pub(crate) async fn wait_for_queue(conn: &Connection, queue: &str, timeout: Duration) {
     let start = Instant::now();
     let mut absent = false;
     loop {
@@ -427,7 +427,7 @@ pub async fn wait_for_queue(conn: &Connection, queue: &str, timeout: Duration) {
 }
 
 /// Counts per message id.
-pub fn counts(msgs: &[Received]) -> HashMap<String, usize> {
+pub(crate) fn counts(msgs: &[Received]) -> HashMap<String, usize> {
     let mut m = HashMap::new();
     for r in msgs {
         *m.entry(r.id()).or_insert(0) += 1;
@@ -435,7 +435,7 @@ pub fn counts(msgs: &[Received]) -> HashMap<String, usize> {
     m
 }
 
-pub fn percentile(sorted: &[i64], p: f64) -> i64 {
+pub(crate) fn percentile(sorted: &[i64], p: f64) -> i64 {
     if sorted.is_empty() {
         return 0;
     }
@@ -445,13 +445,13 @@ pub fn percentile(sorted: &[i64], p: f64) -> i64 {
 
 impl Env {
     /// Also delete `q` on clean-up (queues the code under test declared, e.g. parking queues).
-    pub fn track_queue(&mut self, q: &str) {
+    pub(crate) fn track_queue(&mut self, q: &str) {
         self.queues.push(q.to_string());
     }
 
     /// Writes this test's settings, then `extra` TOML (sections of its own), as a config file
     /// for the binaries; returns its path.
-    pub fn write_config(&self, extra: &str) -> std::path::PathBuf {
+    pub(crate) fn write_config(&self, extra: &str) -> std::path::PathBuf {
         let t = &self.settings.topology;
         let fixed: Vec<String> = t
             .fixed_levels
@@ -481,19 +481,19 @@ impl Env {
 }
 
 /// A temporary file path unique to this test.
-pub fn temp_path(prefix: &str, name: &str) -> std::path::PathBuf {
+pub(crate) fn temp_path(prefix: &str, name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("{prefix}-{name}"))
 }
 
 /// Lines of a file (empty if it does not exist).
-pub fn read_lines(path: &std::path::Path) -> Vec<String> {
+pub(crate) fn read_lines(path: &std::path::Path) -> Vec<String> {
     std::fs::read_to_string(path)
         .map(|s| s.lines().map(str::to_string).collect())
         .unwrap_or_default()
 }
 
 /// Polls `cond` every 50 ms until it holds or `timeout` passes; returns whether it held.
-pub async fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+pub(crate) async fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + timeout;
     while Instant::now() < end {
         if cond() {
@@ -505,7 +505,7 @@ pub async fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bo
 }
 
 /// Polls the async `cond` every 50 ms until it holds or `timeout` passes.
-pub async fn wait_until_async<F, Fut>(timeout: Duration, mut cond: F) -> bool
+pub(crate) async fn wait_until_async<F, Fut>(timeout: Duration, mut cond: F) -> bool
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -521,7 +521,10 @@ where
 }
 
 /// Runs `delay-publisher` with this test's config; returns (exit code, stdout, stderr).
-pub async fn publisher_cli(cfg: &std::path::Path, args: &[&str]) -> (Option<i32>, String, String) {
+pub(crate) async fn publisher_cli(
+    cfg: &std::path::Path,
+    args: &[&str],
+) -> (Option<i32>, String, String) {
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
         .arg("--config")
         .arg(cfg)
@@ -539,7 +542,7 @@ pub async fn publisher_cli(cfg: &std::path::Path, args: &[&str]) -> (Option<i32>
 
 /// A header table whose encoded size a test sets to the byte: `n` headers `h000`, `h001`, ...
 /// of 200 bytes each (209 bytes encoded), then, when `pad` > 0, a header `pad` of `pad` bytes.
-pub fn filler_headers(n: usize, pad: usize) -> FieldTable {
+pub(crate) fn filler_headers(n: usize, pad: usize) -> FieldTable {
     let mut h = FieldTable::default();
     for i in 0..n {
         h.insert(
@@ -558,7 +561,7 @@ pub fn filler_headers(n: usize, pad: usize) -> FieldTable {
 /// parked by the worker in the queue's parking queue (4.3 no longer counts a consumer's requeue
 /// toward the limit; the worker parks what comes back over it, with the reason). Every message
 /// returned has one of those reasons.
-pub async fn parked_by_delivery_limit(
+pub(crate) async fn parked_by_delivery_limit(
     conn: &Connection,
     layout: &Layout,
     queue: &str,
@@ -596,7 +599,7 @@ pub async fn parked_by_delivery_limit(
 
 /// A `--config` file for prefix `p` with the small topology and `extra` TOML after it, at
 /// `temp_path(p, name)`.
-pub fn small_config(p: &str, name: &str, extra: &str) -> std::path::PathBuf {
+pub(crate) fn small_config(p: &str, name: &str, extra: &str) -> std::path::PathBuf {
     let t = small_topology();
     let fixed: Vec<String> = t
         .fixed_levels

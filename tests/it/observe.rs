@@ -9,7 +9,7 @@ use amqp_delay::time::DurationMs;
 
 use crate::harness::*;
 
-pub fn get(url: &str) -> (u16, String) {
+pub(crate) fn get(url: &str) -> (u16, String) {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(Duration::from_secs(5)))
         .http_status_as_error(false)
@@ -25,7 +25,7 @@ pub fn get(url: &str) -> (u16, String) {
 }
 
 /// The value of the sample `name{labels}` (labels as written, in order), 0 when absent.
-pub fn sample(text: &str, name: &str, labels: &str) -> f64 {
+pub(crate) fn sample(text: &str, name: &str, labels: &str) -> f64 {
     let key = if labels.is_empty() {
         format!("{name} ")
     } else {

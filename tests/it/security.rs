@@ -13,7 +13,7 @@ use amqp_delay::settings::TlsSettings;
 use tokio::io::AsyncReadExt;
 
 /// The `KEY=VALUE` lines of `scripts/tls-node.sh up` (started once per test run).
-pub fn tls_node() -> &'static HashMap<String, String> {
+pub(crate) fn tls_node() -> &'static HashMap<String, String> {
     static NODE: OnceLock<HashMap<String, String>> = OnceLock::new();
     NODE.get_or_init(|| {
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/tls-node.sh");

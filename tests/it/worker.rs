@@ -16,14 +16,14 @@ use tokio::sync::oneshot;
 
 /// Records every execution (id, attempt, time, due time) and answers from a script.
 #[derive(Clone)]
-pub struct Scripted {
+pub(crate) struct Scripted {
     pub log: Arc<Mutex<Vec<(String, u32, u64)>>>,
     pub dues: Arc<Mutex<Vec<Option<u64>>>>,
     pub answer: fn(&Delivery) -> Outcome,
 }
 
 impl Scripted {
-    pub fn new(answer: fn(&Delivery) -> Outcome) -> Scripted {
+    pub(crate) fn new(answer: fn(&Delivery) -> Outcome) -> Scripted {
         Scripted {
             log: Arc::default(),
             dues: Arc::default(),
@@ -44,7 +44,7 @@ impl Handler for Scripted {
     }
 }
 
-pub fn retry(base: u64, factor: f64, max_attempts: u32) -> RetryPolicy {
+pub(crate) fn retry(base: u64, factor: f64, max_attempts: u32) -> RetryPolicy {
     RetryPolicy {
         base: DurationMs(base),
         factor,
@@ -55,7 +55,7 @@ pub fn retry(base: u64, factor: f64, max_attempts: u32) -> RetryPolicy {
 }
 
 /// Runs a library worker on `queue` until `stop` fires.
-pub fn spawn_worker(
+pub(crate) fn spawn_worker(
     env: &Env,
     queue: &str,
     handler: Scripted,
@@ -70,7 +70,7 @@ pub fn spawn_worker(
 }
 
 /// Runs a library worker with `settings` on `queue` until `stop` fires.
-pub fn spawn_worker_with(
+pub(crate) fn spawn_worker_with(
     s: amqp_delay::Settings,
     queue: &str,
     handler: Scripted,
@@ -448,7 +448,11 @@ async fn a_retry_the_broker_keeps_refusing_is_parked_by_the_delivery_limit_not_d
 }
 
 /// `delay-consumer` as a child process, killed when dropped.
-pub fn consumer(_env: &Env, config: &std::path::Path, args: &[&str]) -> tokio::process::Child {
+pub(crate) fn consumer(
+    _env: &Env,
+    config: &std::path::Path,
+    args: &[&str],
+) -> tokio::process::Child {
     tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-consumer"))
         .arg("--config")
         .arg(config)
@@ -462,7 +466,7 @@ pub fn consumer(_env: &Env, config: &std::path::Path, args: &[&str]) -> tokio::p
         .expect("start delay-consumer")
 }
 
-pub fn ids(lines: &[String]) -> HashMap<String, usize> {
+pub(crate) fn ids(lines: &[String]) -> HashMap<String, usize> {
     let mut m = HashMap::new();
     for l in lines {
         let id = l.split_whitespace().next().unwrap_or("").to_string();

@@ -13,12 +13,12 @@ use lapin::types::FieldTable;
 use tokio::runtime::Runtime;
 
 const APP: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/py/runbook_app.py");
-pub const QUEUE: &str = "order-timeouts";
-pub const KEY: &str = "order.timeout";
+pub(crate) const QUEUE: &str = "order-timeouts";
+pub(crate) const KEY: &str = "order.timeout";
 
 /// A message the application published and had confirmed.
 #[derive(Debug, Clone, serde::Deserialize)]
-pub struct Sent {
+pub(crate) struct Sent {
     pub id: String,
     pub body: String,
     pub delay: u64,
@@ -27,14 +27,20 @@ pub struct Sent {
 }
 
 impl Sent {
-    pub fn due_ms(&self) -> u64 {
+    pub(crate) fn due_ms(&self) -> u64 {
         self.sent_ms.floor() as u64 + self.delay
     }
 }
 
 /// Publishes `n` messages with ids `prefix-i` and `x-delay` in `lo..hi` ms through `url`,
 /// declaring the plugin-era exchange, queue and binding first with `declare`.
-pub fn publish(url: &str, prefix: &str, n: u32, delays: (u64, u64), declare: bool) -> Vec<Sent> {
+pub(crate) fn publish(
+    url: &str,
+    prefix: &str,
+    n: u32,
+    delays: (u64, u64),
+    declare: bool,
+) -> Vec<Sent> {
     let mut c = std::process::Command::new("python3");
     c.args([APP, url, prefix, &n.to_string()])
         .args([delays.0.to_string(), delays.1.to_string()]);
@@ -58,7 +64,7 @@ pub fn publish(url: &str, prefix: &str, n: u32, delays: (u64, u64), declare: boo
 
 /// A message as it arrived.
 #[derive(Debug, Clone)]
-pub struct Got {
+pub(crate) struct Got {
     pub id: String,
     pub body: Vec<u8>,
     pub routing_key: String,
@@ -68,13 +74,13 @@ pub struct Got {
 
 /// Consumes `QUEUE` on a node (as its administrator, an observer the runbook does not know),
 /// reconnecting after an error, until dropped.
-pub struct Collector {
+pub(crate) struct Collector {
     got: Arc<Mutex<Vec<Got>>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Collector {
-    pub fn new() -> Collector {
+    pub(crate) fn new() -> Collector {
         Collector {
             got: Arc::default(),
             tasks: Vec::new(),
@@ -82,7 +88,7 @@ impl Collector {
     }
 
     /// Also consumes the queue of `url` (port `port`).
-    pub fn watch(&mut self, rt: &Runtime, url: String, port: u16) {
+    pub(crate) fn watch(&mut self, rt: &Runtime, url: String, port: u16) {
         let got = self.got.clone();
         self.tasks.push(rt.spawn(async move {
             loop {
@@ -94,13 +100,13 @@ impl Collector {
         }));
     }
 
-    pub fn got(&self) -> Vec<Got> {
+    pub(crate) fn got(&self) -> Vec<Got> {
         self.got.lock().unwrap().clone()
     }
 
     /// Waits until every id of `sent` arrived (or the last is due plus `margin`), then `linger`
     /// for duplicates; returns what arrived.
-    pub fn wait_for(&self, sent: &[Sent], margin: Duration, linger: Duration) -> Vec<Got> {
+    pub(crate) fn wait_for(&self, sent: &[Sent], margin: Duration, linger: Duration) -> Vec<Got> {
         let last_due = sent.iter().map(Sent::due_ms).max().unwrap_or(0);
         let deadline = last_due + margin.as_millis() as u64;
         let start = Instant::now();
@@ -172,7 +178,7 @@ async fn consume(url: &str, port: u16, got: &Mutex<Vec<Got>>) -> Result<(), Stri
 
 /// What arrived against what was sent: problems (lost, early, altered, unexpected, duplicates
 /// beyond `allowed`), and a summary with the lateness of each batch (ids `BATCH-i`).
-pub fn verdict(sent: &[Sent], got: &[Got], allowed: u64) -> (Vec<String>, String) {
+pub(crate) fn verdict(sent: &[Sent], got: &[Got], allowed: u64) -> (Vec<String>, String) {
     let by_id: HashMap<&str, &Sent> = sent.iter().map(|s| (s.id.as_str(), s)).collect();
     let mut problems = Vec::new();
     let mut count: HashMap<&str, u64> = HashMap::new();
@@ -239,7 +245,7 @@ pub fn verdict(sent: &[Sent], got: &[Got], allowed: u64) -> (Vec<String>, String
 }
 
 /// The messages of `sent` whose id starts with `prefix` and that have not arrived yet.
-pub fn outstanding(sent: &[Sent], got: &[Got], prefix: &str) -> u64 {
+pub(crate) fn outstanding(sent: &[Sent], got: &[Got], prefix: &str) -> u64 {
     let seen: std::collections::HashSet<&str> = got.iter().map(|g| g.id.as_str()).collect();
     sent.iter()
         .filter(|s| s.id.starts_with(prefix) && !seen.contains(s.id.as_str()))

@@ -4,7 +4,7 @@
 
 /// One fenced ```sh block.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Block {
+pub(crate) struct Block {
     /// The number of the ordered-list item it is in (`3` for `3. Import ...`); `None` before
     /// the list or after it.
     pub step: Option<u32>,
@@ -37,7 +37,7 @@ fn list_item(line: &str) -> Option<(u32, &str)> {
 
 /// The lines of the section under the one heading whose text starts with `title`, up to the
 /// next heading of the same or a higher level (lines inside fences are never headings).
-pub fn section<'a>(markdown: &'a str, title: &str) -> Result<Vec<&'a str>, String> {
+pub(crate) fn section<'a>(markdown: &'a str, title: &str) -> Result<Vec<&'a str>, String> {
     let mut found: Option<(usize, Vec<&str>)> = None;
     let mut done = false;
     let mut count = 0;
@@ -68,7 +68,7 @@ pub fn section<'a>(markdown: &'a str, title: &str) -> Result<Vec<&'a str>, Strin
 }
 
 /// The ```sh blocks under the heading starting with `title`, in order.
-pub fn sh_blocks(markdown: &str, title: &str) -> Result<Vec<Block>, String> {
+pub(crate) fn sh_blocks(markdown: &str, title: &str) -> Result<Vec<Block>, String> {
     let mut blocks = Vec::new();
     let mut step = None;
     let mut prose = String::new();
@@ -114,7 +114,7 @@ pub fn sh_blocks(markdown: &str, title: &str) -> Result<Vec<Block>, String> {
 }
 
 /// The one block of `step`, or why there is not exactly one.
-pub fn step(blocks: &[Block], n: u32) -> Result<&Block, String> {
+pub(crate) fn step(blocks: &[Block], n: u32) -> Result<&Block, String> {
     let of: Vec<&Block> = blocks.iter().filter(|b| b.step == Some(n)).collect();
     match of.as_slice() {
         [one] => Ok(one),
@@ -126,7 +126,7 @@ pub fn step(blocks: &[Block], n: u32) -> Result<&Block, String> {
 }
 
 /// The inline code spans (`...`) of `text`.
-pub fn code_spans(text: &str) -> Vec<&str> {
+pub(crate) fn code_spans(text: &str) -> Vec<&str> {
     text.split('`').skip(1).step_by(2).collect()
 }
 

@@ -9,10 +9,10 @@ use std::process::{Command, Output, Stdio};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/runbook-nodes.sh");
 /// The machine's packaged rabbitmqctl (Debian's wrapper: as root it runs the CLI as rabbitmq).
-pub const RABBITMQCTL: &str = "/usr/sbin/rabbitmqctl";
+pub(crate) const RABBITMQCTL: &str = "/usr/sbin/rabbitmqctl";
 
 /// A node started for one test and stopped (its files deleted) when dropped.
-pub struct Node {
+pub(crate) struct Node {
     which: &'static str,
     pub name: String,
     pub amqp_port: u16,
@@ -22,7 +22,7 @@ pub struct Node {
 
 impl Node {
     /// Starts `which` afresh (`a`, `b-old` or `b-new`): nothing left from an earlier run.
-    pub fn up(which: &'static str) -> Node {
+    pub(crate) fn up(which: &'static str) -> Node {
         let out = Command::new("bash")
             .args([SCRIPT, which, "up"])
             .output()
@@ -50,17 +50,17 @@ impl Node {
     }
 
     /// The URL of `user` on this node.
-    pub fn url(&self, user: &str, password: &str) -> String {
+    pub(crate) fn url(&self, user: &str, password: &str) -> String {
         format!("amqp://{user}:{password}@127.0.0.1:{}/%2f", self.amqp_port)
     }
 
     /// The broker administrator's URL: what the test itself observes with, never the runbook.
-    pub fn guest_url(&self) -> String {
+    pub(crate) fn guest_url(&self) -> String {
         self.url("guest", "guest")
     }
 
     /// The packaged `rabbitmqctl ARGS` on this node, `stdin` written to it.
-    pub fn ctl(&self, args: &[&str], stdin: &str) -> Output {
+    pub(crate) fn ctl(&self, args: &[&str], stdin: &str) -> Output {
         self.tool(RABBITMQCTL, args, stdin)
     }
 
@@ -107,7 +107,7 @@ impl Node {
     }
 
     /// Makes `user` with `password` as the text says: `rabbitmqctl add_user NAME` asks for it.
-    pub fn add_user(&self, user: &str, password: &str) {
+    pub(crate) fn add_user(&self, user: &str, password: &str) {
         let out = self.ctl(&["add_user", user], &format!("{password}\n"));
         assert!(
             out.status.success(),
@@ -118,7 +118,7 @@ impl Node {
     }
 
     /// Users with a permission on `/`, as `rabbitmqctl list_permissions` lists them.
-    pub fn users_with_permissions(&self) -> Vec<String> {
+    pub(crate) fn users_with_permissions(&self) -> Vec<String> {
         let out = self.ctl(&["-q", "list_permissions", "-p", "/"], "");
         String::from_utf8_lossy(&out.stdout)
             .lines()
@@ -137,19 +137,19 @@ impl Drop for Node {
 }
 
 /// The users of a runbook, each with a password of this run.
-pub struct Users {
+pub(crate) struct Users {
     pub passwords: HashMap<String, String>,
 }
 
 /// The users whose `--url`s the runbooks name (MIGRATING: the admin and the
 /// proxy's users of `permissions.sh`) and the application's.
-pub const ADMIN: &str = "amqp-delay-admin";
-pub const PROXY: &str = "amqp-delay-proxy";
-pub const APP: &str = "app-user";
+pub(crate) const ADMIN: &str = "amqp-delay-admin";
+pub(crate) const PROXY: &str = "amqp-delay-proxy";
+pub(crate) const APP: &str = "app-user";
 
 impl Users {
     /// Makes `names` on `node`.
-    pub fn make(node: &Node, names: &[String]) -> Users {
+    pub(crate) fn make(node: &Node, names: &[String]) -> Users {
         let run: u32 = rand::random();
         let passwords: HashMap<String, String> = names
             .iter()
@@ -165,7 +165,7 @@ impl Users {
     }
 
     /// `user`'s URL on `node`.
-    pub fn url(&self, node: &Node, user: &str) -> String {
+    pub(crate) fn url(&self, node: &Node, user: &str) -> String {
         let password = self
             .passwords
             .get(user)

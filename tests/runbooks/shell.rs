@@ -15,7 +15,7 @@ use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 
 /// What a block did.
-pub struct Ran {
+pub(crate) struct Ran {
     pub what: String,
     pub code: String,
     pub status: ExitStatus,
@@ -25,13 +25,13 @@ pub struct Ran {
 
 impl Ran {
     /// Panics, with the block and what it printed, unless it exited 0.
-    pub fn ok(self) -> Ran {
+    pub(crate) fn ok(self) -> Ran {
         assert!(self.status.success(), "{}", self.report());
         self
     }
 
     /// The block, its exit status and its output, for a failure message.
-    pub fn report(&self) -> String {
+    pub(crate) fn report(&self) -> String {
         format!(
             "the block of {} exited with {}:\n{}\n--- stdout ---\n{}\n--- stderr ---\n{}",
             self.what,
@@ -44,13 +44,13 @@ impl Ran {
 }
 
 /// The last `n` lines of `text`.
-pub fn tail(text: &str, n: usize) -> String {
+pub(crate) fn tail(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// A terminal session: a working directory, an environment, the variables the blocks set.
-pub struct Session {
+pub(crate) struct Session {
     dir: PathBuf,
     env: Vec<(String, String)>,
     /// `declare -p` lines of the variables the blocks set, as the last block left them.
@@ -64,7 +64,7 @@ pub struct Session {
 
 impl Session {
     /// A session in `dir` whose blocks see only `env` (PATH included).
-    pub fn new(dir: &Path, env: Vec<(String, String)>) -> Session {
+    pub(crate) fn new(dir: &Path, env: Vec<(String, String)>) -> Session {
         std::fs::create_dir_all(dir).unwrap();
         Session {
             dir: dir.to_path_buf(),
@@ -77,12 +77,12 @@ impl Session {
     }
 
     /// The working directory.
-    pub fn dir(&self) -> &Path {
+    pub(crate) fn dir(&self) -> &Path {
         &self.dir
     }
 
     /// Runs `code` and waits for its shell (not for what it left in the background).
-    pub fn run(&mut self, what: &str, code: &str) -> Ran {
+    pub(crate) fn run(&mut self, what: &str, code: &str) -> Ran {
         let mut r = self.start(what, code);
         let status = r.child.wait().unwrap();
         self.carried = std::fs::read_to_string(&r.vars).unwrap_or_default();
@@ -96,7 +96,7 @@ impl Session {
     }
 
     /// Starts `code` without waiting (a block whose last command runs until stopped).
-    pub fn start(&mut self, what: &str, code: &str) -> Running {
+    pub(crate) fn start(&mut self, what: &str, code: &str) -> Running {
         self.names.extend(assigned(code));
         self.runs += 1;
         let base = self.dir.join(format!(".block-{:02}", self.runs));
@@ -131,7 +131,7 @@ impl Session {
     }
 
     /// The last lines of every block's output (background jobs' included), for a failure.
-    pub fn logs(&self) -> String {
+    pub(crate) fn logs(&self) -> String {
         let mut out = String::new();
         for i in 1..=self.runs {
             for ext in ["out", "err"] {
@@ -147,7 +147,7 @@ impl Session {
 
     /// Stops whatever the blocks left running: SIGTERM to each block's process group, then,
     /// after `grace`, SIGKILL to what is left. Returns the groups that needed SIGKILL.
-    pub fn stop_all(&mut self, grace: Duration) -> Vec<i32> {
+    pub(crate) fn stop_all(&mut self, grace: Duration) -> Vec<i32> {
         let live: Vec<i32> = self.groups.iter().copied().filter(|g| alive(*g)).collect();
         for g in &live {
             let _ = killpg(Pid::from_raw(*g), Signal::SIGTERM);
@@ -172,7 +172,7 @@ impl Drop for Session {
 }
 
 /// A block started and not waited for.
-pub struct Running {
+pub(crate) struct Running {
     pub child: Child,
     pub stdout: PathBuf,
     pub stderr: PathBuf,
@@ -214,7 +214,7 @@ fn assigned(code: &str) -> BTreeSet<String> {
 }
 
 /// `s` in single quotes for bash.
-pub fn quote(s: &str) -> String {
+pub(crate) fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
 

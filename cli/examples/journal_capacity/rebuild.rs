@@ -11,7 +11,7 @@ use amqp_delay_cli::pending_index::{Destination, Filter, Options, PendingIndex, 
 
 /// Rebuilds `file` (removed first) from `settings`' journal and reports time, peak memory,
 /// the file's size and query times (`queue` is the destination the pages list).
-pub async fn run(settings: &Settings, file: &Path, queue: &str) {
+pub(crate) async fn run(settings: &Settings, file: &Path, queue: &str) {
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
     }

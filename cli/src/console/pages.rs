@@ -19,7 +19,7 @@ use crate::pending_index::{
 };
 
 /// Body bytes a message page shows at most.
-pub const BODY_MAX: usize = 64 * 1024;
+pub(super) const BODY_MAX: usize = 64 * 1024;
 
 fn bad_request(app: &App, login: &Login, why: &str) -> Response {
     notice(
@@ -85,19 +85,19 @@ fn query_of(d: &Destination, parked: bool) -> Search {
 }
 
 /// `GET /healthz`: the process answers (no login).
-pub async fn healthz() -> &'static str {
+pub(super) async fn healthz() -> &'static str {
     "ok\n"
 }
 
 /// Anything else.
-pub async fn not_found() -> (StatusCode, &'static str) {
+pub(super) async fn not_found() -> (StatusCode, &'static str) {
     (StatusCode::NOT_FOUND, "no such page\n")
 }
 
 /// Where the destinations page starts: after the destination of this name.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
-pub struct IndexQuery {
+pub(super) struct IndexQuery {
     from: String,
 }
 
@@ -138,7 +138,7 @@ fn summary_row(d: &DestinationSummary, now: u64) -> SummaryRow {
 }
 
 /// `GET /`: every destination the user sees, [`MAX_PAGE`] a page, with its summary.
-pub async fn index(
+pub(super) async fn index(
     State(app): State<Arc<App>>,
     Extension(login): Extension<Login>,
     Query(iq): Query<IndexQuery>,
@@ -256,7 +256,7 @@ fn chips(q: &Search) -> Vec<String> {
 }
 
 /// `GET /messages`: a search by id, or one page of a filtered list.
-pub async fn messages(
+pub(super) async fn messages(
     State(app): State<Arc<App>>,
     Extension(login): Extension<Login>,
     Query(q): Query<Search>,
@@ -268,7 +268,7 @@ pub async fn messages(
 }
 
 /// `GET /message?id=..&owner=..`: one message (of that owner when given).
-pub async fn message(
+pub(super) async fn message(
     State(app): State<Arc<App>>,
     Extension(login): Extension<Login>,
     Query(q): Query<MessageQuery>,
@@ -284,7 +284,7 @@ pub async fn message(
 /// Which message a message page shows.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
-pub struct MessageQuery {
+pub(super) struct MessageQuery {
     id: String,
     owner: String,
 }
@@ -454,7 +454,7 @@ async fn by_id(app: &App, login: &Login, q: &Search, owner: Option<&str>) -> Res
 
 /// `GET /purge?filters`: how many pending messages the filters cover, and the button that
 /// purges them. A purge names a destination, as `pending purge --queue` does.
-pub async fn purge_confirm(
+pub(super) async fn purge_confirm(
     State(app): State<Arc<App>>,
     Extension(login): Extension<Login>,
     Query(q): Query<Search>,

@@ -70,7 +70,7 @@ fn message_page(id: &str, owner: &str) -> String {
 /// The form of a message's action.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
-pub struct MessageForm {
+pub(super) struct MessageForm {
     csrf: String,
     id: String,
     owner: String,
@@ -79,7 +79,7 @@ pub struct MessageForm {
 }
 
 /// `POST /message/cancel`: a tombstone of the message, as `delay-publisher cancel` writes it.
-pub async fn cancel(
+pub(super) async fn cancel(
     State(app): State<Arc<App>>,
     Extension(login): Extension<Login>,
     headers: HeaderMap,
@@ -115,7 +115,7 @@ pub async fn cancel(
 }
 
 /// `POST /message/reschedule`: moves the message (`pending reschedule`).
-pub async fn reschedule(
+pub(super) async fn reschedule(
     State(app): State<Arc<App>>,
     Extension(login): Extension<Login>,
     headers: HeaderMap,
@@ -177,7 +177,7 @@ pub async fn reschedule(
 /// The purge form: the filters of its confirmation page and the count it showed.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
-pub struct PurgeForm {
+pub(super) struct PurgeForm {
     csrf: String,
     expected: String,
     #[serde(flatten)]
@@ -185,7 +185,7 @@ pub struct PurgeForm {
 }
 
 /// `POST /purge`: one purge record for the filtered set (`pending purge`).
-pub async fn purge(
+pub(super) async fn purge(
     State(app): State<Arc<App>>,
     Extension(login): Extension<Login>,
     headers: HeaderMap,
@@ -220,7 +220,7 @@ pub async fn purge(
 /// The form of a parked message's action.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
-pub struct ParkedForm {
+pub(super) struct ParkedForm {
     csrf: String,
     id: String,
     queue: String,
@@ -228,7 +228,7 @@ pub struct ParkedForm {
 }
 
 /// `POST /parked/retry`: sends the parked message back through the tiers (`parked retry`).
-pub async fn parked_retry(
+pub(super) async fn parked_retry(
     State(app): State<Arc<App>>,
     Extension(login): Extension<Login>,
     headers: HeaderMap,
@@ -238,7 +238,7 @@ pub async fn parked_retry(
 }
 
 /// `POST /parked/drop`: deletes the parked message (`parked drop`).
-pub async fn parked_drop(
+pub(super) async fn parked_drop(
     State(app): State<Arc<App>>,
     Extension(login): Extension<Login>,
     headers: HeaderMap,

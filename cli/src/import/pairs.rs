@@ -13,7 +13,7 @@ use amqp_delay::{Result, error_chain as chain};
 use lapin::Connection;
 
 /// The pairs known and the answers given so far.
-pub struct Pairs {
+pub(super) struct Pairs {
     settings: Settings,
     layout: Layout,
     /// Pairs by target: configured, then registered (ended ones left out).
@@ -26,7 +26,7 @@ pub struct Pairs {
 
 impl Pairs {
     /// Reads the registered pairs from the control stream.
-    pub async fn load(
+    pub(super) async fn load(
         conn: &Connection,
         settings: &Settings,
         declare: bool,
@@ -59,7 +59,7 @@ impl Pairs {
     }
 
     /// The pair of `exchange`, or why its messages cannot move.
-    pub async fn pair_for(
+    pub(super) async fn pair_for(
         &mut self,
         conn: &Connection,
         exchange: &str,

@@ -8,12 +8,12 @@ use std::time::Duration;
 use tokio::process::Child;
 
 /// A JSONL request line.
-pub fn line(queue: &str, id: &str, delay_ms: u64) -> String {
+pub(crate) fn line(queue: &str, id: &str, delay_ms: u64) -> String {
     format!(r#"{{"queue":"{queue}","delay_ms":{delay_ms},"body":"{id}","id":"{id}"}}"#)
 }
 
 /// Ids in a JSONL file (empty when it does not exist).
-pub fn ids_in(path: &Path) -> HashSet<String> {
+pub(crate) fn ids_in(path: &Path) -> HashSet<String> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
@@ -23,7 +23,7 @@ pub fn ids_in(path: &Path) -> HashSet<String> {
 }
 
 /// What a bulk send (`Fault::bulk_send`) ended with.
-pub struct BulkOutcome {
+pub(crate) struct BulkOutcome {
     pub code: Option<i32>,
     pub stdout: String,
     pub stderr: String,
@@ -43,7 +43,7 @@ pub(super) fn stderr_file(unsent: &Path) -> PathBuf {
 
 /// Waits (up to 120 s) for a bulk send whose stdin was closed, and reads its summary line and
 /// re-send files.
-pub async fn finish_bulk_send(send: Child, unsent: &Path, maybe: &Path) -> BulkOutcome {
+pub(crate) async fn finish_bulk_send(send: Child, unsent: &Path, maybe: &Path) -> BulkOutcome {
     let out = tokio::time::timeout(Duration::from_secs(120), send.wait_with_output())
         .await
         .expect("the bulk send did not finish in 120 s")
@@ -66,7 +66,7 @@ pub async fn finish_bulk_send(send: Child, unsent: &Path, maybe: &Path) -> BulkO
 }
 
 /// The counts of a bulk send's summary line: (confirmed, invalid, not sent, maybe sent).
-pub fn summary(stdout: &str) -> (u64, u64, u64, u64) {
+pub(crate) fn summary(stdout: &str) -> (u64, u64, u64, u64) {
     let l = stdout
         .lines()
         .find(|l| l.contains(" confirmed, "))
@@ -83,7 +83,7 @@ pub fn summary(stdout: &str) -> (u64, u64, u64, u64) {
 
 /// The reasons a bulk send gave for its failed lines ("line N: " and the prefix taken out),
 /// with how often each was given, most frequent first.
-pub fn reasons(stderr: &str) -> Vec<(usize, String)> {
+pub(crate) fn reasons(stderr: &str) -> Vec<(usize, String)> {
     let mut m: HashMap<String, usize> = HashMap::new();
     for l in stderr.lines().filter(|l| l.starts_with("line ")) {
         let reason = l.split_once(": ").map_or(l, |(_, r)| r);

@@ -12,12 +12,12 @@ use super::{DLX_CONFIRM_TIMEOUT_MS, NODES};
 /// Why the cluster did not come up: later tests fail at once with it.
 static UP_FAILED: OnceLock<String> = OnceLock::new();
 
-pub fn repo() -> PathBuf {
+pub(crate) fn repo() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
 }
 
 /// Runs `scripts/cluster.sh ARGS` (blocking); Ok(stdout) or Err(the whole output).
-pub fn cluster_sh(args: &[&str]) -> Result<String, String> {
+pub(crate) fn cluster_sh(args: &[&str]) -> Result<String, String> {
     let out = std::process::Command::new("bash")
         .arg(repo().join("scripts/cluster.sh"))
         .args(args)
@@ -39,7 +39,7 @@ pub fn cluster_sh(args: &[&str]) -> Result<String, String> {
 }
 
 /// `cluster.sh ARGS` on a blocking thread; panics with its output when it fails.
-pub async fn cluster(args: &[&str]) -> String {
+pub(crate) async fn cluster(args: &[&str]) -> String {
     let owned: Vec<String> = args.iter().map(|s| s.to_string()).collect();
     tokio::task::spawn_blocking(move || {
         let refs: Vec<&str> = owned.iter().map(String::as_str).collect();
@@ -52,7 +52,7 @@ pub async fn cluster(args: &[&str]) -> String {
 
 /// The queues under `prefix` that hold anything, as node `via` lists them (name, type, leader,
 /// online members, ready, unacknowledged, consumers): where missing messages wait.
-pub async fn queue_dump(prefix: &str, via: usize) -> String {
+pub(crate) async fn queue_dump(prefix: &str, via: usize) -> String {
     let via = via.to_string();
     let out = tokio::task::spawn_blocking(move || {
         cluster_sh(&[
@@ -85,7 +85,7 @@ pub async fn queue_dump(prefix: &str, via: usize) -> String {
 }
 
 /// Every thread's backtrace of process `pid` (gdb), to see where a stalled worker waits.
-pub async fn stacks(pid: u32) -> String {
+pub(crate) async fn stacks(pid: u32) -> String {
     let out = tokio::process::Command::new("timeout")
         .args([
             "30",
@@ -115,7 +115,7 @@ pub async fn stacks(pid: u32) -> String {
 /// From then on a queue led from that node keeps what it dead-letters (TTL expiry) in its
 /// dead-letter buffer: nothing moves on to the next tier, and a new queue whose leader lands
 /// there fails to start (`INTERNAL_ERROR` on declare). docs/OPERATIONS.md has the remedy.
-pub async fn nodes_without_dlx_supervisor() -> Vec<usize> {
+pub(crate) async fn nodes_without_dlx_supervisor() -> Vec<usize> {
     tokio::task::spawn_blocking(|| {
         (1..=NODES)
             .filter(|i| {
@@ -137,7 +137,7 @@ pub async fn nodes_without_dlx_supervisor() -> Vec<usize> {
 /// above ready + unacknowledged), with the node leading each, asked of any node that answers.
 /// Called once they should have moved (two dead-letter confirm timeouts after the fault), these
 /// are tiers whose dead-letter worker does not run or waits for confirms that never come.
-pub async fn waiting_dead_letters(prefix: &str) -> Vec<(String, usize)> {
+pub(crate) async fn waiting_dead_letters(prefix: &str) -> Vec<(String, usize)> {
     let prefix = format!("{prefix}.");
     tokio::task::spawn_blocking(move || {
         for via in 1..=NODES {
@@ -176,7 +176,7 @@ pub async fn waiting_dead_letters(prefix: &str) -> Vec<(String, usize)> {
 
 /// Nodes leading a queue under `prefix` that holds dead-lettered messages not yet moved on
 /// ([`waiting_dead_letters`]).
-pub async fn leaders_of_waiting_dead_letters(prefix: &str) -> Vec<usize> {
+pub(crate) async fn leaders_of_waiting_dead_letters(prefix: &str) -> Vec<usize> {
     let mut nodes: Vec<usize> = waiting_dead_letters(prefix)
         .await
         .into_iter()
@@ -229,7 +229,7 @@ end."#
 /// kills on one node are 6 s apart (a second one within 5 s would take the supervisor down:
 /// [`nodes_without_dlx_supervisor`]). Up to 3 rounds, two confirm timeouts apart. Returns the
 /// tiers whose worker was killed, with their leader.
-pub async fn restart_stuck_dlx_workers(who: &str, prefix: &str) -> Vec<(String, usize)> {
+pub(crate) async fn restart_stuck_dlx_workers(who: &str, prefix: &str) -> Vec<(String, usize)> {
     let mut killed = Vec::new();
     for round in 0..3 {
         if round > 0 {
@@ -272,7 +272,7 @@ pub async fn restart_stuck_dlx_workers(who: &str, prefix: &str) -> Vec<(String, 
 /// what waited, and the node comes back with a new supervisor. Up to 3 rounds, two
 /// confirm timeouts apart, while the restarts' own elections leave something behind.
 /// Returns the nodes restarted.
-pub async fn unstick_dead_letters(who: &str, prefix: Option<&str>) -> Vec<usize> {
+pub(crate) async fn unstick_dead_letters(who: &str, prefix: Option<&str>) -> Vec<usize> {
     let mut restarted = Vec::new();
     for round in 0..3 {
         if round > 0 {
@@ -359,17 +359,17 @@ pub(super) fn cluster_up() -> Result<(), String> {
 
 /// The node names' prefix: `CLUSTER_NODE_PREFIX`, as for `scripts/cluster.sh` (adfault; the
 /// 4.x cluster of `scripts/rabbitmq4.sh cluster` is ad4c).
-pub fn node_prefix() -> String {
+pub(crate) fn node_prefix() -> String {
     std::env::var("CLUSTER_NODE_PREFIX").unwrap_or_else(|_| "adfault".into())
 }
 
 /// Node `i`'s name up to the host: `adfault{i}@`.
-pub fn node_name(i: usize) -> String {
+pub(crate) fn node_name(i: usize) -> String {
     format!("{}{i}@", node_prefix())
 }
 
 /// Node `i`'s AMQP port: `CLUSTER_AMQP_PORT_BASE` (5700, as for `scripts/cluster.sh`) + i.
-pub fn port(i: usize) -> u16 {
+pub(crate) fn port(i: usize) -> u16 {
     let base = std::env::var("CLUSTER_AMQP_PORT_BASE")
         .ok()
         .and_then(|b| b.parse::<u16>().ok())
@@ -382,7 +382,7 @@ pub fn port(i: usize) -> u16 {
 /// `scripts/cluster.sh` (15700 + i by default; `scripts/rabbitmq4.sh env` sets 15750). Every
 /// node runs the management plugin, as in production: `stats` and `teardown` see what the
 /// broker's dead-letter worker holds only through it.
-pub fn mgmt_port_base() -> u16 {
+pub(crate) fn mgmt_port_base() -> u16 {
     std::env::var("CLUSTER_MGMT_PORT_BASE")
         .ok()
         .and_then(|p| p.parse().ok())
@@ -390,11 +390,11 @@ pub fn mgmt_port_base() -> u16 {
 }
 
 /// The management API of node 1, as `delay-publisher` takes it (`AMQP_DELAY_MANAGEMENT_URL`).
-pub fn management_url() -> String {
+pub(crate) fn management_url() -> String {
     format!("http://guest:guest@127.0.0.1:{}/", mgmt_port_base() + 1)
 }
 
-pub fn urls() -> String {
+pub(crate) fn urls() -> String {
     (1..=NODES)
         .map(|i| format!("amqp://guest:guest@127.0.0.1:{}/%2f", port(i)))
         .collect::<Vec<_>>()
@@ -402,12 +402,12 @@ pub fn urls() -> String {
 }
 
 /// Node index of an AMQP port of the cluster.
-pub fn node_of_port(p: u16) -> Option<usize> {
+pub(crate) fn node_of_port(p: u16) -> Option<usize> {
     (1..=NODES).find(|&i| port(i) == p)
 }
 
 /// Nodes (1-based) the process `pid` has AMQP connections to, from `ss`.
-pub fn nodes_of(pid: u32) -> Vec<usize> {
+pub(crate) fn nodes_of(pid: u32) -> Vec<usize> {
     let out = std::process::Command::new("ss")
         .args(["-Htnp", "state", "established"])
         .output()
@@ -432,7 +432,7 @@ pub fn nodes_of(pid: u32) -> Vec<usize> {
 }
 
 /// Local ports of `pid`'s connections to node `node`.
-pub fn local_ports(pid: u32, node: usize) -> Vec<u16> {
+pub(crate) fn local_ports(pid: u32, node: usize) -> Vec<u16> {
     let out = std::process::Command::new("ss")
         .args(["-Htnp", "state", "established"])
         .output()
@@ -452,7 +452,7 @@ pub fn local_ports(pid: u32, node: usize) -> Vec<u16> {
 
 /// Leaders of the queues under `prefix`, per node (1-based), from `rabbitmqctl list_queues`
 /// asked of `via`.
-pub async fn leaders(prefix: &str, via: usize) -> HashMap<usize, usize> {
+pub(crate) async fn leaders(prefix: &str, via: usize) -> HashMap<usize, usize> {
     let out = cluster(&["ctl", &via.to_string(), "list_queues", "name", "leader"]).await;
     let mut m = HashMap::new();
     for line in out.lines() {
@@ -471,7 +471,7 @@ pub async fn leaders(prefix: &str, via: usize) -> HashMap<usize, usize> {
 }
 
 /// The cluster's RabbitMQ version (`rabbit_misc:version()` on node 1, e.g. "4.0.5").
-pub async fn broker_version() -> String {
+pub(crate) async fn broker_version() -> String {
     static VERSION: OnceLock<String> = OnceLock::new();
     if let Some(v) = VERSION.get() {
         return v.clone();

@@ -21,25 +21,25 @@ use rand::Rng;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-pub use bulk::*;
-pub use cluster::*;
-pub use tally::*;
-pub use worker::*;
+pub(crate) use bulk::*;
+pub(crate) use cluster::*;
+pub(crate) use tally::*;
+pub(crate) use worker::*;
 
 /// Tests in this binary: the last one to finish tears the cluster down (`scripts/test.sh`
 /// stops the cluster anyway).
-pub const TESTS: usize = 9;
+pub(crate) const TESTS: usize = 9;
 /// Nodes of the cluster.
-pub const NODES: usize = 3;
+pub(crate) const NODES: usize = 3;
 /// The broker's dead-letter confirm timeout the cluster runs with (OPERATIONS.md's setting).
-pub const DLX_CONFIRM_TIMEOUT_MS: u64 = 5000;
+pub(crate) const DLX_CONFIRM_TIMEOUT_MS: u64 = 5000;
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 static FINISHED: AtomicUsize = AtomicUsize::new(0);
 
 /// One scenario's world. Holding it serialises the tests; dropping it kills the processes it
 /// started, deletes what the test declared and, after the last test, stops the cluster.
-pub struct Fault {
+pub(crate) struct Fault {
     pub name: &'static str,
     pub prefix: String,
     pub config: PathBuf,
@@ -50,7 +50,7 @@ pub struct Fault {
 }
 
 /// The topology the scenarios use: 1 ms units, radix 4, no fixed levels, delays up to `max_ms`.
-pub fn topology_toml(prefix: &str, max_ms: u64) -> String {
+pub(crate) fn topology_toml(prefix: &str, max_ms: u64) -> String {
     format!(
         "prefix = \"{prefix}\"\n[topology]\nradix = 4\nunit = 1\nmax_delay = {max_ms}\nfixed_levels = []\n[precision]\nlateness = 0\nlateness_ratio = 0.0\n"
     )
@@ -59,7 +59,7 @@ pub fn topology_toml(prefix: &str, max_ms: u64) -> String {
 impl Fault {
     /// Waits for the other tests, makes sure all nodes are up, picks a prefix and writes a
     /// config with delays up to `max_ms`.
-    pub async fn begin(name: &'static str, max_ms: u64) -> Fault {
+    pub(crate) async fn begin(name: &'static str, max_ms: u64) -> Fault {
         let serial = SERIAL.lock().await;
         let started = Instant::now();
         if let Err(e) = tokio::task::spawn_blocking(cluster_up).await.unwrap() {
@@ -96,28 +96,28 @@ impl Fault {
 
     /// Exact routes for this scenario's publishers (`publisher.grain = 0`): every message its
     /// own broker message, through every level its delay needs.
-    pub fn exact_routes(&self) {
+    pub(crate) fn exact_routes(&self) {
         let mut text = std::fs::read_to_string(&self.config).unwrap();
         text.push_str("[publisher]\ngrain = \"0s\"\n");
         std::fs::write(&self.config, text).unwrap();
     }
 
     /// A temp file of this test (deleted at the end).
-    pub fn file(&mut self, name: &str) -> PathBuf {
+    pub(crate) fn file(&mut self, name: &str) -> PathBuf {
         let p = std::env::temp_dir().join(format!("{}-{name}", self.prefix));
         self.files.push(p.clone());
         p
     }
 
     /// A destination name `<prefix>-<name>`, removed at the end (with its parking queue).
-    pub fn destination(&mut self, name: &str) -> String {
+    pub(crate) fn destination(&mut self, name: &str) -> String {
         let q = format!("{}-{name}", self.prefix);
         self.destinations.push(q.clone());
         q
     }
 
     /// `bin --config CFG --url URLS ARGS...`, output piped.
-    pub fn command(&self, bin: &str, args: &[&str]) -> Command {
+    pub(crate) fn command(&self, bin: &str, args: &[&str]) -> Command {
         let mut c = Command::new(bin);
         c.arg("--config")
             .arg(&self.config)
@@ -144,7 +144,7 @@ impl Fault {
     /// `unsent` and `maybe`, once it has connected to a node: the child and its pid. The files
     /// of an earlier attempt that sent nothing are removed first (a send never writes through a
     /// file it did not create).
-    pub async fn bulk_send(&self, unsent: &Path, maybe: &Path) -> (Child, u32) {
+    pub(crate) async fn bulk_send(&self, unsent: &Path, maybe: &Path) -> (Child, u32) {
         for f in [unsent, maybe] {
             let _ = std::fs::remove_file(f);
         }
@@ -179,7 +179,7 @@ impl Fault {
 
     /// Writes `lines` (JSONL, one per message) to the file `name` and sends it with
     /// `delay-publisher send --jsonl`, asserting that all `n` were confirmed.
-    pub async fn send_confirmed(&mut self, name: &str, lines: String, n: usize) {
+    pub(crate) async fn send_confirmed(&mut self, name: &str, lines: String, n: usize) {
         let file = self.file(name);
         std::fs::write(&file, lines).unwrap();
         let out = self
@@ -196,7 +196,7 @@ impl Fault {
     }
 
     /// Runs `delay-publisher ARGS` to the end (at most 90 s).
-    pub async fn publisher(&self, args: &[&str]) -> Output {
+    pub(crate) async fn publisher(&self, args: &[&str]) -> Output {
         let t = Instant::now();
         let child = self
             .command(env!("CARGO_BIN_EXE_delay-publisher"), args)
@@ -215,7 +215,7 @@ impl Fault {
     }
 
     /// Like [`Fault::publisher`], and asserts that it exited 0.
-    pub async fn publisher_ok(&self, args: &[&str]) -> Output {
+    pub(crate) async fn publisher_ok(&self, args: &[&str]) -> Output {
         let out = self.publisher(args).await;
         assert_eq!(
             out.code,
@@ -228,7 +228,7 @@ impl Fault {
     }
 
     /// `declare --queue Q --worker` for each destination.
-    pub async fn declare(&self, queues: &[&str]) -> Output {
+    pub(crate) async fn declare(&self, queues: &[&str]) -> Output {
         let mut args = vec!["declare"];
         for q in queues {
             args.extend(["--queue", q]);
@@ -240,7 +240,7 @@ impl Fault {
     }
 
     /// Starts `delay-consumer --queue Q --log` and waits until it consumes.
-    pub async fn worker(&self, queue: &str) -> Worker {
+    pub(crate) async fn worker(&self, queue: &str) -> Worker {
         let mut child = self
             .command(
                 env!("CARGO_BIN_EXE_delay-consumer"),
@@ -357,7 +357,7 @@ impl Drop for Fault {
 
 /// A finished CLI run.
 #[derive(Debug)]
-pub struct Output {
+pub(crate) struct Output {
     pub code: Option<i32>,
     pub stdout: String,
     pub stderr: String,
@@ -365,7 +365,7 @@ pub struct Output {
 }
 
 /// Polls `cond` every 50 ms until it holds or `timeout` passes; returns whether it held.
-pub async fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+pub(crate) async fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + timeout;
     while Instant::now() < end {
         if cond() {

@@ -6,7 +6,7 @@ use super::Delivered;
 
 /// What a scenario saw: of `scheduled` (confirmed) ids, which were delivered, how often, how late.
 #[derive(Debug, Default)]
-pub struct Tally {
+pub(crate) struct Tally {
     pub scheduled: usize,
     pub delivered: usize,
     pub lost: Vec<String>,
@@ -17,7 +17,7 @@ pub struct Tally {
 
 impl Tally {
     /// `deliveries` measured against `scheduled`; deliveries of other ids are ignored.
-    pub fn of(scheduled: &HashSet<String>, deliveries: &[Delivered]) -> Tally {
+    pub(crate) fn of(scheduled: &HashSet<String>, deliveries: &[Delivered]) -> Tally {
         let mut seen: HashMap<&str, usize> = HashMap::new();
         let mut t = Tally {
             scheduled: scheduled.len(),
@@ -48,7 +48,7 @@ impl Tally {
 
     /// The scenario's one line, on stderr past the test harness's capture (so it is shown for
     /// passing tests too).
-    pub fn print(&self, scenario: &str) {
+    pub(crate) fn print(&self, scenario: &str) {
         use std::io::Write as _;
         let _ = writeln!(
             std::io::stderr(),
@@ -63,7 +63,7 @@ impl Tally {
     }
 
     /// Nothing lost, nothing early.
-    pub fn assert_sound(&self, scenario: &str) {
+    pub(crate) fn assert_sound(&self, scenario: &str) {
         assert!(
             self.lost.is_empty(),
             "{scenario}: {} of {} confirmed messages never arrived, e.g. {:?}",

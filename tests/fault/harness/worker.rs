@@ -11,18 +11,18 @@ use super::wait_until;
 /// What the worker's stall watchdog may add to lateness (it renews a subscription that brought
 /// nothing for 10 s while its queue had ready messages, checking every 5 s; see the worker's
 /// `STALL_AFTER`): allowed past a bound when the worker's log says it renewed one.
-pub const STALL_ALLOWANCE_MS: u64 = 15_000;
+pub(crate) const STALL_ALLOWANCE_MS: u64 = 15_000;
 
 /// One line of the worker's `--log`.
 #[derive(Debug, Clone)]
-pub struct Delivered {
+pub(crate) struct Delivered {
     pub id: String,
     pub due_at: u64,
     pub fired_at: u64,
 }
 
 /// A running `delay-consumer --log`.
-pub struct Worker {
+pub(crate) struct Worker {
     pub deliveries: Arc<Mutex<Vec<Delivered>>>,
     pub(super) log: Arc<Mutex<String>>,
     pub pid: u32,
@@ -30,27 +30,27 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         self.log.lock().unwrap().clone()
     }
 
     /// Whether it renewed a subscription that had stalled (see [`STALL_ALLOWANCE_MS`]).
-    pub fn renewed_a_stalled_subscription(&self) -> bool {
+    pub(crate) fn renewed_a_stalled_subscription(&self) -> bool {
         self.log().contains("none has reached this idle worker")
     }
 
-    pub fn delivered(&self) -> Vec<Delivered> {
+    pub(crate) fn delivered(&self) -> Vec<Delivered> {
         self.deliveries.lock().unwrap().clone()
     }
 
     /// Still running?
-    pub fn running(&mut self) -> bool {
+    pub(crate) fn running(&mut self) -> bool {
         matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
     }
 
     /// Waits until every id of `ids` was delivered (or `timeout`), then `linger` more for
     /// duplicates; returns whether all came.
-    pub async fn wait_for(
+    pub(crate) async fn wait_for(
         &self,
         ids: &HashSet<String>,
         timeout: Duration,
@@ -72,7 +72,7 @@ impl Worker {
     }
 
     /// SIGTERM, then waits for it to exit (it acks what it ran).
-    pub async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(self.pid as i32),

@@ -11,15 +11,15 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// The AMQP 0-9-1 protocol header.
-pub const PROTOCOL_HEADER: &[u8] = b"AMQP\x00\x00\x09\x01";
+pub(super) const PROTOCOL_HEADER: &[u8] = b"AMQP\x00\x00\x09\x01";
 
 /// A method frame's bytes.
-pub fn method(channel: u16, m: AMQPClass) -> Vec<u8> {
+pub(super) fn method(channel: u16, m: AMQPClass) -> Vec<u8> {
     frames::encode_method(channel, m).expect("encoding a test frame")
 }
 
 /// A `connection.tune-ok` asking for `frame_max` (and RabbitMQ's default `channel_max`).
-pub fn tune_ok(frame_max: u32) -> Vec<u8> {
+pub(super) fn tune_ok(frame_max: u32) -> Vec<u8> {
     method(
         0,
         AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
@@ -31,7 +31,13 @@ pub fn tune_ok(frame_max: u32) -> Vec<u8> {
 }
 
 /// `exchange.declare` of `x` of type `kind` (`passive` or not, durable), with `args`.
-pub fn declare(channel: u16, x: &str, kind: &str, passive: bool, args: FieldTable) -> Vec<u8> {
+pub(super) fn declare(
+    channel: u16,
+    x: &str,
+    kind: &str,
+    passive: bool,
+    args: FieldTable,
+) -> Vec<u8> {
     method(
         channel,
         AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
@@ -46,7 +52,7 @@ pub fn declare(channel: u16, x: &str, kind: &str, passive: bool, args: FieldTabl
 }
 
 /// An `x-delayed-message` declare of `x` whose real type is `kind`.
-pub fn delayed_declare(channel: u16, x: &str, kind: &str) -> Vec<u8> {
+pub(super) fn delayed_declare(channel: u16, x: &str, kind: &str) -> Vec<u8> {
     let mut args = FieldTable::default();
     args.insert(
         "x-delayed-type".into(),
@@ -56,7 +62,7 @@ pub fn delayed_declare(channel: u16, x: &str, kind: &str) -> Vec<u8> {
 }
 
 /// `exchange.delete` of `x`.
-pub fn delete(channel: u16, x: &str) -> Vec<u8> {
+pub(super) fn delete(channel: u16, x: &str) -> Vec<u8> {
     method(
         channel,
         AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
@@ -68,7 +74,7 @@ pub fn delete(channel: u16, x: &str) -> Vec<u8> {
 }
 
 /// `basic.publish` to `x` (no content header follows in these tests).
-pub fn publish(channel: u16, x: &str) -> Vec<u8> {
+pub(super) fn publish(channel: u16, x: &str) -> Vec<u8> {
     method(
         channel,
         AMQPClass::Basic(amq_protocol::protocol::basic::AMQPMethod::Publish(
@@ -83,14 +89,14 @@ pub fn publish(channel: u16, x: &str) -> Vec<u8> {
 }
 
 /// A connection of hand-made frames.
-pub struct RawClient {
+pub(super) struct RawClient {
     s: TcpStream,
     buf: Vec<u8>,
 }
 
 impl RawClient {
     /// Connects to `port` on 127.0.0.1.
-    pub async fn connect(port: u16) -> RawClient {
+    pub(super) async fn connect(port: u16) -> RawClient {
         let s = TcpStream::connect(("127.0.0.1", port))
             .await
             .expect("connecting to delay-proxy");
@@ -99,7 +105,13 @@ impl RawClient {
 
     /// Logs in with PLAIN as `user`:`password` and opens `vhost` (the frames as a library
     /// sends them, the tune-ok asking for `frame_max`).
-    pub async fn login(port: u16, user: &str, password: &str, vhost: &str, frame_max: u32) -> Self {
+    pub(super) async fn login(
+        port: u16,
+        user: &str,
+        password: &str,
+        vhost: &str,
+        frame_max: u32,
+    ) -> Self {
         let mut c = RawClient::connect(port).await;
         c.send(PROTOCOL_HEADER).await.expect("sending the header");
         c.expect_method("connection.start", |m| {
@@ -138,7 +150,7 @@ impl RawClient {
     }
 
     /// Opens `channel`.
-    pub async fn open_channel(&mut self, channel: u16) {
+    pub(super) async fn open_channel(&mut self, channel: u16) {
         let open = method(
             channel,
             AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
@@ -151,13 +163,13 @@ impl RawClient {
     }
 
     /// Writes `bytes` in one write.
-    pub async fn send(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+    pub(super) async fn send(&mut self, bytes: &[u8]) -> std::io::Result<()> {
         self.s.write_all(bytes).await
     }
 
     /// The next method the proxy sends (other frames are skipped), with its channel; `None`
     /// when the connection ends.
-    pub async fn next_method(&mut self) -> Option<(u16, AMQPClass)> {
+    pub(super) async fn next_method(&mut self) -> Option<(u16, AMQPClass)> {
         loop {
             match frames::split(&self.buf) {
                 Split::Frame(raw) => {
@@ -189,7 +201,11 @@ impl RawClient {
     }
 
     /// The next method, which must be `what` (`is` says whether it is).
-    pub async fn expect_method(&mut self, what: &str, is: impl Fn(&AMQPClass) -> bool) -> u16 {
+    pub(super) async fn expect_method(
+        &mut self,
+        what: &str,
+        is: impl Fn(&AMQPClass) -> bool,
+    ) -> u16 {
         match self.next_method().await {
             Some((channel, m)) if is(&m) => channel,
             other => panic!("expected {what}, got {other:?}"),
