@@ -11,10 +11,11 @@ use amqp_delay::Publisher;
 use amqp_delay::ops::connection::Connector;
 use amqp_delay::ops::parked;
 use amqp_delay::settings::Settings;
-use axum::extract::{Extension, Form, State};
+use axum::extract::{Form, FromRequest, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 
 use super::search::{self, Query as Search};
 use super::{App, Login, csrf, notice};
@@ -28,6 +29,42 @@ fn forbidden(why: &str) -> Response {
         format!("Refused: {why}.\nReload the console's page and submit its form again.\n"),
     )
         .into_response()
+}
+
+/// A form that carries the user's CSRF token.
+pub(super) trait Tokened {
+    /// The token the page put in the form.
+    fn token(&self) -> &str;
+}
+
+/// An action's form from the logged-in user, extracted only when it passed the checks every
+/// action passes first ([`guard`]); else the request is refused with why (403).
+pub(super) struct Checked<F> {
+    login: Login,
+    form: F,
+}
+
+impl<F> FromRequest<Arc<App>> for Checked<F>
+where
+    F: DeserializeOwned + Tokened + Send,
+{
+    type Rejection = Response;
+
+    async fn from_request(req: Request, app: &Arc<App>) -> Result<Self, Response> {
+        let login = req
+            .extensions()
+            .get::<Login>()
+            .cloned()
+            .ok_or_else(|| forbidden("not logged in"))?;
+        let headers = req.headers().clone();
+        let Form(form) = Form::<F>::from_request(req, app)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        if let Some(refused) = guard(app, &login, &headers, form.token()) {
+            return Err(refused);
+        }
+        Ok(Checked { login, form })
+    }
 }
 
 /// The checks every action passes first: the user's token and this console's origin.
@@ -78,16 +115,17 @@ pub(super) struct MessageForm {
     at: String,
 }
 
+impl Tokened for MessageForm {
+    fn token(&self) -> &str {
+        &self.csrf
+    }
+}
+
 /// `POST /message/cancel`: a tombstone of the message, as `delay-publisher cancel` writes it.
 pub(super) async fn cancel(
     State(app): State<Arc<App>>,
-    Extension(login): Extension<Login>,
-    headers: HeaderMap,
-    Form(f): Form<MessageForm>,
+    Checked { login, form: f }: Checked<MessageForm>,
 ) -> Response {
-    if let Some(refused) = guard(&app, &login, &headers, &f.csrf) {
-        return refused;
-    }
     let id = match search::message_id(&f.id) {
         Ok(id) => id.to_string(),
         Err(e) => return notice(&app, &login, StatusCode::BAD_REQUEST, "Not done", &e, None),
@@ -117,13 +155,8 @@ pub(super) async fn cancel(
 /// `POST /message/reschedule`: moves the message (`pending reschedule`).
 pub(super) async fn reschedule(
     State(app): State<Arc<App>>,
-    Extension(login): Extension<Login>,
-    headers: HeaderMap,
-    Form(f): Form<MessageForm>,
+    Checked { login, form: f }: Checked<MessageForm>,
 ) -> Response {
-    if let Some(refused) = guard(&app, &login, &headers, &f.csrf) {
-        return refused;
-    }
     let back = message_page(&f.id, &f.owner);
     let bad = |e: &str| {
         notice(
@@ -184,16 +217,17 @@ pub(super) struct PurgeForm {
     query: Search,
 }
 
+impl Tokened for PurgeForm {
+    fn token(&self) -> &str {
+        &self.csrf
+    }
+}
+
 /// `POST /purge`: one purge record for the filtered set (`pending purge`).
 pub(super) async fn purge(
     State(app): State<Arc<App>>,
-    Extension(login): Extension<Login>,
-    headers: HeaderMap,
-    Form(f): Form<PurgeForm>,
+    Checked { login, form: f }: Checked<PurgeForm>,
 ) -> Response {
-    if let Some(refused) = guard(&app, &login, &headers, &f.csrf) {
-        return refused;
-    }
     let back = format!("/messages?{}", f.query.first_page());
     let p = match f.query.purge_scope(amqp_delay::time::now_ms()) {
         Ok(p) => p,
@@ -227,36 +261,29 @@ pub(super) struct ParkedForm {
     delay: String,
 }
 
+impl Tokened for ParkedForm {
+    fn token(&self) -> &str {
+        &self.csrf
+    }
+}
+
 /// `POST /parked/retry`: sends the parked message back through the tiers (`parked retry`).
 pub(super) async fn parked_retry(
     State(app): State<Arc<App>>,
-    Extension(login): Extension<Login>,
-    headers: HeaderMap,
-    Form(f): Form<ParkedForm>,
+    Checked { login, form: f }: Checked<ParkedForm>,
 ) -> Response {
-    parked_action(app, login, headers, f, true).await
+    parked_action(app, login, f, true).await
 }
 
 /// `POST /parked/drop`: deletes the parked message (`parked drop`).
 pub(super) async fn parked_drop(
     State(app): State<Arc<App>>,
-    Extension(login): Extension<Login>,
-    headers: HeaderMap,
-    Form(f): Form<ParkedForm>,
+    Checked { login, form: f }: Checked<ParkedForm>,
 ) -> Response {
-    parked_action(app, login, headers, f, false).await
+    parked_action(app, login, f, false).await
 }
 
-async fn parked_action(
-    app: Arc<App>,
-    login: Login,
-    headers: HeaderMap,
-    f: ParkedForm,
-    retry: bool,
-) -> Response {
-    if let Some(refused) = guard(&app, &login, &headers, &f.csrf) {
-        return refused;
-    }
+async fn parked_action(app: Arc<App>, login: Login, f: ParkedForm, retry: bool) -> Response {
     let bad = |e: &str| notice(&app, &login, StatusCode::BAD_REQUEST, "Not done", e, None);
     let id = match search::message_id(&f.id) {
         Ok(id) => id.to_string(),
