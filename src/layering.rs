@@ -59,6 +59,7 @@ const TOOL_LAYERS: &[(&str, u8)] = &[
     ("pending", 2),
     ("pending_index", 2),
     ("proxy", 2),
+    ("tls", 2),
     ("recurring", 2),
     ("cli", 3),
 ];

@@ -20,3 +20,4 @@ pub mod pending_index;
 pub mod plugin_store;
 pub mod proxy;
 pub mod recurring;
+pub mod tls;

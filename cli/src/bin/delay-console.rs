@@ -41,7 +41,7 @@ async fn main() {
         Err(e) => cli::fail(&e, EXIT_USAGE),
     };
     let tls = match (&args.tls_cert, &args.tls_key) {
-        (Some(cert), Some(key)) => match amqp_delay_cli::proxy::tls::acceptor(cert, key) {
+        (Some(cert), Some(key)) => match amqp_delay_cli::tls::acceptor(cert, key) {
             Ok(a) => Some(a),
             Err(e) => cli::fail(&e, EXIT_USAGE),
         },

@@ -76,7 +76,7 @@ async fn main() {
         max_per_address: args.max_connections_per_address,
     };
     let tls = match (&args.tls_cert, &args.tls_key) {
-        (Some(cert), Some(key)) => match amqp_delay_cli::proxy::tls::acceptor(cert, key) {
+        (Some(cert), Some(key)) => match amqp_delay_cli::tls::acceptor(cert, key) {
             Ok(a) => Some(a),
             Err(e) => cli::fail(&e, EXIT_USAGE),
         },
@@ -91,7 +91,7 @@ async fn run(
     settings: amqp_delay::Settings,
     listen: &str,
     limits: Limits,
-    tls: Option<futures_rustls::TlsAcceptor>,
+    tls: Option<amqp_delay_cli::tls::TlsAcceptor>,
     gateway: bool,
 ) -> amqp_delay::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen)

@@ -70,7 +70,7 @@ pub struct Config {
     /// SQLite's page caches in all, in bytes (split over the console's connections).
     pub cache_bytes: u64,
     /// Serve HTTPS with this certificate and key.
-    pub tls: Option<futures_rustls::TlsAcceptor>,
+    pub tls: Option<crate::tls::TlsAcceptor>,
 }
 
 /// Everything a request handler needs.

@@ -1,5 +1,5 @@
 //! HTTPS: the console's listener when given `--tls-cert` and `--tls-key` (rustls with ring,
-//! loaded as `delay-proxy` loads its own: [`crate::proxy::tls::acceptor`]). With them the
+//! loaded as `delay-proxy` loads its own: [`crate::tls::acceptor`]). With them the
 //! console speaks TLS only; a plain HTTP client gets no page. Handshakes run in tasks of their
 //! own (at most [`MAX_HANDSHAKES`] at once, each within [`HANDSHAKE_TIMEOUT`]), so a slow or
 //! silent client never holds up the others.
@@ -8,11 +8,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_rustls::TlsAcceptor;
+use crate::tls::TlsAcceptor;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, mpsc};
 
-use crate::proxy::tls::{ClientTls, accept};
+use crate::tls::{ClientTls, accept};
 
 /// Handshakes under way at most; more connections wait in the kernel's backlog.
 pub const MAX_HANDSHAKES: usize = 64;

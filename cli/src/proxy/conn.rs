@@ -210,13 +210,13 @@ pub struct Upstreams {
     /// In the order of the settings' URLs.
     pub nodes: Arc<Vec<super::Upstream>>,
     /// Present when a node is `amqps://`.
-    pub tls: Option<futures_rustls::TlsConnector>,
+    pub tls: Option<crate::tls::TlsConnector>,
 }
 
 /// A connection to the broker.
 enum Broker {
     Plain(TcpStream),
-    Tls(Box<super::tls::BrokerTls>),
+    Tls(Box<crate::tls::BrokerTls>),
 }
 
 /// The first node that accepts a connection (and, for `amqps://`, completes a verified TLS
@@ -230,7 +230,7 @@ async fn connect_upstream(up: &Upstreams, limit: Duration) -> Result<Broker, Str
             match (&node.tls_host, &up.tls) {
                 (None, _) => Ok(Broker::Plain(tcp)),
                 (Some(host), Some(tls)) => Ok(Broker::Tls(Box::new(
-                    super::tls::connect(tls, tcp, host).await?,
+                    crate::tls::connect(tls, tcp, host).await?,
                 ))),
                 (Some(_), None) => Err(std::io::Error::other("no TLS configuration")),
             }

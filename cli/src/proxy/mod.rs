@@ -34,7 +34,6 @@ pub mod priority;
 pub mod registry;
 pub mod replies;
 pub mod rewrite;
-pub mod tls;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -101,8 +100,8 @@ fn upstream_of(url: &str) -> Result<Upstream> {
 /// A running proxy's parts: where it sends clients, what it knows of the pairs, its limits.
 pub struct Proxy {
     upstreams: Arc<Vec<Upstream>>,
-    tls: Option<futures_rustls::TlsAcceptor>,
-    upstream_tls: Option<futures_rustls::TlsConnector>,
+    tls: Option<crate::tls::TlsAcceptor>,
+    upstream_tls: Option<crate::tls::TlsConnector>,
     registry: Arc<Registry>,
     limits: Limits,
     open: Arc<Mutex<Open>>,
@@ -123,11 +122,11 @@ impl Proxy {
     pub async fn start(
         settings: Settings,
         limits: Limits,
-        tls: Option<futures_rustls::TlsAcceptor>,
+        tls: Option<crate::tls::TlsAcceptor>,
     ) -> Result<Proxy> {
         let upstreams = Arc::new(upstreams_of(&settings.url)?);
         let upstream_tls = if upstreams.iter().any(|u| u.tls_host.is_some()) {
-            Some(tls::connector(&settings.tls)?)
+            Some(crate::tls::connector(&settings.tls)?)
         } else {
             None
         };
@@ -372,7 +371,7 @@ impl Refusals {
 /// One client, after its TLS handshake when the proxy has a certificate.
 async fn one_client(
     client: tokio::net::TcpStream,
-    tls: Option<futures_rustls::TlsAcceptor>,
+    tls: Option<crate::tls::TlsAcceptor>,
     upstreams: &conn::Upstreams,
     registry: Arc<Registry>,
     limits: Limits,
@@ -381,7 +380,7 @@ async fn one_client(
     let Some(acceptor) = tls else {
         return conn::serve(client, upstreams, registry, limits, closing).await;
     };
-    match tokio::time::timeout(limits.handshake, tls::accept(&acceptor, client)).await {
+    match tokio::time::timeout(limits.handshake, crate::tls::accept(&acceptor, client)).await {
         Ok(Ok(s)) => conn::serve(s, upstreams, registry, limits, closing).await,
         Ok(Err(e)) => Err(format!("TLS handshake: {e}")),
         Err(_) => Err(format!(

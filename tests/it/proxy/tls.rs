@@ -206,10 +206,10 @@ async fn upstream_tls_body() {
     // a client's upstream connection verifies too: without the CA the handshake fails, with
     // it the certificate must name the host
     let addr = ("127.0.0.1", front.port);
-    let none = amqp_delay_cli::proxy::tls::connector(&TlsSettings::default()).unwrap();
+    let none = amqp_delay_cli::tls::connector(&TlsSettings::default()).unwrap();
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     assert!(
-        amqp_delay_cli::proxy::tls::connect(&none, tcp, "localhost")
+        amqp_delay_cli::tls::connect(&none, tcp, "localhost")
             .await
             .is_err()
     );
@@ -217,16 +217,16 @@ async fn upstream_tls_body() {
         ca_file: Some(ca.clone()),
         ..TlsSettings::default()
     };
-    let ours = amqp_delay_cli::proxy::tls::connector(&with_ca).unwrap();
+    let ours = amqp_delay_cli::tls::connector(&with_ca).unwrap();
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     assert!(
-        amqp_delay_cli::proxy::tls::connect(&ours, tcp, "other.example")
+        amqp_delay_cli::tls::connect(&ours, tcp, "other.example")
             .await
             .is_err()
     );
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     assert!(
-        amqp_delay_cli::proxy::tls::connect(&ours, tcp, "localhost")
+        amqp_delay_cli::tls::connect(&ours, tcp, "localhost")
             .await
             .is_ok()
     );

@@ -1,26 +1,29 @@
-//! TLS with rustls and the ring provider (as the library's own connections). Towards clients
-//! (`--tls-cert`, `--tls-key`): the proxy's certificate chain and key in PEM; with them, the
-//! listener speaks TLS only, a plain client is never served. Towards an `amqps://` broker: the
-//! system's CA certificates plus `tls.ca_file`, the client certificate of `tls.client_cert` and
-//! `tls.client_key`, verification always on.
+//! TLS for the tools, in one place: rustls with the ring provider (as the library's own
+//! connections), through tokio-rustls. Towards clients (`--tls-cert`, `--tls-key` of
+//! `delay-proxy` and `delay-console`): a certificate chain and key in PEM; with them, a listener
+//! speaks TLS only, a plain client is never served. Towards an `amqps://` broker (the proxy's
+//! upstream): the system's CA certificates plus `tls.ca_file`, the client certificate of
+//! `tls.client_cert` and `tls.client_key`, verification always on.
 
 use std::path::Path;
 use std::sync::Arc;
 
+use amqp_delay::Error;
 use amqp_delay::Result;
 use amqp_delay::settings::TlsSettings;
-use async_compat::Compat;
-use futures_rustls::server::TlsStream;
-use futures_rustls::{TlsAcceptor, TlsConnector};
 use rustls::pki_types::ServerName;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::net::TcpStream;
+pub use tokio_rustls::{TlsAcceptor, TlsConnector};
 
-use super::config;
+/// A settings error: what the TLS files or settings got wrong.
+fn config(why: impl Into<String>) -> Error {
+    Error::from(amqp_delay::settings::SettingsError::Invalid(why.into()))
+}
 
-/// A client's TLS stream, as tokio reads and writes it.
-pub type ClientTls = Compat<TlsStream<Compat<TcpStream>>>;
+/// A client's TLS stream.
+pub type ClientTls = tokio_rustls::server::TlsStream<TcpStream>;
 
 /// The acceptor of the chain in `cert` and the key in `key`.
 pub fn acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor> {
@@ -51,12 +54,11 @@ pub fn acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor> {
 
 /// The TLS handshake with a client.
 pub async fn accept(acceptor: &TlsAcceptor, tcp: TcpStream) -> std::io::Result<ClientTls> {
-    let s = acceptor.accept(Compat::new(tcp)).await?;
-    Ok(Compat::new(s))
+    acceptor.accept(tcp).await
 }
 
-/// A TLS stream to the broker, as tokio reads and writes it.
-pub type BrokerTls = Compat<futures_rustls::client::TlsStream<Compat<TcpStream>>>;
+/// A TLS stream to the broker.
+pub type BrokerTls = tokio_rustls::client::TlsStream<TcpStream>;
 
 /// The connector towards `amqps://` brokers, from the settings' `[tls]`.
 pub fn connector(tls: &TlsSettings) -> Result<TlsConnector> {
@@ -104,6 +106,5 @@ pub async fn connect(
 ) -> std::io::Result<BrokerTls> {
     let name = ServerName::try_from(host.to_string())
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    let s = connector.connect(name, Compat::new(tcp)).await?;
-    Ok(Compat::new(s))
+    connector.connect(name, tcp).await
 }
