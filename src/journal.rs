@@ -4,9 +4,10 @@
 //! kept as long as the control stream (the longest delay plus a week).
 //!
 //! **What is written, and when.** A publisher appends one [`Record::Scheduled`] per flush (the
-//! messages it is about to publish together: a batcher round, or concurrent single
-//! publishes), and waits for its confirm *before* it publishes them; after their publish it
-//! names the flush in the `confirmed` list of its next `Scheduled` record, or in a
+//! intents waiting when the first of them must be written: those of messages lingering in its
+//! batcher, queued as they came, and of messages about to be published), and waits for its
+//! confirm *before* it publishes them; once every message of a flush was published it names
+//! the flush in the `confirmed` list of its next `Scheduled` record, or in a
 //! [`Record::Confirmed`] of its own when none follows soon. So a message the broker confirmed
 //! was journaled before, and a journaled message whose confirm never came (the publisher died
 //! in between) is known as unconfirmed. Workers append [`Record::Ran`] records, batched, for

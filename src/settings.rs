@@ -276,7 +276,9 @@ pub struct PublisherSettings {
     /// `batch_linger` ago) one waits in the publisher up to a tenth of a grain (at most 1 s)
     /// for others of its window (the linger), never past its due time − the lead; a
     /// `schedule` call returns when its batch is confirmed. An occasional message waits
-    /// `batch_linger` only.
+    /// `batch_linger` only. With the journal on, one in such a flow waits at least a twentieth
+    /// of a grain (at most half the time until it is due), so that its intent shares a journal
+    /// record with others (`amqp_delay::journal`).
     pub grain: DurationMs,
     /// Largest body accepted (RabbitMQ 4.x's default `max_message_size` is 16 MiB; 3.x's
     /// 128 MiB); larger is refused before anything is published.

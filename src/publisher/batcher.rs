@@ -15,7 +15,8 @@ use crate::time::now_ms;
 /// The batcher: holds prepared messages — a whole chunk from `schedule_all` leaves at once,
 /// a single `schedule` call may wait up to `batch_linger` (never past its deadline), or the
 /// grain's linger while messages to its destination arrive steadily (never past its grain's
-/// slack) — and publishes them grouped per destination and firing window, one broker message
+/// slack, unless its journal intent waits to share a record: [`queue_intent`]) — and
+/// publishes them grouped per destination and firing window, one broker message
 /// per group, concurrently. Each group leaves when one of its members must: a group of messages that
 /// fall due later keeps collecting members while an earlier one leaves (flushing everything
 /// at the first deadline kept the gateway's batches at ~6 members).
@@ -37,10 +38,10 @@ pub(super) async fn run_batcher(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiv
         };
         match more {
             Some(first) => {
-                hold(&mut held, first, &mut linger);
+                hold(&inner, &mut held, first, &mut linger);
                 while held.len() < limit {
                     match rx.try_recv() {
-                        Ok(more) => hold(&mut held, more, &mut linger),
+                        Ok(more) => hold(&inner, &mut held, more, &mut linger),
                         Err(_) => break,
                     }
                 }
@@ -122,16 +123,18 @@ impl Linger {
 
 /// Takes `batch` into `held`: a chunk of several leaves at once, a single message after its
 /// linger, never past the latest it may leave (`leave_by_ms`).
-fn hold(held: &mut Vec<Held>, batch: Vec<Prepared>, linger: &mut Linger) {
+fn hold(inner: &Inner, held: &mut Vec<Held>, batch: Vec<Prepared>, linger: &mut Linger) {
     let now = Instant::now();
     let bulk = batch.len() > 1;
     let now_ms = now_ms();
-    held.extend(batch.into_iter().map(|p| {
+    held.extend(batch.into_iter().map(|mut p| {
         let wait = if bulk {
             Duration::ZERO
         } else {
             let slack = Duration::from_millis(p.leave_by_ms.saturating_sub(now_ms));
-            linger.for_one(&p.destination, now).min(slack)
+            let lingers = linger.for_one(&p.destination, now);
+            let steady = lingers > linger.short;
+            queue_intent(inner, &mut p, now, now_ms, lingers.min(slack), steady)
         };
         Held {
             leave_by: now + wait,
@@ -139,6 +142,41 @@ fn hold(held: &mut Vec<Held>, batch: Vec<Prepared>, linger: &mut Linger) {
             prepared: p,
         }
     }));
+}
+
+/// Queues the intent of a single message to a destination that holds early messages, to be
+/// written by the time it leaves (`wait` from `now`): messages that linger share intent
+/// records instead of writing one per batch. In a `steady` flow, one that would leave sooner
+/// waits a twentieth of a grain (50 ms at the default 1 s; never more than half the time left
+/// until it is due) so that its intent shares a record too. Returns how long it waits.
+fn queue_intent(
+    inner: &Inner,
+    p: &mut Prepared,
+    now: Instant,
+    now_ms: u64,
+    wait: Duration,
+    steady: bool,
+) -> Duration {
+    let (Some(j), true) = (&inner.journal, p.holds) else {
+        return wait;
+    };
+    let item = match p.journal.take() {
+        Some(super::journal::Pending::Item(item)) => item,
+        other => {
+            p.journal = other;
+            return wait;
+        }
+    };
+    let wait = match steady {
+        true => {
+            let shared = Duration::from_millis(inner.settings.grain.as_millis() / 20);
+            let until_due = Duration::from_millis(p.due_at_ms.saturating_sub(now_ms) / 2);
+            wait.max(shared.min(until_due))
+        }
+        false => wait,
+    };
+    p.journal = Some(j.queue(item, now + wait));
+    wait
 }
 
 /// Messages that travel as one broker message, with their firing window (`None`: alone, in

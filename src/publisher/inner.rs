@@ -52,61 +52,21 @@ impl Inner {
                 planner::plan_window(&self.layout, lo, l.saturating_sub(now).max(lo))
             }
         };
-        let route = match planned {
-            Err(e) => return self.settle(now, members, Err(Error::from(e))),
-            Ok(route) => route,
-        };
         // journaled before it is published: a message the broker confirmed is in the journal
-        let ticket = match self.journal_intent(&mut members).await {
-            Ok(t) => t,
-            Err(e) => return self.settle(now, members, Err(e)),
+        // (one that cannot be planned is journaled only when its intent was queued already:
+        // then it is named failed)
+        let flushes = match &self.journal {
+            Some(j) => j.intents(&mut members, planned.is_ok()).await,
+            None => Vec::new(),
         };
-        let result = self.publish_members(&mut members, route, earliest).await;
-        if let (Some(j), Some(t)) = (&self.journal, ticket) {
-            let ids = || members.iter().map(|m| m.message_id.clone()).collect();
-            match &result {
-                Ok(_) => j.ended(t, Vec::new(), Vec::new()),
-                // sent, but the confirm never came: it may be in the tiers
-                Err(Error::MaybeSent { .. } | Error::Timeout { .. }) => {
-                    j.ended(t, Vec::new(), ids())
-                }
-                Err(_) => j.ended(t, ids(), Vec::new()),
-            }
+        let result = match planned {
+            Err(e) => Err(Error::from(e)),
+            Ok(route) => self.publish_members(&mut members, route, earliest).await,
+        };
+        if let Some(j) = &self.journal {
+            j.settled(&flushes, &members, &result);
         }
         self.settle(now, members, result)
-    }
-
-    /// Journals what `members` carry for the journal (once: it is taken) before their publish.
-    async fn journal_intent(
-        &self,
-        members: &mut [Prepared],
-    ) -> Result<Option<super::journal::Ticket>> {
-        let Some(j) = &self.journal else {
-            return Ok(None);
-        };
-        let items: Vec<crate::journal::Item> = members
-            .iter_mut()
-            .filter_map(|m| m.journal.take())
-            .collect();
-        if items.is_empty() {
-            return Ok(None);
-        }
-        // availability over the journal: a journal that cannot be written (its stream lost or
-        // deleted) must not stop scheduling; what is published meanwhile is counted, and
-        // `pending` does not list it
-        Ok(j.intent(items).await.map(Some).unwrap_or_else(|e| {
-            // counted as skipped journal records; logged now and then, not per publish
-            let before = crate::metrics::global().skip("journal", "unjournaled");
-            if before < 10 || before.is_multiple_of(1_000) {
-                tracing::warn!(
-                    messages = members.len(),
-                    unjournaled = before + 1,
-                    "publishing without the journal, which `pending` lists from: {}",
-                    crate::error::chain(&e)
-                );
-            }
-            None
-        }))
     }
 
     /// Counts what `result` put into the tiers (in the ledger, by due time, while it is

@@ -1,23 +1,36 @@
-//! The publisher's side of the journal ([`crate::journal`]): one task appends what concurrent
-//! publishes are about to put into the tiers as one `Scheduled` record (a group commit: every
-//! publish that waits while one append is in flight goes into the next), names the flushes
-//! whose publish ended in the next record or in a `Confirmed` record of their own, and writes
-//! the workers' `Ran` records in batches. Nothing here waits for a reader of the journal.
+//! The publisher's side of the journal ([`crate::journal`]): one task appends what the
+//! publisher is about to put into the tiers as `Scheduled` records (a group commit), names the
+//! flushes whose publish ended in the next record or in a `Confirmed` record of their own, and
+//! writes the workers' `Ran` records in batches. Nothing here waits for a reader of the journal.
+//!
+//! **When an intent is written.** An intent comes with the instant its message must be
+//! published by: at once for a message that leaves as it comes (a chunk of `schedule_all`, a
+//! plain message), or the end of its wait in the batcher for a message that lingers there
+//! for others of its grain window. The task writes one record when the first of the waiting
+//! intents is due (or a departing batch asks for one it holds, or enough wait to fill
+//! records), and that record takes every intent waiting: messages that linger share records
+//! with one another and with those that cannot wait, so the records follow the departures'
+//! pace, not each batch's.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, oneshot};
 
-use super::Inner;
+use super::{Inner, Prepared};
 use crate::error::{Error, Result};
 use crate::journal::{self, Flush, Item, Record, Run};
 use crate::time::now_ms;
 
-/// How long ended flushes and runs wait for a record to ride along before one of their own.
-const LINGER: Duration = Duration::from_millis(250);
+/// How often the task looks for ended flushes and runs to write on their own.
+const TICK: Duration = Duration::from_millis(250);
+/// Ended flushes ride on the next intent record; a `Confirmed` record of their own is written
+/// only once no intent record came for this long.
+const CONFIRM_IDLE: Duration = Duration::from_millis(250);
+/// Runs wait for a full record ([`journal::MAX_ITEMS`]) at most this long.
+const RUN_PERIOD: Duration = Duration::from_secs(1);
 /// After an intent could not be written (the journal stream lost, deleted, or its leader
 /// gone), how long publishes go on unjournaled before the journal is tried again: scheduling
 /// must not stop, nor wait for the append timeout each time, while the journal is down.
@@ -25,91 +38,278 @@ const OUTAGE_PAUSE: Duration = Duration::from_secs(5);
 /// Runs kept waiting for their record, at most: past it the oldest are dropped (counted as
 /// skipped): the journal must never hold up or grow a worker.
 const MAX_RUNS_WAITING: usize = 100_000;
+/// Items waiting that are written at once, whatever their instants: four full records.
+const ROUND_ITEMS: usize = journal::MAX_ITEMS * 4;
 
-/// A publish waiting for its intent record.
+/// Messages waiting for their intent record.
 struct Intent {
     items: Vec<Item>,
     reply: oneshot::Sender<Result<u64>>,
 }
 
-/// What the task shares with the publishes: flushes whose publishes are under way, flushes
-/// ended, runs to write.
+/// What a message carries for the journal until its publish: its item, or the intent it was
+/// queued as while it waited in the batcher.
+pub(super) enum Pending {
+    /// Not journaled yet: written when its batch leaves.
+    Item(Item),
+    /// Queued: [`JournalWriter::journaled`] answers with its flush.
+    Queued(Queued),
+}
+
+/// An intent in the queue.
+pub(super) struct Queued {
+    /// Its place in the queue: intents below [`Shared::taken`] were taken into a record.
+    seq: u64,
+    rx: oneshot::Receiver<Result<u64>>,
+}
+
+/// How a publish ended, for the flushes its members were journaled in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    /// Confirmed.
+    Confirmed,
+    /// Sent, but its confirm never came: it may be in the tiers.
+    Unsure,
+    /// Surely not scheduled.
+    Failed,
+}
+
+/// A flush whose publishes are under way: its items not yet ended, the ids failed and unsure.
+#[derive(Default)]
+struct Open {
+    left: usize,
+    failed: Vec<String>,
+    unsure: Vec<String>,
+}
+
+/// What the task shares with the publishes: intents waiting, flushes whose publishes are under
+/// way, flushes ended, runs to write.
 #[derive(Default)]
 struct Shared {
-    /// Flush → (publishes still under way, ids they failed, ids they are unsure of).
-    open: HashMap<u64, (usize, Vec<String>, Vec<String>)>,
+    queue: Vec<Intent>,
+    queued_items: usize,
+    /// The earliest instant an intent in the queue must be written by.
+    earliest: Option<Instant>,
+    /// A departing batch waits for an intent still in the queue.
+    hurry: bool,
+    next_seq: u64,
+    /// Intents with a smaller `seq` were taken into a record.
+    taken: u64,
+    closed: bool,
+    open: HashMap<u64, Open>,
     ended: Vec<Flush>,
     runs: VecDeque<Run>,
     /// Until when intents are not tried (the journal could not be written).
-    down_until: Option<std::time::Instant>,
+    down_until: Option<Instant>,
+}
+
+impl Shared {
+    /// Why an intent cannot be queued now, if it cannot.
+    fn refusal(&self) -> Option<Error> {
+        if self.closed {
+            return Some(closing());
+        }
+        match self.down_until {
+            Some(until) if Instant::now() < until => Some(Error::Stopped(
+                "the journal could not be written a moment ago".into(),
+            )),
+            _ => None,
+        }
+    }
+
+    /// Queues `items`, to be written by `by`; whether the task must look again (it is due
+    /// earlier than anything queued, or the queue is full).
+    fn push(&mut self, items: Vec<Item>, by: Instant) -> (Queued, bool) {
+        let (reply, rx) = oneshot::channel();
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.queued_items += items.len();
+        self.queue.push(Intent { items, reply });
+        let sooner = self.earliest.is_none_or(|e| by < e);
+        if sooner {
+            self.earliest = Some(by);
+        }
+        (
+            Queued { seq, rx },
+            sooner || self.queued_items >= ROUND_ITEMS,
+        )
+    }
+
+    /// Whether the queue is to be written now.
+    fn due(&self, now: Instant) -> bool {
+        !self.queue.is_empty()
+            && (self.hurry
+                || self.closed
+                || self.queued_items >= ROUND_ITEMS
+                || self.earliest.is_some_and(|e| e <= now))
+    }
+
+    /// Takes the queue.
+    fn take(&mut self) -> Vec<Intent> {
+        self.queued_items = 0;
+        self.earliest = None;
+        self.hurry = false;
+        self.taken = self.next_seq;
+        std::mem::take(&mut self.queue)
+    }
 }
 
 /// The journal writer of one publisher.
 pub(super) struct JournalWriter {
-    /// `None` once stopped.
-    tx: Mutex<Option<mpsc::UnboundedSender<Intent>>>,
     shared: Arc<Mutex<Shared>>,
+    wake: Arc<Notify>,
 }
 
-/// A publish's place in a flush: say how it ended with [`JournalWriter::ended`].
-pub(super) struct Ticket(u64);
-
 impl JournalWriter {
-    /// The writer and its task (which ends, writing what is left, when the writer is dropped).
+    /// The writer and its task (which ends, writing what is left, when the writer stops).
     pub(super) fn start(inner: Weak<Inner>) -> (JournalWriter, tokio::task::JoinHandle<()>) {
-        let (tx, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Mutex::new(Shared::default()));
-        let task = tokio::spawn(run(inner, rx, shared.clone()));
-        let tx = Mutex::new(Some(tx));
-        (JournalWriter { tx, shared }, task)
+        let wake = Arc::new(Notify::new());
+        let task = tokio::spawn(run(inner, shared.clone(), wake.clone()));
+        (JournalWriter { shared, wake }, task)
     }
 
     /// Stops taking intents: the task writes what is left and ends.
     pub(super) fn stop(&self) {
-        self.tx.lock().unwrap_or_else(|p| p.into_inner()).take();
+        lock(&self.shared).closed = true;
+        self.wake.notify_one();
     }
 
-    /// Journals `items` before their publish: returns once the record holding them is
-    /// confirmed. An error means the journal could not be written (nor is tried for
-    /// [`OUTAGE_PAUSE`] after a failure): the caller publishes unjournaled.
-    pub(super) async fn intent(&self, items: Vec<Item>) -> Result<Ticket> {
-        if let Some(until) = lock(&self.shared).down_until
-            && std::time::Instant::now() < until
-        {
-            return Err(Error::Stopped(
-                "the journal could not be written a moment ago".into(),
-            ));
-        }
-        let (reply, rx) = oneshot::channel();
-        let sent = match &*self.tx.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(tx) => tx.send(Intent { items, reply }).is_ok(),
-            None => false,
-        };
-        if !sent {
-            return Err(closing());
-        }
-        rx.await.unwrap_or_else(|_| Err(closing())).map(Ticket)
-    }
-
-    /// The publish of `ticket` ended: `failed` are the ids it surely did not schedule,
-    /// `unsure` those whose confirm was lost.
-    pub(super) fn ended(&self, ticket: Ticket, failed: Vec<String>, unsure: Vec<String>) {
-        let mut s = lock(&self.shared);
-        let done = match s.open.get_mut(&ticket.0) {
-            Some((left, f, u)) => {
-                *left -= 1;
-                f.extend(failed);
-                u.extend(unsure);
-                *left == 0
+    /// Queues `items` of messages about to leave, to be written at once. An error means the
+    /// journal could not be written (nor is tried for [`OUTAGE_PAUSE`] after a failure): the
+    /// caller publishes unjournaled.
+    pub(super) fn queue_now(&self, items: Vec<Item>) -> Result<Queued> {
+        let queued = {
+            let mut s = lock(&self.shared);
+            if let Some(e) = s.refusal() {
+                return Err(e);
             }
-            None => false,
+            s.push(items, Instant::now()).0
         };
-        if done && let Some((_, failed, unsure)) = s.open.remove(&ticket.0) {
-            s.ended.push(Flush {
-                flush: ticket.0,
-                failed,
-                unsure,
-            });
+        self.wake.notify_one();
+        Ok(queued)
+    }
+
+    /// Queues `item` of a message that leaves by `by`: written with the first record due by
+    /// then. Gives the item back when the journal cannot take it now.
+    pub(super) fn queue(&self, item: Item, by: Instant) -> Pending {
+        let (queued, wake) = {
+            let mut s = lock(&self.shared);
+            if s.refusal().is_some() {
+                return Pending::Item(item);
+            }
+            s.push(vec![item], by)
+        };
+        if wake {
+            self.wake.notify_one();
+        }
+        Pending::Queued(queued)
+    }
+
+    /// The flush of each queued intent of `qs`, once the record holding it is confirmed (those
+    /// still in the queue are written now: their batch is leaving). An error means it could
+    /// not be written.
+    pub(super) async fn journaled(&self, qs: Vec<Queued>) -> Vec<Result<u64>> {
+        let hurry = {
+            let mut s = lock(&self.shared);
+            let waiting = qs.iter().any(|q| q.seq >= s.taken);
+            s.hurry |= waiting;
+            waiting
+        };
+        if hurry {
+            self.wake.notify_one();
+        }
+        let mut out = Vec::with_capacity(qs.len());
+        for q in qs {
+            out.push(q.rx.await.unwrap_or_else(|_| Err(closing())));
+        }
+        out
+    }
+
+    /// Journals what `members` carry for the journal (once: it is taken) before their publish:
+    /// with `fresh`, queues what was not queued while they waited in the batcher; waits for
+    /// the records. The flush of each member (`None`: not journaled).
+    pub(super) async fn intents(&self, members: &mut [Prepared], fresh: bool) -> Vec<Option<u64>> {
+        let mut flushes = vec![None; members.len()];
+        // which members each queued intent holds
+        let (mut holds, mut queued) = (Vec::new(), Vec::new());
+        let (mut items, mut unqueued) = (Vec::new(), Vec::new());
+        for (i, m) in members.iter_mut().enumerate() {
+            match m.journal.take() {
+                Some(Pending::Queued(q)) => {
+                    holds.push(vec![i]);
+                    queued.push(q);
+                }
+                Some(Pending::Item(item)) if fresh => {
+                    items.push(item);
+                    unqueued.push(i);
+                }
+                _ => {}
+            }
+        }
+        if !items.is_empty() {
+            match self.queue_now(items) {
+                Ok(q) => {
+                    holds.push(unqueued);
+                    queued.push(q);
+                }
+                Err(e) => unjournaled(&e, unqueued.len()),
+            }
+        }
+        let mut failed = None;
+        for (r, members) in self.journaled(queued).await.into_iter().zip(holds) {
+            match r {
+                Ok(flush) => members.into_iter().for_each(|i| flushes[i] = Some(flush)),
+                Err(e) => failed = Some((e, failed.map_or(0, |(_, n)| n) + members.len())),
+            }
+        }
+        if let Some((e, n)) = failed {
+            unjournaled(&e, n);
+        }
+        flushes
+    }
+
+    /// The publish of `members` (their `flushes`) ended with `result`.
+    pub(super) fn settled<T>(
+        &self,
+        flushes: &[Option<u64>],
+        members: &[Prepared],
+        result: &Result<T>,
+    ) {
+        let how = match result {
+            Ok(_) => Ended::Confirmed,
+            // sent, but the confirm never came: it may be in the tiers
+            Err(Error::MaybeSent { .. } | Error::Timeout { .. }) => Ended::Unsure,
+            Err(_) => Ended::Failed,
+        };
+        self.ended(flushes, |i| members[i].message_id.clone(), how);
+    }
+
+    /// A publish ended `how`: `flushes` holds the flush of each of its members (`None`: not
+    /// journaled), `id` a member's id.
+    fn ended(&self, flushes: &[Option<u64>], id: impl Fn(usize) -> String, how: Ended) {
+        let mut s = lock(&self.shared);
+        for (i, f) in flushes.iter().enumerate() {
+            let Some(f) = *f else { continue };
+            let done = match s.open.get_mut(&f) {
+                Some(open) => {
+                    open.left = open.left.saturating_sub(1);
+                    match how {
+                        Ended::Confirmed => {}
+                        Ended::Unsure => open.unsure.push(id(i)),
+                        Ended::Failed => open.failed.push(id(i)),
+                    }
+                    open.left == 0
+                }
+                None => false,
+            };
+            if done && let Some(open) = s.open.remove(&f) {
+                s.ended.push(Flush {
+                    flush: f,
+                    failed: open.failed,
+                    unsure: open.unsure,
+                });
+            }
         }
     }
 
@@ -128,6 +328,28 @@ impl JournalWriter {
     }
 }
 
+impl Drop for JournalWriter {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// `n` messages go without an intent: availability over the journal, a journal that cannot be
+/// written (its stream lost or deleted) must not stop scheduling; what is published meanwhile
+/// is counted, and `pending` does not list it.
+fn unjournaled(e: &Error, n: usize) {
+    // counted as skipped journal records; logged now and then, not per publish
+    let before = crate::metrics::global().skip("journal", "unjournaled");
+    if before < 10 || before.is_multiple_of(1_000) {
+        tracing::warn!(
+            messages = n,
+            unjournaled = before + 1,
+            "publishing without the journal, which `pending` lists from: {}",
+            crate::error::chain(e)
+        );
+    }
+}
+
 fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -136,48 +358,63 @@ fn closing() -> Error {
     Error::Stopped("the publisher is closing; the message was not scheduled".into())
 }
 
-/// The task: one intent record per round of waiting publishes, ended flushes and runs every
-/// [`LINGER`] when no intent carried them; what is left when the writer is dropped.
-async fn run(
-    inner: Weak<Inner>,
-    mut rx: mpsc::UnboundedReceiver<Intent>,
-    shared: Arc<Mutex<Shared>>,
-) {
+/// What the task does next.
+enum Step {
+    Write(Vec<Intent>),
+    Wait(Option<Instant>),
+    End,
+}
+
+/// The task: one intent record whenever the queue is due; ended flushes and runs every
+/// [`TICK`] when no intent carried them; what is left once stopped.
+async fn run(inner: Weak<Inner>, shared: Arc<Mutex<Shared>>, wake: Arc<Notify>) {
     let session = uuid::Uuid::now_v7().to_string();
     let mut next_flush = 0u64;
-    let mut tick = tokio::time::interval(LINGER);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_intent = Instant::now();
+    let mut last_runs = Instant::now();
+    let mut next_tick = Instant::now() + TICK;
     loop {
-        let first = tokio::select! {
-            i = rx.recv() => match i {
-                Some(i) => i,
-                None => break,
-            },
-            _ = tick.tick() => {
-                write_rest(&inner, &session, &shared).await;
-                continue;
+        let now = Instant::now();
+        if now >= next_tick {
+            next_tick = now + TICK;
+            if last_intent.elapsed() >= CONFIRM_IDLE {
+                write_confirmed(&inner, &session, &shared).await;
             }
-        };
-        let mut round = vec![first];
-        let mut n = round[0].items.len();
-        while n < journal::MAX_ITEMS * 4 {
-            match rx.try_recv() {
-                Ok(i) => {
-                    n += i.items.len();
-                    round.push(i);
-                }
-                Err(_) => break,
+            if write_runs(&inner, &shared, last_runs.elapsed() >= RUN_PERIOD).await {
+                last_runs = Instant::now();
             }
         }
-        let flush = next_flush;
-        next_flush += 1;
-        write_intents(&inner, &session, flush, round, &shared).await;
+        let step = {
+            let mut s = lock(&shared);
+            if s.due(Instant::now()) {
+                Step::Write(s.take())
+            } else if s.closed {
+                Step::End
+            } else {
+                Step::Wait(s.earliest)
+            }
+        };
+        let until = match step {
+            Step::Write(round) => {
+                write_intents(&inner, &session, next_flush, round, &shared).await;
+                next_flush += 1;
+                last_intent = Instant::now();
+                continue;
+            }
+            Step::End => break,
+            Step::Wait(until) => until.map_or(next_tick, |u| u.min(next_tick)),
+        };
+        tokio::select! {
+            _ = wake.notified() => {}
+            _ = tokio::time::sleep_until(until.into()) => {}
+        }
     }
-    write_rest(&inner, &session, &shared).await;
+    write_confirmed(&inner, &session, &shared).await;
+    write_runs(&inner, &shared, true).await;
 }
 
 /// Appends the intents of `round` as flush `flush` (with the flushes ended so far) and
-/// answers each publish.
+/// answers each.
 async fn write_intents(
     inner: &Weak<Inner>,
     session: &str,
@@ -185,17 +422,21 @@ async fn write_intents(
     round: Vec<Intent>,
     shared: &Mutex<Shared>,
 ) {
-    let confirmed = {
-        let mut s = lock(shared);
-        s.open.insert(flush, (round.len(), Vec::new(), Vec::new()));
-        std::mem::take(&mut s.ended)
-    };
     let mut replies = Vec::with_capacity(round.len());
     let mut items = Vec::new();
     for i in round {
         items.extend(i.items);
         replies.push(i.reply);
     }
+    let confirmed = {
+        let mut s = lock(shared);
+        let open = Open {
+            left: items.len(),
+            ..Open::default()
+        };
+        s.open.insert(flush, open);
+        std::mem::take(&mut s.ended)
+    };
     let at_ms = now_ms();
     let mut result = Ok(());
     let mut confirmed = Some(confirmed);
@@ -218,35 +459,45 @@ async fn write_intents(
     if result.is_err() {
         let mut s = lock(shared);
         s.open.remove(&flush);
-        s.down_until = Some(std::time::Instant::now() + OUTAGE_PAUSE);
+        s.down_until = Some(Instant::now() + OUTAGE_PAUSE);
     }
     for r in replies {
         let _ = r.send(result.clone().map(|()| flush));
     }
 }
 
-/// Appends the flushes ended and the runs waiting, if any.
-async fn write_rest(inner: &Weak<Inner>, session: &str, shared: &Mutex<Shared>) {
-    let (ended, runs) = {
-        let mut s = lock(shared);
-        (std::mem::take(&mut s.ended), std::mem::take(&mut s.runs))
+/// Appends the flushes ended, if any, as a `Confirmed` record of their own.
+async fn write_confirmed(inner: &Weak<Inner>, session: &str, shared: &Mutex<Shared>) {
+    let ended = std::mem::take(&mut lock(shared).ended);
+    if ended.is_empty() {
+        return;
+    }
+    let record = Record::Confirmed {
+        session: session.to_string(),
+        flushes: ended,
     };
-    if !ended.is_empty() {
-        let record = Record::Confirmed {
-            session: session.to_string(),
-            flushes: ended,
-        };
-        if let Err(e) = append(inner, &record).await {
-            tracing::warn!(
-                "could not write confirmations to the journal (kept for the next try): {}",
-                crate::error::chain(&e)
-            );
-            if let Record::Confirmed { flushes, .. } = record {
-                lock(shared).ended.extend(flushes);
-            }
+    if let Err(e) = append(inner, &record).await {
+        tracing::warn!(
+            "could not write confirmations to the journal (kept for the next try): {}",
+            crate::error::chain(&e)
+        );
+        if let Record::Confirmed { flushes, .. } = record {
+            lock(shared).ended.extend(flushes);
         }
     }
-    let runs = Vec::from(runs);
+}
+
+/// Appends the runs waiting in full records, and with `all` the rest too; whether it wrote
+/// them all.
+async fn write_runs(inner: &Weak<Inner>, shared: &Mutex<Shared>, all: bool) -> bool {
+    let runs: Vec<Run> = {
+        let mut s = lock(shared);
+        let n = match all {
+            true => s.runs.len(),
+            false => s.runs.len() - s.runs.len() % journal::MAX_ITEMS,
+        };
+        s.runs.drain(..n).collect()
+    };
     for chunk in runs.chunks(journal::MAX_ITEMS) {
         let record = Record::Ran {
             items: chunk.to_vec(),
@@ -261,6 +512,7 @@ async fn write_rest(inner: &Weak<Inner>, session: &str, shared: &Mutex<Shared>) 
             );
         }
     }
+    all
 }
 
 /// Appends `record` to the journal on the publisher's confirm channel.
@@ -281,3 +533,6 @@ async fn append(inner: &Weak<Inner>, record: &Record) -> Result<()> {
     crate::metrics::global().journal_records.inc();
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

@@ -125,7 +125,9 @@ struct Prepared {
     /// retried, not as scheduled again. A gateway's hop is scheduled once, as it should.
     retry: bool,
     /// What the journal records of it (`None`: not journaled, or already written).
-    journal: Option<crate::journal::Item>,
+    journal: Option<journal::Pending>,
+    /// Its destination holds early messages until due (it travels in grain batches).
+    holds: bool,
     reply: oneshot::Sender<Result<Scheduled>>,
 }
 
@@ -409,9 +411,9 @@ impl Publisher {
             .with_headers(hdrs);
         let budget = inner.precision.budget_ms(msg.delay_ms);
         let deadline_ms = due_at_ms.saturating_add(budget);
-        let leave_by_ms = match (reads, inner.settings.grain()) {
-            (Reads::Holds, Some(g)) => due_at_ms.saturating_sub(g.lead_ms),
-            _ => deadline_ms,
+        let (leave_by_ms, holds) = match (reads, inner.settings.grain()) {
+            (Reads::Holds, Some(g)) => (due_at_ms.saturating_sub(g.lead_ms), true),
+            _ => (deadline_ms, false),
         };
         Ok((
             Prepared {
@@ -424,7 +426,8 @@ impl Publisher {
                 properties,
                 body: msg.body,
                 retry: msg.internal && msg.attempt > 0,
-                journal,
+                journal: journal.map(journal::Pending::Item),
+                holds,
                 reply,
             },
             reads,

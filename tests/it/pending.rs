@@ -300,6 +300,75 @@ async fn purge_and_reschedule_steer_what_runs() {
     env.cleanup().await;
 }
 
+/// A publisher that dies between flushes hides no confirmed message: a steady flow of
+/// concurrent schedules to a worker's queue (their intents queued while they linger, written
+/// a few batches to a record), then the publisher's connection is gone before it writes the
+/// confirmation of its last flushes. `pending` lists every message whose schedule was
+/// confirmed (those of the last flushes as unconfirmed), and each one runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_that_dies_between_flushes_hides_no_confirmed_message() {
+    use futures::StreamExt;
+    let mut env = steering_env(6_000).await;
+    let q = env.queue("died").await;
+    env.parked_queue(&q);
+    amqp_delay::Topology::new(env.layout())
+        .declare_batch_marker(&env.conn, &q)
+        .await
+        .unwrap();
+    let ix = Indexed::start(&env.settings).await;
+    let me = Viewer::User("guest".into());
+    let conn = Arc::new(connect().await);
+    let p = amqp_delay::Publisher::with_connection(conn.clone(), env.layout(), &env.settings)
+        .await
+        .unwrap();
+    let n = 300u64;
+    let scheduled: Vec<String> = futures::stream::iter(0..n)
+        .map(|i| {
+            let (p, q) = (&p, q.clone());
+            async move {
+                let m = Message::new(q, 4_000 + (i % 100) * 10, "x").with_id(format!("d{i}"));
+                p.schedule(m).await.unwrap().message_id
+            }
+        })
+        .buffer_unordered(50)
+        .collect()
+        .await;
+    // the crash: nothing this publisher would write from now on reaches the broker
+    let _ = conn.close(320, "died".into()).await;
+    drop(p);
+    let ids: Vec<&str> = scheduled.iter().map(String::as_str).collect();
+    until_listed(&ix, me.clone(), &q, &ids).await;
+    let unconfirmed = ix
+        .rows(me.clone(), Some(&q))
+        .await
+        .iter()
+        .filter(|r| r.state == "unconfirmed")
+        .count();
+    println!("{unconfirmed} of {n} listed as unconfirmed after the crash");
+    assert!(
+        unconfirmed > 0,
+        "every flush was confirmed before the crash; the test proves nothing"
+    );
+    let h = Scripted::new(|_| Outcome::Success);
+    let log = h.log.clone();
+    let (stop, run) = spawn_worker(&env, &q, h, retry(20, 2.0, 3));
+    let log2 = log.clone();
+    let all_ran = wait_until(Duration::from_secs(20), || {
+        log2.lock().unwrap().len() >= n as usize
+    })
+    .await;
+    assert!(all_ran, "ran {} of {n}", log.lock().unwrap().len());
+    until_listed(&ix, me.clone(), &q, &[]).await;
+    for id in &ids {
+        let shown = ix.service.show(me.clone(), id, None).await.unwrap();
+        assert_eq!(shown.messages[0].row.state, "done", "{id}");
+    }
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    ix.stop().await;
+    env.cleanup().await;
+}
+
 /// Users of the main broker for one test, deleted when dropped.
 struct Users(Vec<String>);
 

@@ -173,6 +173,60 @@ fn a_scheduled_record_confirms_earlier_flushes_it_carries() {
     assert_eq!(t.flushes().replay_from(), Some(2));
 }
 
+/// What a publisher writes now: a flush's messages leave in several batches at their own
+/// times, so flushes end out of order and each is confirmed in whichever later record follows
+/// (flush 2 before flush 1, flush 1 three records on, with a failed member).
+#[test]
+fn flushes_confirmed_out_of_order_and_several_records_later_are_read_right() {
+    let mut t = Translator::new(trust(), MAX_DELAY);
+    let confirmed = |e: &[Entry]| {
+        let mut v: Vec<&str> = e
+            .iter()
+            .filter_map(|e| match e {
+                Entry::Confirmed { id, .. } => Some(id.as_str()),
+                _ => None,
+            })
+            .collect();
+        v.sort();
+        v.join(",")
+    };
+    let r1 = scheduled(1, vec![item("a", None), item("b", None)], vec![]);
+    t.journal(1, Some("alice"), &r1, NOW);
+    t.journal(
+        2,
+        Some("alice"),
+        &scheduled(2, vec![item("c", None)], vec![]),
+        NOW,
+    );
+    let e = t.journal(
+        3,
+        Some("alice"),
+        &scheduled(3, vec![item("d", None)], vec![flush(2, &[])]),
+        NOW,
+    );
+    assert_eq!(confirmed(&e), "c");
+    assert_eq!(t.flushes().replay_from(), Some(1), "flush 1 still open");
+    let e = t.journal(4, Some("alice"), &scheduled(4, vec![], vec![]), NOW);
+    assert!(e.is_empty());
+    let e = t.journal(
+        5,
+        Some("alice"),
+        &scheduled(
+            5,
+            vec![item("e", None)],
+            vec![flush(1, &["b"]), flush(3, &[])],
+        ),
+        NOW,
+    );
+    assert_eq!(confirmed(&e), "a,d");
+    assert!(e.contains(&Entry::Refused {
+        owner: "alice".into(),
+        id: "b".into(),
+        scheduled_at_ms: 1_000,
+    }));
+    assert_eq!(t.flushes().replay_from(), Some(5), "only flush 5 open");
+}
+
 #[test]
 fn the_flush_map_stays_bounded_in_members_and_age() {
     let mut t = Translator::new(trust(), MAX_DELAY);
