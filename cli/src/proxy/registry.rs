@@ -332,14 +332,27 @@ impl Registry {
         }
     }
 
-    /// Declares the ingress queue of known delayed exchange `exchange` again when it is gone
-    /// (deleted by hand, or by a teardown while clients still publish): meanwhile its delayed
-    /// publishes are returned to their clients ([`super::rewrite::server_frame`]), never
-    /// confirmed and dropped. A pair ended through the proxy is no longer known.
+    /// Declares the ingress queue of known delayed exchange `exchange` again when it alone is
+    /// gone (deleted by hand): meanwhile its delayed publishes are returned to their clients
+    /// ([`super::rewrite::server_frame`]), never confirmed and dropped. When the pair's ingress
+    /// exchange is gone too (a teardown), nothing is declared: a running proxy does not bring
+    /// back what an operator removed, and a client's delayed publish meets the broker's
+    /// `NOT_FOUND` until its next declare registers the pair again. A pair ended through the
+    /// proxy is no longer known.
     async fn restore(self: Arc<Self>, exchange: &str, pair: &Pair) {
         let Some(writer) = self.pairs.a_writer(exchange) else {
             return;
         };
+        let exists = match self.connected().await {
+            Ok(guard) => match guard.as_ref() {
+                Some(conn) => amqp_delay::ops::broker::exchange_exists(conn, &pair.ingress).await,
+                None => return,
+            },
+            Err(_) => return,
+        };
+        if !matches!(exists, Ok(true)) {
+            return;
+        }
         let x = escape_controls(exchange).into_owned();
         tracing::error!(exchange = %x, queue = %pair.ingress_queue, "the ingress queue of a delayed exchange is gone: declaring it again (delayed publishes to it were returned to their clients meanwhile)");
         let vhost = self.vhost.clone();
