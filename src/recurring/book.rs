@@ -16,7 +16,7 @@
 //! Anything else is skipped with a reason. The book holds at most [`MAX_SCHEDULES`], and a
 //! user who is no admin at most [`MAX_PER_OWNER`].
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque, btree_map};
 
 use serde::{Deserialize, Serialize};
 
@@ -228,8 +228,7 @@ impl Book {
             e.through_ms = e.through_ms.max(k.through_ms);
             return Ok(());
         }
-        self.put(&k.owner, &k.rev, k.schedule.clone(), trust)?;
-        let e = self.entries.get_mut(&key).expect("just put");
+        let e = self.put(&k.owner, &k.rev, k.schedule.clone(), trust)?;
         e.since_ms = k.since_ms;
         e.paused = k.paused;
         e.through_ms = k.through_ms;
@@ -274,7 +273,7 @@ impl Book {
         rev: &str,
         def: Definition,
         trust: &Trust,
-    ) -> Result<(), String> {
+    ) -> Result<&mut Entry, String> {
         let key = (owner.to_string(), def.name.clone());
         if let Some(old) = self.entries.get(&key) {
             let old = old.rev.clone();
@@ -299,8 +298,13 @@ impl Book {
             since_ms: 0,
             through_ms: None,
         };
-        self.entries.insert(key, entry);
-        Ok(())
+        Ok(match self.entries.entry(key) {
+            btree_map::Entry::Vacant(v) => v.insert(entry),
+            btree_map::Entry::Occupied(mut o) => {
+                o.insert(entry);
+                o.into_mut()
+            }
+        })
     }
 
     /// Revision `rev` of one of `owner`'s schedules is gone (removed, or about to be replaced).
