@@ -57,13 +57,10 @@ pub(super) async fn already_published(
         return HashSet::new();
     }
     let from = earliest.max(now.saturating_sub(MAX_LOOK_BACK_MS));
-    match read(conn, layout, user, from).await {
-        Ok(ids) => {
-            // only ids of this user's live schedules, past their marks
-            ids.into_iter()
-                .filter(|id| past_mark(book, user, id))
-                .collect()
-        }
+    // only ids of this user's live schedules past their marks are kept: as many as the replica
+    // before can have left unmarked, whatever else the user journaled
+    match read(conn, layout, user, from, |id| past_mark(book, user, id)).await {
+        Ok(ids) => ids,
         Err(e) => {
             amqp_delay::metrics::global()
                 .recurring_takeover_unchecked
@@ -95,13 +92,14 @@ fn past_mark(book: &Book, user: &str, id: &str) -> bool {
     tick.is_some_and(|t| t > e.done_ms() && occurrence_id(name, t) == id)
 }
 
-/// The ids `user` journaled from `from_ms` to the journal's end (a barrier of ours), less
-/// those a confirm names as refused.
+/// The ids `keep` takes that `user` journaled from `from_ms` to the journal's end (a barrier
+/// of ours), less those a confirm names as refused.
 async fn read(
     conn: &Connection,
     layout: &Layout,
     user: &str,
     from_ms: u64,
+    keep: impl Fn(&str) -> bool,
 ) -> Result<HashSet<String>> {
     let nonce = journal::barrier(conn, layout).await?;
     let mut tail = journal::tail(conn, layout, Start::Since(from_ms)).await?;
@@ -120,16 +118,14 @@ async fn read(
             Some(Record::Scheduled {
                 items, confirmed, ..
             }) if mine => {
-                ids.extend(
-                    items
-                        .into_iter()
-                        .filter(|i| i.owner.is_none())
-                        .map(|i| i.id),
-                );
-                refused.extend(confirmed.into_iter().flat_map(|f| f.failed));
+                let items = items.into_iter().filter(|i| i.owner.is_none());
+                ids.extend(items.map(|i| i.id).filter(|id| keep(id)));
+                let failed = confirmed.into_iter().flat_map(|f| f.failed);
+                refused.extend(failed.filter(|id| ids.contains(id)));
             }
             Some(Record::Confirmed { flushes, .. }) if mine => {
-                refused.extend(flushes.into_iter().flat_map(|f| f.failed));
+                let failed = flushes.into_iter().flat_map(|f| f.failed);
+                refused.extend(failed.filter(|id| ids.contains(id)));
             }
             _ => {}
         }
