@@ -713,7 +713,7 @@ async fn until_journaled(
 
 /// `recurring serve --ahead 400d` against the broker, on two schedules of Europe/Berlin
 /// windowed (`--from`/`--until`) onto the real transitions of 2027: every quarter hour from
-/// 01:00 to 03:45 local time. On 28 March the clocks skip 02:00-03:00: the skipped quarter
+/// 01:00 to 03:45 local time, within 01:30 and 03:30 (spring) or 03:15 (fall) local. On 28 March the clocks skip 02:00-03:00: the skipped quarter
 /// hours and 03:00 fall on the same instant, the change (01:00Z), which runs once. On 31
 /// October they repeat 02:00-03:00: its quarter hours run once, on their first pass (00:00Z to
 /// 00:45Z), and none during the second (01:00Z to 01:59Z). Each occurrence is journaled once
@@ -762,6 +762,7 @@ async fn ticks_across_the_daylight_saving_changes_of_2027_are_scheduled_once_eac
     let serve = Serve::start_with(&env, &cfg, "dst", &["--ahead", "400days"]);
     let at = |t: &str| format!("{t}:00Z");
     let spring: Vec<String> = [
+        "2027-03-28T00:30",
         "2027-03-28T00:45",
         "2027-03-28T01:00",
         "2027-03-28T01:15",
@@ -806,10 +807,12 @@ async fn ticks_across_the_daylight_saving_changes_of_2027_are_scheduled_once_eac
     )
     .await;
     assert_eq!(code, Some(0), "{err}");
-    let listed: std::collections::BTreeSet<String> = out
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v["id"].as_str().map(str::to_string))
+    let page: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let listed: std::collections::BTreeSet<String> = page["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["id"].as_str().map(str::to_string))
         .collect();
     for id in spring.iter().chain(&fall) {
         assert!(listed.contains(id), "{id} is not listed by pending: {out}");

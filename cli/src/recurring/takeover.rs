@@ -133,3 +133,50 @@ async fn read(
     tail.end().await;
     r.map(|()| ids.into_iter().filter(|i| !refused.contains(i)).collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use amqp_delay::ops::trust::Trust;
+    use amqp_delay::recurring::{Add, Definition, Mark};
+    use amqp_delay::settings::TrustSettings;
+
+    use super::*;
+
+    /// 2026-12-07T02:00:00Z.
+    const T: u64 = 1_796_608_800_000;
+
+    #[test]
+    fn only_ticks_of_the_users_own_schedules_past_their_mark_count() {
+        let trust = Trust::new(Some("alice".into()), &TrustSettings::default());
+        let mut book = Book::default();
+        let add = |name: &str| Add {
+            rev: format!("r-{name}"),
+            at_ms: T - 3_600_000,
+            schedule: Definition::new(name, "0 * * * *", "q", ""),
+        };
+        book.add(Some("alice"), &add("hourly"), &trust).unwrap();
+        book.add(Some("bob"), &add("bobs"), &trust).unwrap();
+        let mark = Mark {
+            owner: "alice".into(),
+            name: "hourly".into(),
+            rev: "r-hourly".into(),
+            through_ms: T,
+        };
+        book.mark(Some("alice"), &mark, &trust).unwrap();
+        let at = |h: u64| occurrence_id("hourly", T + h * 3_600_000);
+        assert!(past_mark(&book, "alice", &at(1)));
+        assert!(past_mark(&book, "alice", &at(5)));
+        // at or before the mark: dealt with already
+        assert!(!past_mark(&book, "alice", &at(0)));
+        // another user's schedule, an unknown one, what no tick is called
+        assert!(!past_mark(
+            &book,
+            "alice",
+            &occurrence_id("bobs", T + 3_600_000)
+        ));
+        assert!(!past_mark(&book, "bob", &at(1)));
+        assert!(!past_mark(&book, "alice", "nope@2026-12-07T03:00:00Z"));
+        assert!(!past_mark(&book, "alice", "hourly@soon"));
+        assert!(!past_mark(&book, "alice", "hourly"));
+    }
+}
