@@ -827,7 +827,10 @@ async fn ticks_across_the_daylight_saving_changes_of_2027_are_scheduled_once_eac
 /// it again: that tick runs once, and every later tick once, none missing.
 #[tokio::test]
 async fn a_tick_published_but_not_marked_before_a_kill_9_runs_once() {
-    let mut env = Env::new(small_topology()).await;
+    // the replayed tick is up to 3.2 s ahead
+    let mut topology = small_topology();
+    topology.max_delay = amqp_delay::time::DurationMs(5_000);
+    let mut env = Env::new(topology).await;
     let q = env.queue("once").await;
     let cfg = env.write_config("");
     let add = [
