@@ -8,8 +8,7 @@
 //! active; the others try to declare it every [`STANDBY_POLL`]. The active one reads the
 //! schedules, follows the stream, and every second publishes what [`recurring::plan`] says,
 //! then appends a mark (after the confirms). After a takeover, the next replica starts from the
-//! marks: an occurrence published but not yet marked when the active one died is published
-//! again, with the same id (`NAME@<tick>`).
+//! marks, less what the journal shows the one before published past them ([`takeover`]).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -24,6 +23,8 @@ use amqp_delay::{Error, Message, Publisher, Result};
 use lapin::Connection;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
+
+mod takeover;
 
 /// How often a replica that is not active tries to take the lock.
 pub const STANDBY_POLL: Duration = Duration::from_secs(2);
@@ -95,7 +96,10 @@ async fn run(settings: &Settings, opts: ServeOptions, conn: &Connection) -> Resu
     let from = at.map_or(Start::Next, |o| Start::Offset(o + 1));
     let mut tail = control::tail(conn, &layout, from).await?;
     let publisher = Publisher::connect(settings).await?;
+    let already =
+        takeover::already_published(conn, &layout, &user, &book, now_ms(), opts.ahead_ms).await;
     let mut s = Scheduler {
+        already,
         trust: Trust::new(Some(user.clone()), &settings.trust),
         user,
         book,
@@ -166,6 +170,8 @@ fn is_reply(e: &lapin::Error, code: u16) -> bool {
 /// The active replica's state: the book, each revision's ticks, and when each schedule is
 /// next worth planning.
 struct Scheduler {
+    /// Occurrence ids the replica before published past the marks: not published again.
+    already: std::collections::HashSet<String>,
     user: String,
     trust: Trust,
     book: Book,
@@ -222,7 +228,18 @@ impl Scheduler {
                 self.wake.insert(e.rev.clone(), wake);
                 continue;
             }
-            if let Err(err) = publish(publisher, &e, &plan.occurrences).await {
+            let mut fresh = plan.occurrences.clone();
+            if !self.already.is_empty() {
+                fresh.retain(|o| {
+                    let id = recurring::occurrence_id(&e.def.name, o.tick_ms);
+                    !self.already.remove(&id)
+                });
+                let skipped = plan.occurrences.len() - fresh.len();
+                amqp_delay::metrics::global()
+                    .recurring_already_published
+                    .inc_by(skipped as u64);
+            }
+            if let Err(err) = publish(publisher, &e, &fresh).await {
                 tracing::error!(
                     schedule = %e.def.name,
                     "publishing recurring occurrences failed (tried again in 30 s): {}",

@@ -45,6 +45,13 @@ pub(super) struct Checked<F> {
     form: F,
 }
 
+impl<F> Checked<F> {
+    /// The login and the form.
+    pub(super) fn into_parts(self) -> (Login, F) {
+        (self.login, self.form)
+    }
+}
+
 impl<F> FromRequest<Arc<App>> for Checked<F>
 where
     F: DeserializeOwned + Tokened + Send,

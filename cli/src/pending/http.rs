@@ -8,6 +8,7 @@
 //! | `POST /api/v1/pending/{id}/reschedule` | `{"delay": "10m"}` or `{"at": "2026-12-24T18:00:00Z"}`, `"owner"?` |
 //! | `POST /api/v1/pending/{id}/cancel` | `{"owner"?}` (or no body) |
 //! | `GET /api/v1/status` | how far behind the index is |
+//! | `/api/v1/schedules...` | recurring schedules: list, show, add, pause, resume, remove, run-now, purge ([`schedules`]) |
 //! | `GET /healthz`, `GET /readyz` | alive; following the streams (no login) |
 //!
 //! Every `/api/v1/` request logs in with HTTP Basic as a broker user ([`super::auth`], as the
@@ -41,6 +42,7 @@ use crate::pending_index::{Options, PendingIndex};
 use amqp_delay::ops::control::{PurgeScope, Reschedule};
 
 pub mod listen;
+mod schedules;
 
 /// The largest request body taken.
 pub const MAX_BODY: usize = 64 << 10;
@@ -68,7 +70,7 @@ impl Api {
 
 /// The routes.
 pub fn router(api: Arc<Api>) -> Router {
-    Router::new()
+    schedules::routes(Router::new())
         .route("/api/v1/pending", get(list))
         .route("/api/v1/pending/purge", post(purge))
         .route("/api/v1/pending/{id}", get(show))
