@@ -21,3 +21,4 @@ pub mod plugin_store;
 pub mod proxy;
 pub mod recurring;
 pub mod tls;
+pub mod transfer;
