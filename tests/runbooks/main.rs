@@ -1,6 +1,7 @@
 //! The documentation's procedures, run as written: MIGRATING's "Change only the URL", runbook A
-//! (in place) and B (blue-green), and the README's quick start "by hand". Their ```sh blocks are read from the
-//! markdown at run time (`markdown`), so the test runs what the docs say today, and run in order
+//! (in place), B (blue-green) and C (amqp-delay itself to a new cluster, `transfer`, on the
+//! main broker and a 4.3 node), and the README's quick start "by hand". Their ```sh blocks are
+//! read from the markdown at run time (`markdown`), so the test runs what the docs say today, and run in order
 //! with `bash -euo pipefail -c` as one terminal session (`shell`), with only the environment the
 //! text names: the users it names, made as it says, with the permission sets its own
 //! `permissions.sh` line gives them, the machine's packaged `rabbitmqctl` (as root), the
@@ -19,6 +20,7 @@ mod migrating;
 mod nodes;
 mod quick_start;
 mod shell;
+mod transfer;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
