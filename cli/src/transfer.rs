@@ -6,7 +6,7 @@
 //!   [`amqp_delay::ops::transfer::tier_queues`]), then the gateways' due queues, with a
 //!   consumer per queue (a bounded prefetch), under a lock (`<prefix>.transfer-lock`, an
 //!   exclusive queue) so that two transfers never run at once. Passes repeat while a pass
-//!   finds something (the old workers may keep running and retry into the tiers).
+//!   moves something (the old workers may keep running and retry into the tiers).
 //! * **Copies** each message, or each member of a batch
 //!   ([`amqp_delay::ops::transfer::copies`]), and schedules it through the new cluster's
 //!   publisher for its original due time (at once when that has passed), naming its owner on
@@ -208,12 +208,17 @@ pub async fn run(
             let publisher = Publisher::with_connection(new.clone(), to.clone(), &new_settings).await?;
             let r = async {
                 for pass in 1..=MAX_PASSES {
-                    let before = run.counts.read;
+                    let done = |c: &Counts| c.moved + c.cancelled;
+                    let before = done(&run.counts);
+                    // what is left is read again: the last pass says what stays
+                    run.counts.left.clear();
+                    run.counts.not_selected = 0;
                     for q in &sources {
                         run.drain(q, Some(&publisher), &mut progress).await?;
                     }
-                    tracing::info!(pass, read = run.counts.read - before, "transfer pass done");
-                    if run.counts.read == before {
+                    let moved = done(&run.counts) - before;
+                    tracing::info!(pass, moved, "transfer pass done");
+                    if moved == 0 {
                         break;
                     }
                 }
