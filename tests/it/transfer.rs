@@ -10,10 +10,11 @@ use std::time::Duration;
 
 use amqp_delay::settings::TrustSettings;
 use amqp_delay::time::DurationMs;
-use amqp_delay::{Message, Precision, QueueType, Settings, Topology, TopologySettings};
+use amqp_delay::{Message, Outcome, Precision, QueueType, Settings, Topology, TopologySettings};
 use amqp_delay_cli::transfer::{self, Counts, Options};
 
 use crate::harness::*;
+use crate::worker::{Scripted, spawn_worker_with};
 
 /// Delays up to a minute on few queues: radix 4, 100 ms units, one 5 s fixed level.
 fn topology() -> TopologySettings {
@@ -71,31 +72,32 @@ async fn in_tiers(env: &Env) -> u64 {
         .sum()
 }
 
+/// What arrived: id, the due time it carries, when it arrived.
+type Arrival = (String, Option<u64>, u64);
+
+/// Messages a plain consumer received, as arrivals; each names its owner, guest.
+fn arrivals(got: &[Received]) -> Vec<Arrival> {
+    got.iter()
+        .map(|r| {
+            let owner = r.text_header("x-delay-owner");
+            assert_eq!(owner.as_deref(), Some("guest"), "{}: owner", r.id());
+            let due = r.int_header("x-delay-due-at").map(|d| d as u64);
+            (r.id(), due, r.arrived_ms)
+        })
+        .collect()
+}
+
 /// Checks what arrived against what was scheduled (id → due): each once at most (`twice`
 /// lets that many arrive twice), never before its original due time, which it still carries.
-fn check_arrivals(got: &[Received], due: &HashMap<String, u64>, twice: u64) {
+fn check_arrivals(got: &[Arrival], due: &HashMap<String, u64>, twice: u64) {
     let mut seen: HashMap<String, u64> = HashMap::new();
-    for r in got {
-        let id = r.id();
+    for (id, carried, arrived) in got {
         let d = *due
-            .get(&id)
+            .get(id)
             .unwrap_or_else(|| panic!("{id} arrived, never scheduled or cancelled"));
-        assert_eq!(
-            r.int_header("x-delay-due-at"),
-            Some(d as i64),
-            "{id}: due time moved"
-        );
-        assert!(
-            r.arrived_ms >= d,
-            "{id} arrived {} ms early",
-            d - r.arrived_ms
-        );
-        assert_eq!(
-            r.text_header("x-delay-owner").as_deref(),
-            Some("guest"),
-            "{id}: owner"
-        );
-        *seen.entry(id).or_default() += 1;
+        assert_eq!(*carried, Some(d), "{id}: due time moved");
+        assert!(*arrived >= d, "{id} arrived {} ms early", d - arrived);
+        *seen.entry(id.clone()).or_default() += 1;
     }
     let missing: Vec<_> = due.keys().filter(|k| !seen.contains_key(*k)).collect();
     assert!(missing.is_empty(), "never arrived: {missing:?}");
@@ -105,7 +107,7 @@ fn check_arrivals(got: &[Received], due: &HashMap<String, u64>, twice: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_waiting_message_moves_once_at_its_due_time_and_cancelled_ones_never() {
-    let (mut old, new) = clusters().await;
+    let (mut old, mut new) = clusters().await;
     let plain = old.queue("plain").await;
     let batched = old.queue("batched").await;
     Topology::new(old.layout())
@@ -173,14 +175,23 @@ async fn every_waiting_message_moves_once_at_its_due_time_and_cancelled_ones_nev
             .map(|(k, v)| (k.clone(), *v))
             .collect()
     };
-    let got = collect(
-        &old.conn,
-        &plain,
-        38,
-        Duration::from_secs(40),
-        Duration::from_secs(1),
-    )
-    .await;
+    // a worker of the new cluster honours the new cluster's cancel
+    new.parked_queue(&plain);
+    let h = Scripted::new(|_| Outcome::Success);
+    let (log, dues) = (h.log.clone(), h.dues.clone());
+    let (stop, run) = spawn_worker_with(new.settings.clone(), &plain, h);
+    let ran = wait_until(Duration::from_secs(40), || log.lock().unwrap().len() >= 38).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let _ = stop.send(());
+    run.await.unwrap().expect("the new cluster's worker ran");
+    let got: Vec<Arrival> = log
+        .lock()
+        .unwrap()
+        .iter()
+        .zip(dues.lock().unwrap().iter())
+        .map(|((id, _, at), due)| (id.clone(), *due, *at))
+        .collect();
+    assert!(ran, "the worker ran {} of 38", got.len());
     check_arrivals(&got, &want('p'), 0);
     let got = collect(
         &old.conn,
@@ -190,7 +201,7 @@ async fn every_waiting_message_moves_once_at_its_due_time_and_cancelled_ones_nev
         Duration::from_secs(1),
     )
     .await;
-    check_arrivals(&got, &want('b'), 0);
+    check_arrivals(&arrivals(&got), &want('b'), 0);
     new.cleanup().await;
     old.cleanup().await;
 }
@@ -248,7 +259,7 @@ async fn a_transfer_killed_midway_and_run_again_loses_nothing() {
         Duration::from_secs(1),
     )
     .await;
-    check_arrivals(&got, &due, c.maybe_duplicates);
+    check_arrivals(&arrivals(&got), &due, c.maybe_duplicates);
     let _ = std::fs::remove_file(cfg);
     new.cleanup().await;
     old.cleanup().await;
