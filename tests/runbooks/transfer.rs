@@ -209,6 +209,7 @@ fn runbook_c_moves_what_waits_from_3_10_to_4_3_and_every_message_arrives_once() 
             _ => {}
         }
         if b.step == Some(4) {
+            eprintln!("[runbooks] runbook C: waiting for {} messages", due.len());
             // step 5 retires the old cluster once its order-timeouts is drained: wait for the
             // messages first
             let until = Instant::now() + Duration::from_secs(150);
@@ -216,6 +217,11 @@ fn runbook_c_moves_what_waits_from_3_10_to_4_3_and_every_message_arrives_once() 
                 std::thread::sleep(Duration::from_millis(500));
             }
             std::thread::sleep(Duration::from_secs(2));
+            eprintln!(
+                "[runbooks] runbook C: {} arrivals after {:.0}s",
+                got.lock().unwrap().len(),
+                t0.elapsed().as_secs_f64()
+            );
         }
     }
     assert!(moved.is_some(), "step 3 printed no 'moved N'");
