@@ -120,6 +120,39 @@ async fn publish(s: &Settings, tag: &str, n: u64, (from, to): (u64, u64)) -> Has
     due
 }
 
+/// Removes this run's topology and `order-timeouts` from both brokers however the test ends
+/// (a default topology is 130 quorum queues: the main broker has few file handles).
+struct Cleanup {
+    prefix: String,
+    urls: [String; 2],
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let (prefix, urls) = (self.prefix.clone(), self.urls.clone());
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async {
+                for url in &urls {
+                    let Ok(conn) =
+                        amqp_delay::ops::connection::connect(url, "runbook C cleanup").await
+                    else {
+                        eprintln!("[runbooks] runbook C: cannot clean up {prefix} on {url}");
+                        continue;
+                    };
+                    let layout = settings(url, &prefix).layout().unwrap();
+                    let _ = amqp_delay_cli::admin::teardown(&conn, &layout, None, true).await;
+                    if let Ok(ch) = conn.create_channel().await {
+                        let _ = ch.queue_delete(QUEUE.into(), Default::default()).await;
+                    }
+                    let _ = conn.close(200, "bye".into()).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
 /// The last line of what a block printed.
 fn last_line(r: &Ran) -> String {
     r.stdout.lines().last().unwrap_or_default().to_string()
@@ -153,6 +186,10 @@ fn runbook_c_moves_what_waits_from_3_10_to_4_3_and_every_message_arrives_once() 
     ] {
         env.push((k.into(), v));
     }
+    let _cleanup = Cleanup {
+        prefix: prefix.clone(),
+        urls: [OLD_URL.to_string(), new_url.clone()],
+    };
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (old, new) = (settings(OLD_URL, &prefix), settings(&new_url, &prefix));
     // the old cluster as it runs today: the tiers, the destination, the backlog
@@ -250,19 +287,6 @@ fn runbook_c_moves_what_waits_from_3_10_to_4_3_and_every_message_arrives_once() 
     if twice > counted {
         problems.push(format!("{twice} arrived twice, {counted} counted"));
     }
-    // clean up: the new cluster's topology and both destinations
-    rt.block_on(async {
-        for url in [OLD_URL, new_url.as_str()] {
-            if let Ok(conn) = amqp_delay::ops::connection::connect(url, "runbook C cleanup").await {
-                let layout = settings(url, &prefix).layout().unwrap();
-                let _ = amqp_delay_cli::admin::teardown(&conn, &layout, None, true).await;
-                if let Ok(ch) = conn.create_channel().await {
-                    let _ = ch.queue_delete(QUEUE.into(), Default::default()).await;
-                }
-                let _ = conn.close(200, "bye".into()).await;
-            }
-        }
-    });
     let stubborn = session.stop_all(Duration::from_secs(10));
     assert!(stubborn.is_empty(), "background jobs ignored SIGTERM");
     assert!(
