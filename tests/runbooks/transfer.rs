@@ -108,7 +108,7 @@ async fn publish(s: &Settings, tag: &str, n: u64, (from, to): (u64, u64)) -> Has
                 0 => from,
                 _ => from + (to - from) * i / n,
             };
-            Message::new(QUEUE, d, format!("{tag} {i}")).with_id(format!("{tag}-{i}"))
+            Message::new(QUEUE, d, format!("{tag} {i}")).with_id(format!("{}-{tag}-{i}", s.prefix))
         })
         .collect();
     let mut due = HashMap::new();
@@ -191,6 +191,15 @@ fn runbook_c_moves_what_waits_from_3_10_to_4_3_and_every_message_arrives_once() 
         urls: [OLD_URL.to_string(), new_url.clone()],
     };
     let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // an earlier run's order-timeouts on the new cluster (step 0 declares it)
+        if let Ok(conn) = amqp_delay::ops::connection::connect(&new_url, "runbook C").await {
+            if let Ok(ch) = conn.create_channel().await {
+                let _ = ch.queue_delete(QUEUE.into(), Default::default()).await;
+            }
+            let _ = conn.close(200, "bye".into()).await;
+        }
+    });
     let (old, new) = (settings(OLD_URL, &prefix), settings(&new_url, &prefix));
     // the old cluster as it runs today: the tiers, the destination, the backlog
     let mut due = rt.block_on(async {
@@ -199,6 +208,9 @@ fn runbook_c_moves_what_waits_from_3_10_to_4_3_and_every_message_arrives_once() 
             .expect("the main broker answers");
         let layout = old.layout().unwrap();
         Topology::new(layout).declare(&conn).await.unwrap();
+        let ch = amqp_delay::ops::broker::open(&conn).await.unwrap();
+        // what an earlier run that could not clean up left
+        let _ = ch.queue_delete(QUEUE.into(), Default::default()).await;
         let ch = amqp_delay::ops::broker::open(&conn).await.unwrap();
         amqp_delay::ops::broker::declare_queue(&ch, QUEUE, FieldTable::default())
             .await
