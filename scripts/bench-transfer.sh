@@ -7,7 +7,8 @@
 # down both sides. Take `flock /tmp/adbench.lock` around it.
 #
 # Usage: scripts/bench-transfer.sh [N] [BATCHED_PERCENT]      (defaults 100000, 90)
-# Environment: BIN (the tools' directory, default target/release), OLD_URL, NEW_URL.
+# Environment: BIN (the tools' directory, default target/release), OLD_URL, NEW_URL, PREFETCH
+# (transfer --prefetch, default 50, as the command).
 
 set -euo pipefail
 
@@ -59,7 +60,7 @@ old stats --summary | tail -3
 
 t0=$(date +%s.%N)
 /usr/bin/time -v "${BIN}/delay-publisher" --config "${CFG}" --url "${OLD_URL}" --prefix "${P}" \
-    transfer --to "${NEW_URL}" --to-prefix "${NP}" >"${WORK}/transfer.out" 2>"${WORK}/transfer.err" || true
+    transfer --to "${NEW_URL}" --to-prefix "${NP}" --prefetch "${PREFETCH:-50}" >"${WORK}/transfer.out" 2>"${WORK}/transfer.err" || true
 t1=$(date +%s.%N)
 echo "transfer: $(echo "${t1} - ${t0}" | bc) s; $(tail -1 "${WORK}/transfer.out")"
 grep -E "Maximum resident set size|Elapsed" "${WORK}/transfer.err"

@@ -225,7 +225,7 @@ pub(crate) struct TransferArgs {
     #[arg(long)]
     pub(crate) dry_run: bool,
     /// Broker messages (a batch is one) in hand per queue
-    #[arg(long, value_name = "N", default_value_t = 200, value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, value_name = "N", default_value_t = 50, value_parser = clap::value_parser!(u16).range(1..))]
     pub(crate) prefetch: u16,
 }
 
