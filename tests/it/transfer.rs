@@ -249,6 +249,7 @@ async fn a_transfer_killed_midway_and_run_again_loses_nothing() {
     let _ = child.wait().await;
     // the killed run's channels are gone: what it held is back (or moved)
     let c = transfer(&old.settings, options(&new)).await.unwrap();
+    eprintln!("after the kill, the second run: {c:?}");
     assert_eq!(c.left_total(), 0, "{c:?}");
     old.assert_tiers_empty().await;
     let got = collect(
