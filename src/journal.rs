@@ -16,8 +16,8 @@
 //!
 //! **Who wrote it.** Every record carries its writer's broker-checked `user_id`
 //! ([`Entry::by`]); a reader believes a record as far as [`crate::trust`] says: a `Scheduled`
-//! or `Confirmed` record is its writer's own (an item's `owner` counts only from a forwarder:
-//! [`crate::trust::Trust::is_forwarder`]), a `Ran` record only from a user that may compact
+//! or `Confirmed` record is its writer's own (an item's `owner` counts only from a forwarder
+//! or an admin: [`crate::trust::Trust::owner`]), a `Ran` record only from a user that may compact
 //! ([`crate::trust::Trust::may_compact`]: the reader's own user, an admin, a peer).
 //!
 //! Writing never waits for a reader: the journal is read by `pending`'s index, which may be

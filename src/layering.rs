@@ -26,6 +26,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("tally", 0),
     ("error", 0),
     ("trust", 0),
+    ("transfer", 1),
     ("recurring", 0),
     ("broker", 1),
     ("cancel", 1),
@@ -55,6 +56,7 @@ const TOOL_LAYERS: &[(&str, u8)] = &[
     ("bulk", 2),
     ("console", 2),
     ("import", 2),
+    ("transfer", 2),
     ("observe", 2),
     ("pending", 2),
     ("pending_index", 2),
@@ -101,6 +103,7 @@ const LAPIN_FREE: &[&str] = &["time", "layout", "planner", "retry"];
 const PURE_FILES: &[&str] = &[
     "src/gateway/x_delay.rs",
     "src/cancel/quota.rs",
+    "src/transfer.rs",
     "cli/src/jsonl.rs",
     "cli/src/proxy/frames.rs",
     "cli/src/pending/translate.rs",

@@ -47,6 +47,9 @@ pub struct Message {
     pub(crate) due_at: Option<u64>,
     /// An occurrence of this recurring schedule at this tick ([`Message::occurrence`]).
     pub(crate) occurrence: Option<(String, u64)>,
+    /// A copy `transfer` moved from another cluster: journaled and counted as scheduled
+    /// whatever its attempt (the new cluster's journal has not seen it).
+    pub(crate) transferred: bool,
 }
 
 impl Message {
@@ -64,6 +67,7 @@ impl Message {
             target: None,
             due_at: None,
             occurrence: None,
+            transferred: false,
         }
     }
     /// Sets the message id (default: a generated UUID v7); 1 to 255 bytes.

@@ -13,6 +13,7 @@
 //! | [`ledger`] | counting the messages that wait | `stats`, `/metrics` |
 //! | [`parked`] | listing, retrying and dropping parked messages (an admin's) | `parked` |
 //! | [`trust`] | whose records and messages count for what (admins, peers, a record's writer) | every follower: `pending`, the console, the proxy |
+//! | [`transfer`] | the copies that move what waits to another cluster | `transfer` |
 //! | [`batch`] | the batch envelope on the wire | `send --jsonl`, the bench |
 //! | `management` (feature `management`) | RabbitMQ's HTTP API: messages its dead-letter worker holds | `stats`, `teardown` |
 
@@ -35,5 +36,7 @@ pub mod ledger;
 pub mod management;
 #[path = "parked.rs"]
 pub mod parked;
+#[path = "transfer.rs"]
+pub mod transfer;
 #[path = "trust.rs"]
 pub mod trust;

@@ -9,8 +9,10 @@
 //!   an admin (`trust.admins`);
 //! * a message's **owner** is its `user_id`, unless that user is one of ours that moves
 //!   messages on behalf of others (this process's own user and `trust.peers`: a worker's
-//!   retry, a gateway's hop), whose copy names the owner in `x-delay-owner`; a message without
-//!   `user_id` has no owner, and only an admin can cancel it;
+//!   retry, a gateway's hop) or an admin (`transfer` from another cluster), whose copy names
+//!   the owner in `x-delay-owner` (an admin may cancel any message, so naming an owner gives
+//!   it nothing more); a message without `user_id` has no owner, and only an admin can cancel
+//!   it;
 //! * **checkpoints** of the control stream and **snapshots** of the ledger, which stand for
 //!   everything before them, count only from this process's own user, the admins and the
 //!   peers; so do gateway pairs and batch markers, which `teardown` acts on;
@@ -80,10 +82,10 @@ impl Trust {
     }
 
     /// The owner of a message published by `user_id` (broker-checked) naming `owner_header`
-    /// (`x-delay-owner`): the header only when a forwarder wrote the message.
+    /// (`x-delay-owner`): the header only when a forwarder or an admin wrote the message.
     pub fn owner(&self, user_id: Option<&str>, owner_header: Option<&str>) -> Option<String> {
         let user_id = user_id.filter(|u| !u.is_empty())?;
-        if self.is_forwarder(Some(user_id)) {
+        if self.vouches_for_headers(Some(user_id)) {
             return Some(
                 owner_header
                     .filter(|o| !o.is_empty())
@@ -115,7 +117,7 @@ mod tests {
     }
 
     #[test]
-    fn a_message_is_owned_by_its_writer_unless_a_forwarder_names_its_owner() {
+    fn a_message_is_owned_by_its_writer_unless_a_forwarder_or_admin_names_its_owner() {
         let t = trust("worker");
         assert_eq!(t.owner(Some("alice"), None).as_deref(), Some("alice"));
         // a stranger's header is no proof of anything
@@ -132,6 +134,11 @@ mod tests {
             Some("alice")
         );
         assert_eq!(t.owner(Some("worker"), None).as_deref(), Some("worker"));
+        // an admin's copy (a transfer from another cluster) names its owner too
+        assert_eq!(
+            t.owner(Some("admin"), Some("alice")).as_deref(),
+            Some("alice")
+        );
         assert_eq!(t.owner(None, Some("alice")), None);
         assert_eq!(t.owner(Some(""), Some("alice")), None);
     }

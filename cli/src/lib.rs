@@ -22,3 +22,4 @@ pub mod proxy;
 pub mod recurring;
 pub mod schedules;
 pub mod tls;
+pub mod transfer;

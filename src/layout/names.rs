@@ -63,6 +63,11 @@ impl Layout {
     pub fn recurring_lock(&self, user: &str) -> String {
         format!("{}.recurring.lock.{user}", self.prefix)
     }
+    /// The lock a `transfer` holds while it moves what waits to another cluster: an exclusive
+    /// queue, so that two transfers never read the same tiers at once.
+    pub fn transfer_lock(&self) -> String {
+        format!("{}.transfer-lock", self.prefix)
+    }
     /// Direct exchange in front of the destinations' parking queues (each bound with its
     /// destination's name as the key): where a worker parks, without the default exchange.
     pub fn park_exchange(&self) -> String {

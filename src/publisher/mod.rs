@@ -425,7 +425,7 @@ impl Publisher {
                 message_id,
                 properties,
                 body: msg.body,
-                retry: msg.internal && msg.attempt > 0,
+                retry: msg.internal && msg.attempt > 0 && !msg.transferred,
                 journal: journal.map(journal::Pending::Item),
                 holds,
                 reply,
@@ -437,7 +437,10 @@ impl Publisher {
     /// What the journal records of `msg` (`None` when it journals nothing, or not this one).
     fn journal_item(&self, msg: &Message, id: &str, due_ms: u64) -> Option<crate::journal::Item> {
         let inner = &self.inner;
-        if inner.journal.is_none() || !msg.journaled || (msg.internal && msg.attempt > 0) {
+        if inner.journal.is_none()
+            || !msg.journaled
+            || (msg.internal && msg.attempt > 0 && !msg.transferred)
+        {
             return None;
         }
         let h = msg.properties.headers().as_ref();

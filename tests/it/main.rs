@@ -22,6 +22,7 @@ mod permissions;
 mod proxy;
 mod recurring;
 mod security;
+mod transfer;
 mod trust;
 mod wheel;
 mod worker;

@@ -1,16 +1,19 @@
 //! The documentation's procedures, run as written: MIGRATING's "Change only the URL", runbook A
-//! (in place) and B (blue-green), and the README's quick start "by hand". Their ```sh blocks are read from the
-//! markdown at run time (`markdown`), so the test runs what the docs say today, and run in order
-//! with `bash -euo pipefail -c` as one terminal session (`shell`), with only the environment the
+//! (in place), B (blue-green) and C (amqp-delay itself to a new cluster, `transfer`), and the
+//! README's quick start "by hand". Their ```sh blocks are read from the markdown at run time
+//! (`markdown`), so the test runs what the docs say today, and run in order with
+//! `bash -euo pipefail -c` as one terminal session (`shell`), with only the environment the
 //! text names: the users it names, made as it says, with the permission sets its own
 //! `permissions.sh` line gives them, the machine's packaged `rabbitmqctl` (as root), the
 //! plugin from /work/shared/plugin with a backlog loaded first (`nodes`, `app`). Nothing else is
 //! set up: no `trust.peers`, no URL or setting the text does not give.
 //!
-//! The runbooks run on throwaway 3.10 nodes beside the main broker (`scripts/runbook-nodes.sh`);
-//! the quick start runs against the main broker on 127.0.0.1:5672, as the README says, with a
-//! prefix of its own (`AMQP_DELAY_PREFIX`, which the README names). Runs of this binary on one
-//! machine take turns (a lock file): the nodes' names and the quick start's queue are fixed.
+//! Runbooks A and B run on throwaway 3.10 nodes beside the main broker
+//! (`scripts/runbook-nodes.sh`), C from the main broker to the 4.3 node of
+//! `scripts/rabbitmq4.sh`; the quick start runs against the main broker on 127.0.0.1:5672, as
+//! the README says, with a prefix of its own (`AMQP_DELAY_PREFIX`, which the README names). Runs
+//! of this binary on one machine take turns (a lock file): the nodes' names and the quick
+//! start's queue are fixed.
 
 mod app;
 mod change_url;
@@ -19,6 +22,7 @@ mod migrating;
 mod nodes;
 mod quick_start;
 mod shell;
+mod transfer;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

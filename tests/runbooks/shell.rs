@@ -102,13 +102,17 @@ impl Session {
         let base = self.dir.join(format!(".block-{:02}", self.runs));
         let names: Vec<&str> = self.names.iter().map(String::as_str).collect();
         let vars = base.with_extension("vars");
-        // the variables outlive the block however it ends, as in a terminal
-        let script = format!(
-            "{}\ntrap 'declare -p {} >{} 2>/dev/null || true' EXIT\n{code}",
-            self.carried,
-            names.join(" "),
-            quote(&vars.to_string_lossy())
-        );
+        // the variables outlive the block however it ends, as in a terminal (a bare
+        // `declare -p` would print every variable, read-only ones too: none to carry, none)
+        let carry = match names.is_empty() {
+            true => String::new(),
+            false => format!(
+                "trap 'declare -p {} >{} 2>/dev/null || true' EXIT",
+                names.join(" "),
+                quote(&vars.to_string_lossy())
+            ),
+        };
+        let script = format!("{}\n{carry}\n{code}", self.carried);
         let (stdout, stderr) = (base.with_extension("out"), base.with_extension("err"));
         let child = Command::new("bash")
             .args(["-euo", "pipefail", "-c", &script])

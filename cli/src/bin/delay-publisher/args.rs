@@ -75,6 +75,10 @@ pub(crate) enum Cmd {
     /// message. Kept in the control stream; a user sees and steers its own, an admin all
     #[command(subcommand)]
     Recurring(RecurringCmd),
+    /// Move every message not yet run (tiers, fixed levels, batches, gateway due queues) from
+    /// this cluster (--url) to another (--to), each due at its original time, nothing lost:
+    /// an old message is acked only once its copy is confirmed on the new cluster
+    Transfer(TransferArgs),
     /// Delete every exchange and queue of the topology, or with --queue one destination
     Teardown {
         /// Delete even if tiers or the parking queue still hold messages (they are lost)
@@ -195,6 +199,34 @@ pub(crate) struct ImportArgs {
     /// Longest a rabbitmqctl call may take
     #[arg(long, value_name = "DURATION", default_value = "5m")]
     pub(crate) call_timeout: DurationMs,
+}
+
+#[derive(clap::Args)]
+#[command(
+    after_help = "Run against the old cluster (--url, --prefix) with the new cluster's [trust]: the \
+user of --to must be one of its admins or peers (a peer to move gateways' due queues), so that \
+each copy names its owner; refused before anything moves otherwise. Cancelled, purged and superseded \
+messages of the old cluster are not copied. Safe to interrupt and run again: what was copied but not \
+acked is copied again (counted as possible duplicates). Exit code 1 when anything was left (listed \
+with its reason)."
+)]
+pub(crate) struct TransferArgs {
+    /// The new cluster's AMQP URL (several, comma-separated, are tried in turn)
+    #[arg(long, value_name = "URL")]
+    pub(crate) to: String,
+    /// The new cluster's prefix [default: --prefix]
+    #[arg(long, value_name = "PREFIX")]
+    pub(crate) to_prefix: Option<String>,
+    /// Only the messages to this destination queue (a gateway's: <prefix>.gw.due.<ingress>);
+    /// repeatable [default: all]
+    #[arg(long = "queue", value_name = "QUEUE")]
+    pub(crate) queues: Vec<String>,
+    /// Count what would move (by destination and due period); copy and ack nothing
+    #[arg(long)]
+    pub(crate) dry_run: bool,
+    /// Broker messages (a batch is one) in hand per queue
+    #[arg(long, value_name = "N", default_value_t = 50, value_parser = clap::value_parser!(u16).range(1..))]
+    pub(crate) prefetch: u16,
 }
 
 const PARKED_HELP: &str = "For the admin role: reading a parking queue needs `read` on it (and `configure` on \

@@ -9,6 +9,7 @@ mod pending;
 mod recurring;
 mod send;
 mod topology;
+mod transfer;
 
 use amqp_delay::Error;
 use amqp_delay::gateway::Gateway;
@@ -52,6 +53,7 @@ async fn run(cmd: Cmd, settings: Settings) -> amqp_delay::Result<i32> {
         Cmd::Parked(c) => parked::run(&settings, c).await,
         Cmd::Pending(c) => pending::run(settings, c).await,
         Cmd::Recurring(c) => recurring::run(&settings, c).await,
+        Cmd::Transfer(a) => transfer::transfer(&settings, a).await,
     }
 }
 
