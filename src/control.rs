@@ -159,6 +159,9 @@ pub enum Record {
     RecurringMark(recurring::Mark),
     /// A scheduler restated a live schedule before the stream drops its add.
     RecurringKeep(recurring::Keep),
+    /// A scheduler published the occurrences of many schedules up to their ticks: one
+    /// round's marks.
+    RecurringMarks(recurring::Marks),
 }
 
 /// What a purge covers, as its writer asks it: messages of one destination queue, due in a
@@ -312,6 +315,16 @@ pub async fn append(conn: &Connection, layout: &Layout, record: &Record) -> Resu
     log(layout).append(conn, record).await
 }
 
+/// Appends `records` in order, pipelined on one confirm channel, and waits for every confirm
+/// (each bounded): what writes many records at once (a round of marks, a bulk of schedules).
+/// The first error; records after it may be appended or not.
+pub async fn append_all(conn: &Connection, layout: &Layout, records: &[Record]) -> Result<()> {
+    log(layout).append_all(conn, records, APPEND_WINDOW).await
+}
+
+/// Records [`append_all`] has awaiting their confirm at most.
+const APPEND_WINDOW: usize = 256;
+
 /// The gateway pairs and batch markers in the stream, oldest first, each once (what
 /// `teardown` needs; tombstones, barriers and checkpoints left out), at most [`MAX_NAMED`]; a
 /// pair as its latest record says (registered, or ended by [`Record::GatewayPairEnded`]),
@@ -425,6 +438,7 @@ impl Record {
             Record::RecurringAdd(a) => book.add(by, a, trust),
             Record::RecurringSet(s) => book.set(by, s, trust),
             Record::RecurringMark(m) => book.mark(by, m, trust),
+            Record::RecurringMarks(m) => book.marks(by, m, trust),
             Record::RecurringKeep(k) => book.keep(by, k, trust),
             _ => return false,
         };

@@ -6,8 +6,9 @@
 //! are control-stream records. Of any number of replicas of one user, the one that holds the
 //! user's lock queue (exclusive: the broker deletes it the moment its connection dies) is
 //! active; the others try to declare it every [`STANDBY_POLL`]. The active one reads the
-//! schedules, follows the stream, and every second publishes what [`recurring::plan`] says,
-//! then appends a mark (after the confirms). After a takeover, the next replica starts from the
+//! schedules, follows the stream, and every second publishes what [`recurring::plan`] says
+//! of every due schedule at once, then appends the round's marks (after the confirms), a few
+//! thousand schedules to a record. After a takeover, the next replica starts from the
 //! marks: an occurrence published but not yet marked when the active one died is published
 //! again, with the same id (`NAME@<tick>`).
 
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 use amqp_delay::ops::connection::Connector;
 use amqp_delay::ops::control::{self, Record, Start};
 use amqp_delay::ops::trust::Trust;
-use amqp_delay::recurring::{self, Book, Definition, Entry, Keep, Mark, Ticks, Window};
+use amqp_delay::recurring::{self, Book, Definition, Entry, Marks, Ticks, Window};
 use amqp_delay::settings::Settings;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Error, Message, Publisher, Result};
@@ -31,6 +32,15 @@ pub const STANDBY_POLL: Duration = Duration::from_secs(2);
 const RETRY_AFTER_MS: u64 = 30_000;
 /// Occurrences one schedule publishes in one round, at most.
 const MAX_PER_ROUND: usize = 100;
+/// Occurrences one round publishes, at most (the rest wait a round): bounds a round's
+/// memory and how long it holds the stream's records back.
+const MAX_ROUND_OCCURRENCES: usize = 20_000;
+/// Schedules whose occurrences are published at once (one delay reckoning, one wait for
+/// the confirms).
+const PUBLISH_CHUNK: usize = 500;
+/// The bytes of revisions one [`Marks`] record names, at most (a revision of `recurring
+/// add` takes 39: some 25,000 schedules), well within a control record.
+const MARKS_RECORD_BYTES: usize = 1024 * 1024;
 /// How often the active replica restates its schedules ([`Keep`]), so that they outlive the
 /// records that made them (the stream keeps a record for a week past the longest delay).
 const KEEP_EVERY: Duration = Duration::from_secs(24 * 3600);
@@ -182,13 +192,16 @@ impl Scheduler {
     fn apply(&mut self, record: Option<&Record>, by: Option<&str>) {
         if let Some(r) = record
             && r.apply_to(&mut self.book, by, &self.trust)
-            && !matches!(r, Record::RecurringMark(_))
+            && !matches!(r, Record::RecurringMark(_) | Record::RecurringMarks(_))
         {
             self.wake.clear();
         }
     }
 
-    /// Publishes what each of this user's live schedules needs now, each then marked.
+    /// Publishes what each of this user's live schedules needs now, at most
+    /// [`MAX_ROUND_OCCURRENCES`] (the rest in the next round), in chunks of
+    /// [`PUBLISH_CHUNK`] schedules each published at once; then the marks of those published
+    /// (after their confirms), [`MARKS_RECORD_BYTES`] of revisions to a [`Marks`] record.
     async fn round(
         &mut self,
         publisher: &Publisher,
@@ -203,16 +216,21 @@ impl Scheduler {
             .filter(|e| self.wake.get(&e.rev).is_none_or(|&w| w <= now))
             .cloned()
             .collect();
+        let w = Window {
+            now_ms: now,
+            ahead_ms: self.opts.ahead_ms,
+            grace_ms: self.opts.grace_ms,
+            max: MAX_PER_ROUND,
+            max_delay_ms: self.max_delay_ms,
+        };
+        let mut planned: Vec<(Entry, recurring::Plan, u64)> = Vec::new();
+        let mut occurrences = 0;
         for e in due {
+            if occurrences >= MAX_ROUND_OCCURRENCES {
+                break;
+            }
             let Some(ticks) = self.ticks_of(&e) else {
                 continue;
-            };
-            let w = Window {
-                now_ms: now,
-                ahead_ms: self.opts.ahead_ms,
-                grace_ms: self.opts.grace_ms,
-                max: MAX_PER_ROUND,
-                max_delay_ms: self.max_delay_ms,
             };
             let plan = recurring::plan(&e.def, &ticks, e.done_ms(), w);
             let wake = plan
@@ -222,24 +240,34 @@ impl Scheduler {
                 self.wake.insert(e.rev.clone(), wake);
                 continue;
             }
-            if let Err(err) = publish(publisher, &e, &plan.occurrences).await {
-                tracing::error!(
-                    schedule = %e.def.name,
-                    "publishing recurring occurrences failed (tried again in 30 s): {}",
-                    amqp_delay::error_chain(&err)
-                );
-                self.wake.insert(e.rev.clone(), now + RETRY_AFTER_MS);
-                continue;
+            occurrences += plan.occurrences.len();
+            planned.push((e, plan, wake));
+        }
+        let mut marks: Vec<(String, u64)> = Vec::new();
+        for chunk in planned.chunks(PUBLISH_CHUNK) {
+            let results = publish(publisher, chunk).await;
+            for ((e, plan, wake), r) in chunk.iter().zip(results) {
+                if let Err(err) = r {
+                    tracing::error!(
+                        schedule = %e.def.name,
+                        "publishing recurring occurrences failed (tried again in 30 s): {}",
+                        amqp_delay::error_chain(&err)
+                    );
+                    self.wake.insert(e.rev.clone(), now + RETRY_AFTER_MS);
+                    continue;
+                }
+                marks.push((e.rev.clone(), plan.through_ms));
+                self.wake.insert(e.rev.clone(), *wake);
             }
-            let mark = Mark {
-                owner: e.owner.clone(),
-                name: e.def.name.clone(),
-                rev: e.rev.clone(),
-                through_ms: plan.through_ms,
-            };
-            control::append(conn, layout, &Record::RecurringMark(mark.clone())).await?;
-            let _ = self.book.mark(Some(&self.user), &mark, &self.trust);
-            self.wake.insert(e.rev.clone(), wake);
+        }
+        if marks.is_empty() {
+            return Ok(());
+        }
+        let records = Marks::of(&self.user, &marks, MARKS_RECORD_BYTES);
+        let records: Vec<Record> = records.into_iter().map(Record::RecurringMarks).collect();
+        control::append_all(conn, layout, &records).await?;
+        for r in &records {
+            r.apply_to(&mut self.book, Some(&self.user), &self.trust);
         }
         Ok(())
     }
@@ -255,29 +283,40 @@ impl Scheduler {
 
     /// Restates this user's schedules, so that they outlive their adds.
     async fn keep(&self, conn: &Connection, layout: &amqp_delay::Layout) -> Result<()> {
-        let mine = self.book.iter().filter(|e| e.owner == self.user);
-        for e in mine {
-            let k: Keep = e.keep();
-            control::append(conn, layout, &Record::RecurringKeep(k)).await?;
-        }
-        Ok(())
+        let mine: Vec<Record> = (self.book.iter())
+            .filter(|e| e.owner == self.user)
+            .map(|e| Record::RecurringKeep(e.keep()))
+            .collect();
+        control::append_all(conn, layout, &mine).await
     }
 }
 
-/// Publishes `occurrences` of `e` and waits for every confirm.
+/// Publishes the planned occurrences of each schedule of `chunk` at once and waits for every
+/// confirm: whether each schedule's were all published. Each delay is reckoned from just
+/// before the publish.
 async fn publish(
     publisher: &Publisher,
-    e: &Entry,
-    occurrences: &[recurring::Occurrence],
-) -> Result<()> {
+    chunk: &[(Entry, recurring::Plan, u64)],
+) -> Vec<Result<()>> {
     let now = now_ms();
-    let msgs = occurrences
-        .iter()
-        .map(|o| occurrence(&e.def, o.tick_ms, o.due_ms.saturating_sub(now)));
-    for r in publisher.schedule_batch(msgs.collect()).await {
-        r?;
-    }
-    Ok(())
+    let msgs: Vec<Message> = (chunk.iter())
+        .flat_map(|(e, plan, _)| {
+            (plan.occurrences.iter())
+                .map(move |o| occurrence(&e.def, o.tick_ms, o.due_ms.saturating_sub(now)))
+        })
+        .collect();
+    let mut results = publisher.schedule_batch(msgs).await.into_iter();
+    (chunk.iter())
+        .map(|(_, plan, _)| {
+            let mut out = Ok(());
+            for r in results.by_ref().take(plan.occurrences.len()) {
+                if let (Ok(()), Err(e)) = (&out, r) {
+                    out = Err(e);
+                }
+            }
+            out
+        })
+        .collect()
 }
 
 /// The occurrence of `def` at `tick_ms`, due after `delay_ms`: its queue, body and headers,

@@ -648,6 +648,7 @@ mod tests {
             &TrustSettings {
                 admins: vec!["admin".into()],
                 peers: vec!["gateway".into()],
+                ..Default::default()
             },
         );
         let keys = |p: BasicProperties| -> Vec<String> {
