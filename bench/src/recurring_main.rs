@@ -146,10 +146,12 @@ async fn delete_queue(conn: &lapin::Connection, q: &str) -> Result<()> {
     Ok(())
 }
 
-/// One delivery: when it arrived, its tick, its id.
+/// One delivery: when it arrived, its tick, its due time (as the publisher reckoned it), its
+/// id.
 struct Got {
     at_ms: u64,
     tick_ms: u64,
+    due_ms: u64,
     id: String,
 }
 
@@ -213,16 +215,17 @@ async fn measure(
         while let Some(Ok(d)) = consumer.next().await {
             let at_ms = now_ms();
             let p = &d.properties;
-            let tick = p
-                .headers()
-                .as_ref()
-                .and_then(
-                    |h| match h.inner().get(amqp_delay::headers::RECURRING_TICK) {
+            let ms = |name: &str| {
+                p.headers()
+                    .as_ref()
+                    .and_then(|h| match h.inner().get(name) {
                         Some(AMQPValue::LongLongInt(t)) => u64::try_from(*t).ok(),
                         _ => None,
-                    },
-                )
-                .unwrap_or(0);
+                    })
+                    .unwrap_or(0)
+            };
+            let tick_ms = ms(amqp_delay::headers::RECURRING_TICK);
+            let due_ms = ms(amqp_delay::headers::DUE_AT);
             let id = p
                 .message_id()
                 .as_ref()
@@ -230,7 +233,8 @@ async fn measure(
                 .unwrap_or_default();
             sink.lock().expect("sink").push(Got {
                 at_ms,
-                tick_ms: tick,
+                tick_ms,
+                due_ms,
                 id,
             });
         }
@@ -323,8 +327,18 @@ async fn measure(
     }
     note(&format!("recurring list: {listed} lines in {list_ms:?} ms"));
 
+    // the replay alone, in this process: what `list` spends reading the stream
+    let t = Instant::now();
+    let (book, _) = control::read_schedules(conn, layout, &settings.trust).await?;
+    let replay_ms = t.elapsed().as_millis() as u64;
+    let booked = book.len();
+    drop(book);
+    let records_in_stream = stream_size(conn, &stream).await;
+
     let got = std::mem::take(&mut *got.lock().expect("sink"));
     let mut all = hist();
+    // the split: due − tick (the delay reckoned before the publish), arrival − due (the tiers)
+    let (mut reckoning, mut tiers) = (hist(), hist());
     let mut minutes: Vec<Histogram<u64>> = (0..args.minutes).map(|_| hist()).collect();
     let mut seen = HashSet::new();
     let (mut dup, mut early, mut in_window) = (0u64, 0u64, 0u64);
@@ -342,6 +356,8 @@ async fn measure(
             *per_tick.entry(g.tick_ms).or_default() += 1;
             let late = g.at_ms.saturating_sub(g.tick_ms);
             let _ = all.record(late);
+            let _ = reckoning.record(g.due_ms.saturating_sub(g.tick_ms));
+            let _ = tiers.record(g.at_ms.saturating_sub(g.due_ms));
             let _ = minutes[((g.tick_ms - from_ms) / 60_000) as usize].record(late);
         }
     }
@@ -373,12 +389,15 @@ async fn measure(
         "ticks_seen": per_tick.len(),
         "lateness_ms": lat(&all),
         "lateness_ms_per_minute": minutes.iter().map(lat).collect::<Vec<_>>(),
+        "due_after_tick_ms": lat(&reckoning),
+        "arrival_after_due_ms": lat(&tiers),
         "serve_rss_mb": { "peak": rss_peak as f64 / 1024.0, "last": rss_last as f64 / 1024.0 },
         "serve_rss_mb_by_sec": rss_samples.iter().step_by(15).map(|(s, k)| json!([s, *k as f64 / 1024.0])).collect::<Vec<_>>(),
         "cpu_cores": { "serve": cpu_of(0), "bench": cpu_of(1), "broker": cpu_of(2) },
         "control_stream": stream_growth,
         "marks_bytes_per_min": marks_bytes_per_min("guest", n),
-        "list": { "lines": listed, "ms": list_ms },
+        "list": { "lines": listed, "ms": list_ms, "replay_ms": replay_ms, "replayed": booked,
+                  "records_in_stream": records_in_stream },
     }))
 }
 

@@ -13,6 +13,7 @@
 //! again, with the same id (`NAME@<tick>`).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use amqp_delay::ops::connection::Connector;
@@ -32,12 +33,16 @@ pub const STANDBY_POLL: Duration = Duration::from_secs(2);
 const RETRY_AFTER_MS: u64 = 30_000;
 /// Occurrences one schedule publishes in one round, at most.
 const MAX_PER_ROUND: usize = 100;
+/// Cron expressions (with their zone) whose ticks a scheduler keeps parsed, at most: some
+/// 32 MB.
+const MAX_TICKS_CACHED: usize = 4_096;
 /// Occurrences one round publishes, at most (the rest wait a round): bounds a round's
 /// memory and how long it holds the stream's records back.
 const MAX_ROUND_OCCURRENCES: usize = 20_000;
 /// Schedules whose occurrences are published at once (one delay reckoning, one wait for
-/// the confirms).
-const PUBLISH_CHUNK: usize = 500;
+/// the confirms): each delay is reckoned before its chunk's publish, so the last occurrence of
+/// a chunk arrives as much after its tick as the chunk takes to publish.
+const PUBLISH_CHUNK: usize = 100;
 /// The bytes of revisions one [`Marks`] record names, at most (a revision of `recurring
 /// add` takes 39: some 25,000 schedules), well within a control record.
 const MARKS_RECORD_BYTES: usize = 1024 * 1024;
@@ -173,13 +178,16 @@ fn is_reply(e: &lapin::Error, code: u16) -> bool {
     matches!(e.kind(), lapin::ErrorKind::ProtocolError(r) if r.get_id() == code)
 }
 
-/// The active replica's state: the book, each revision's ticks, and when each schedule is
-/// next worth planning.
+/// The active replica's state: the book, the ticks of the cron expressions in use, and when
+/// each schedule is next worth planning.
 struct Scheduler {
     user: String,
     trust: Trust,
     book: Book,
-    ticks: HashMap<String, Ticks>,
+    /// By cron expression and zone, at most [`MAX_TICKS_CACHED`]: a parsed expression takes
+    /// some 8 KB (`croner` keeps a byte per year it may match), so 100,000 schedules' own would
+    /// take 800 MB; most share a few expressions, and one not cached is parsed again.
+    ticks: HashMap<(String, String), Arc<Ticks>>,
     /// By revision: not before this (ms since the epoch).
     wake: HashMap<String, u64>,
     opts: ServeOptions,
@@ -272,13 +280,18 @@ impl Scheduler {
         Ok(())
     }
 
-    /// The ticks of `e`'s revision (parsed once).
-    fn ticks_of(&mut self, e: &Entry) -> Option<Ticks> {
-        if !self.ticks.contains_key(&e.rev) {
-            let t = e.def.check().ok()?;
-            self.ticks.insert(e.rev.clone(), t);
+    /// The ticks of `e`'s expression in its zone (parsed once while cached).
+    fn ticks_of(&mut self, e: &Entry) -> Option<Arc<Ticks>> {
+        let key = (e.def.cron.clone(), e.def.tz.clone());
+        if let Some(t) = self.ticks.get(&key) {
+            return Some(t.clone());
         }
-        self.ticks.get(&e.rev).cloned()
+        let t = Arc::new(e.def.check().ok()?);
+        if self.ticks.len() >= MAX_TICKS_CACHED {
+            self.ticks.clear();
+        }
+        self.ticks.insert(key, t.clone());
+        Some(t)
     }
 
     /// Restates this user's schedules, so that they outlive their adds.
