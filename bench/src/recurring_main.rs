@@ -58,9 +58,52 @@ struct Args {
     /// The broker's process, whose CPU is read [default: the only beam.smp, if one]
     #[arg(long)]
     broker_pid: Option<u32>,
+    /// Consume with the library's worker (in process) instead of a plain consumer: the
+    /// destination gets its batch marker, so serve's publisher batches the occurrences and
+    /// the worker holds each until its tick
+    #[arg(long)]
+    worker: bool,
     /// Print one JSON object
     #[arg(long)]
     json: bool,
+}
+
+/// Where deliveries are counted.
+type Sink = Arc<Mutex<Vec<Got>>>;
+
+/// The worker path's handler: each member counted as it runs.
+struct Counting(Sink);
+
+impl amqp_delay::Handler for Counting {
+    async fn handle(
+        &self,
+        d: &amqp_delay::Delivery,
+        _ctx: &amqp_delay::Context,
+    ) -> amqp_delay::Outcome {
+        record(&self.0, d.headers(), d.message_id.clone());
+        amqp_delay::Outcome::Success
+    }
+}
+
+/// Counts a delivery with these headers and id, arrived now.
+fn record(sink: &Sink, headers: Option<&FieldTable>, id: String) {
+    let at_ms = now_ms();
+    let ms = |name: &str| {
+        headers
+            .and_then(|h| match h.inner().get(name) {
+                Some(AMQPValue::LongLongInt(t)) => u64::try_from(*t).ok(),
+                _ => None,
+            })
+            .unwrap_or(0)
+    };
+    let tick_ms = ms(amqp_delay::headers::RECURRING_TICK);
+    let due_ms = ms(amqp_delay::headers::DUE_AT);
+    sink.lock().expect("sink").push(Got {
+        at_ms,
+        tick_ms,
+        due_ms,
+        id,
+    });
 }
 
 fn main() -> std::process::ExitCode {
@@ -116,6 +159,7 @@ async fn run(args: Args) -> Result<bool> {
     let r = measure(&args, &settings, &layout, &conn, &queue).await;
     note("deleting what the run declared");
     let _ = delete_queue(&conn, &queue).await;
+    let _ = delete_queue(&conn, &layout.parked_queue(&queue)).await;
     let trust = settings.trust.clone();
     let t = amqp_delay_cli::admin::teardown_with(&conn, &layout, None, true, &[], &trust).await;
     if let Err(e) = t {
@@ -192,53 +236,51 @@ async fn measure(
     let add_secs = t0.elapsed().as_secs_f64();
     note(&format!("added {n} schedules in {add_secs:.1} s"));
 
-    // the consumer
-    let got: Arc<Mutex<Vec<Got>>> = Arc::default();
-    let cch = broker::open(conn).await?;
-    cch.basic_qos(5_000, BasicQosOptions::default())
-        .await
-        .map_err(|e| invalid(format!("qos: {e}")))?;
-    let mut consumer = cch
-        .basic_consume(
-            queue.into(),
-            "rbench".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..BasicConsumeOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|e| invalid(format!("consume: {e}")))?;
-    let sink = got.clone();
-    let consuming = tokio::spawn(async move {
-        while let Some(Ok(d)) = consumer.next().await {
-            let at_ms = now_ms();
-            let p = &d.properties;
-            let ms = |name: &str| {
-                p.headers()
-                    .as_ref()
-                    .and_then(|h| match h.inner().get(name) {
-                        Some(AMQPValue::LongLongInt(t)) => u64::try_from(*t).ok(),
-                        _ => None,
-                    })
-                    .unwrap_or(0)
-            };
-            let tick_ms = ms(amqp_delay::headers::RECURRING_TICK);
-            let due_ms = ms(amqp_delay::headers::DUE_AT);
-            let id = p
-                .message_id()
-                .as_ref()
-                .map(|s| s.to_string())
-                .unwrap_or_default();
-            sink.lock().expect("sink").push(Got {
-                at_ms,
-                tick_ms,
-                due_ms,
-                id,
-            });
-        }
-    });
+    // the consumer: a plain one, or the library's worker
+    let got: Sink = Arc::default();
+    let (stop_worker, worker_stopped) = tokio::sync::oneshot::channel::<()>();
+    let mut plain = None;
+    let consuming = if args.worker {
+        Topology::new(layout.clone())
+            .declare_destination(conn, queue)
+            .await?;
+        let worker =
+            amqp_delay::Worker::new(settings.clone()).subscribe(queue, Counting(got.clone()));
+        tokio::spawn(async move {
+            let _ = worker
+                .run(async move {
+                    let _ = worker_stopped.await;
+                })
+                .await;
+        })
+    } else {
+        let cch = broker::open(conn).await?;
+        cch.basic_qos(5_000, BasicQosOptions::default())
+            .await
+            .map_err(|e| invalid(format!("qos: {e}")))?;
+        let mut consumer = cch
+            .basic_consume(
+                queue.into(),
+                "rbench".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..BasicConsumeOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| invalid(format!("consume: {e}")))?;
+        plain = Some(cch);
+        let sink = got.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(d)) = consumer.next().await {
+                let id = (d.properties.message_id().as_ref())
+                    .map(|s| s.to_string())
+                    .unwrap_or_default();
+                record(&sink, d.properties.headers().as_ref(), id);
+            }
+        })
+    };
 
     // serve, as a child
     let bin = publisher_bin()?;
@@ -301,8 +343,13 @@ async fn measure(
         rustix::process::Signal::TERM,
     );
     let _ = tokio::time::timeout(Duration::from_secs(10), serve.wait()).await;
-    let _ = broker::close(&cch, "ok").await;
-    consuming.abort();
+    if let Some(cch) = plain {
+        broker::close(&cch, "ok").await;
+        consuming.abort();
+    } else {
+        let _ = stop_worker.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(30), consuming).await;
+    }
 
     // `recurring list` of all of them, three times
     let mut list_ms = Vec::new();
@@ -377,6 +424,7 @@ async fn measure(
     };
     Ok(json!({
         "schedules": n,
+        "consumer": if args.worker { "worker" } else { "plain" },
         "prefix": settings.prefix,
         "add_secs": add_secs,
         "window": [amqp_delay::recurring::rfc3339(from_ms), amqp_delay::recurring::rfc3339(until_ms)],
