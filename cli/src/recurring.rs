@@ -33,6 +33,8 @@ pub const STANDBY_POLL: Duration = Duration::from_secs(2);
 const RETRY_AFTER_MS: u64 = 30_000;
 /// Occurrences one schedule publishes in one round, at most.
 const MAX_PER_ROUND: usize = 100;
+/// Keep records appended at once.
+const KEEP_CHUNK: usize = 1_000;
 /// Cron expressions (with their zone) whose ticks a scheduler keeps parsed, at most: some
 /// 32 MB.
 const MAX_TICKS_CACHED: usize = 4_096;
@@ -296,11 +298,16 @@ impl Scheduler {
 
     /// Restates this user's schedules, so that they outlive their adds.
     async fn keep(&self, conn: &Connection, layout: &amqp_delay::Layout) -> Result<()> {
-        let mine: Vec<Record> = (self.book.iter())
-            .filter(|e| e.owner == self.user)
-            .map(|e| Record::RecurringKeep(e.keep()))
-            .collect();
-        control::append_all(conn, layout, &mine).await
+        let mut mine = self.book.iter().filter(|e| e.owner == self.user).peekable();
+        // a chunk at a time: 100,000 keeps at once would hold a copy of every definition
+        while mine.peek().is_some() {
+            let chunk: Vec<Record> = (mine.by_ref())
+                .take(KEEP_CHUNK)
+                .map(|e| Record::RecurringKeep(e.keep()))
+                .collect();
+            control::append_all(conn, layout, &chunk).await?;
+        }
+        Ok(())
     }
 }
 
