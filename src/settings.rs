@@ -164,6 +164,11 @@ impl JournalSettings {
     }
 }
 
+/// Recurring schedules a control stream's book holds, at most (`amqp_delay::recurring`).
+pub const MAX_SCHEDULES: usize = 200_000;
+/// `trust.max_schedules_per_user` by default.
+pub const DEFAULT_MAX_SCHEDULES_PER_USER: usize = 10_000;
+
 /// `[trust]`: the users whose records and messages count beyond their own (the broker checks
 /// every `user_id`, so a name here is who wrote it). Every process also trusts its own user.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
@@ -178,7 +183,7 @@ pub struct TrustSettings {
     /// owner, and the gateway's due stage takes what they wrote.
     pub peers: Vec<String>,
     /// Recurring schedules one user who is no admin may have, at most (of the
-    /// [`crate::recurring::MAX_SCHEDULES`] all users share): no tenant crowds out the others.
+    /// [`MAX_SCHEDULES`] all users share): no tenant crowds out the others.
     /// Every process reading the control stream must hold the same value.
     pub max_schedules_per_user: usize,
 }
@@ -188,7 +193,7 @@ impl Default for TrustSettings {
         TrustSettings {
             admins: Vec::new(),
             peers: Vec::new(),
-            max_schedules_per_user: crate::recurring::MAX_PER_OWNER,
+            max_schedules_per_user: DEFAULT_MAX_SCHEDULES_PER_USER,
         }
     }
 }
@@ -197,7 +202,7 @@ impl TrustSettings {
     /// Names must be user names: non-empty short strings; the per-user cap is 1 to the
     /// shared one.
     pub fn validate(&self) -> Result<(), String> {
-        let most = crate::recurring::MAX_SCHEDULES;
+        let most = MAX_SCHEDULES;
         if !(1..=most).contains(&self.max_schedules_per_user) {
             return Err(format!(
                 "trust.max_schedules_per_user is 1 to {most}, got {}",

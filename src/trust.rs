@@ -50,7 +50,7 @@ impl Trust {
     /// (`trust.max_schedules_per_user`).
     pub fn max_schedules_per_user(&self) -> usize {
         self.schedules_per_user
-            .unwrap_or(crate::recurring::MAX_PER_OWNER)
+            .unwrap_or(crate::settings::DEFAULT_MAX_SCHEDULES_PER_USER)
     }
 
     /// The user this process writes as: the `user_id` it puts on what it publishes.

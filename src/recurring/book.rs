@@ -24,10 +24,10 @@ use super::{Definition, check_name};
 use crate::trust::Trust;
 
 /// Schedules a book holds, at most.
-pub const MAX_SCHEDULES: usize = 200_000;
+pub const MAX_SCHEDULES: usize = crate::settings::MAX_SCHEDULES;
 /// Schedules of one owner who is no admin, at most, by default
 /// (`trust.max_schedules_per_user`, [`Trust::max_schedules_per_user`]).
-pub const MAX_PER_OWNER: usize = 10_000;
+pub const MAX_PER_OWNER: usize = crate::settings::DEFAULT_MAX_SCHEDULES_PER_USER;
 /// The longest owner or revision in a record.
 const MAX_TAG_BYTES: usize = 255;
 
