@@ -510,6 +510,12 @@ mod tests {
         assert_eq!(body, br#"{"type":"cancels","items":[["a",5]]}"#);
         let body = log.encode(&Record::barrier("n".into()));
         assert_eq!(body, br#"{"type":"barrier","nonce":"n"}"#);
+        let marks = recurring::Marks::of("u", &[("r1".into(), 60), ("r2".into(), 60)], 1 << 20);
+        let body = log.encode(&Record::RecurringMarks(marks[0].clone()));
+        assert_eq!(
+            body,
+            br#"{"type":"recurring_marks","owner":"u","groups":[{"through_ms":60,"revs":["r1","r2"]}]}"#
+        );
     }
 
     /// A purge as records carried it before its scope had a type of its own, and as they
