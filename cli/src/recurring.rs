@@ -224,6 +224,8 @@ impl Scheduler {
             .iter()
             .filter(|e| e.owner == self.user && !e.paused)
             .filter(|e| self.wake.get(&e.rev).is_none_or(|&w| w <= now))
+            // each has an occurrence or more: no more copies than a round publishes
+            .take(MAX_ROUND_OCCURRENCES)
             .cloned()
             .collect();
         let w = Window {
