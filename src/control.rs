@@ -104,13 +104,9 @@ pub enum Record {
     /// running (an earlier copy was published from the journal's kept body). Of the writer's
     /// own message, or, written by an admin, of `owner`'s (anyone's when `None`).
     Reschedule {
-        /// The message id.
-        id: String,
-        /// Whose message (an admin's record only).
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        owner: Option<String>,
-        /// Its new due time (ms since the epoch).
-        due_at_ms: u64,
+        /// The reschedule as asked (its fields sit flat beside `until_ms` on the wire).
+        #[serde(flatten)]
+        to: Reschedule,
         /// When the record is forgotten: the later of the old and the new due time, plus the
         /// horizon.
         until_ms: u64,
@@ -227,6 +223,39 @@ impl PurgeScope {
     }
 }
 
+/// A reschedule as asked: message `id` is to run at `due_at_ms`. Parsed once where it is
+/// asked (the console's form, `pending serve`'s JSON, the CLI's flags; a "delay from now" is
+/// resolved there), its `owner` resolved against the index by the service, and written as is in
+/// [`Record::Reschedule`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Reschedule {
+    /// The message id.
+    pub id: String,
+    /// Whose message (an admin's reschedule of another owner's; `None`: the writer's own, or,
+    /// written by an admin, anyone's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// Its new due time (ms since the epoch).
+    pub due_at_ms: u64,
+}
+
+impl Reschedule {
+    /// Why no writer of ours asks this, if none does: an id of no bytes or over 255, an owner
+    /// over 255 bytes.
+    pub fn check(&self) -> Result<(), String> {
+        if self.id.is_empty() || self.id.len() > MAX_ID_BYTES {
+            return Err(format!(
+                "a message id is 1 to 255 bytes, got {}",
+                self.id.len()
+            ));
+        }
+        if self.owner.as_ref().is_some_and(|o| o.len() > MAX_ID_BYTES) {
+            return Err("a reschedule's owner is at most 255 bytes".into());
+        }
+        Ok(())
+    }
+}
+
 /// A purge record: its [`PurgeScope`] as asked, and what the publisher adds when it writes.
 /// On the wire the scope's fields sit beside the others (one flat JSON object, as records
 /// written before the scope had a type of its own).
@@ -315,15 +344,12 @@ pub async fn append(conn: &Connection, layout: &Layout, record: &Record) -> Resu
     log(layout).append(conn, record).await
 }
 
-/// Appends `records` in order, pipelined on one confirm channel, and waits for every confirm
-/// (each bounded): what writes many records at once (a round of marks, a bulk of schedules).
-/// The first error; records after it may be appended or not.
+/// Appends `records` in order, pipelined on one confirm channel (256 awaiting their confirm),
+/// and waits for every confirm (each bounded): what writes many records at once (a round of
+/// marks, a bulk of schedules). The first error; records after it may be appended or not.
 pub async fn append_all(conn: &Connection, layout: &Layout, records: &[Record]) -> Result<()> {
-    log(layout).append_all(conn, records, APPEND_WINDOW).await
+    log(layout).append_all(conn, records, 256).await
 }
-
-/// Records [`append_all`] has awaiting their confirm at most.
-const APPEND_WINDOW: usize = 256;
 
 /// The gateway pairs and batch markers in the stream, oldest first, each once (what
 /// `teardown` needs; tombstones, barriers and checkpoints left out), at most [`MAX_NAMED`]; a
@@ -548,6 +574,35 @@ mod tests {
             "{json}"
         );
         assert_eq!(serde_json::from_str::<HeldPurge>(&json).unwrap(), held);
+    }
+
+    /// A reschedule as records carried it before it had a type of its own, and as they carry
+    /// it now: one flat object, with or without an owner.
+    #[test]
+    fn a_reschedule_keeps_its_flat_wire_form() {
+        let wire = r#"{"type":"reschedule","id":"m","owner":"o","due_at_ms":9,"until_ms":20}"#;
+        let mut record = Record::Reschedule {
+            to: Reschedule {
+                id: "m".into(),
+                owner: Some("o".into()),
+                due_at_ms: 9,
+            },
+            until_ms: 20,
+        };
+        assert_eq!(serde_json::to_string(&record).unwrap(), wire);
+        assert_eq!(serde_json::from_str::<Record>(wire).unwrap(), record);
+        let wire = r#"{"type":"reschedule","id":"m","due_at_ms":9,"until_ms":20}"#;
+        if let Record::Reschedule { to, .. } = &mut record {
+            to.owner = None;
+        }
+        assert_eq!(serde_json::to_string(&record).unwrap(), wire);
+        assert_eq!(serde_json::from_str::<Record>(wire).unwrap(), record);
+        let long = Reschedule {
+            id: "x".repeat(MAX_ID_BYTES + 1),
+            owner: None,
+            due_at_ms: 1,
+        };
+        assert!(long.check().unwrap_err().contains("1 to 255 bytes"));
     }
 
     #[test]

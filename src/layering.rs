@@ -61,6 +61,7 @@ const TOOL_LAYERS: &[(&str, u8)] = &[
     ("proxy", 2),
     ("tls", 2),
     ("recurring", 2),
+    ("schedules", 2),
     ("cli", 3),
 ];
 

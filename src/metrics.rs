@@ -71,6 +71,14 @@ pub struct Metrics {
     pub broker_messages: Counter,
     /// Records appended to the journal stream (scheduled, confirmed, ran).
     pub journal_records: Counter,
+    /// Occurrences of recurring schedules a `recurring serve` replica taking over found in the
+    /// journal, published by the replica before it but not yet marked, and did not publish
+    /// again.
+    pub recurring_already_published: Counter,
+    /// Takeovers of `recurring serve` that could not read the journal: the occurrences past
+    /// each schedule's mark were published again, so one published just before the takeover
+    /// may run twice.
+    pub recurring_takeover_unchecked: Counter,
     /// Publishes the broker refused (nack).
     pub nacks: Counter,
     /// Publishes the broker returned as unroutable.
@@ -152,6 +160,8 @@ impl Metrics {
             scheduled: Counter::default(),
             broker_messages: Counter::default(),
             journal_records: Counter::default(),
+            recurring_already_published: Counter::default(),
+            recurring_takeover_unchecked: Counter::default(),
             nacks: Counter::default(),
             returns: Counter::default(),
             delivered: Family::default(),
@@ -253,6 +263,16 @@ impl Metrics {
             "journal_records",
             "Records appended to the journal stream (scheduled, confirmed, ran)",
             self.journal_records.clone(),
+        );
+        self.registry.register(
+            "recurring_already_published",
+            "Occurrences a recurring serve replica taking over found journaled past their schedule's mark, and did not publish again",
+            self.recurring_already_published.clone(),
+        );
+        self.registry.register(
+            "recurring_takeover_unchecked",
+            "Takeovers of recurring serve that could not read the journal (an occurrence published just before may run twice)",
+            self.recurring_takeover_unchecked.clone(),
         );
         self.registry.register(
             "broker_nacks",

@@ -20,4 +20,5 @@ pub mod pending_index;
 pub mod plugin_store;
 pub mod proxy;
 pub mod recurring;
+pub mod schedules;
 pub mod tls;

@@ -8,9 +8,8 @@
 //! active; the others try to declare it every [`STANDBY_POLL`]. The active one reads the
 //! schedules, follows the stream, and every second publishes what [`recurring::plan`] says
 //! of every due schedule at once, then appends the round's marks (after the confirms), a few
-//! thousand schedules to a record. After a takeover, the next replica starts from the
-//! marks: an occurrence published but not yet marked when the active one died is published
-//! again, with the same id (`NAME@<tick>`).
+//! thousand schedules to a record. After a takeover, the next replica starts from the marks,
+//! less what the journal shows the one before published past them ([`takeover`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,6 +25,8 @@ use amqp_delay::{Error, Message, Publisher, Result};
 use lapin::Connection;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
+
+mod takeover;
 
 /// How often a replica that is not active tries to take the lock.
 pub const STANDBY_POLL: Duration = Duration::from_secs(2);
@@ -112,7 +113,10 @@ async fn run(settings: &Settings, opts: ServeOptions, conn: &Connection) -> Resu
     let from = at.map_or(Start::Next, |o| Start::Offset(o + 1));
     let mut tail = control::tail(conn, &layout, from).await?;
     let publisher = Publisher::connect(settings).await?;
+    let already =
+        takeover::already_published(conn, &layout, &user, &book, now_ms(), opts.ahead_ms).await;
     let mut s = Scheduler {
+        already,
         trust: Trust::new(Some(user.clone()), &settings.trust),
         user,
         book,
@@ -183,6 +187,8 @@ fn is_reply(e: &lapin::Error, code: u16) -> bool {
 /// The active replica's state: the book, the ticks of the cron expressions in use, and when
 /// each schedule is next worth planning.
 struct Scheduler {
+    /// Occurrence ids the replica before published past the marks: not published again.
+    already: std::collections::HashSet<String>,
     user: String,
     trust: Trust,
     book: Book,
@@ -251,6 +257,17 @@ impl Scheduler {
             if plan.occurrences.is_empty() {
                 self.wake.insert(e.rev.clone(), wake);
                 continue;
+            }
+            let mut plan = plan;
+            if !self.already.is_empty() {
+                let before = plan.occurrences.len();
+                plan.occurrences.retain(|o| {
+                    let id = recurring::occurrence_id(&e.def.name, o.tick_ms);
+                    !self.already.remove(&id)
+                });
+                amqp_delay::metrics::global()
+                    .recurring_already_published
+                    .inc_by((before - plan.occurrences.len()) as u64);
             }
             occurrences += plan.occurrences.len();
             planned.push((e, plan, wake));

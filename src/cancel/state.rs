@@ -405,14 +405,9 @@ impl State {
         let (ahead, t) = (self.limits.ahead_ms, &self.trust);
         let taken = match r {
             Record::Purge(p) => self.rules.purge(p, by, t, now, ahead),
-            Record::Reschedule {
-                id,
-                owner,
-                due_at_ms,
-                until_ms,
-            } => self
-                .rules
-                .reschedule(by, owner, id, due_at_ms, until_ms, t, now, ahead),
+            Record::Reschedule { to, until_ms } => {
+                self.rules.reschedule(by, to, until_ms, t, now, ahead)
+            }
             _ => Ok(()),
         };
         if let Err(why) = taken {

@@ -8,7 +8,7 @@ use lapin::types::FieldTable;
 use super::quota::{MOVES, PURGES, Pool, Rule};
 #[cfg(test)]
 use crate::control::PurgeScope;
-use crate::control::{HeldPurge, MAX_ID_BYTES, Move, Purge};
+use crate::control::{HeldPurge, MAX_ID_BYTES, Move, Purge, Reschedule};
 use crate::trust::Trust;
 
 /// Purges in one checkpoint part.
@@ -197,19 +197,22 @@ impl Rules {
         }
     }
 
-    /// Takes a reschedule written by `by` of `owner`'s message `id`.
-    #[allow(clippy::too_many_arguments)]
+    /// Takes a reschedule written by `by` (its owner as `by` may name it), live until
+    /// `until_ms`.
     pub(super) fn reschedule(
         &mut self,
         by: &str,
-        owner: Option<String>,
-        id: String,
-        due_at_ms: u64,
+        to: Reschedule,
         until_ms: u64,
         trust: &Trust,
         now: u64,
         ahead_ms: u64,
     ) -> Result<(), String> {
+        let Reschedule {
+            id,
+            owner,
+            due_at_ms,
+        } = to;
         let owner = if trust.is_admin(by) {
             owner
         } else {
@@ -334,6 +337,14 @@ mod tests {
     use crate::cancel::quota::tests::trust;
     use lapin::types::AMQPValue;
 
+    fn mv(owner: Option<String>, id: String, due_at_ms: u64) -> Reschedule {
+        Reschedule {
+            id,
+            owner,
+            due_at_ms,
+        }
+    }
+
     fn purge(queue: &str) -> Purge {
         Purge {
             nonce: "n1".into(),
@@ -399,7 +410,7 @@ mod tests {
     fn a_reschedule_moves_the_first_run_later_or_supersedes_the_old_copy() {
         let mut r = Rules::default();
         let t = trust();
-        r.reschedule("alice", None, "m".into(), 5_000, 9_000, &t, 0, 100_000)
+        r.reschedule("alice", mv(None, "m".into(), 5_000), 9_000, &t, 0, 100_000)
             .unwrap();
         assert_eq!(
             r.steer(&subject("alice", 2_000, 100, None)),
@@ -417,7 +428,7 @@ mod tests {
         retry.attempt = 1;
         assert_eq!(r.steer(&retry), Steer::Run);
         // an admin's reschedule of anyone's
-        r.reschedule("admin", None, "m".into(), 6_000, 9_000, &t, 0, 100_000)
+        r.reschedule("admin", mv(None, "m".into(), 6_000), 9_000, &t, 0, 100_000)
             .unwrap();
         assert_eq!(
             r.steer(&subject("bob", 2_000, 100, None)),
@@ -465,15 +476,15 @@ mod tests {
     fn reschedules_have_a_quota_per_owner_too() {
         let (mut r, t) = (Rules::default(), trust());
         for i in 0..MOVES.per_owner + 5 {
-            let _ = r.reschedule("bob", None, i.to_string(), 5, 9, &t, 0, 100);
+            let _ = r.reschedule("bob", mv(None, i.to_string(), 5), 9, &t, 0, 100);
         }
         assert_eq!(r.moves.len(), MOVES.per_owner);
         assert!(r.may_reschedule("bob", "new", &t).is_err());
         // moving one of his own again replaces it
         assert_eq!(r.may_reschedule("bob", "3", &t), Ok(()));
-        r.reschedule("bob", None, "3".into(), 7, 9, &t, 0, 100)
+        r.reschedule("bob", mv(None, "3".into(), 7), 9, &t, 0, 100)
             .unwrap();
-        r.reschedule("alice", None, "m".into(), 5_000, 9_000, &t, 0, 100_000)
+        r.reschedule("alice", mv(None, "m".into(), 5_000), 9_000, &t, 0, 100_000)
             .unwrap();
         assert_eq!(
             r.steer(&subject("alice", 2_000, 100, None)),

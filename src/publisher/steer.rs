@@ -131,28 +131,23 @@ impl Publisher {
         Ok(purge)
     }
 
-    /// Moves message `id` (of `owner`, for an admin; `None`: the caller's own, or anyone's for
-    /// an admin), due at `from_due_ms`, to `due_at_ms`. Later: one control record; the worker
-    /// that takes the message at its old due time sends it round the tiers again. Earlier (or
-    /// now): `copy` — the message rebuilt from the journal's kept body — is published due at
-    /// `due_at_ms` first, then the record makes the old copy be acked without running. Without
-    /// `copy` an earlier time is refused: the body was not kept.
+    /// Moves message `to.id` (of `to.owner`, for an admin; `None`: the caller's own, or
+    /// anyone's for an admin), due at `from_due_ms`, to `to.due_at_ms` (now, if that has
+    /// passed). Later: one control record; the worker that takes the message at its old due
+    /// time sends it round the tiers again. Earlier (or now): `copy` — the message rebuilt from
+    /// the journal's kept body — is published due at the new time first, then the record makes
+    /// the old copy be acked without running. Without `copy` an earlier time is refused: the
+    /// body was not kept.
     pub async fn reschedule(
         &self,
-        id: &str,
-        owner: Option<&str>,
+        to: &crate::control::Reschedule,
         from_due_ms: u64,
-        due_at_ms: u64,
         copy: Option<Message>,
     ) -> Result<Cancelled> {
         let now = now_ms();
-        if id.is_empty() || id.len() > crate::control::MAX_ID_BYTES {
-            return Err(Error::Invalid(format!(
-                "a message id is 1 to 255 bytes, got {}",
-                id.len()
-            )));
-        }
-        let due_at_ms = due_at_ms.max(now);
+        to.check().map_err(Error::Invalid)?;
+        let id = to.id.as_str();
+        let due_at_ms = to.due_at_ms.max(now);
         let latest = now.saturating_add(self.inner.layout.max_delay_ms());
         if due_at_ms > latest {
             return Err(Error::Invalid(format!(
@@ -183,9 +178,10 @@ impl Publisher {
             .min(latest)
             .saturating_add(self.cancel.horizon.as_millis());
         self.append_control(&Record::Reschedule {
-            id: id.to_string(),
-            owner: owner.map(str::to_string),
-            due_at_ms,
+            to: crate::control::Reschedule {
+                due_at_ms,
+                ..to.clone()
+            },
             until_ms,
         })
         .await?;

@@ -16,6 +16,9 @@ pub enum Start {
     Offset(u64),
     /// With what is appended from now on.
     Next,
+    /// At the first chunk appended at or after this time (ms since the epoch; the broker
+    /// counts in seconds, and starts at a chunk's first record).
+    Since(u64),
 }
 
 impl Start {
@@ -24,6 +27,7 @@ impl Start {
             Start::First => broker::long_string("first"),
             Start::Offset(o) => AMQPValue::LongLongInt(i64::try_from(o).unwrap_or(i64::MAX)),
             Start::Next => broker::long_string("next"),
+            Start::Since(ms) => AMQPValue::Timestamp(ms / 1000),
         }
     }
 }

@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use amqp_delay::ops::control::PurgeScope;
+use amqp_delay::ops::control::{PurgeScope, Reschedule};
 use amqp_delay::ops::journal::{self, Record, RunOutcome, Start};
 use amqp_delay::time::now_ms;
 use amqp_delay::{Message, Outcome};
@@ -207,11 +207,11 @@ async fn a_reschedule_moves_a_message_and_it_runs_once() {
         .await
         .unwrap();
     let new_later = later.due_at_ms + 1_500;
-    p.reschedule("later", None, later.due_at_ms, new_later, None)
+    p.reschedule(&to("later", new_later), later.due_at_ms, None)
         .await
         .unwrap();
     let e = p
-        .reschedule("earlier", None, earlier.due_at_ms, now_ms() + 500, None)
+        .reschedule(&to("earlier", now_ms() + 500), earlier.due_at_ms, None)
         .await
         .unwrap_err()
         .to_string();
@@ -221,7 +221,7 @@ async fn a_reschedule_moves_a_message_and_it_runs_once() {
     );
     let new_earlier = now_ms() + 1_000;
     let copy = Message::new(q.clone(), 0, "e");
-    p.reschedule("earlier", None, earlier.due_at_ms, new_earlier, Some(copy))
+    p.reschedule(&to("earlier", new_earlier), earlier.due_at_ms, Some(copy))
         .await
         .unwrap();
     let log2 = log.clone();
@@ -331,4 +331,13 @@ async fn failed_ids(env: &Env) -> HashSet<String> {
     }
     tail.end().await;
     failed
+}
+
+/// A reschedule of the caller's own message `id` to `due_at_ms`.
+fn to(id: &str, due_at_ms: u64) -> Reschedule {
+    Reschedule {
+        id: id.into(),
+        owner: None,
+        due_at_ms,
+    }
 }

@@ -7,13 +7,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use amqp_delay::ops::control::PurgeScope;
+use amqp_delay::ops::control::Reschedule;
 use amqp_delay::settings::Settings;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Message, Outcome};
 use amqp_delay_cli::pending::auth::throttle;
 use amqp_delay_cli::pending::follow::{self, FollowOptions, Status};
 use amqp_delay_cli::pending::http::{Api, listen, router};
-use amqp_delay_cli::pending::service::{MoveTo, Query, Reschedule, Service};
+use amqp_delay_cli::pending::service::{Query, Service};
 use amqp_delay_cli::pending::wire::RowOut;
 use amqp_delay_cli::pending_index::{Options, PendingIndex, Viewer};
 use tokio::sync::oneshot;
@@ -193,12 +194,12 @@ async fn scheduled_messages_are_listed_and_leave_pending_when_cancelled_or_run()
     env.cleanup().await;
 }
 
-/// A reschedule of the caller's own message `id` to `to`.
-fn moving(id: &str, to: MoveTo) -> Reschedule {
+/// A reschedule of the caller's own message `id` to `due_at_ms`.
+fn moving(id: &str, due_at_ms: u64) -> Reschedule {
     Reschedule {
         id: id.into(),
         owner: None,
-        to,
+        due_at_ms,
     }
 }
 
@@ -241,14 +242,14 @@ async fn purge_and_reschedule_steer_what_runs() {
     let new_due = moved.due_at_ms + 2_000;
     let r = ix
         .service
-        .reschedule(&env.settings, &moving("moved", MoveTo::At(new_due)))
+        .reschedule(&env.settings, &moving("moved", new_due))
         .await
         .unwrap();
     assert!(!r.resent);
     // earlier without the body: a clear error
     let e = ix
         .service
-        .reschedule(&env.settings, &moving("a-0", MoveTo::Delay(100)))
+        .reschedule(&env.settings, &moving("a-0", now_ms() + 100))
         .await
         .unwrap_err()
         .to_string();
@@ -498,6 +499,45 @@ async fn a_user_sees_only_its_own_and_an_admin_everything() {
             .len(),
         2
     );
+    // a reschedule through the API, as alice: one JSON body, parsed once ("delay" is from
+    // now: 5.5 s, within the topology's 6); her own message moves, the admin's is not hers to find
+    let post = |id: &str, body: &str| {
+        let url = format!("http://{addr}/api/v1/pending/{id}/reschedule");
+        let (user, body) = (alice.clone(), body.to_string());
+        tokio::task::spawn_blocking(move || {
+            let agent: ureq::Agent = ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .build()
+                .into();
+            use base64::Engine as _;
+            let token =
+                base64::engine::general_purpose::STANDARD.encode(format!("{user}:{user}-pw"));
+            let mut r = agent
+                .post(&url)
+                .header("authorization", &format!("Basic {token}"))
+                .header("content-type", "application/json")
+                .send(body.as_bytes())
+                .unwrap();
+            (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+        })
+    };
+    let asked = now_ms();
+    let (status, body) = post("of-alice", r#"{"delay": 5500}"#).await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    let out: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let due = out["due_at_ms"].as_u64().unwrap();
+    assert!(
+        due >= asked + 5_500 && due <= now_ms() + 5_500,
+        "moved to {due}, asked at {asked}: {body}"
+    );
+    assert_eq!(out["action"], "rescheduled", "{body}");
+    let (status, body) = post("of-root", r#"{"delay": "5s"}"#).await.unwrap();
+    assert_eq!(status, 404, "{body}");
+    let (status, body) = post("of-alice", r#"{"delay": "20s", "at": 5}"#)
+        .await
+        .unwrap();
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("give one of"), "{body}");
     // wrong passwords checked by the broker: five are 401s (alice's above, and four more),
     // then this address is throttled, whoever it names
     let stranger = format!("{prefix}-nobody");

@@ -65,10 +65,10 @@ async fn add_as(w: &crate::trust::World, role: &str, name: &str) -> String {
     cli_as("recurring add", &w.cfg, &w.url(role), &args).await
 }
 
-#[tokio::test]
-async fn an_owners_schedule_is_invisible_and_unsteerable_to_another_tenant() {
+/// [`world`] with alice and mallory holding the recurring set each, as permissions.sh prints
+/// it, and the world's queue declared by the admin.
+async fn tenants() -> crate::trust::World {
     let w = world().await;
-    // alice and mallory: the recurring set of each, as permissions.sh prints it
     let (alice, mallory) = (w.user("alice"), w.user("mallory"));
     let sets = documented_sets(&[
         "--prefix",
@@ -91,6 +91,13 @@ async fn an_owners_schedule_is_invisible_and_unsteerable_to_another_tenant() {
         &["declare", "--queue", &w.q],
     )
     .await;
+    w
+}
+
+#[tokio::test]
+async fn an_owners_schedule_is_invisible_and_unsteerable_to_another_tenant() {
+    let w = tenants().await;
+    let (alice, mallory) = (w.user("alice"), w.user("mallory"));
     let out = add_as(&w, "alice", "nightly").await;
     assert!(out.contains("next tick"), "{out}");
     add_as(&w, "mallory", "nightly").await;
@@ -180,18 +187,16 @@ struct Serve {
 
 impl Serve {
     fn start(env: &Env, cfg: &std::path::Path, name: &str) -> Serve {
+        Serve::start_with(env, cfg, name, &["--ahead", "3s"])
+    }
+
+    fn start_with(env: &Env, cfg: &std::path::Path, name: &str, args: &[&str]) -> Serve {
         let log = std::env::temp_dir().join(format!("{}-serve-{name}.log", env.settings.prefix));
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
             .arg("--config")
             .arg(cfg)
-            .args([
-                "--url",
-                &env.settings.url,
-                "recurring",
-                "serve",
-                "--ahead",
-                "3s",
-            ])
+            .args(["--url", &env.settings.url, "recurring", "serve"])
+            .args(args)
             .env("RUST_LOG", "warn,amqp_delay=info,amqp_delay_cli=info")
             .stdout(std::process::Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -340,5 +345,547 @@ async fn a_paused_schedule_runs_no_tick_until_resumed_and_its_paused_ticks_never
             m.id()
         );
     }
+    env.cleanup().await;
+}
+
+/// `pending serve`'s API on a free port, logins checked by the world's broker, the admin its
+/// `trust.admins`; its address.
+async fn api_of(w: &crate::trust::World) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    use amqp_delay_cli::pending::follow::Status;
+    use amqp_delay_cli::pending::http::{Api, listen, router};
+    use amqp_delay_cli::pending::service::Service;
+    use amqp_delay_cli::pending_index::{Options, PendingIndex};
+    use std::sync::{Arc, Mutex};
+    let settings = w.as_role("adm");
+    let ix = PendingIndex::open(std::path::Path::new(":memory:"), Options::default()).unwrap();
+    let service = Service::new(settings.clone(), Arc::new(Mutex::new(ix)), Status::new());
+    let api = Arc::new(Api::new(service, settings));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let _ = listen::serve(listener, router(api), std::future::pending()).await;
+    });
+    (addr, server)
+}
+
+/// `METHOD path` with `body` as `user` (password `<user>-pw`); the status and the JSON.
+async fn call(
+    addr: std::net::SocketAddr,
+    method: &'static str,
+    path: &str,
+    user: &str,
+    body: Option<serde_json::Value>,
+) -> (u16, serde_json::Value) {
+    use base64::Engine as _;
+    let url = format!("http://{addr}{path}");
+    let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{user}-pw"));
+    tokio::task::spawn_blocking(move || {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .build()
+            .into();
+        let auth = format!("Basic {token}");
+        let mut r = match (method, body) {
+            ("GET", _) => agent.get(&url).header("authorization", &auth).call(),
+            (_, Some(b)) => agent
+                .post(&url)
+                .header("authorization", &auth)
+                .header("content-type", "application/json")
+                .send(b.to_string()),
+            (_, None) => agent.post(&url).header("authorization", &auth).send_empty(),
+        }
+        .unwrap();
+        let text = r.body_mut().read_to_string().unwrap();
+        let v = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+        (r.status().as_u16(), v)
+    })
+    .await
+    .unwrap()
+}
+
+/// (owner, name, paused) of each schedule of a list answer.
+fn rows(v: &serde_json::Value) -> Vec<(String, String, bool)> {
+    v["schedules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["owner"].as_str().unwrap().to_string(),
+                s["name"].as_str().unwrap().to_string(),
+                s["paused"].as_bool().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// The API steers schedules as the login, with the CLI's code: alice adds, lists, shows,
+/// pauses, resumes, runs now and removes her own; mallory sees none of hers and cannot name
+/// them; the admin sees and steers everyone's; bad definitions are 400 before anything is
+/// written.
+#[tokio::test]
+async fn the_api_steers_schedules_as_the_login_and_no_further() {
+    let w = tenants().await;
+    let (alice, mallory, adm) = (w.user("alice"), w.user("mallory"), w.user("adm"));
+    let (addr, server) = api_of(&w).await;
+    let def = serde_json::json!({
+        "name": "nightly", "cron": "0 2 * * *", "tz": "Europe/Berlin", "queue": w.q,
+        "body": "hi", "headers": {"kind": "report"}
+    });
+    let (status, out) = call(addr, "POST", "/api/v1/schedules", &alice, Some(def)).await;
+    assert_eq!(status, 201, "{out}");
+    assert!(
+        out["next_tick"].as_str().unwrap().ends_with(":00:00Z"),
+        "{out}"
+    );
+    let (status, out) = call(addr, "GET", "/api/v1/schedules", &alice, None).await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(rows(&out), [(alice.clone(), "nightly".into(), false)]);
+    let (status, one) = call(addr, "GET", "/api/v1/schedules/nightly", &alice, None).await;
+    assert_eq!(status, 200, "{one}");
+    assert_eq!(one["next_ticks"].as_array().unwrap().len(), 5, "{one}");
+    assert_eq!(one["headers"], serde_json::json!([["kind", "report"]]));
+
+    // mallory: none of alice's, and naming her is refused
+    let (_, out) = call(addr, "GET", "/api/v1/schedules", &mallory, None).await;
+    assert!(rows(&out).is_empty(), "{out}");
+    let (status, _) = call(addr, "GET", "/api/v1/schedules/nightly", &mallory, None).await;
+    assert_eq!(status, 404);
+    let owner = serde_json::json!({ "owner": alice });
+    let (status, out) = call(
+        addr,
+        "POST",
+        "/api/v1/schedules/nightly/pause",
+        &mallory,
+        Some(owner.clone()),
+    )
+    .await;
+    assert_eq!(status, 400, "{out}");
+    assert!(out["error"].as_str().unwrap().contains("admin"), "{out}");
+
+    // alice pauses and resumes; the admin pauses hers, naming her
+    for (who, action, body, paused) in [
+        (&alice, "pause", None, true),
+        (&alice, "resume", None, false),
+        (&adm, "pause", Some(owner.clone()), true),
+    ] {
+        let path = format!("/api/v1/schedules/nightly/{action}");
+        let (status, out) = call(addr, "POST", &path, who, body).await;
+        assert_eq!(status, 200, "{action}: {out}");
+        let (_, out) = call(addr, "GET", "/api/v1/schedules", &adm, None).await;
+        assert_eq!(rows(&out), [(alice.clone(), "nightly".into(), paused)]);
+    }
+    // run-now: one occurrence, published as alice, named by this second
+    let (status, out) = call(
+        addr,
+        "POST",
+        "/api/v1/schedules/nightly/run-now",
+        &alice,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{out}");
+    assert!(
+        out["sent"].as_str().unwrap().starts_with("nightly@"),
+        "{out}"
+    );
+
+    // what no schedule can be: 400, and nothing written
+    for (bad, why) in [
+        (
+            serde_json::json!({"name": "bad", "cron": "61 * * * *", "queue": w.q}),
+            "cron",
+        ),
+        (
+            serde_json::json!({"name": "bad", "cron": "@daily", "tz": "Mars/Olympus", "queue": w.q}),
+            "time zone",
+        ),
+        (
+            serde_json::json!({"name": "bad", "cron": "@daily", "queue": w.q, "x": 1}),
+            "unknown field",
+        ),
+        (
+            serde_json::json!({"name": "bad", "cron": "@daily", "queue": w.q, "headers": {"x-delay-ms": "1"}}),
+            "reserved",
+        ),
+    ] {
+        let (status, out) = call(addr, "POST", "/api/v1/schedules", &alice, Some(bad)).await;
+        assert_eq!(status, 400, "{out}");
+        assert!(out["error"].as_str().unwrap().contains(why), "{why}: {out}");
+    }
+    // the console's Schedules page: alice's resume button, mallory's empty page
+    let console = Console::start(&w).await;
+    let page = console.get("/schedules", &alice).await;
+    assert!(
+        page.contains("nightly") && page.contains(">Resume<"),
+        "{page}"
+    );
+    assert!(page.contains("<code>0 2 * * *</code>"), "{page}");
+    assert!(
+        !console
+            .get("/schedules", &mallory)
+            .await
+            .contains("nightly")
+    );
+    let token = page
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|t| t.split('"').next())
+        .unwrap()
+        .to_string();
+    let form = [
+        ("csrf", token.as_str()),
+        ("name", "nightly"),
+        ("owner", alice.as_str()),
+    ];
+    let (status, done) = console.post("/schedules/resume", &alice, &form).await;
+    assert_eq!(status, 200, "{done}");
+    assert!(done.contains("Resumed"), "{done}");
+    let (_, out) = call(addr, "GET", "/api/v1/schedules", &alice, None).await;
+    assert_eq!(rows(&out), [(alice.clone(), "nightly".into(), false)]);
+    assert!(console.get("/schedules", &alice).await.contains(">Pause<"));
+    // a form without this user's token is refused, and changes nothing
+    let forged = [
+        ("csrf", "forged"),
+        ("name", "nightly"),
+        ("owner", alice.as_str()),
+    ];
+    let (status, _) = console.post("/schedules/pause", &alice, &forged).await;
+    assert_eq!(status, 403);
+    let (_, out) = call(addr, "GET", "/api/v1/schedules", &alice, None).await;
+    assert_eq!(rows(&out), [(alice.clone(), "nightly".into(), false)]);
+    console.stop().await;
+
+    let (status, out) = call(
+        addr,
+        "POST",
+        "/api/v1/schedules/nightly/remove",
+        &alice,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{out}");
+    let (_, out) = call(addr, "GET", "/api/v1/schedules", &adm, None).await;
+    assert!(rows(&out).is_empty(), "{out}");
+    server.abort();
+}
+
+/// `delay-console` of the world on a free port (its index in a file of its own), the admin
+/// its `trust.admins`.
+struct Console {
+    addr: std::net::SocketAddr,
+    dir: std::path::PathBuf,
+    stop: tokio::sync::oneshot::Sender<()>,
+    served: tokio::task::JoinHandle<()>,
+}
+
+impl Console {
+    async fn start(w: &crate::trust::World) -> Console {
+        use amqp_delay_cli::console;
+        let dir = std::env::temp_dir().join(format!("{}-console", w.p));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = console::Config {
+            listen: "127.0.0.1:0".into(),
+            index: dir.join("index.db"),
+            cache_bytes: 4 << 20,
+            tls: None,
+        };
+        let (app, _index) = console::app(w.as_role("adm"), &config).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let served = tokio::spawn(async move {
+            let bound = move |a| {
+                let _ = tx.send(a);
+            };
+            let shutdown = async move {
+                let _ = stopped.await;
+            };
+            console::serve(app, config, bound, shutdown).await.unwrap();
+        });
+        Console {
+            addr: rx.await.unwrap(),
+            dir,
+            stop,
+            served,
+        }
+    }
+
+    /// A request as `user` (password `<user>-pw`) from the console's own page: the status
+    /// and the body.
+    async fn send(
+        &self,
+        path: &str,
+        user: &str,
+        form: Option<Vec<(String, String)>>,
+    ) -> (u16, String) {
+        use base64::Engine as _;
+        let url = format!("http://{}{path}", self.addr);
+        let origin = format!("http://{}", self.addr);
+        let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{user}-pw"));
+        tokio::task::spawn_blocking(move || {
+            let agent: ureq::Agent = ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .build()
+                .into();
+            let auth = format!("Basic {token}");
+            let mut r = match form {
+                None => agent.get(&url).header("authorization", &auth).call(),
+                Some(f) => agent
+                    .post(&url)
+                    .header("authorization", &auth)
+                    .header("origin", &origin)
+                    .send_form(f.iter().map(|(k, v)| (k.as_str(), v.as_str()))),
+            }
+            .unwrap();
+            (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+        })
+        .await
+        .unwrap()
+    }
+
+    async fn get(&self, path: &str, user: &str) -> String {
+        let (status, page) = self.send(path, user, None).await;
+        assert_eq!(status, 200, "{page}");
+        page
+    }
+
+    async fn post(&self, path: &str, user: &str, form: &[(&str, &str)]) -> (u16, String) {
+        let form = form
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        self.send(path, user, Some(form)).await
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.served.await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// How many times the journal says each occurrence of schedule `name` was scheduled, by id:
+/// the journal read from its start to a barrier of our own.
+async fn journaled(env: &Env, name: &str) -> std::collections::BTreeMap<String, usize> {
+    use amqp_delay::ops::journal::{self, Record, Start};
+    let layout = env.settings.layout().unwrap();
+    let nonce = journal::barrier(&env.conn, &layout).await.unwrap();
+    let mut tail = journal::tail(&env.conn, &layout, Start::First)
+        .await
+        .unwrap();
+    let mut out = std::collections::BTreeMap::new();
+    let prefix = format!("{name}@");
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(30), tail.next())
+            .await
+            .expect("the journal's reader stalled")
+            .expect("the journal's reader ended")
+            .unwrap();
+        match e.record {
+            Some(Record::Barrier { nonce: n }) if n == nonce => break,
+            Some(Record::Scheduled { items, .. }) => {
+                for i in items.iter().filter(|i| i.id.starts_with(&prefix)) {
+                    *out.entry(i.id.clone()).or_insert(0) += 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    tail.end().await;
+    out
+}
+
+/// Polls [`journaled`] until it names `n` occurrences of `name` (or a minute passes).
+async fn until_journaled(
+    env: &Env,
+    name: &str,
+    n: usize,
+) -> std::collections::BTreeMap<String, usize> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let got = journaled(env, name).await;
+        if got.len() >= n || std::time::Instant::now() > deadline {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// `recurring serve --ahead 400d` against the broker, on two schedules of Europe/Berlin
+/// windowed (`--from`/`--until`) onto the real transitions of 2027: every quarter hour from
+/// 01:00 to 03:45 local time, within 01:30 and 03:30 (spring) or 03:15 (fall) local. On 28 March the clocks skip 02:00-03:00: the skipped quarter
+/// hours and 03:00 fall on the same instant, the change (01:00Z), which runs once. On 31
+/// October they repeat 02:00-03:00: its quarter hours run once, on their first pass (00:00Z to
+/// 00:45Z), and none during the second (01:00Z to 01:59Z). Each occurrence is journaled once
+/// and listed by `pending` under its id; nothing waits for 2027 (they are scheduled ahead, in
+/// a topology whose longest delay is 400 days).
+#[tokio::test]
+async fn ticks_across_the_daylight_saving_changes_of_2027_are_scheduled_once_each() {
+    let topology = amqp_delay::TopologySettings {
+        radix: 4,
+        unit: amqp_delay::time::DurationMs(3_600_000),
+        max_delay: amqp_delay::time::DurationMs(400 * 24 * 3_600_000),
+        fixed_levels: vec![],
+        fixed_shards: 1,
+        ..amqp_delay::TopologySettings::default()
+    };
+    let mut env = Env::new(topology).await;
+    // nothing here is to arrive on time: two hours' lateness is within budget
+    env.settings.precision = amqp_delay::Precision {
+        lateness: amqp_delay::time::DurationMs(7_200_000),
+        lateness_ratio: 0.0,
+    };
+    let q = env.queue("dst").await;
+    let cfg = env.write_config("");
+    for (name, from, until) in [
+        ("spring", "2027-03-28T00:30:00Z", "2027-03-28T01:30:00Z"),
+        ("fall", "2027-10-30T23:30:00Z", "2027-10-31T02:15:00Z"),
+    ] {
+        let add = [
+            "recurring",
+            "add",
+            name,
+            "--cron",
+            "*/15 1-3 * * *",
+            "--tz",
+            "Europe/Berlin",
+            "--queue",
+            &q,
+            "--from",
+            from,
+            "--until",
+            until,
+        ];
+        let (code, _, err) = publisher_cli(&cfg, &add).await;
+        assert_eq!(code, Some(0), "{err}");
+    }
+    let serve = Serve::start_with(&env, &cfg, "dst", &["--ahead", "400days"]);
+    let at = |t: &str| format!("{t}:00Z");
+    let spring: Vec<String> = [
+        "2027-03-28T00:30",
+        "2027-03-28T00:45",
+        "2027-03-28T01:00",
+        "2027-03-28T01:15",
+        "2027-03-28T01:30",
+    ]
+    .iter()
+    .map(|t| format!("spring@{}", at(t)))
+    .collect();
+    let fall: Vec<String> = [
+        "2027-10-30T23:30",
+        "2027-10-30T23:45",
+        "2027-10-31T00:00",
+        "2027-10-31T00:15",
+        "2027-10-31T00:30",
+        "2027-10-31T00:45",
+        "2027-10-31T02:00",
+        "2027-10-31T02:15",
+    ]
+    .iter()
+    .map(|t| format!("fall@{}", at(t)))
+    .collect();
+    for (name, want) in [("spring", &spring), ("fall", &fall)] {
+        let got = until_journaled(&env, name, want.len()).await;
+        let ids: Vec<&String> = got.keys().collect();
+        let mut sorted = want.clone();
+        sorted.sort();
+        assert_eq!(
+            ids,
+            sorted.iter().collect::<Vec<_>>(),
+            "{name}:\n{}",
+            serve.log()
+        );
+        assert!(
+            got.values().all(|&n| n == 1),
+            "{name}: scheduled more than once: {got:?}"
+        );
+    }
+    // `pending` lists them under their ids (the CLI reading the streams itself)
+    let (code, out, err) = publisher_cli(
+        &cfg,
+        &["pending", "list", "--queue", &q, "--json", "--limit", "100"],
+    )
+    .await;
+    assert_eq!(code, Some(0), "{err}");
+    let page: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let listed: std::collections::BTreeSet<String> = page["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["id"].as_str().map(str::to_string))
+        .collect();
+    for id in spring.iter().chain(&fall) {
+        assert!(listed.contains(id), "{id} is not listed by pending: {out}");
+    }
+    drop(serve);
+    env.cleanup().await;
+}
+
+/// A kill -9 of the active replica between an occurrence's confirm and its mark, just before
+/// its tick, replayed exactly: the dead replica's publish (the same user, journaled, confirmed)
+/// and no mark. The replica that becomes active finds it in the journal and does not publish
+/// it again: that tick runs once, and every later tick once, none missing.
+#[tokio::test]
+async fn a_tick_published_but_not_marked_before_a_kill_9_runs_once() {
+    // the replayed tick is up to 3.2 s ahead
+    let mut topology = small_topology();
+    topology.max_delay = amqp_delay::time::DurationMs(5_000);
+    let mut env = Env::new(topology).await;
+    let q = env.queue("once").await;
+    let cfg = env.write_config("");
+    let add = [
+        "recurring",
+        "add",
+        "every3",
+        "--cron",
+        "*/3 * * * * *",
+        "--queue",
+        &q,
+    ];
+    let (code, _, err) = publisher_cli(&cfg, &add).await;
+    assert_eq!(code, Some(0), "{err}");
+    // what the dead replica did: the next tick's occurrence published (within the topology's
+    // longest delay), confirmed, and then no mark
+    let def = amqp_delay::recurring::Definition::new("every3", "*/3 * * * * *", &q, "");
+    let ticks = def.check().unwrap();
+    let now = amqp_delay::time::now_ms();
+    let tick = ticks.next_after(now + 200).unwrap();
+    let p = amqp_delay::Publisher::connect(&env.settings).await.unwrap();
+    let delay = tick.saturating_sub(amqp_delay::time::now_ms());
+    let sent = p
+        .schedule(amqp_delay_cli::recurring::occurrence(&def, tick, delay))
+        .await
+        .unwrap();
+    p.close().await;
+    let id = amqp_delay::recurring::occurrence_id("every3", tick);
+    assert_eq!(sent.message_id, id);
+    let serve = Serve::start(&env, &cfg, "once");
+    let mut got = env.expect(&q, 3).await;
+    assert_eq!(got.len(), 3, "too few ticks:\n{}", serve.log());
+    drop(serve);
+    got.extend(
+        collect(
+            &env.conn,
+            &q,
+            usize::MAX,
+            Duration::from_secs(5),
+            Duration::ZERO,
+        )
+        .await,
+    );
+    let mut ran: Vec<u64> = got
+        .iter()
+        .map(|m| m.int_header("x-delay-recurring-tick").unwrap() as u64)
+        .collect();
+    ran.sort_unstable();
+    let every: Vec<u64> = (tick..=ran[ran.len() - 1]).step_by(3_000).collect();
+    assert_eq!(
+        ran, every,
+        "the replayed tick {id} ran twice, or a tick is missing"
+    );
+    // and the journal holds each occurrence once: the dead one's was not published again
+    let journaled = journaled(&env, "every3").await;
+    assert_eq!(journaled.get(&id), Some(&1), "{journaled:?}");
+    assert!(journaled.values().all(|&n| n == 1), "{journaled:?}");
     env.cleanup().await;
 }

@@ -1,4 +1,4 @@
-//! Issue 23 replayed with several users, each holding exactly its documented permission set
+//! One tenant attacking another, replayed with several users, each holding exactly its documented permission set
 //! (on our own TLS test node's plain port, where users are created): what one role can do to
 //! another. A publisher (mallory) cancels, forges records and writes into the gateway's due
 //! queue; another publisher's (alice's) messages, an admin's cancel and the gateway's output

@@ -13,7 +13,8 @@
 //!   one message with its history and body.
 //! * **Actions** ([`steer`]) are the CLI's: cancel, reschedule and purge through the pending
 //!   service ([`crate::pending::service::Service`], after a confirmation page that counts for a
-//!   purge), retry or drop parked messages (`amqp_delay::ops::parked`).
+//!   purge), retry or drop parked messages (`amqp_delay::ops::parked`), pause and resume a
+//!   recurring schedule ([`schedules`], the CLI's `recurring` code).
 //!   Every POST carries a token tied to the user and an hour old at most, and must come from
 //!   this console's own pages (Origin or Referer naming this host) ([`csrf`]).
 //! * **HTML** comes from templates embedded at compile time and escaped by the engine
@@ -27,6 +28,7 @@
 
 pub mod csrf;
 mod pages;
+mod schedules;
 pub mod search;
 mod steer;
 pub mod store;
@@ -111,6 +113,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/message/reschedule", post(steer::reschedule))
         .route("/parked/retry", post(steer::parked_retry))
         .route("/parked/drop", post(steer::parked_drop))
+        .route("/schedules", get(schedules::page))
+        .route("/schedules/pause", post(schedules::pause))
+        .route("/schedules/resume", post(schedules::resume))
         .route_layer(axum::middleware::from_fn_with_state(
             app.gate.clone(),
             crate::pending::auth::require_login,

@@ -20,7 +20,8 @@ use serde::de::DeserializeOwned;
 use super::search::{self, Query as Search};
 use super::{App, Login, csrf, notice};
 use crate::logline::escape_controls;
-use crate::pending::service::{Failure, MoveTo, Reschedule};
+use crate::pending::service::Failure;
+use amqp_delay::ops::control::Reschedule;
 
 /// A refused form post: 403 and why, as plain text.
 fn forbidden(why: &str) -> Response {
@@ -42,6 +43,13 @@ pub(super) trait Tokened {
 pub(super) struct Checked<F> {
     login: Login,
     form: F,
+}
+
+impl<F> Checked<F> {
+    /// The login and the form.
+    pub(super) fn into_parts(self) -> (Login, F) {
+        (self.login, self.form)
+    }
 }
 
 impl<F> FromRequest<Arc<App>> for Checked<F>
@@ -179,7 +187,7 @@ pub(super) async fn reschedule(
     let r = Reschedule {
         id: id.clone(),
         owner: (!f.owner.is_empty()).then(|| f.owner.clone()),
-        to: MoveTo::At(to),
+        due_at_ms: to,
     };
     match app.service.reschedule(&login.as_user, &r).await {
         Ok(done) => {

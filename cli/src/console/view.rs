@@ -15,6 +15,7 @@ const TEMPLATES: &[(&str, &str)] = &[
     ("message.html", include_str!("templates/message.html")),
     ("confirm.html", include_str!("templates/confirm.html")),
     ("notice.html", include_str!("templates/notice.html")),
+    ("schedules.html", include_str!("templates/schedules.html")),
 ];
 
 const STYLESHEET: &str = include_str!("templates/console.css");

@@ -12,10 +12,11 @@ use base64::Engine as _;
 use serde::de::DeserializeOwned;
 
 use super::follow::{self, Status, percent_decode};
-use super::service::{Failure, MoveTo, Query, Reschedule, Service};
+use super::service::{Failure, Query, Service};
 use super::wire::{ErrorOut, PageOut, PurgeOut, ShowOut, StatusOut, SteeredOut};
 use crate::pending_index::Viewer;
 use amqp_delay::ops::control::PurgeScope;
+use amqp_delay::ops::control::Reschedule;
 
 /// How long one request to a `pending serve` may take.
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -270,10 +271,7 @@ impl Source {
         match self {
             Source::Local(s) => s.reschedule(s.settings(), r).await,
             Source::Remote(remote) => {
-                let body = match r.to {
-                    MoveTo::Delay(d) => serde_json::json!({ "delay": d, "owner": r.owner }),
-                    MoveTo::At(t) => serde_json::json!({ "at": t, "owner": r.owner }),
-                };
+                let body = serde_json::json!({ "at": r.due_at_ms, "owner": r.owner });
                 remote
                     .call(Some(body), Source::action_url(remote, &r.id, "reschedule")?)
                     .await

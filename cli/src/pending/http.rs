@@ -8,6 +8,7 @@
 //! | `POST /api/v1/pending/{id}/reschedule` | `{"delay": "10m"}` or `{"at": "2026-12-24T18:00:00Z"}`, `"owner"?` |
 //! | `POST /api/v1/pending/{id}/cancel` | `{"owner"?}` (or no body) |
 //! | `GET /api/v1/status` | how far behind the index is |
+//! | `/api/v1/schedules...` | recurring schedules: list, show, add, pause, resume, remove, run-now, purge ([`schedules`]) |
 //! | `GET /healthz`, `GET /readyz` | alive; following the streams (no login) |
 //!
 //! Every `/api/v1/` request logs in with HTTP Basic as a broker user ([`super::auth`], as the
@@ -34,13 +35,14 @@ use serde::Deserialize;
 
 use super::auth::{Authenticate, Gate, Login, Logins, Style, require_login};
 use super::follow::{self, FollowOptions, Status};
-use super::service::{Failure, MoveTo, Query, Reschedule, Service};
+use super::service::{Failure, Query, Service};
 use super::when::parse_time;
 use super::wire::{ErrorOut, StatusOut};
 use crate::pending_index::{Options, PendingIndex};
-use amqp_delay::ops::control::PurgeScope;
+use amqp_delay::ops::control::{PurgeScope, Reschedule};
 
 pub mod listen;
+mod schedules;
 
 /// The largest request body taken.
 pub const MAX_BODY: usize = 64 << 10;
@@ -68,7 +70,7 @@ impl Api {
 
 /// The routes.
 pub fn router(api: Arc<Api>) -> Router {
-    Router::new()
+    schedules::routes(Router::new())
         .route("/api/v1/pending", get(list))
         .route("/api/v1/pending/purge", post(purge))
         .route("/api/v1/pending/{id}", get(show))
@@ -339,15 +341,24 @@ async fn purge(
     }
 }
 
-fn move_to(b: &RescheduleBody) -> std::result::Result<MoveTo, String> {
-    match (&b.delay, &b.at) {
-        (Some(TimeArg::Ms(d)), None) => Ok(MoveTo::Delay(*d)),
-        (Some(TimeArg::Text(d)), None) => parse_duration_ms(d)
-            .map(MoveTo::Delay)
-            .map_err(|e| format!("delay: {e}")),
-        (None, Some(at)) => at.ms(now_ms()).map(MoveTo::At),
-        _ => Err("give one of \"delay\" (10m, 1500) and \"at\" (a time)".into()),
-    }
+/// The reschedule a JSON body asks for message `id`, parsed once: a `delay` is from now.
+fn reschedule_of(id: String, b: RescheduleBody) -> std::result::Result<Reschedule, String> {
+    let now = now_ms();
+    let due_at_ms = match (&b.delay, &b.at) {
+        (Some(TimeArg::Ms(d)), None) => now.saturating_add(*d),
+        (Some(TimeArg::Text(d)), None) => {
+            now.saturating_add(parse_duration_ms(d).map_err(|e| format!("delay: {e}"))?)
+        }
+        (None, Some(at)) => at.ms(now)?,
+        _ => return Err("give one of \"delay\" (10m, 1500) and \"at\" (a time)".into()),
+    };
+    let r = Reschedule {
+        id,
+        owner: b.owner,
+        due_at_ms,
+    };
+    r.check()?;
+    Ok(r)
 }
 
 async fn reschedule(
@@ -360,12 +371,8 @@ async fn reschedule(
         Ok(b) => b,
         Err(why) => return error(400, why),
     };
-    let r = match move_to(&b) {
-        Ok(to) => Reschedule {
-            id,
-            owner: b.owner,
-            to,
-        },
+    let r = match reschedule_of(id, b) {
+        Ok(r) => r,
         Err(why) => return error(400, why),
     };
     match api.service.reschedule(&login.as_user, &r).await {

@@ -18,7 +18,7 @@ use super::follow::{SharedIndex, Status, url_user, with_index};
 use super::quota::{Ask, Passed, Quotas, Refused};
 use super::wire::{MessageOut, PageOut, PurgeOut, RowOut, ShowOut, SteeredOut};
 use crate::pending_index::{Cursor, Destination, Filter, MAX_ID_BYTES, Record, State, Viewer};
-use amqp_delay::ops::control::PurgeScope;
+use amqp_delay::ops::control::{PurgeScope, Reschedule};
 
 /// Rows a page holds at most through `pending` (the index allows more; a page's memory and an
 /// HTTP answer stay small).
@@ -147,27 +147,6 @@ impl Query {
 }
 
 /// Where a reschedule moves a message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MoveTo {
-    /// This long from now (ms).
-    Delay(u64),
-    /// At this time (ms since the epoch).
-    At(u64),
-}
-
-/// A reschedule as asked: which message and where to. Parsed once where it is asked (the
-/// console's form, the API's JSON, the CLI's flags); the service finds the message's due time
-/// in the index and the publisher writes the control record.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reschedule {
-    /// The message id.
-    pub id: String,
-    /// An admin's reschedule of another owner's message: that owner.
-    pub owner: Option<String>,
-    /// Where to.
-    pub to: MoveTo,
-}
-
 /// What `scope` covers in the index as `viewer` sees it: what a purge would cancel.
 pub fn purge_filter(viewer: Viewer, scope: &PurgeScope) -> Filter {
     let mut f = Filter::new(viewer);
@@ -341,21 +320,20 @@ impl Service {
         })
     }
 
-    /// Moves pending message `r.id` (of `r.owner`, for an admin naming another's) to `r.to`,
-    /// as the user of `as_user`. Later: one control record. Earlier: the message is sent again
-    /// from its kept body, then the record; without a kept body, an error saying why.
+    /// Moves pending message `r.id` (of `r.owner`, for an admin naming another's) to
+    /// `r.due_at_ms`, as the user of `as_user`. Later: one control record. Earlier: the
+    /// message is sent again from its kept body, then the record; without a kept body, an error
+    /// saying why. The record is `r` with its owner as found in the index.
     pub async fn reschedule(
         &self,
         as_user: &Settings,
         r: &Reschedule,
     ) -> Result<SteeredOut, Failure> {
+        r.check().map_err(Failure::Invalid)?;
         let id = r.id.as_str();
         let (user, found) = self.find_one(as_user, id, r.owner.as_deref()).await?;
         let now = now_ms();
-        let due = match r.to {
-            MoveTo::Delay(d) => now.saturating_add(d),
-            MoveTo::At(t) => t,
-        };
+        let due = r.due_at_ms.max(now);
         let from = found.row.due_at_ms;
         let copy = if due < from {
             Some(copy_of(&found, due.saturating_sub(now))?)
@@ -363,11 +341,15 @@ impl Service {
             None
         };
         let resent = copy.is_some();
-        let named = (found.row.owner != user).then_some(found.row.owner.as_str());
+        let to = Reschedule {
+            owner: (found.row.owner != user).then(|| found.row.owner.clone()),
+            due_at_ms: due,
+            ..r.clone()
+        };
         let admin = viewer_of(&self.settings, &user) == Viewer::Admin;
         let _passed = self.may(&user, admin, Ask::Reschedule(id)).await?;
         let publisher = Publisher::connect(as_user).await?;
-        let res = publisher.reschedule(id, named, from, due, copy).await;
+        let res = publisher.reschedule(&to, from, copy).await;
         publisher.close().await;
         res?;
         Ok(SteeredOut {

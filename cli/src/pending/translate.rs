@@ -318,23 +318,20 @@ impl Translator {
                 by: by.to_string(),
                 at_ms: now_ms,
             })],
-            ControlRecord::Reschedule {
-                id,
-                owner,
-                due_at_ms,
-                ..
-            } if fits_id(id) && *due_at_ms <= MAX_MS => vec![Entry::Rescheduled {
-                // an admin's names its owner, or none: every owner's message of the id
-                owner: if admin {
-                    owner.clone().filter(|o| !o.is_empty())
-                } else {
-                    Some(by.to_string())
-                },
-                id: id.clone(),
-                due_at_ms: *due_at_ms,
-                by: by.to_string(),
-                at_ms: now_ms,
-            }],
+            ControlRecord::Reschedule { to, .. } if fits_id(&to.id) && to.due_at_ms <= MAX_MS => {
+                vec![Entry::Rescheduled {
+                    // an admin's names its owner, or none: every owner's message of the id
+                    owner: if admin {
+                        to.owner.clone().filter(|o| !o.is_empty())
+                    } else {
+                        Some(by.to_string())
+                    },
+                    id: to.id.clone(),
+                    due_at_ms: to.due_at_ms,
+                    by: by.to_string(),
+                    at_ms: now_ms,
+                }]
+            }
             ControlRecord::Cancel { .. }
             | ControlRecord::Purge(_)
             | ControlRecord::Reschedule { .. } => {

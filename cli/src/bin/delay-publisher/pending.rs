@@ -5,13 +5,14 @@
 use std::io::{BufRead, IsTerminal, Write};
 
 use amqp_delay::ops::control::PurgeScope;
+use amqp_delay::ops::control::Reschedule;
 use amqp_delay::settings::Settings;
 use amqp_delay_cli::cli::{self, escape_controls};
 use amqp_delay_cli::outln;
 use amqp_delay_cli::pending::client::Source;
 use amqp_delay_cli::pending::follow::{FollowOptions, Lag};
 use amqp_delay_cli::pending::http;
-use amqp_delay_cli::pending::service::{Failure, MoveTo, Query, Reschedule};
+use amqp_delay_cli::pending::service::{Failure, Query};
 use amqp_delay_cli::pending::when::format_time;
 use amqp_delay_cli::pending::wire::{MessageOut, RowOut, SteeredOut};
 
@@ -103,12 +104,17 @@ async fn answer(settings: &Settings, cmd: PendingCmd) -> Result<i32, Failure> {
             owner,
             ..
         } => {
-            let to = match (delay, at) {
-                (Some(d), _) => MoveTo::Delay(d.as_millis()),
-                (None, Some(t)) => MoveTo::At(t),
+            let due_at_ms = match (delay, at) {
+                (Some(d), _) => amqp_delay::time::now_ms().saturating_add(d.as_millis()),
+                (None, Some(t)) => t,
                 (None, None) => return Err(Failure::Invalid("give --delay or --at".into())),
             };
-            steered(&src.reschedule(&Reschedule { id, owner, to }).await?);
+            let r = Reschedule {
+                id,
+                owner,
+                due_at_ms,
+            };
+            steered(&src.reschedule(&r).await?);
             Ok(0)
         }
         PendingCmd::Cancel { id, owner, .. } => {

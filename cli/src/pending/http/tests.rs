@@ -181,14 +181,18 @@ fn query_strings_read_with_clear_errors() {
 
 #[test]
 fn bodies_read_with_clear_errors() {
-    let b: RescheduleBody = serde_json::from_str(r#"{"delay": "10m"}"#).unwrap();
-    assert_eq!(move_to(&b), Ok(MoveTo::Delay(600_000)));
-    let b: RescheduleBody = serde_json::from_str(r#"{"at": 1796000000000}"#).unwrap();
-    assert_eq!(move_to(&b), Ok(MoveTo::At(1_796_000_000_000)));
+    let body = |j: &str| serde_json::from_str::<RescheduleBody>(j).unwrap();
+    let before = amqp_delay::time::now_ms();
+    let r = reschedule_of("m".into(), body(r#"{"delay": "10m"}"#)).unwrap();
+    assert!(r.due_at_ms >= before + 600_000 && r.due_at_ms <= now_ms() + 600_000);
+    assert_eq!((r.id.as_str(), r.owner), ("m", None));
+    let r = reschedule_of("m".into(), body(r#"{"at": 1796000000000, "owner": "bob"}"#)).unwrap();
+    assert_eq!(r.due_at_ms, 1_796_000_000_000);
+    assert_eq!(r.owner.as_deref(), Some("bob"));
     for bad in [r#"{}"#, r#"{"delay": 5, "at": 6}"#, r#"{"delay": "soon"}"#] {
-        let b: RescheduleBody = serde_json::from_str(bad).unwrap();
-        assert!(move_to(&b).is_err(), "{bad}");
+        assert!(reschedule_of("m".into(), body(bad)).is_err(), "{bad}");
     }
+    assert!(reschedule_of(String::new(), body(r#"{"delay": 5}"#)).is_err());
     assert!(serde_json::from_str::<RescheduleBody>(r#"{"later": 1}"#).is_err());
     let p: PurgeBody =
         serde_json::from_str(r#"{"queue": "q", "due_before": "+1h", "header": "k=v"}"#).unwrap();

@@ -192,7 +192,7 @@ async fn steering_needs_a_pending_message_of_one_owner() {
             &Reschedule {
                 id: "gone".into(),
                 owner: None,
-                to: MoveTo::Delay(5),
+                due_at_ms: 5,
             },
         )
         .await

@@ -362,9 +362,11 @@ fn steering_records_cover_the_writers_own_unless_an_admin_wrote_them() {
     assert_eq!(p.scheduled_before_ms, 500);
     assert_eq!(p.scope.header, Some(("k".into(), "v".into())));
     let resched = |owner: Option<&str>| ControlRecord::Reschedule {
-        id: "a".into(),
-        owner: owner.map(Into::into),
-        due_at_ms: 9_000,
+        to: amqp_delay::ops::control::Reschedule {
+            id: "a".into(),
+            owner: owner.map(Into::into),
+            due_at_ms: 9_000,
+        },
         until_ms: 1,
     };
     assert_eq!(

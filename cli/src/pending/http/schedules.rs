@@ -1,0 +1,164 @@
+//! `/api/v1/schedules`: recurring schedules through [`crate::schedules`], the code the CLI's
+//! `recurring` commands run, as the logged-in user (its own; an admin's: everyone's, naming
+//! `owner`).
+//!
+//! | method and path | what |
+//! |---|---|
+//! | `GET /api/v1/schedules` | `{"schedules": [...]}`, each with its next tick |
+//! | `GET /api/v1/schedules/{name}?owner=` | one, with its next five ticks |
+//! | `POST /api/v1/schedules` | `{"name", "cron", "queue", "tz"?, "body"?, "headers"?: {K: V}, "misfire"?, "from"?, "until"?}`: 201 and its next tick |
+//! | `POST /api/v1/schedules/{name}/{pause,resume,remove,run-now,purge}` | `{"owner"?}` (or no body) |
+
+use std::collections::BTreeMap;
+
+use amqp_delay::recurring::{Action, Definition, Misfire, rfc3339};
+
+use super::*;
+use crate::schedules::{self, SHOWN_TICKS, ScheduleOut};
+
+/// A schedule to add, as the API takes it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddBody {
+    name: String,
+    cron: String,
+    queue: String,
+    #[serde(default)]
+    tz: Option<String>,
+    #[serde(default)]
+    body: String,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+    #[serde(default)]
+    misfire: Misfire,
+    #[serde(default)]
+    from: Option<TimeArg>,
+    #[serde(default)]
+    until: Option<TimeArg>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OwnerBody {
+    #[serde(default)]
+    owner: Option<String>,
+}
+
+/// The routes, for [`super::router`] to put behind the login.
+pub(super) fn routes(r: Router<Arc<Api>>) -> Router<Arc<Api>> {
+    r.route("/api/v1/schedules", get(list).post(add))
+        .route("/api/v1/schedules/{name}", get(show))
+        .route("/api/v1/schedules/{name}/{action}", post(steer))
+}
+
+/// A failure of [`crate::schedules`] as an answer: no such schedule is 404.
+fn refused(e: amqp_delay::Error) -> Response {
+    match e {
+        amqp_delay::Error::Invalid(m) if m.contains(schedules::NO_SUCH) => error(404, m),
+        e => failed(&Failure::from(e)),
+    }
+}
+
+async fn list(State(_): State<Arc<Api>>, Extension(login): Extension<Login>) -> Response {
+    match schedules::view(&login.as_user).await {
+        Ok(v) => {
+            let now = now_ms();
+            let all: Vec<ScheduleOut> = v.visible().map(|e| ScheduleOut::of(e, now, 1)).collect();
+            json(StatusCode::OK, &serde_json::json!({ "schedules": all }))
+        }
+        Err(e) => refused(e),
+    }
+}
+
+async fn show(
+    State(_): State<Arc<Api>>,
+    Extension(login): Extension<Login>,
+    UrlPath(name): UrlPath<String>,
+    RawQuery(raw): RawQuery,
+) -> Response {
+    let owner = match params(raw.as_deref(), &["owner"]) {
+        Ok(p) => p.into_iter().next().map(|(_, v)| v),
+        Err(why) => return error(400, why),
+    };
+    let v = match schedules::view(&login.as_user).await {
+        Ok(v) => v,
+        Err(e) => return refused(e),
+    };
+    match v.get(&name, owner.as_deref()) {
+        Ok(e) => json(StatusCode::OK, &ScheduleOut::of(e, now_ms(), SHOWN_TICKS)),
+        Err(e) => refused(e),
+    }
+}
+
+async fn add(
+    State(_): State<Arc<Api>>,
+    Extension(login): Extension<Login>,
+    body: Bytes,
+) -> Response {
+    let b: AddBody = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => return error(400, format!("the JSON body: {e}")),
+    };
+    let now = now_ms();
+    let times = (
+        b.from.map(|t| t.ms(now)).transpose(),
+        b.until.map(|t| t.ms(now)).transpose(),
+    );
+    let (from_ms, until_ms) = match times {
+        (Ok(f), Ok(u)) => (f, u),
+        (Err(why), _) | (_, Err(why)) => return error(400, why),
+    };
+    let def = Definition {
+        headers: b.headers.into_iter().collect(),
+        misfire: b.misfire,
+        from_ms,
+        until_ms,
+        tz: b.tz.unwrap_or_else(|| "UTC".into()),
+        ..Definition::new(&b.name, &b.cron, &b.queue, &b.body)
+    };
+    match schedules::add(&login.as_user, &def).await {
+        Ok(next) => json(
+            StatusCode::CREATED,
+            &serde_json::json!({ "name": def.name, "next_tick": rfc3339(next) }),
+        ),
+        Err(e) => refused(e),
+    }
+}
+
+async fn steer(
+    State(_): State<Arc<Api>>,
+    Extension(login): Extension<Login>,
+    UrlPath((name, action)): UrlPath<(String, String)>,
+    body: Bytes,
+) -> Response {
+    let b: OwnerBody = match body_of(&body) {
+        Ok(b) => b,
+        Err(why) => return error(400, why),
+    };
+    let (s, owner) = (&login.as_user, b.owner.as_deref());
+    let done = match action.as_str() {
+        "pause" => schedules::set(s, &name, owner, Action::Pause).await,
+        "resume" => schedules::set(s, &name, owner, Action::Resume).await,
+        "remove" => schedules::set(s, &name, owner, Action::Remove).await,
+        "purge" => schedules::purge(s, &name, owner).await,
+        "run-now" => {
+            return match schedules::run_now(s, &name, owner).await {
+                Ok(id) => json(StatusCode::OK, &serde_json::json!({ "sent": id })),
+                Err(e) => refused(e),
+            };
+        }
+        _ => {
+            return error(
+                404,
+                format!("no action '{action}': pause, resume, remove, run-now or purge"),
+            );
+        }
+    };
+    match done {
+        Ok(e) => json(
+            StatusCode::OK,
+            &serde_json::json!({ "owner": e.owner, "name": e.def.name, "done": action }),
+        ),
+        Err(e) => refused(e),
+    }
+}

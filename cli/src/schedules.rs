@@ -1,0 +1,278 @@
+//! Recurring schedules seen and steered as the user who asks: the one implementation behind
+//! `delay-publisher recurring add|list|show|pause|resume|remove|run-now|purge`, `pending
+//! serve`'s `/api/v1/schedules` and the console's Schedules page.
+//!
+//! Each call connects as the asking user (its settings carry that user's login), reads the
+//! schedules the control stream's records make (`amqp_delay::recurring::Book`, each record
+//! believed by its writer's broker-checked `user_id`), and writes a control record on that
+//! user's connection, so the broker and the trust model decide: a user sees and steers its own
+//! schedules, an admin (`trust.admins`) everyone's, naming the owner.
+
+use amqp_delay::headers;
+use amqp_delay::ops::connection::Connector;
+use amqp_delay::ops::control::{self, PurgeScope, Record};
+use amqp_delay::ops::trust::Trust;
+use amqp_delay::recurring::{Action, Add, Book, Definition, Entry, Set, rfc3339};
+use amqp_delay::settings::Settings;
+use amqp_delay::time::now_ms;
+use amqp_delay::{Error, Publisher, Result};
+use serde::Serialize;
+
+use crate::recurring::occurrence;
+
+/// What the error of a schedule nobody the user sees has says (the API answers it with 404).
+pub const NO_SUCH: &str = "has no recurring schedule";
+/// Ticks one schedule's answer shows ahead.
+pub const SHOWN_TICKS: usize = 5;
+/// Times a stream read is tried again on a new connection when it loses the connection on a
+/// record over `frame_max` (the process learns the record and reads past it).
+const STREAM_TRIES: u32 = 16;
+
+/// The schedules as one user sees them: the book, the user, and its trust.
+pub struct View {
+    /// Every schedule of the control stream.
+    pub book: Book,
+    /// Who asks.
+    pub user: String,
+    /// Its trust (whether it is an admin).
+    pub trust: Trust,
+}
+
+impl View {
+    /// The schedules this user sees, by owner and name.
+    pub fn visible(&self) -> impl Iterator<Item = &Entry> {
+        self.book.visible_to(&self.user, &self.trust)
+    }
+
+    /// Schedule `name` of `owner` (an admin's question; others ask for their own).
+    pub fn get(&self, name: &str, owner: Option<&str>) -> Result<&Entry> {
+        let owner = match owner {
+            Some(o) if o != self.user && !self.trust.is_admin(&self.user) => {
+                return Err(Error::Invalid(
+                    "--owner is an admin's (trust.admins)".into(),
+                ));
+            }
+            Some(o) => o,
+            None => self.user.as_str(),
+        };
+        self.book
+            .get(owner, name)
+            .ok_or_else(|| Error::Invalid(format!("{owner} {NO_SUCH} '{name}'")))
+    }
+}
+
+/// The schedules as `as_user`'s user sees them (the control stream read to its end; read
+/// again on a new connection when a read lost the connection on a record over `frame_max`:
+/// the process learns the record and reads past it).
+pub async fn view(as_user: &Settings) -> Result<View> {
+    let layout = as_user.layout()?;
+    let connector = Connector::new(as_user)?;
+    let mut tries = 1;
+    loop {
+        let conn = connector.connect("amqp-delay recurring").await?;
+        let user = conn.status().username();
+        let r = control::read_schedules(&conn, &layout, &as_user.trust).await;
+        amqp_delay::ops::broker::close_connection(&conn, "bye").await;
+        match r {
+            Ok((book, _)) => {
+                let trust = Trust::new(Some(user.clone()), &as_user.trust);
+                return Ok(View { book, user, trust });
+            }
+            Err(e) if control::is_record_over_frame_max(&e) && tries < STREAM_TRIES => {
+                tracing::warn!(
+                    tries,
+                    "{}; reading again on a new connection",
+                    amqp_delay::error_chain(&e)
+                );
+                tries += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Appends `record` on a connection of `as_user`'s user, the queue `check` names checked
+/// first.
+async fn write(as_user: &Settings, check: Option<&str>, record: &Record) -> Result<()> {
+    let layout = as_user.layout()?;
+    let conn = Connector::new(as_user)?
+        .connect("amqp-delay recurring")
+        .await?;
+    let r = match check {
+        Some(q) => check_queue(&conn, q).await,
+        None => Ok(()),
+    };
+    let r = match r {
+        Ok(()) => control::append(&conn, &layout, record).await,
+        Err(e) => Err(e),
+    };
+    amqp_delay::ops::broker::close_connection(&conn, "bye").await;
+    r
+}
+
+/// Adds `def` as `as_user`'s user (or replaces its schedule of that name): the definition
+/// checked (cron, zone, fields, a next tick), its queue checked by the broker as this user,
+/// then written. Its next tick.
+pub async fn add(as_user: &Settings, def: &Definition) -> Result<u64> {
+    let ticks = def.check().map_err(Error::Invalid)?;
+    let now = now_ms();
+    let next = ticks
+        .next_after(now.max(def.from_ms.unwrap_or(0)))
+        .filter(|&t| def.until_ms.is_none_or(|u| t <= u))
+        .ok_or_else(|| Error::Invalid(format!("'{}' never ticks again", def.cron)))?;
+    let record = Record::RecurringAdd(Add {
+        rev: uuid::Uuid::now_v7().to_string(),
+        at_ms: now,
+        schedule: def.clone(),
+    });
+    write(as_user, Some(&def.queue), &record).await?;
+    Ok(next)
+}
+
+/// Whether this user may send to `queue`, as far as the broker tells: it must exist (a
+/// passive declare); a broker that refuses to say (RabbitMQ 4.3 checks the user's rights on
+/// the queue, which a publisher has not) leaves the check to each occurrence's publish.
+async fn check_queue(conn: &lapin::Connection, queue: &str) -> Result<()> {
+    match amqp_delay::ops::broker::queue_state(conn, queue).await {
+        Ok(Some(_)) => Ok(()),
+        Ok(None) => Err(Error::UnknownDestination(queue.into())),
+        Err(Error::Amqp { source, .. }) if matches!(source.kind(), lapin::ErrorKind::ProtocolError(r) if r.get_id() == 403) => {
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Pauses, resumes or removes schedule `name` (of `owner`, an admin's) as `as_user`'s user:
+/// it must be one the user sees. The schedule as it was.
+pub async fn set(
+    as_user: &Settings,
+    name: &str,
+    owner: Option<&str>,
+    action: Action,
+) -> Result<Entry> {
+    let v = view(as_user).await?;
+    let e = v.get(name, owner)?.clone();
+    let record = Record::RecurringSet(Set {
+        name: e.def.name.clone(),
+        owner: (e.owner != v.user).then(|| e.owner.clone()),
+        action,
+        at_ms: now_ms(),
+    });
+    write(as_user, None, &record).await?;
+    Ok(e)
+}
+
+/// One occurrence of schedule `name` (of `owner`) due now, besides the ticks (named by this
+/// second), published as `as_user`'s user; its message id.
+pub async fn run_now(as_user: &Settings, name: &str, owner: Option<&str>) -> Result<String> {
+    let v = view(as_user).await?;
+    let e = v.get(name, owner)?;
+    let msg = occurrence(&e.def, now_ms() / 1000 * 1000, 0);
+    let publisher = Publisher::connect(as_user).await?;
+    let r = publisher.schedule(msg).await;
+    publisher.close().await;
+    Ok(r?.message_id)
+}
+
+/// One purge record covering the scheduled occurrences of schedule `name` (of `owner`) in
+/// its queue, written as `as_user`'s user. The schedule.
+pub async fn purge(as_user: &Settings, name: &str, owner: Option<&str>) -> Result<Entry> {
+    let v = view(as_user).await?;
+    let e = v.get(name, owner)?.clone();
+    let p = PurgeScope {
+        owner: (e.owner != v.user).then(|| e.owner.clone()),
+        header: Some((headers::RECURRING.to_string(), e.def.name.clone())),
+        ..PurgeScope::queue(e.def.queue.clone())
+    };
+    let publisher = Publisher::connect(as_user).await?;
+    let r = publisher.purge(p).await;
+    publisher.close().await;
+    r?;
+    Ok(e)
+}
+
+/// The next `n` ticks of `e` after `now`, within its window (none when paused).
+pub fn next_ticks(e: &Entry, now: u64, n: usize) -> Vec<u64> {
+    let Ok(ticks) = e.def.check() else {
+        return Vec::new();
+    };
+    if e.paused {
+        return Vec::new();
+    }
+    let after = now.max(e.def.from_ms.map_or(0, |f| f.saturating_sub(1)));
+    ticks.between(after, e.def.until_ms.unwrap_or(u64::MAX), n)
+}
+
+/// The last ticks of `e` at or before `now`, at most `n`, oldest first: those within four of
+/// its current periods (the gap between its next two ticks), after it was added or resumed
+/// (what a page shows as its last runs; a schedule whose gaps vary may show fewer).
+pub fn last_ticks(e: &Entry, now: u64, n: usize) -> Vec<u64> {
+    let Ok(ticks) = e.def.check() else {
+        return Vec::new();
+    };
+    let Some(next) = ticks.next_after(now) else {
+        return Vec::new();
+    };
+    let step = ticks.next_after(next).map_or(0, |t| t - next);
+    let since = now
+        .saturating_sub(step.saturating_mul(4))
+        .max(e.since_ms)
+        .max(e.def.from_ms.map_or(0, |f| f.saturating_sub(1)));
+    let mut all = ticks.between(since, now, 64);
+    let keep = all.len().saturating_sub(n);
+    all.drain(..keep);
+    all
+}
+
+/// A schedule as the CLI's `--json`, the API and the console give it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ScheduleOut {
+    /// Its owner.
+    pub owner: String,
+    /// Its name.
+    pub name: String,
+    /// Its cron expression.
+    pub cron: String,
+    /// Its time zone.
+    pub tz: String,
+    /// The queue its occurrences go to.
+    pub queue: String,
+    /// Their headers.
+    pub headers: Vec<(String, String)>,
+    /// What a missed tick does.
+    pub misfire: amqp_delay::recurring::Misfire,
+    /// No tick before (RFC 3339).
+    pub from: Option<String>,
+    /// No tick after.
+    pub until: Option<String>,
+    /// Whether it is paused.
+    pub paused: bool,
+    /// Its revision.
+    pub rev: String,
+    /// Every tick up to here is published (the scheduler's mark).
+    pub scheduled_through: Option<String>,
+    /// Its next ticks (none when paused or ended).
+    pub next_ticks: Vec<String>,
+}
+
+impl ScheduleOut {
+    /// `e` with its next `n` ticks after `now`.
+    pub fn of(e: &Entry, now: u64, n: usize) -> ScheduleOut {
+        ScheduleOut {
+            owner: e.owner.clone(),
+            name: e.def.name.clone(),
+            cron: e.def.cron.clone(),
+            tz: e.def.tz.clone(),
+            queue: e.def.queue.clone(),
+            headers: e.def.headers.clone(),
+            misfire: e.def.misfire,
+            from: e.def.from_ms.map(rfc3339),
+            until: e.def.until_ms.map(rfc3339),
+            paused: e.paused,
+            rev: e.rev.clone(),
+            scheduled_through: e.through_ms.map(rfc3339),
+            next_ticks: next_ticks(e, now, n).into_iter().map(rfc3339).collect(),
+        }
+    }
+}
