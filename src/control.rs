@@ -155,6 +155,9 @@ pub enum Record {
     RecurringMark(recurring::Mark),
     /// A scheduler restated a live schedule before the stream drops its add.
     RecurringKeep(recurring::Keep),
+    /// A scheduler published the occurrences of many schedules up to their ticks: one
+    /// round's marks.
+    RecurringMarks(recurring::Marks),
 }
 
 /// What a purge covers, as its writer asks it: messages of one destination queue, due in a
@@ -341,6 +344,13 @@ pub async fn append(conn: &Connection, layout: &Layout, record: &Record) -> Resu
     log(layout).append(conn, record).await
 }
 
+/// Appends `records` in order, pipelined on one confirm channel (256 awaiting their confirm),
+/// and waits for every confirm (each bounded): what writes many records at once (a round of
+/// marks, a bulk of schedules). The first error; records after it may be appended or not.
+pub async fn append_all(conn: &Connection, layout: &Layout, records: &[Record]) -> Result<()> {
+    log(layout).append_all(conn, records, 256).await
+}
+
 /// The gateway pairs and batch markers in the stream, oldest first, each once (what
 /// `teardown` needs; tombstones, barriers and checkpoints left out), at most [`MAX_NAMED`]; a
 /// pair as its latest record says (registered, or ended by [`Record::GatewayPairEnded`]),
@@ -454,6 +464,7 @@ impl Record {
             Record::RecurringAdd(a) => book.add(by, a, trust),
             Record::RecurringSet(s) => book.set(by, s, trust),
             Record::RecurringMark(m) => book.mark(by, m, trust),
+            Record::RecurringMarks(m) => book.marks(by, m, trust),
             Record::RecurringKeep(k) => book.keep(by, k, trust),
             _ => return false,
         };
@@ -525,6 +536,12 @@ mod tests {
         assert_eq!(body, br#"{"type":"cancels","items":[["a",5]]}"#);
         let body = log.encode(&Record::barrier("n".into()));
         assert_eq!(body, br#"{"type":"barrier","nonce":"n"}"#);
+        let marks = recurring::Marks::of("u", &[("r1".into(), 60), ("r2".into(), 60)], 1 << 20);
+        let body = log.encode(&Record::RecurringMarks(marks[0].clone()));
+        assert_eq!(
+            body,
+            br#"{"type":"recurring_marks","owner":"u","groups":[{"through_ms":60,"revs":["r1","r2"]}]}"#
+        );
     }
 
     /// A purge as records carried it before its scope had a type of its own, and as they

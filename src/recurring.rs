@@ -20,7 +20,9 @@ mod book;
 mod cron;
 mod plan;
 
-pub use book::{Action, Add, Book, Entry, Keep, MAX_PER_OWNER, MAX_SCHEDULES, Mark, Set};
+pub use book::{
+    Action, Add, Book, Entry, Keep, MAX_PER_OWNER, MAX_SCHEDULES, Mark, MarkGroup, Marks, Set,
+};
 pub use cron::{MAX_CRON_BYTES, Ticks, rfc3339};
 pub use plan::{Occurrence, Plan, Window, plan};
 

@@ -164,9 +164,14 @@ impl JournalSettings {
     }
 }
 
+/// Recurring schedules a control stream's book holds, at most (`amqp_delay::recurring`).
+pub const MAX_SCHEDULES: usize = 200_000;
+/// `trust.max_schedules_per_user` by default.
+pub const DEFAULT_MAX_SCHEDULES_PER_USER: usize = 10_000;
+
 /// `[trust]`: the users whose records and messages count beyond their own (the broker checks
 /// every `user_id`, so a name here is who wrote it). Every process also trusts its own user.
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrustSettings {
     /// Users who may cancel any message (not only their own), and whose checkpoints, ledger
@@ -177,11 +182,33 @@ pub struct TrustSettings {
     /// snapshots count, their copies of others' messages (retries, gateway hops) name the
     /// owner, and the gateway's due stage takes what they wrote.
     pub peers: Vec<String>,
+    /// Recurring schedules one user who is no admin may have, at most (of the
+    /// [`MAX_SCHEDULES`] all users share): no tenant crowds out the others.
+    /// Every process reading the control stream must hold the same value.
+    pub max_schedules_per_user: usize,
+}
+
+impl Default for TrustSettings {
+    fn default() -> Self {
+        TrustSettings {
+            admins: Vec::new(),
+            peers: Vec::new(),
+            max_schedules_per_user: DEFAULT_MAX_SCHEDULES_PER_USER,
+        }
+    }
 }
 
 impl TrustSettings {
-    /// Names must be user names: non-empty short strings.
+    /// Names must be user names: non-empty short strings; the per-user cap is 1 to the
+    /// shared one.
     pub fn validate(&self) -> Result<(), String> {
+        let most = MAX_SCHEDULES;
+        if !(1..=most).contains(&self.max_schedules_per_user) {
+            return Err(format!(
+                "trust.max_schedules_per_user is 1 to {most}, got {}",
+                self.max_schedules_per_user
+            ));
+        }
         for (key, names) in [("trust.admins", &self.admins), ("trust.peers", &self.peers)] {
             if let Some(bad) = names.iter().find(|n| n.is_empty() || n.len() > 255) {
                 return Err(format!(

@@ -288,6 +288,41 @@ impl<R: LogRecord> StreamLog<R> {
         r
     }
 
+    /// Appends `records` in order on a confirm channel of its own, up to `window` awaiting
+    /// their confirm at once; the first error (the records after it may be appended or not).
+    pub(crate) async fn append_all(
+        &self,
+        conn: &Connection,
+        records: &[R],
+        window: usize,
+    ) -> Result<()> {
+        use futures::StreamExt;
+        let log = self.clone().writing_as(crate::connection::user_of(conn));
+        let ch = SharedChannel::new(broker::open(conn).await?);
+        let r = match ch
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .context(|| "enabling publisher confirms".into())
+        {
+            Ok(()) => {
+                let mut confirms = futures::stream::iter(records)
+                    .map(|r| log.append_on(&ch, r))
+                    .buffered(window.max(1));
+                let mut out = Ok(());
+                while let Some(r) = confirms.next().await {
+                    if r.is_err() {
+                        out = r;
+                        break;
+                    }
+                }
+                out
+            }
+            Err(e) => Err(e),
+        };
+        broker::close(&ch, "appended").await;
+        r
+    }
+
     /// Appends `record` on `ch` (confirms on) and waits for the broker's confirm, at most
     /// [`CONFIRM_TIMEOUT`]. A missing stream or stream exchange is [`StreamLog::or_missing`]'s
     /// error.

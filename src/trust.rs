@@ -33,6 +33,8 @@ pub struct Trust {
     own: Option<String>,
     admins: BTreeSet<String>,
     peers: BTreeSet<String>,
+    /// `trust.max_schedules_per_user` (`None`: the default).
+    schedules_per_user: Option<usize>,
 }
 
 impl Trust {
@@ -42,7 +44,15 @@ impl Trust {
             own: own.filter(|u| !u.is_empty()),
             admins: settings.admins.iter().cloned().collect(),
             peers: settings.peers.iter().cloned().collect(),
+            schedules_per_user: Some(settings.max_schedules_per_user),
         }
+    }
+
+    /// Recurring schedules a user who is no admin may have, at most
+    /// (`trust.max_schedules_per_user`).
+    pub fn max_schedules_per_user(&self) -> usize {
+        self.schedules_per_user
+            .unwrap_or(crate::settings::DEFAULT_MAX_SCHEDULES_PER_USER)
     }
 
     /// The user this process writes as: the `user_id` it puts on what it publishes.
@@ -112,6 +122,7 @@ mod tests {
             &TrustSettings {
                 admins: vec!["admin".into()],
                 peers: vec!["gw2".into()],
+                ..Default::default()
             },
         )
     }

@@ -98,6 +98,42 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
     ])
     .await;
     check_proxy(&proxy).await;
+    // recurring schedules through a `recurring serve` child (the delay-publisher beside the
+    // bench): one minute of 120 schedules' ticks, each delivered once, none early
+    check_recurring(&recurring_bench().await);
+}
+
+/// `delay-bench-recurring --json` of 120 schedules, one measured minute after 5 s.
+async fn recurring_bench() -> Value {
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-bench-recurring"))
+        .args(["--json", "-n", "120", "--minutes", "1", "--warmup", "5"])
+        .args(["--ahead", "5"])
+        .env("AMQP_URL", broker_url())
+        .kill_on_drop(true)
+        .output();
+    let out = match tokio::time::timeout(Duration::from_secs(240), child).await {
+        Ok(r) => r.expect("delay-bench-recurring runs"),
+        Err(_) => panic!("delay-bench-recurring did not finish within 240 s"),
+    };
+    assert!(
+        out.status.success(),
+        "delay-bench-recurring failed ({}); it needs a real broker and the delay-publisher \
+         beside it:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+/// Every tick of the measured minute arrived once, none early; serve's RSS and `list` are read.
+fn check_recurring(r: &Value) {
+    assert_eq!(r["expected"], 120, "{r}");
+    for k in ["lost", "duplicated", "early"] {
+        assert_eq!(r[k], 0, "recurring {k}: {r}");
+    }
+    assert_eq!(r["ticks_seen"], 60, "{r}");
+    assert!(number(&r["serve_rss_mb"]["peak"], "rss") > 0.0, "{r}");
+    assert_eq!(r["list"]["lines"], 120, "{r}");
 }
 
 /// The proxy scenario: every message arrived, none early, each counted from the first one;

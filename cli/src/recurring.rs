@@ -6,17 +6,19 @@
 //! are control-stream records. Of any number of replicas of one user, the one that holds the
 //! user's lock queue (exclusive: the broker deletes it the moment its connection dies) is
 //! active; the others try to declare it every [`STANDBY_POLL`]. The active one reads the
-//! schedules, follows the stream, and every second publishes what [`recurring::plan`] says,
-//! then appends a mark (after the confirms). After a takeover, the next replica starts from the
-//! marks, less what the journal shows the one before published past them ([`takeover`]).
+//! schedules, follows the stream, and every second publishes what [`recurring::plan`] says
+//! of every due schedule at once, then appends the round's marks (after the confirms), a few
+//! thousand schedules to a record. After a takeover, the next replica starts from the marks,
+//! less what the journal shows the one before published past them ([`takeover`]).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use amqp_delay::ops::connection::Connector;
 use amqp_delay::ops::control::{self, Record, Start};
 use amqp_delay::ops::trust::Trust;
-use amqp_delay::recurring::{self, Book, Definition, Entry, Keep, Mark, Ticks, Window};
+use amqp_delay::recurring::{self, Book, Definition, Entry, Marks, Ticks, Window};
 use amqp_delay::settings::Settings;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Error, Message, Publisher, Result};
@@ -32,6 +34,21 @@ pub const STANDBY_POLL: Duration = Duration::from_secs(2);
 const RETRY_AFTER_MS: u64 = 30_000;
 /// Occurrences one schedule publishes in one round, at most.
 const MAX_PER_ROUND: usize = 100;
+/// Keep records appended at once.
+const KEEP_CHUNK: usize = 1_000;
+/// Cron expressions (with their zone) whose ticks a scheduler keeps parsed, at most: some
+/// 32 MB.
+const MAX_TICKS_CACHED: usize = 4_096;
+/// Occurrences one round publishes, at most (the rest wait a round): bounds a round's
+/// memory and how long it holds the stream's records back.
+const MAX_ROUND_OCCURRENCES: usize = 20_000;
+/// Schedules whose occurrences are published at once (one delay reckoning, one wait for
+/// the confirms): each delay is reckoned before its chunk's publish, so the last occurrence of
+/// a chunk arrives as much after its tick as the chunk takes to publish.
+const PUBLISH_CHUNK: usize = 100;
+/// The bytes of revisions one [`Marks`] record names, at most (a revision of `recurring
+/// add` takes 39: some 25,000 schedules), well within a control record.
+const MARKS_RECORD_BYTES: usize = 1024 * 1024;
 /// How often the active replica restates its schedules ([`Keep`]), so that they outlive the
 /// records that made them (the stream keeps a record for a week past the longest delay).
 const KEEP_EVERY: Duration = Duration::from_secs(24 * 3600);
@@ -167,15 +184,18 @@ fn is_reply(e: &lapin::Error, code: u16) -> bool {
     matches!(e.kind(), lapin::ErrorKind::ProtocolError(r) if r.get_id() == code)
 }
 
-/// The active replica's state: the book, each revision's ticks, and when each schedule is
-/// next worth planning.
+/// The active replica's state: the book, the ticks of the cron expressions in use, and when
+/// each schedule is next worth planning.
 struct Scheduler {
     /// Occurrence ids the replica before published past the marks: not published again.
     already: std::collections::HashSet<String>,
     user: String,
     trust: Trust,
     book: Book,
-    ticks: HashMap<String, Ticks>,
+    /// By cron expression and zone, at most [`MAX_TICKS_CACHED`]: a parsed expression takes
+    /// some 8 KB (`croner` keeps a byte per year it may match), so 100,000 schedules' own would
+    /// take 800 MB; most share a few expressions, and one not cached is parsed again.
+    ticks: HashMap<(String, String), Arc<Ticks>>,
     /// By revision: not before this (ms since the epoch).
     wake: HashMap<String, u64>,
     opts: ServeOptions,
@@ -188,13 +208,16 @@ impl Scheduler {
     fn apply(&mut self, record: Option<&Record>, by: Option<&str>) {
         if let Some(r) = record
             && r.apply_to(&mut self.book, by, &self.trust)
-            && !matches!(r, Record::RecurringMark(_))
+            && !matches!(r, Record::RecurringMark(_) | Record::RecurringMarks(_))
         {
             self.wake.clear();
         }
     }
 
-    /// Publishes what each of this user's live schedules needs now, each then marked.
+    /// Publishes what each of this user's live schedules needs now, at most
+    /// [`MAX_ROUND_OCCURRENCES`] (the rest in the next round), in chunks of
+    /// [`PUBLISH_CHUNK`] schedules each published at once; then the marks of those published
+    /// (after their confirms), [`MARKS_RECORD_BYTES`] of revisions to a [`Marks`] record.
     async fn round(
         &mut self,
         publisher: &Publisher,
@@ -207,18 +230,25 @@ impl Scheduler {
             .iter()
             .filter(|e| e.owner == self.user && !e.paused)
             .filter(|e| self.wake.get(&e.rev).is_none_or(|&w| w <= now))
+            // each has an occurrence or more: no more copies than a round publishes
+            .take(MAX_ROUND_OCCURRENCES)
             .cloned()
             .collect();
+        let w = Window {
+            now_ms: now,
+            ahead_ms: self.opts.ahead_ms,
+            grace_ms: self.opts.grace_ms,
+            max: MAX_PER_ROUND,
+            max_delay_ms: self.max_delay_ms,
+        };
+        let mut planned: Vec<(Entry, recurring::Plan, u64)> = Vec::new();
+        let mut occurrences = 0;
         for e in due {
+            if occurrences >= MAX_ROUND_OCCURRENCES {
+                break;
+            }
             let Some(ticks) = self.ticks_of(&e) else {
                 continue;
-            };
-            let w = Window {
-                now_ms: now,
-                ahead_ms: self.opts.ahead_ms,
-                grace_ms: self.opts.grace_ms,
-                max: MAX_PER_ROUND,
-                max_delay_ms: self.max_delay_ms,
             };
             let plan = recurring::plan(&e.def, &ticks, e.done_ms(), w);
             let wake = plan
@@ -228,73 +258,104 @@ impl Scheduler {
                 self.wake.insert(e.rev.clone(), wake);
                 continue;
             }
-            let mut fresh = plan.occurrences.clone();
+            let mut plan = plan;
             if !self.already.is_empty() {
-                fresh.retain(|o| {
+                let before = plan.occurrences.len();
+                plan.occurrences.retain(|o| {
                     let id = recurring::occurrence_id(&e.def.name, o.tick_ms);
                     !self.already.remove(&id)
                 });
-                let skipped = plan.occurrences.len() - fresh.len();
                 amqp_delay::metrics::global()
                     .recurring_already_published
-                    .inc_by(skipped as u64);
+                    .inc_by((before - plan.occurrences.len()) as u64);
             }
-            if let Err(err) = publish(publisher, &e, &fresh).await {
-                tracing::error!(
-                    schedule = %e.def.name,
-                    "publishing recurring occurrences failed (tried again in 30 s): {}",
-                    amqp_delay::error_chain(&err)
-                );
-                self.wake.insert(e.rev.clone(), now + RETRY_AFTER_MS);
-                continue;
+            occurrences += plan.occurrences.len();
+            planned.push((e, plan, wake));
+        }
+        let mut marks: Vec<(String, u64)> = Vec::new();
+        for chunk in planned.chunks(PUBLISH_CHUNK) {
+            let results = publish(publisher, chunk).await;
+            for ((e, plan, wake), r) in chunk.iter().zip(results) {
+                if let Err(err) = r {
+                    tracing::error!(
+                        schedule = %e.def.name,
+                        "publishing recurring occurrences failed (tried again in 30 s): {}",
+                        amqp_delay::error_chain(&err)
+                    );
+                    self.wake.insert(e.rev.clone(), now + RETRY_AFTER_MS);
+                    continue;
+                }
+                marks.push((e.rev.clone(), plan.through_ms));
+                self.wake.insert(e.rev.clone(), *wake);
             }
-            let mark = Mark {
-                owner: e.owner.clone(),
-                name: e.def.name.clone(),
-                rev: e.rev.clone(),
-                through_ms: plan.through_ms,
-            };
-            control::append(conn, layout, &Record::RecurringMark(mark.clone())).await?;
-            let _ = self.book.mark(Some(&self.user), &mark, &self.trust);
-            self.wake.insert(e.rev.clone(), wake);
+        }
+        if marks.is_empty() {
+            return Ok(());
+        }
+        let records = Marks::of(&self.user, &marks, MARKS_RECORD_BYTES);
+        let records: Vec<Record> = records.into_iter().map(Record::RecurringMarks).collect();
+        control::append_all(conn, layout, &records).await?;
+        for r in &records {
+            r.apply_to(&mut self.book, Some(&self.user), &self.trust);
         }
         Ok(())
     }
 
-    /// The ticks of `e`'s revision (parsed once).
-    fn ticks_of(&mut self, e: &Entry) -> Option<Ticks> {
-        if !self.ticks.contains_key(&e.rev) {
-            let t = e.def.check().ok()?;
-            self.ticks.insert(e.rev.clone(), t);
+    /// The ticks of `e`'s expression in its zone (parsed once while cached).
+    fn ticks_of(&mut self, e: &Entry) -> Option<Arc<Ticks>> {
+        let key = (e.def.cron.clone(), e.def.tz.clone());
+        if let Some(t) = self.ticks.get(&key) {
+            return Some(t.clone());
         }
-        self.ticks.get(&e.rev).cloned()
+        let t = Arc::new(e.def.check().ok()?);
+        if self.ticks.len() >= MAX_TICKS_CACHED {
+            self.ticks.clear();
+        }
+        self.ticks.insert(key, t.clone());
+        Some(t)
     }
 
     /// Restates this user's schedules, so that they outlive their adds.
     async fn keep(&self, conn: &Connection, layout: &amqp_delay::Layout) -> Result<()> {
-        let mine = self.book.iter().filter(|e| e.owner == self.user);
-        for e in mine {
-            let k: Keep = e.keep();
-            control::append(conn, layout, &Record::RecurringKeep(k)).await?;
+        let mut mine = self.book.iter().filter(|e| e.owner == self.user).peekable();
+        // a chunk at a time: 100,000 keeps at once would hold a copy of every definition
+        while mine.peek().is_some() {
+            let chunk: Vec<Record> = (mine.by_ref())
+                .take(KEEP_CHUNK)
+                .map(|e| Record::RecurringKeep(e.keep()))
+                .collect();
+            control::append_all(conn, layout, &chunk).await?;
         }
         Ok(())
     }
 }
 
-/// Publishes `occurrences` of `e` and waits for every confirm.
+/// Publishes the planned occurrences of each schedule of `chunk` at once and waits for every
+/// confirm: whether each schedule's were all published. Each delay is reckoned from just
+/// before the publish.
 async fn publish(
     publisher: &Publisher,
-    e: &Entry,
-    occurrences: &[recurring::Occurrence],
-) -> Result<()> {
+    chunk: &[(Entry, recurring::Plan, u64)],
+) -> Vec<Result<()>> {
     let now = now_ms();
-    let msgs = occurrences
-        .iter()
-        .map(|o| occurrence(&e.def, o.tick_ms, o.due_ms.saturating_sub(now)));
-    for r in publisher.schedule_batch(msgs.collect()).await {
-        r?;
-    }
-    Ok(())
+    let msgs: Vec<Message> = (chunk.iter())
+        .flat_map(|(e, plan, _)| {
+            (plan.occurrences.iter())
+                .map(move |o| occurrence(&e.def, o.tick_ms, o.due_ms.saturating_sub(now)))
+        })
+        .collect();
+    let mut results = publisher.schedule_batch(msgs).await.into_iter();
+    (chunk.iter())
+        .map(|(_, plan, _)| {
+            let mut out = Ok(());
+            for r in results.by_ref().take(plan.occurrences.len()) {
+                if let (Ok(()), Err(e)) = (&out, r) {
+                    out = Err(e);
+                }
+            }
+            out
+        })
+        .collect()
 }
 
 /// The occurrence of `def` at `tick_ms`, due after `delay_ms`: its queue, body and headers,

@@ -331,6 +331,7 @@ pub(super) mod tests {
             &TrustSettings {
                 admins: vec!["admin".into()],
                 peers: vec![],
+                ..Default::default()
             },
         )
     }

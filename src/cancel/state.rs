@@ -392,6 +392,7 @@ impl State {
             | Record::RecurringAdd(_)
             | Record::RecurringSet(_)
             | Record::RecurringMark(_)
+            | Record::RecurringMarks(_)
             | Record::RecurringKeep(_) => {}
         }
         if now.saturating_sub(self.last_prune) >= 1_000 {

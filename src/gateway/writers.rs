@@ -216,6 +216,7 @@ mod tests {
             &TrustSettings {
                 admins: vec!["admin".into()],
                 peers: vec!["gw2".into()],
+                ..Default::default()
             },
         )
     }

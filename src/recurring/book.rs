@@ -14,7 +14,7 @@
 //!   said.
 //!
 //! Anything else is skipped with a reason. The book holds at most [`MAX_SCHEDULES`], and a
-//! user who is no admin at most [`MAX_PER_OWNER`].
+//! user who is no admin at most `trust.max_schedules_per_user` ([`MAX_PER_OWNER`] by default).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque, btree_map};
 
@@ -24,9 +24,10 @@ use super::{Definition, check_name};
 use crate::trust::Trust;
 
 /// Schedules a book holds, at most.
-pub const MAX_SCHEDULES: usize = 200_000;
-/// Schedules of one owner who is no admin, at most.
-pub const MAX_PER_OWNER: usize = 10_000;
+pub const MAX_SCHEDULES: usize = crate::settings::MAX_SCHEDULES;
+/// Schedules of one owner who is no admin, at most, by default
+/// (`trust.max_schedules_per_user`, [`Trust::max_schedules_per_user`]).
+pub const MAX_PER_OWNER: usize = crate::settings::DEFAULT_MAX_SCHEDULES_PER_USER;
 /// The longest owner or revision in a record.
 const MAX_TAG_BYTES: usize = 255;
 
@@ -79,6 +80,64 @@ pub struct Mark {
     pub rev: String,
     /// Every tick up to here is published (ms since the epoch).
     pub through_ms: u64,
+}
+
+/// A scheduler published every occurrence of each of `owner`'s schedules it names (by
+/// revision) up to its group's `through_ms`: the marks of one round, in one record, so that
+/// a thousand ticks a second make one record a second, not a thousand.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Marks {
+    /// Whose schedules.
+    pub owner: String,
+    /// The revisions marked, by how far.
+    pub groups: Vec<MarkGroup>,
+}
+
+/// Revisions marked through the same time.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MarkGroup {
+    /// Every tick up to here is published (ms since the epoch).
+    pub through_ms: u64,
+    /// The revisions.
+    pub revs: Vec<String>,
+}
+
+impl Marks {
+    /// `marks` of `owner`'s schedules (revision, through) as records of at most about
+    /// `max_bytes` of revisions each (a record of one revision when that one is longer),
+    /// grouped by how far they are marked.
+    pub fn of(owner: &str, marks: &[(String, u64)], max_bytes: usize) -> Vec<Marks> {
+        let mut sorted: Vec<&(String, u64)> = marks.iter().collect();
+        sorted.sort_by_key(|(_, t)| *t);
+        let mut out: Vec<Marks> = Vec::new();
+        let mut bytes = usize::MAX;
+        for (rev, through_ms) in sorted {
+            // a revision costs its bytes, quotes and a comma; a group its number and keys
+            let cost = rev.len() + 3;
+            if bytes.saturating_add(cost + 40) > max_bytes {
+                out.push(Marks {
+                    owner: owner.to_string(),
+                    groups: Vec::new(),
+                });
+                bytes = 0;
+            }
+            let Some(m) = out.last_mut() else { continue };
+            match m.groups.last_mut() {
+                Some(g) if g.through_ms == *through_ms => {
+                    g.revs.push(rev.clone());
+                    bytes += cost;
+                }
+                _ => {
+                    m.groups.push(MarkGroup {
+                        through_ms: *through_ms,
+                        revs: vec![rev.clone()],
+                    });
+                    bytes += cost + 40;
+                }
+            }
+        }
+        out
+    }
 }
 
 /// A scheduler restates a live schedule as of this record, so that it outlives its add.
@@ -143,6 +202,8 @@ pub struct Book {
     entries: BTreeMap<(String, String), Entry>,
     /// Schedules of each owner.
     per_owner: HashMap<String, usize>,
+    /// The name of each owner's revision held ([`Marks`] name revisions).
+    revs: HashMap<(String, String), String>,
     /// Revisions removed or replaced, newest last, at most [`MAX_SCHEDULES`]: no keep brings
     /// them back.
     gone: HashSet<String>,
@@ -188,7 +249,7 @@ impl Book {
             Action::Remove => {
                 let rev = e.rev.clone();
                 self.entries.remove(&key);
-                self.forget(owner, rev);
+                self.forget(owner, &s.name, rev);
             }
         }
         Ok(())
@@ -208,6 +269,34 @@ impl Book {
                 m.rev, m.owner, m.name
             )),
         }
+    }
+
+    /// Applies a scheduler's marks written by `by`; an error counts the revisions it does not
+    /// hold (removed or replaced since: the rest are applied).
+    pub fn marks(&mut self, by: Option<&str>, m: &Marks, trust: &Trust) -> Result<(), String> {
+        scheduler(by, &m.owner, trust)?;
+        let mut unknown = 0usize;
+        for g in &m.groups {
+            for rev in &g.revs {
+                let key = (m.owner.clone(), rev.clone());
+                let entry = self
+                    .revs
+                    .get(&key)
+                    .and_then(|name| self.entries.get_mut(&(m.owner.clone(), name.clone())))
+                    .filter(|e| e.rev == *rev);
+                match entry {
+                    Some(e) => e.through_ms = e.through_ms.max(Some(g.through_ms)),
+                    None => unknown += 1,
+                }
+            }
+        }
+        if unknown > 0 {
+            return Err(format!(
+                "{unknown} revisions of {}'s marked that the book does not hold",
+                m.owner
+            ));
+        }
+        Ok(())
     }
 
     /// Applies a scheduler's keep written by `by`: a schedule whose add the stream no longer
@@ -277,12 +366,14 @@ impl Book {
         let key = (owner.to_string(), def.name.clone());
         if let Some(old) = self.entries.get(&key) {
             let old = old.rev.clone();
-            self.forget(owner, old);
+            self.forget(owner, &def.name, old);
         } else {
             let mine = self.per_owner.get(owner).copied().unwrap_or(0);
-            if !trust.is_admin(owner) && mine >= MAX_PER_OWNER {
+            let cap = trust.max_schedules_per_user();
+            if !trust.is_admin(owner) && mine >= cap {
                 return Err(format!(
-                    "{owner} has {MAX_PER_OWNER} schedules, the most a user may"
+                    "{owner} has {cap} schedules, the most a user may \
+                     (trust.max_schedules_per_user)"
                 ));
             }
             if self.entries.len() >= MAX_SCHEDULES {
@@ -290,6 +381,8 @@ impl Book {
             }
         }
         *self.per_owner.entry(owner.to_string()).or_default() += 1;
+        self.revs
+            .insert((owner.to_string(), rev.to_string()), def.name.clone());
         let entry = Entry {
             owner: owner.to_string(),
             rev: rev.to_string(),
@@ -307,8 +400,12 @@ impl Book {
         })
     }
 
-    /// Revision `rev` of one of `owner`'s schedules is gone (removed, or about to be replaced).
-    fn forget(&mut self, owner: &str, rev: String) {
+    /// Revision `rev` of `owner`'s schedule `name` is gone (removed, or about to be replaced).
+    fn forget(&mut self, owner: &str, name: &str, rev: String) {
+        let key = (owner.to_string(), rev.clone());
+        if self.revs.get(&key).is_some_and(|n| n == name) {
+            self.revs.remove(&key);
+        }
         if let Some(n) = self.per_owner.get_mut(owner) {
             *n -= 1;
             if *n == 0 {

@@ -53,6 +53,7 @@ impl World {
             trust: TrustSettings {
                 admins: vec![self.user("adm")],
                 peers: vec![],
+                ..Default::default()
             },
             ..self.settings.clone()
         }
@@ -295,6 +296,7 @@ async fn a_cancel_stops_only_its_writers_messages_and_forged_checkpoints_hide_no
         o.trust = TrustSettings {
             admins: vec![w.user("adm")],
             peers,
+            ..Default::default()
         };
         o
     };

@@ -9,6 +9,7 @@ fn trust() -> Trust {
         &TrustSettings {
             admins: vec!["admin".into()],
             peers: vec!["scheduler2".into()],
+            ..Default::default()
         },
     )
 }
@@ -175,6 +176,86 @@ fn an_owner_and_the_book_are_capped() {
         .unwrap();
     b.add(Some("alice"), &add("one-more", "z", 0), &t).unwrap();
     assert_eq!(b.len(), MAX_PER_OWNER + 1);
+}
+
+#[test]
+fn the_per_user_cap_is_a_setting() {
+    let t = Trust::new(
+        Some("scheduler".into()),
+        &TrustSettings {
+            max_schedules_per_user: 2,
+            ..Default::default()
+        },
+    );
+    let mut b = Book::default();
+    b.add(Some("alice"), &add("a", "r1", 0), &t).unwrap();
+    b.add(Some("alice"), &add("b", "r2", 0), &t).unwrap();
+    let e = b.add(Some("alice"), &add("c", "r3", 0), &t).unwrap_err();
+    assert!(e.contains("trust.max_schedules_per_user"), "{e}");
+    // another user is not crowded out
+    b.add(Some("bob"), &add("a", "r4", 0), &t).unwrap();
+    assert_eq!(b.len(), 3);
+}
+
+#[test]
+fn a_round_of_marks_is_one_record_believed_as_a_mark() {
+    let t = trust();
+    let mut b = Book::default();
+    b.add(Some("alice"), &add("a", "ra", 0), &t).unwrap();
+    b.add(Some("alice"), &add("b", "rb", 0), &t).unwrap();
+    b.add(Some("bob"), &add("c", "rc", 0), &t).unwrap();
+    let marks = [("ra".to_string(), 60_000), ("rb".to_string(), 120_000)];
+    let records = Marks::of("alice", &marks, 1 << 20);
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].groups.len(), 2);
+    // only alice or a scheduler marks alice's
+    assert!(b.marks(Some("mallory"), &records[0], &t).is_err());
+    assert_eq!(b.get("alice", "a").unwrap().through_ms, None);
+    b.marks(Some("alice"), &records[0], &t).unwrap();
+    assert_eq!(b.get("alice", "a").unwrap().through_ms, Some(60_000));
+    assert_eq!(b.get("alice", "b").unwrap().through_ms, Some(120_000));
+    // bob's revision named as alice's marks nothing of bob's
+    let e = b
+        .marks(
+            Some("scheduler"),
+            &Marks::of("alice", &[("rc".into(), 9)], 99)[0],
+            &t,
+        )
+        .unwrap_err();
+    assert!(e.contains("1 revisions"), "{e}");
+    assert_eq!(b.get("bob", "c").unwrap().through_ms, None);
+    // a replaced revision takes no mark; its replacement does
+    b.add(Some("alice"), &add("a", "ra2", 0), &t).unwrap();
+    assert!(
+        b.marks(Some("alice"), &Marks::of("alice", &marks[..1], 99)[0], &t)
+            .is_err()
+    );
+    assert_eq!(b.get("alice", "a").unwrap().through_ms, None);
+    let again = Marks::of("alice", &[("ra2".into(), 5)], 99);
+    b.marks(Some("alice"), &again[0], &t).unwrap();
+    assert_eq!(b.get("alice", "a").unwrap().through_ms, Some(5));
+    // removed: forgotten
+    b.set(Some("alice"), &set("a", None, Action::Remove, 0), &t)
+        .unwrap();
+    assert!(b.marks(Some("alice"), &again[0], &t).is_err());
+}
+
+#[test]
+fn marks_are_split_by_bytes() {
+    let marks: Vec<(String, u64)> = (0..1000)
+        .map(|i| (format!("{i:036}"), 1_000 * (i % 3)))
+        .collect();
+    let records = Marks::of("alice", &marks, 4_000);
+    assert!(records.len() >= 10, "{}", records.len());
+    let mut seen = 0;
+    for r in &records {
+        let bytes = serde_json::to_vec(r).unwrap().len();
+        assert!(bytes <= 4_000 + 100, "{bytes}");
+        for g in &r.groups {
+            seen += g.revs.len();
+        }
+    }
+    assert_eq!(seen, 1000);
 }
 
 proptest! {

@@ -31,6 +31,7 @@ fn only_users_of_ours_are_believed_in_more_than_the_schedule_headers() {
         &TrustSettings {
             admins: vec!["admin".into()],
             peers: vec!["gateway".into()],
+            ..Default::default()
         },
     );
     let keys = |p: BasicProperties| -> Vec<String> {

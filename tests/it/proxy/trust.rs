@@ -236,6 +236,7 @@ async fn node() -> Node {
         trust: TrustSettings {
             admins: vec![format!("{p}-admin")],
             peers: vec![format!("{p}-proxy")],
+            ..Default::default()
         },
         p,
         root,

@@ -12,6 +12,7 @@ fn trust() -> Trust {
         &TrustSettings {
             admins: vec!["root".into()],
             peers: vec!["gw".into()],
+            ..Default::default()
         },
     )
 }
