@@ -259,6 +259,7 @@ mod tests {
             &TrustSettings {
                 admins: vec!["mover".into()],
                 peers: vec!["worker".into()],
+                ..TrustSettings::default()
             },
         )
     }

@@ -42,6 +42,7 @@ async fn clusters() -> (Env, Env) {
         e.settings.trust = TrustSettings {
             admins: vec!["guest".into()],
             peers: vec![],
+            ..TrustSettings::default()
         };
     }
     (old, new)
