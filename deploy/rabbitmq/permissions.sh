@@ -46,8 +46,7 @@
 #              the control stream (and appends its barriers through P.streams); what it shows
 #              and steers is the logged-in user's
 #   USER       (--recurring) a publisher that also reads the control stream (its schedules
-#              are records there) and the journal (what a replica before it published), and
-#              holds its recurring serve's lock queue
+#              are records there) and holds its recurring serve's lock queue
 #   keda       KEDA's rabbitmq trigger over the management API: the monitoring tag, no rights
 #   USER       (--app) an application behind delay-proxy: its exchanges, its pairs'
 #              ingresses, its queues; (--gateway-app) an application of configured pairs:
@@ -172,11 +171,11 @@ run set_permissions -p "${VHOST}" "${USER_PREFIX}-admin" "${ADMIN}" "${ADMIN}" "
 run set_permissions -p "${VHOST}" "${USER_PREFIX}-publisher" '^$' \
     "^(${TIERS}|${P}\\.(streams|control|ledger|journal|${CHECKED}|(holds|batched)\\..+))\$" '^$'
 for u in ${RECURRING[@]+"${RECURRING[@]}"}; do
-    # a publisher that reads the control stream (and the journal back on a takeover) and
-    # declares its own exclusive lock queue
+    # a publisher that reads the control stream and declares its own exclusive lock queue;
+    # not the journal, which holds every user's ids, headers and kept bodies
     run set_permissions -p "${VHOST}" "${u}" "^${P}\\.recurring\\.lock\\.$(esc "${u}")\$" \
         "^(${TIERS}|${P}\\.(streams|control|ledger|journal|${CHECKED}|(holds|batched)\\..+))\$" \
-        "^${P}\\.(control|journal)\$"
+        "^${P}\\.control\$"
 done
 if [[ -n "${Q}" ]]; then
     run set_permissions -p "${VHOST}" "${USER_PREFIX}-worker" '^$' \
