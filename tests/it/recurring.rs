@@ -878,9 +878,15 @@ async fn a_tick_published_but_not_marked_before_a_kill_9_runs_once() {
         .map(|m| m.int_header("x-delay-recurring-tick").unwrap() as u64)
         .collect();
     ran.sort_unstable();
+    let mut once = ran.clone();
+    once.dedup();
+    assert_eq!(once, ran, "a tick ran twice");
+    // on a slow machine serve can start within the grace of a tick before the replayed one,
+    // and send it (once): from the replayed tick on, each tick once and none missing
+    let from_tick: Vec<u64> = ran.iter().copied().filter(|&t| t >= tick).collect();
     let every: Vec<u64> = (tick..=ran[ran.len() - 1]).step_by(3_000).collect();
     assert_eq!(
-        ran, every,
+        from_tick, every,
         "the replayed tick {id} ran twice, or a tick is missing"
     );
     // and the journal holds each occurrence once: the dead one's was not published again
