@@ -32,9 +32,9 @@
 #   cluster.sh start-app I          rabbitmqctl -n NODE start_app, wait until rejoined.
 #   cluster.sh restart-all          stop all nodes, start them all again in parallel (in 3.10
 #                                   a node restarted after a full stop waits for its peers),
-#                                   wait until all are up and clustered; a node that died
+#                                   wait until all are up and clustered; a node that dies
 #                                   syncing feature flags with a peer still booting (a 3.10
-#                                   race) is started once more.
+#                                   race) is started again at once, up to 3 times.
 #   cluster.sh ctl I ARGS...        run `rabbitmqctl -n NODE ARGS...` against node I.
 #   cluster.sh node I | port I      print node I's name | AMQP port.
 #
@@ -640,30 +640,56 @@ cmd_restart_all() {
         pids+=($!)
     done
     for p in "${pids[@]}"; do wait "$p" || true; done
-    pids=()
     for ((i = 1; i <= n; i++)); do launch_node "$i"; done
-    for ((i = 1; i <= n; i++)); do
-        wait_node "$i" &
-        pids+=($!)
-    done
-    local failed=()
-    for ((i = 1; i <= n; i++)); do wait "${pids[i - 1]}" || failed+=("$i"); done
-    # RabbitMQ 3.10: a node that syncs its feature flags with a peer still booting can die with
-    # `incompatible_feature_flags` ({badmap,undefined}); seen once in a fresh-clone CI run.
-    # Started again once its peers are up, it joins. Any other failure stands.
-    for i in "${failed[@]}"; do
-        if [[ -z "$(node_pid "$i")" && "$(last_start_log "$i")" == *incompatible_feature_flags* ]]; then
-            log "$(node "$i") died syncing feature flags with a booting peer; starting it again"
-            launch_node "$i"
-            wait_node "$i"
-        else
-            exit 1
-        fi
-    done
+    wait_all_relaunching "$n"
     if ((n > 1)); then
         for ((i = 1; i <= n; i++)); do wait_rejoined "$i"; done
     fi
     print_nodes
+}
+
+# Wait until nodes 1..N are all up, polling them together. RabbitMQ 3.10: a node that syncs its
+# feature flags with a peer still booting can die with `incompatible_feature_flags`
+# ({badmap,undefined}), and after a full stop its peers wait for it, so it is started again at
+# once (up to 3 times per node) rather than after the others' wait. Any other death, or no
+# cluster within 2 x CLUSTER_WAIT_SECS, stands.
+wait_all_relaunching() {
+    local n="$1" i deadline=$((SECONDS + 2 * WAIT_SECS)) start=${SECONDS} pending
+    local -a up=() tries=() since=()
+    for ((i = 1; i <= n; i++)); do
+        up[i]=0
+        tries[i]=0
+        since[i]=${SECONDS}
+    done
+    while :; do
+        pending=0
+        for ((i = 1; i <= n; i++)); do
+            ((up[i])) && continue
+            if amqp_probe "$(amqp_port "$i")" && ctl 20 "$(node "$i")" await_startup --timeout 5 >/dev/null 2>&1; then
+                up[i]=1
+                log "$(node "$i") is up ($((SECONDS - start))s)"
+                continue
+            fi
+            pending=1
+            if ((SECONDS - since[i] > 10)) && ! epmd_has "$(short "$i")" && [[ -z "$(node_pid "$i")" ]]; then
+                if [[ "$(last_start_log "$i")" == *incompatible_feature_flags* ]] && ((tries[i] < 3)); then
+                    tries[i]=$((tries[i] + 1))
+                    log "$(node "$i") died syncing feature flags with a booting peer; starting it again (${tries[i]}/3)"
+                    launch_node "$i"
+                    since[i]=${SECONDS}
+                else
+                    dump_logs "$i"
+                    die "$(node "$i") is not running (its VM exited during boot)"
+                fi
+            fi
+        done
+        ((pending)) || return 0
+        if ((SECONDS >= deadline)); then
+            for ((i = 1; i <= n; i++)); do ((up[i])) || dump_logs "$i"; done
+            die "the cluster did not come back within $((2 * WAIT_SECS))s"
+        fi
+        sleep 1
+    done
 }
 
 cmd_status() {
