@@ -105,8 +105,8 @@ pub struct Flush {
 pub struct Item {
     /// Its message id.
     pub id: String,
-    /// Its owner, when a forwarder (a gateway) scheduled it on someone's behalf; believed
-    /// only from a forwarder.
+    /// Its owner, when a forwarder (a gateway) or an admin ([`crate::Message::for_owner`])
+    /// scheduled it on someone's behalf; believed only from those (`Trust::owner`).
     #[serde(rename = "o", default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
     /// The destination queue in the tiers (a gateway's due queue for a gateway's message).

@@ -50,6 +50,8 @@ pub struct Message {
     /// A copy `transfer` moved from another cluster: journaled and counted as scheduled
     /// whatever its attempt (the new cluster's journal has not seen it).
     pub(crate) transferred: bool,
+    /// The user it is scheduled for ([`Message::for_owner`]).
+    pub(crate) for_owner: Option<String>,
 }
 
 impl Message {
@@ -68,6 +70,7 @@ impl Message {
             due_at: None,
             occurrence: None,
             transferred: false,
+            for_owner: None,
         }
     }
     /// Sets the message id (default: a generated UUID v7); 1 to 255 bytes.
@@ -75,6 +78,18 @@ impl Message {
         let id = id.into();
         match short("message id", id) {
             Ok(s) => self.properties = self.properties.with_message_id(s),
+            Err(e) => self.problem = Some(e),
+        }
+        self
+    }
+    /// Schedules it for `owner` (1 to 255 bytes): named in `x-delay-owner` and in the journal,
+    /// so it is that user's to list, cancel and purge. Believed only when the publishing user
+    /// is an admin of the readers' `trust.admins` or their own user; anyone else's message
+    /// stays its publisher's ([`crate::ops::trust`]).
+    pub fn for_owner(mut self, owner: impl Into<String>) -> Self {
+        let owner = owner.into();
+        match short("owner", owner) {
+            Ok(s) => self.for_owner = Some(s.to_string()),
             Err(e) => self.problem = Some(e),
         }
         self

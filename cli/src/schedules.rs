@@ -120,6 +120,11 @@ pub async fn add(as_user: &Settings, def: &Definition) -> Result<u64> {
         .next_after(now.max(def.from_ms.unwrap_or(0)))
         .filter(|&t| def.until_ms.is_none_or(|u| t <= u))
         .ok_or_else(|| Error::Invalid(format!("'{}' never ticks again", def.cron)))?;
+    // A record past a cap is skipped by every reader: refuse it here, where the user sees why.
+    let v = view(as_user).await?;
+    v.book
+        .admits(&v.user, &def.name, &v.trust)
+        .map_err(Error::Invalid)?;
     let record = Record::RecurringAdd(Add {
         rev: uuid::Uuid::now_v7().to_string(),
         at_ms: now,
@@ -164,11 +169,16 @@ pub async fn set(
 }
 
 /// One occurrence of schedule `name` (of `owner`) due now, besides the ticks (named by this
-/// second), published as `as_user`'s user; its message id.
+/// second), published as `as_user`'s user; its message id. An admin's run of another user's
+/// schedule is that user's message ([`amqp_delay::Message::for_owner`]): listed, cancelled and purged by
+/// the schedule's owner, as its ticks are.
 pub async fn run_now(as_user: &Settings, name: &str, owner: Option<&str>) -> Result<String> {
     let v = view(as_user).await?;
     let e = v.get(name, owner)?;
-    let msg = occurrence(&e.def, now_ms() / 1000 * 1000, 0);
+    let mut msg = occurrence(&e.def, now_ms() / 1000 * 1000, 0);
+    if e.owner != v.user {
+        msg = msg.for_owner(e.owner.as_str());
+    }
     let publisher = Publisher::connect(as_user).await?;
     let r = publisher.schedule(msg).await;
     publisher.close().await;

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use futures::{Stream, StreamExt};
+use lapin::types::AMQPValue;
 use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
@@ -398,6 +399,12 @@ impl Publisher {
         if let Some((name, tick_ms)) = &msg.occurrence {
             headers::set_occurrence_headers(&mut hdrs, name, *tick_ms);
         }
+        if let Some(owner) = &msg.for_owner {
+            hdrs.insert(
+                headers::OWNER.into(),
+                AMQPValue::LongString(owner.as_str().into()),
+            );
+        }
         let message_id = match (msg.properties.message_id(), &msg.occurrence) {
             (Some(id), _) => id.to_string(),
             (None, Some((name, tick))) => crate::recurring::occurrence_id(name, *tick),
@@ -451,7 +458,7 @@ impl Publisher {
         // a gateway's copy names its owner and the routing key at the target
         let (owner, routing_key) = match msg.internal {
             true => (text(headers::OWNER), text(headers::ROUTING_KEY)),
-            false => (None, None),
+            false => (msg.for_owner.clone(), None),
         };
         let js = &inner.journal_settings;
         let keep = js.keep_body && msg.body.len() <= js.max_body;

@@ -354,6 +354,29 @@ impl Book {
         self.entries.is_empty()
     }
 
+    /// Whether an add of `owner`'s schedule `name` would be kept: it replaces one of that name,
+    /// or the owner and the book are under their caps. The error says which cap.
+    pub fn admits(&self, owner: &str, name: &str, trust: &Trust) -> Result<(), String> {
+        if self
+            .entries
+            .contains_key(&(owner.to_string(), name.to_string()))
+        {
+            return Ok(());
+        }
+        let mine = self.per_owner.get(owner).copied().unwrap_or(0);
+        let cap = trust.max_schedules_per_user();
+        if !trust.is_admin(owner) && mine >= cap {
+            return Err(format!(
+                "{owner} has {cap} schedules, the most a user may \
+                 (trust.max_schedules_per_user)"
+            ));
+        }
+        if self.entries.len() >= MAX_SCHEDULES {
+            return Err(format!("{MAX_SCHEDULES} schedules, the most a book holds"));
+        }
+        Ok(())
+    }
+
     /// Puts revision `rev` of `owner`'s `def`, replacing one of the same name (unpaused, not
     /// marked), within the caps.
     fn put(
@@ -363,22 +386,11 @@ impl Book {
         def: Definition,
         trust: &Trust,
     ) -> Result<&mut Entry, String> {
+        self.admits(owner, &def.name, trust)?;
         let key = (owner.to_string(), def.name.clone());
         if let Some(old) = self.entries.get(&key) {
             let old = old.rev.clone();
             self.forget(owner, &def.name, old);
-        } else {
-            let mine = self.per_owner.get(owner).copied().unwrap_or(0);
-            let cap = trust.max_schedules_per_user();
-            if !trust.is_admin(owner) && mine >= cap {
-                return Err(format!(
-                    "{owner} has {cap} schedules, the most a user may \
-                     (trust.max_schedules_per_user)"
-                ));
-            }
-            if self.entries.len() >= MAX_SCHEDULES {
-                return Err(format!("{MAX_SCHEDULES} schedules, the most a book holds"));
-            }
         }
         *self.per_owner.entry(owner.to_string()).or_default() += 1;
         self.revs

@@ -411,9 +411,9 @@ pub(crate) async fn wait_for_queue(conn: &Connection, queue: &str, timeout: Dura
                 // a quorum queue declared a moment ago (by the process under test) exists
                 // before its Raft member runs: RabbitMQ 3.10 answered a consume then with
                 // INTERNAL_ERROR (`noproc` in rabbit_quorum_queue:consume), closing the
-                // connection
+                // connection (300 ms were too few on a loaded 2-core machine)
                 if absent {
-                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    tokio::time::sleep(Duration::from_secs(2)).await;
                 }
                 return;
             }

@@ -110,6 +110,24 @@ async fn an_owners_schedule_is_invisible_and_unsteerable_to_another_tenant() {
         [(mallory.clone(), "nightly".into(), false)]
     );
 
+    // an add past the owner's cap is refused before it is written, with the cap named (every
+    // reader would skip it); the setting is the one OPERATIONS documents
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .env("AMQP_DELAY_TRUST__MAX_SCHEDULES_PER_USER", "1")
+        .arg("--config")
+        .arg(&w.cfg)
+        .args(["--url", &w.url("mallory"), "recurring", "add", "second"])
+        .args(["--cron", "@daily", "--queue", &w.q])
+        .output()
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("trust.max_schedules_per_user"),
+        "{err}"
+    );
+    assert_eq!(listed(&w, "mallory").await.len(), 1);
+
     // mallory cannot name alice's: --owner is an admin's
     let (ok, err) = try_as(&w, "mallory", &["pause", "nightly", "--owner", &alice]).await;
     assert!(!ok && err.contains("admin"), "{err}");
@@ -489,6 +507,30 @@ async fn the_api_steers_schedules_as_the_login_and_no_further() {
         out["sent"].as_str().unwrap().starts_with("nightly@"),
         "{out}"
     );
+    // the admin's run of alice's schedule is alice's message (its id a second later): the
+    // journal names her as its owner, which every reader believes of an admin
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let (status, out) = call(
+        addr,
+        "POST",
+        "/api/v1/schedules/nightly/run-now",
+        &adm,
+        Some(owner.clone()),
+    )
+    .await;
+    assert_eq!(status, 200, "{out}");
+    let by_admin = out["sent"].as_str().unwrap().to_string();
+    let (by, named) = journaled_owner(&w, &by_admin).await;
+    assert_eq!(
+        (by.as_deref(), named.as_deref()),
+        (Some(adm.as_str()), Some(alice.as_str())),
+        "{by_admin}: published by the admin for alice"
+    );
+    let trust = amqp_delay::ops::trust::Trust::new(None, &w.as_role("alice").trust);
+    assert_eq!(
+        trust.owner(by.as_deref(), named.as_deref()).as_deref(),
+        Some(alice.as_str())
+    );
 
     // what no schedule can be: 400, and nothing written
     for (bad, why) in [
@@ -693,6 +735,41 @@ async fn journaled(env: &Env, name: &str) -> std::collections::BTreeMap<String, 
     }
     tail.end().await;
     out
+}
+
+/// Who wrote message `id` to the journal (broker-checked) and whom it names as its owner:
+/// the journal read as the admin from its start to a barrier of our own.
+async fn journaled_owner(w: &crate::trust::World, id: &str) -> (Option<String>, Option<String>) {
+    use amqp_delay::ops::journal::{self, Record, Start};
+    let s = w.as_role("adm");
+    let layout = s.layout().unwrap();
+    let conn = amqp_delay::ops::connection::Connector::new(&s)
+        .unwrap()
+        .connect("test journal")
+        .await
+        .unwrap();
+    let nonce = journal::barrier(&conn, &layout).await.unwrap();
+    let mut tail = journal::tail(&conn, &layout, Start::First).await.unwrap();
+    let mut found = (None, None);
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(30), tail.next())
+            .await
+            .expect("the journal's reader stalled")
+            .expect("the journal's reader ended")
+            .unwrap();
+        match e.record {
+            Some(Record::Barrier { nonce: n }) if n == nonce => break,
+            Some(Record::Scheduled { items, .. }) => {
+                if let Some(i) = items.iter().find(|i| i.id == id) {
+                    found = (e.by.clone(), i.owner.clone());
+                }
+            }
+            _ => {}
+        }
+    }
+    tail.end().await;
+    amqp_delay::ops::broker::close_connection(&conn, "bye").await;
+    found
 }
 
 /// Polls [`journaled`] until it names `n` occurrences of `name` (or a minute passes).

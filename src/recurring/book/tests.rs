@@ -190,8 +190,13 @@ fn the_per_user_cap_is_a_setting() {
     let mut b = Book::default();
     b.add(Some("alice"), &add("a", "r1", 0), &t).unwrap();
     b.add(Some("alice"), &add("b", "r2", 0), &t).unwrap();
+    // what an add is told before it writes is what the fold does with it
+    let told = b.admits("alice", "c", &t).unwrap_err();
     let e = b.add(Some("alice"), &add("c", "r3", 0), &t).unwrap_err();
+    assert_eq!(told, e);
     assert!(e.contains("trust.max_schedules_per_user"), "{e}");
+    // a replacement of one she has is no new schedule
+    b.admits("alice", "a", &t).unwrap();
     // another user is not crowded out
     b.add(Some("bob"), &add("a", "r4", 0), &t).unwrap();
     assert_eq!(b.len(), 3);
