@@ -244,26 +244,44 @@ pub async fn purge(
 }
 
 /// Cron expressions parsed once for an answer of many schedules (most share a few), by
-/// expression and zone; at most [`MAX_CRONS`] kept (some 8 KB each).
+/// expression and zone, each with its last answer (schedules of one expression and window
+/// share their next ticks); at most [`MAX_CRONS`] kept (some 8 KB each).
 #[derive(Default)]
-pub struct Crons(HashMap<(String, String), Option<Arc<Ticks>>>);
+pub struct Crons {
+    by_cron: HashMap<String, HashMap<String, Parsed>>,
+    kept: usize,
+}
+
+/// One expression in one zone, and the ticks it last gave: (after, until, n) and them.
+struct Parsed {
+    ticks: Option<Arc<Ticks>>,
+    last: Option<((u64, u64, usize), Vec<u64>)>,
+}
 
 /// Parsed cron expressions a [`Crons`] keeps, at most.
 const MAX_CRONS: usize = 1_024;
 
 impl Crons {
-    /// The ticks of `e`'s definition; `None` when it is not one (a book holds none such).
-    fn of(&mut self, e: &Entry) -> Option<Arc<Ticks>> {
-        let key = (e.def.cron.clone(), e.def.tz.clone());
-        if let Some(t) = self.0.get(&key) {
-            return t.clone();
+    /// `e`'s expression parsed; its ticks `None` when it is not one (a book holds none such).
+    fn of(&mut self, e: &Entry) -> &mut Parsed {
+        let (cron, tz) = (&e.def.cron, &e.def.tz);
+        let known = self.by_cron.get(cron).is_some_and(|z| z.contains_key(tz));
+        if !known {
+            if self.kept >= MAX_CRONS {
+                self.by_cron.clear();
+                self.kept = 0;
+            }
+            let ticks = e.def.check().ok().map(Arc::new);
+            self.kept += 1;
+            self.by_cron
+                .entry(cron.clone())
+                .or_default()
+                .insert(tz.clone(), Parsed { ticks, last: None });
         }
-        let t = e.def.check().ok().map(Arc::new);
-        if self.0.len() >= MAX_CRONS {
-            self.0.clear();
-        }
-        self.0.insert(key, t.clone());
-        t
+        self.by_cron
+            .get_mut(cron)
+            .and_then(|z| z.get_mut(tz))
+            .expect("inserted above")
     }
 }
 
@@ -277,11 +295,20 @@ pub fn next_ticks_with(e: &Entry, now: u64, n: usize, crons: &mut Crons) -> Vec<
     if e.paused {
         return Vec::new();
     }
-    let Some(ticks) = crons.of(e) else {
+    let after = now.max(e.def.from_ms.map_or(0, |f| f.saturating_sub(1)));
+    let key = (after, e.def.until_ms.unwrap_or(u64::MAX), n);
+    let p = crons.of(e);
+    if let Some((k, v)) = &p.last
+        && *k == key
+    {
+        return v.clone();
+    }
+    let Some(ticks) = &p.ticks else {
         return Vec::new();
     };
-    let after = now.max(e.def.from_ms.map_or(0, |f| f.saturating_sub(1)));
-    ticks.between(after, e.def.until_ms.unwrap_or(u64::MAX), n)
+    let v = ticks.between(key.0, key.1, n);
+    p.last = Some((key, v.clone()));
+    v
 }
 
 /// The last ticks of `e` at or before `now`, at most `n`, oldest first: those within four of
