@@ -189,6 +189,23 @@ pub fn print_line(line: &str) {
     }
 }
 
+/// Writes many lines to stdout at once (buffered, one flush), as [`print_line`] does one.
+pub fn print_lines(lines: impl IntoIterator<Item = String>) {
+    use std::io::Write as _;
+    let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
+    let r = lines
+        .into_iter()
+        .try_for_each(|l| writeln!(out, "{l}"))
+        .and_then(|()| out.flush());
+    if let Err(e) = r {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: writing to stdout: {e}");
+        std::process::exit(EXIT_FAILURES);
+    }
+}
+
 /// `println!` for the binaries, through [`print_line`].
 #[macro_export]
 macro_rules! outln {

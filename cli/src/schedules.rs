@@ -4,21 +4,29 @@
 //!
 //! Each call connects as the asking user (its settings carry that user's login), reads the
 //! schedules the control stream's records make (`amqp_delay::recurring::Book`, each record
-//! believed by its writer's broker-checked `user_id`), and writes a control record on that
+//! believed by its writer's broker-checked `user_id`; the CLI replays the stream for the call,
+//! a server asks its [`Live`] book, caught up first), and writes a control record on that
 //! user's connection, so the broker and the trust model decide: a user sees and steers its own
 //! schedules, an admin (`trust.admins`) everyone's, naming the owner.
+
+use std::collections::HashMap;
+use std::sync::Arc;
 
 use amqp_delay::headers;
 use amqp_delay::ops::connection::Connector;
 use amqp_delay::ops::control::{self, PurgeScope, Record};
 use amqp_delay::ops::trust::Trust;
-use amqp_delay::recurring::{Action, Add, Book, Definition, Entry, Set, rfc3339};
+use amqp_delay::recurring::{Action, Add, Book, Definition, Entry, Set, Ticks, rfc3339};
 use amqp_delay::settings::Settings;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Error, Publisher, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::recurring::occurrence;
+
+pub mod live;
+
+pub use live::Live;
 
 /// What the error of a schedule nobody the user sees has says (the API answers it with 404).
 pub const NO_SUCH: &str = "has no recurring schedule";
@@ -28,17 +36,18 @@ pub const SHOWN_TICKS: usize = 5;
 /// record over `frame_max` (the process learns the record and reads past it).
 const STREAM_TRIES: u32 = 16;
 
-/// The schedules as one user sees them: the book, the user, and its trust.
-pub struct View {
+/// The schedules as one user sees them: the book (read for this call, or a server's
+/// [`Live`] one), the user, and its trust.
+pub struct View<B: std::ops::Deref<Target = Book> = Box<Book>> {
     /// Every schedule of the control stream.
-    pub book: Book,
+    pub book: B,
     /// Who asks.
     pub user: String,
     /// Its trust (whether it is an admin).
     pub trust: Trust,
 }
 
-impl View {
+impl<B: std::ops::Deref<Target = Book>> View<B> {
     /// The schedules this user sees, by owner and name.
     pub fn visible(&self) -> impl Iterator<Item = &Entry> {
         self.book.visible_to(&self.user, &self.trust)
@@ -76,7 +85,11 @@ pub async fn view(as_user: &Settings) -> Result<View> {
         match r {
             Ok((book, _)) => {
                 let trust = Trust::new(Some(user.clone()), &as_user.trust);
-                return Ok(View { book, user, trust });
+                return Ok(View {
+                    book: Box::new(book),
+                    user,
+                    trust,
+                });
             }
             Err(e) if control::is_record_over_frame_max(&e) && tries < STREAM_TRIES => {
                 tracing::warn!(
@@ -87,6 +100,36 @@ pub async fn view(as_user: &Settings) -> Result<View> {
                 tries += 1;
             }
             Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Where a call finds the schedules it shows or steers.
+#[derive(Clone, Copy)]
+pub enum Books<'a> {
+    /// The control stream, read to its end for this call as the asking user (the CLI).
+    Replay,
+    /// A server's live book, as the logged-in user named.
+    Live(&'a Live, &'a str),
+}
+
+/// Schedule `name` (of `owner`, an admin's) as the asking user sees it, and that user.
+async fn lookup(
+    as_user: &Settings,
+    books: Books<'_>,
+    name: &str,
+    owner: Option<&str>,
+) -> Result<(Entry, String)> {
+    match books {
+        Books::Replay => {
+            let v = view(as_user).await?;
+            let e = v.get(name, owner)?.clone();
+            Ok((e, v.user))
+        }
+        Books::Live(live, user) => {
+            let v = live.view(user).await?;
+            let e = v.get(name, owner)?.clone();
+            Ok((e, v.user.clone()))
         }
     }
 }
@@ -113,7 +156,7 @@ async fn write(as_user: &Settings, check: Option<&str>, record: &Record) -> Resu
 /// Adds `def` as `as_user`'s user (or replaces its schedule of that name): the definition
 /// checked (cron, zone, fields, a next tick), its queue checked by the broker as this user,
 /// then written. Its next tick.
-pub async fn add(as_user: &Settings, def: &Definition) -> Result<u64> {
+pub async fn add(as_user: &Settings, books: Books<'_>, def: &Definition) -> Result<u64> {
     let ticks = def.check().map_err(Error::Invalid)?;
     let now = now_ms();
     let next = ticks
@@ -121,10 +164,17 @@ pub async fn add(as_user: &Settings, def: &Definition) -> Result<u64> {
         .filter(|&t| def.until_ms.is_none_or(|u| t <= u))
         .ok_or_else(|| Error::Invalid(format!("'{}' never ticks again", def.cron)))?;
     // A record past a cap is skipped by every reader: refuse it here, where the user sees why.
-    let v = view(as_user).await?;
-    v.book
-        .admits(&v.user, &def.name, &v.trust)
-        .map_err(Error::Invalid)?;
+    match books {
+        Books::Replay => {
+            let v = view(as_user).await?;
+            v.book.admits(&v.user, &def.name, &v.trust)
+        }
+        Books::Live(live, user) => {
+            let v = live.view(user).await?;
+            v.book.admits(&v.user, &def.name, &v.trust)
+        }
+    }
+    .map_err(Error::Invalid)?;
     let record = Record::RecurringAdd(Add {
         rev: uuid::Uuid::now_v7().to_string(),
         at_ms: now,
@@ -152,15 +202,15 @@ async fn check_queue(conn: &lapin::Connection, queue: &str) -> Result<()> {
 /// it must be one the user sees. The schedule as it was.
 pub async fn set(
     as_user: &Settings,
+    books: Books<'_>,
     name: &str,
     owner: Option<&str>,
     action: Action,
 ) -> Result<Entry> {
-    let v = view(as_user).await?;
-    let e = v.get(name, owner)?.clone();
+    let (e, user) = lookup(as_user, books, name, owner).await?;
     let record = Record::RecurringSet(Set {
         name: e.def.name.clone(),
-        owner: (e.owner != v.user).then(|| e.owner.clone()),
+        owner: (e.owner != user).then(|| e.owner.clone()),
         action,
         at_ms: now_ms(),
     });
@@ -170,13 +220,17 @@ pub async fn set(
 
 /// One occurrence of schedule `name` (of `owner`) due now, besides the ticks (named by this
 /// second), published as `as_user`'s user; its message id. An admin's run of another user's
-/// schedule is that user's message ([`amqp_delay::Message::for_owner`]): listed, cancelled and purged by
-/// the schedule's owner, as its ticks are.
-pub async fn run_now(as_user: &Settings, name: &str, owner: Option<&str>) -> Result<String> {
-    let v = view(as_user).await?;
-    let e = v.get(name, owner)?;
+/// schedule is that user's message ([`amqp_delay::Message::for_owner`]): listed, cancelled
+/// and purged by the schedule's owner, as its ticks are.
+pub async fn run_now(
+    as_user: &Settings,
+    books: Books<'_>,
+    name: &str,
+    owner: Option<&str>,
+) -> Result<String> {
+    let (e, user) = lookup(as_user, books, name, owner).await?;
     let mut msg = occurrence(&e.def, now_ms() / 1000 * 1000, 0);
-    if e.owner != v.user {
+    if e.owner != user {
         msg = msg.for_owner(e.owner.as_str());
     }
     let publisher = Publisher::connect(as_user).await?;
@@ -187,11 +241,15 @@ pub async fn run_now(as_user: &Settings, name: &str, owner: Option<&str>) -> Res
 
 /// One purge record covering the scheduled occurrences of schedule `name` (of `owner`) in
 /// its queue, written as `as_user`'s user. The schedule.
-pub async fn purge(as_user: &Settings, name: &str, owner: Option<&str>) -> Result<Entry> {
-    let v = view(as_user).await?;
-    let e = v.get(name, owner)?.clone();
+pub async fn purge(
+    as_user: &Settings,
+    books: Books<'_>,
+    name: &str,
+    owner: Option<&str>,
+) -> Result<Entry> {
+    let (e, user) = lookup(as_user, books, name, owner).await?;
     let p = PurgeScope {
-        owner: (e.owner != v.user).then(|| e.owner.clone()),
+        owner: (e.owner != user).then(|| e.owner.clone()),
         header: Some((headers::RECURRING.to_string(), e.def.name.clone())),
         ..PurgeScope::queue(e.def.queue.clone())
     };
@@ -202,16 +260,72 @@ pub async fn purge(as_user: &Settings, name: &str, owner: Option<&str>) -> Resul
     Ok(e)
 }
 
+/// Cron expressions parsed once for an answer of many schedules (most share a few), by
+/// expression and zone, each with its last answer (schedules of one expression and window
+/// share their next ticks); at most [`MAX_CRONS`] kept (some 8 KB each).
+#[derive(Default)]
+pub struct Crons {
+    by_cron: HashMap<String, HashMap<String, Parsed>>,
+    kept: usize,
+}
+
+/// One expression in one zone, and the ticks it last gave: (after, until, n) and them.
+struct Parsed {
+    ticks: Option<Arc<Ticks>>,
+    last: Option<((u64, u64, usize), Vec<u64>)>,
+}
+
+/// Parsed cron expressions a [`Crons`] keeps, at most.
+const MAX_CRONS: usize = 1_024;
+
+impl Crons {
+    /// `e`'s expression parsed; its ticks `None` when it is not one (a book holds none such).
+    fn of(&mut self, e: &Entry) -> &mut Parsed {
+        let (cron, tz) = (&e.def.cron, &e.def.tz);
+        let known = self.by_cron.get(cron).is_some_and(|z| z.contains_key(tz));
+        if !known {
+            if self.kept >= MAX_CRONS {
+                self.by_cron.clear();
+                self.kept = 0;
+            }
+            let ticks = e.def.check().ok().map(Arc::new);
+            self.kept += 1;
+            self.by_cron
+                .entry(cron.clone())
+                .or_default()
+                .insert(tz.clone(), Parsed { ticks, last: None });
+        }
+        self.by_cron
+            .get_mut(cron)
+            .and_then(|z| z.get_mut(tz))
+            .expect("inserted above")
+    }
+}
+
 /// The next `n` ticks of `e` after `now`, within its window (none when paused).
 pub fn next_ticks(e: &Entry, now: u64, n: usize) -> Vec<u64> {
-    let Ok(ticks) = e.def.check() else {
-        return Vec::new();
-    };
+    next_ticks_with(e, now, n, &mut Crons::default())
+}
+
+/// [`next_ticks`], its cron expression parsed once in `crons`.
+pub fn next_ticks_with(e: &Entry, now: u64, n: usize, crons: &mut Crons) -> Vec<u64> {
     if e.paused {
         return Vec::new();
     }
     let after = now.max(e.def.from_ms.map_or(0, |f| f.saturating_sub(1)));
-    ticks.between(after, e.def.until_ms.unwrap_or(u64::MAX), n)
+    let key = (after, e.def.until_ms.unwrap_or(u64::MAX), n);
+    let p = crons.of(e);
+    if let Some((k, v)) = &p.last
+        && *k == key
+    {
+        return v.clone();
+    }
+    let Some(ticks) = &p.ticks else {
+        return Vec::new();
+    };
+    let v = ticks.between(key.0, key.1, n);
+    p.last = Some((key, v.clone()));
+    v
 }
 
 /// The last ticks of `e` at or before `now`, at most `n`, oldest first: those within four of
@@ -236,7 +350,7 @@ pub fn last_ticks(e: &Entry, now: u64, n: usize) -> Vec<u64> {
 }
 
 /// A schedule as the CLI's `--json`, the API and the console give it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ScheduleOut {
     /// Its owner.
     pub owner: String,
@@ -269,6 +383,11 @@ pub struct ScheduleOut {
 impl ScheduleOut {
     /// `e` with its next `n` ticks after `now`.
     pub fn of(e: &Entry, now: u64, n: usize) -> ScheduleOut {
+        ScheduleOut::of_with(e, now, n, &mut Crons::default())
+    }
+
+    /// [`ScheduleOut::of`], its cron expression parsed once in `crons`.
+    pub fn of_with(e: &Entry, now: u64, n: usize, crons: &mut Crons) -> ScheduleOut {
         ScheduleOut {
             owner: e.owner.clone(),
             name: e.def.name.clone(),
@@ -282,7 +401,10 @@ impl ScheduleOut {
             paused: e.paused,
             rev: e.rev.clone(),
             scheduled_through: e.through_ms.map(rfc3339),
-            next_ticks: next_ticks(e, now, n).into_iter().map(rfc3339).collect(),
+            next_ticks: next_ticks_with(e, now, n, crons)
+                .into_iter()
+                .map(rfc3339)
+                .collect(),
         }
     }
 }

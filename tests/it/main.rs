@@ -21,6 +21,7 @@ mod pending;
 mod permissions;
 mod proxy;
 mod recurring;
+mod recurring_live;
 mod security;
 mod transfer;
 mod trust;

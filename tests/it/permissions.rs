@@ -16,7 +16,7 @@ use crate::harness::*;
 use crate::worker::Scripted;
 
 /// The TLS test node's name (`scripts/tls-node.sh`: adtls@localhost, or its 4.x twin).
-fn tls_node_name() -> String {
+pub(crate) fn tls_node_name() -> String {
     crate::security::tls_node()["TLS_NODE"].clone()
 }
 

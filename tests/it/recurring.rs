@@ -48,7 +48,7 @@ async fn try_as(w: &crate::trust::World, role: &str, args: &[&str]) -> (bool, St
 }
 
 /// Adds schedule `name` (02:00 in Berlin) as `role`; its output.
-async fn add_as(w: &crate::trust::World, role: &str, name: &str) -> String {
+pub(crate) async fn add_as(w: &crate::trust::World, role: &str, name: &str) -> String {
     let args = [
         "recurring",
         "add",
@@ -67,7 +67,7 @@ async fn add_as(w: &crate::trust::World, role: &str, name: &str) -> String {
 
 /// [`world`] with alice and mallory holding the recurring set each, as permissions.sh prints
 /// it, and the world's queue declared by the admin.
-async fn tenants() -> crate::trust::World {
+pub(crate) async fn tenants() -> crate::trust::World {
     let w = world().await;
     let (alice, mallory) = (w.user("alice"), w.user("mallory"));
     let sets = documented_sets(&[
@@ -387,7 +387,7 @@ async fn api_of(w: &crate::trust::World) -> (std::net::SocketAddr, tokio::task::
 }
 
 /// `METHOD path` with `body` as `user` (password `<user>-pw`); the status and the JSON.
-async fn call(
+pub(crate) async fn call(
     addr: std::net::SocketAddr,
     method: &'static str,
     path: &str,
@@ -422,7 +422,7 @@ async fn call(
 }
 
 /// (owner, name, paused) of each schedule of a list answer.
-fn rows(v: &serde_json::Value) -> Vec<(String, String, bool)> {
+pub(crate) fn rows(v: &serde_json::Value) -> Vec<(String, String, bool)> {
     v["schedules"]
         .as_array()
         .unwrap()

@@ -87,6 +87,8 @@ pub struct App {
     pub gate: Arc<Gate>,
     /// The pending service: the CLI's cancel, reschedule and purge.
     pub service: Service,
+    /// The recurring schedules, a live book (followed from `run`'s start, or the first page).
+    pub schedules: crate::schedules::Live,
     /// How far behind the follower is.
     pub status: Status,
     /// The CSRF tokens' key.
@@ -155,6 +157,7 @@ pub fn app(settings: Settings, config: &Config) -> Result<(Arc<App>, SharedIndex
             Style::Console,
         )),
         service: Service::new(settings.clone(), index.clone(), status.clone()),
+        schedules: crate::schedules::Live::new(settings.clone()),
         status,
         csrf: csrf::Csrf::random(),
         https: config.tls.is_some(),
@@ -176,6 +179,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let (app, index) = app(settings.clone(), &config)?;
+    app.schedules.start();
     let options = FollowOptions {
         history: settings.journal.history.as_duration(),
         ..FollowOptions::default()

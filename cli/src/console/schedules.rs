@@ -1,7 +1,8 @@
 //! The Schedules page: the recurring schedules the logged-in user sees (its own; an admin's:
 //! everyone's), each with its next ticks, its last runs as the index knows them, and a pause
-//! or resume button. Read and steered through [`crate::schedules`], the code the CLI's
-//! `recurring` commands and `pending serve`'s API run, on a connection of the logged-in user.
+//! or resume button. Read from the console's live book ([`crate::schedules::Live`]) and
+//! steered through [`crate::schedules`], the code the CLI's `recurring` commands and `pending
+//! serve`'s API run, on a connection of the logged-in user.
 
 use std::sync::Arc;
 
@@ -54,7 +55,7 @@ pub(super) async fn page(
     State(app): State<Arc<App>>,
     Extension(login): Extension<Login>,
 ) -> Response {
-    let v = match schedules::view(&login.as_user).await {
+    let v = match app.schedules.view(&login.user).await {
         Ok(v) => v,
         Err(e) => {
             let text = format!(
@@ -71,7 +72,7 @@ pub(super) async fn page(
             );
         }
     };
-    let now = now_ms();
+    let (now, mut crons) = (now_ms(), schedules::Crons::default());
     let total = v.visible().count();
     let mut rows: Vec<Row> = Vec::new();
     let mut ids: Vec<(String, String)> = Vec::new();
@@ -107,7 +108,7 @@ pub(super) async fn page(
             tz: e.def.tz.clone(),
             queue: e.def.queue.clone(),
             paused: e.paused,
-            next: schedules::next_ticks(e, now, TICKS)
+            next: schedules::next_ticks_with(e, now, TICKS, &mut crons)
                 .into_iter()
                 .map(view::time)
                 .collect(),
@@ -115,6 +116,7 @@ pub(super) async fn page(
             list_query,
         });
     }
+    drop(v);
     // the last runs' states, each as its owner's message, in one read of the index
     let states = app
         .store
@@ -176,7 +178,8 @@ async fn set(app: &App, checked: Checked<ScheduleForm>, action: Action) -> Respo
     } else {
         "Resumed"
     };
-    match schedules::set(&login.as_user, &f.name, owner, action).await {
+    let books = schedules::Books::Live(&app.schedules, &login.user);
+    match schedules::set(&login.as_user, books, &f.name, owner, action).await {
         Ok(e) => {
             tracing::info!(user = %escape_controls(&login.user), schedule = %escape_controls(&e.def.name), owner = %escape_controls(&e.owner), "console: {}", done.to_lowercase());
             let text = match action {

@@ -92,6 +92,7 @@ fn serve_with(entries: Vec<Entry>) -> Served {
             settings.clone(),
             Style::Console,
         )),
+        schedules: crate::schedules::Live::new(settings.clone()),
         settings,
         summaries: summaries::Summaries::new(store.clone()),
         store,

@@ -15,8 +15,17 @@ use super::follow::{self, Status, percent_decode};
 use super::service::{Failure, Query, Service};
 use super::wire::{ErrorOut, PageOut, PurgeOut, ShowOut, StatusOut, SteeredOut};
 use crate::pending_index::Viewer;
+use crate::schedules::ScheduleOut;
 use amqp_delay::ops::control::PurgeScope;
 use amqp_delay::ops::control::Reschedule;
+
+/// The server named by `settings`' `pending.index_url`, when one is.
+pub fn index_server(settings: &Settings) -> Result<Option<Remote>, Failure> {
+    match settings.pending.index_url.as_deref() {
+        Some(u) if !u.is_empty() => Remote::new(u, settings).map(Some),
+        _ => Ok(None),
+    }
+}
 
 /// How long one request to a `pending serve` may take.
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -120,6 +129,36 @@ impl Remote {
         .map_err(|e| Failure::Unavailable(format!("the HTTP task failed: {e}")))?
         .map_err(|e| Failure::Unavailable(format!("asking the index server ({shown}): {e}")))?;
         decode(answer.0, &answer.1)
+    }
+}
+
+/// The list `GET /api/v1/schedules` answers.
+#[derive(serde::Deserialize)]
+struct SchedulesOut {
+    schedules: Vec<ScheduleOut>,
+}
+
+impl Remote {
+    /// The recurring schedules the login sees, from the server's live book.
+    pub async fn schedules(&self) -> Result<Vec<ScheduleOut>, Failure> {
+        let out: SchedulesOut = self.call(None, self.url("api/v1/schedules", &[])?).await?;
+        Ok(out.schedules)
+    }
+
+    /// Recurring schedule `name` (of `owner`, an admin's question) with its next ticks.
+    pub async fn schedule(&self, name: &str, owner: Option<&str>) -> Result<ScheduleOut, Failure> {
+        let mut u = self
+            .base
+            .join("api/v1/schedules/")
+            .map_err(|e| Failure::Invalid(e.to_string()))?;
+        u.path_segments_mut()
+            .map_err(|()| Failure::Invalid("pending.index_url cannot hold a path".into()))?
+            .pop_if_empty()
+            .push(name);
+        if let Some(o) = owner {
+            u.query_pairs_mut().append_pair("owner", o);
+        }
+        self.call(None, u.to_string()).await
     }
 }
 

@@ -8,7 +8,7 @@
 //! | `POST /api/v1/pending/{id}/reschedule` | `{"delay": "10m"}` or `{"at": "2026-12-24T18:00:00Z"}`, `"owner"?` |
 //! | `POST /api/v1/pending/{id}/cancel` | `{"owner"?}` (or no body) |
 //! | `GET /api/v1/status` | how far behind the index is |
-//! | `/api/v1/schedules...` | recurring schedules: list, show, add, pause, resume, remove, run-now, purge ([`schedules`]) |
+//! | `/api/v1/schedules...` | recurring schedules: list, show, add, pause, resume, remove, run-now, purge ([`schedules`]), from one live book |
 //! | `GET /healthz`, `GET /readyz` | alive; following the streams (no login) |
 //!
 //! Every `/api/v1/` request logs in with HTTP Basic as a broker user ([`super::auth`], as the
@@ -39,6 +39,7 @@ use super::service::{Failure, Query, Service};
 use super::when::parse_time;
 use super::wire::{ErrorOut, StatusOut};
 use crate::pending_index::{Options, PendingIndex};
+use crate::schedules::Live;
 use amqp_delay::ops::control::{PurgeScope, Reschedule};
 
 pub mod listen;
@@ -47,9 +48,10 @@ mod schedules;
 /// The largest request body taken.
 pub const MAX_BODY: usize = 64 << 10;
 
-/// The API's state: the service and the logins.
+/// The API's state: the service, the live schedules and the logins.
 pub struct Api {
     service: Service,
+    schedules: Live,
     gate: Arc<Gate>,
 }
 
@@ -63,8 +65,15 @@ impl Api {
     pub fn with_logins(service: Service, settings: Settings, logins: Arc<dyn Authenticate>) -> Api {
         Api {
             service,
+            schedules: Live::new(settings.clone()),
             gate: Arc::new(Gate::new(logins, settings, Style::Api)),
         }
+    }
+
+    /// The schedules it answers from, followed from the first question on (or from
+    /// [`serve`]'s start).
+    pub fn schedules(&self) -> &Live {
+        &self.schedules
     }
 }
 
@@ -110,6 +119,7 @@ pub async fn serve(
         .map_err(|e| Error::Invalid(format!("listener: {e}")))?;
     let service = Service::new(settings.clone(), index.clone(), status.clone());
     let api = Arc::new(Api::new(service, settings.clone()));
+    api.schedules.start();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut stop_follow = stop_rx.clone();
     let follower = tokio::spawn(follow::run(settings, index, status, options, async move {

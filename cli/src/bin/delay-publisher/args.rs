@@ -453,13 +453,22 @@ pub(crate) enum RecurringCmd {
     )]
     Add(RecurringAddArgs),
     /// This user's schedules (an admin's: everyone's), with their next tick
+    #[command(after_help = RECURRING_READ_HELP)]
     List {
         /// Print JSON lines
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        source: IndexSource,
     },
     /// One schedule and its next ticks
-    Show(RecurringName),
+    #[command(after_help = RECURRING_READ_HELP)]
+    Show {
+        #[command(flatten)]
+        name: RecurringName,
+        #[command(flatten)]
+        source: IndexSource,
+    },
     /// No more occurrences until resumed (those already scheduled stay)
     Pause(RecurringName),
     /// Occurrences again, from the next tick on (the ticks while paused do not run)
@@ -483,6 +492,9 @@ pub(crate) enum RecurringCmd {
         grace: DurationMs,
     },
 }
+
+/// Where `recurring list` and `show` read.
+const RECURRING_READ_HELP: &str = "SOURCE: with --index-url (or pending.index_url) the running `pending serve` answers, as --url's user, from the schedules it follows live; without, this command replays the whole control stream (seconds at 100,000 schedules).";
 
 #[derive(clap::Args)]
 pub(crate) struct RecurringName {

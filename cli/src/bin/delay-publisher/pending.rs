@@ -43,7 +43,7 @@ pub(crate) async fn run(mut settings: Settings, cmd: PendingCmd) -> amqp_delay::
 }
 
 /// 2 when the request must change (an id, a filter, a time, a setting), else 1.
-fn exit_code(f: &Failure) -> i32 {
+pub(crate) fn exit_code(f: &Failure) -> i32 {
     match f {
         Failure::Broker(e) => cli::exit_code(e),
         f if f.is_usage() => cli::EXIT_USAGE,

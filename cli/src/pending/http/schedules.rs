@@ -1,6 +1,8 @@
 //! `/api/v1/schedules`: recurring schedules through [`crate::schedules`], the code the CLI's
 //! `recurring` commands run, as the logged-in user (its own; an admin's: everyone's, naming
-//! `owner`).
+//! `owner`). Read from the server's live book ([`crate::schedules::Live`], caught up with the
+//! stream before each answer: a write confirmed before a GET is in it); written on a
+//! connection of the logged-in user.
 //!
 //! | method and path | what |
 //! |---|---|
@@ -14,7 +16,7 @@ use std::collections::BTreeMap;
 use amqp_delay::recurring::{Action, Definition, Misfire, rfc3339};
 
 use super::*;
-use crate::schedules::{self, SHOWN_TICKS, ScheduleOut};
+use crate::schedules::{self, Books, Crons, SHOWN_TICKS, ScheduleOut};
 
 /// A schedule to add, as the API takes it.
 #[derive(Debug, Deserialize)]
@@ -55,23 +57,31 @@ pub(super) fn routes(r: Router<Arc<Api>>) -> Router<Arc<Api>> {
 fn refused(e: amqp_delay::Error) -> Response {
     match e {
         amqp_delay::Error::Invalid(m) if m.contains(schedules::NO_SUCH) => error(404, m),
+        e @ amqp_delay::Error::Timeout { .. } => error(503, amqp_delay::error_chain(&e)),
         e => failed(&Failure::from(e)),
     }
 }
 
-async fn list(State(_): State<Arc<Api>>, Extension(login): Extension<Login>) -> Response {
-    match schedules::view(&login.as_user).await {
+async fn list(State(api): State<Arc<Api>>, Extension(login): Extension<Login>) -> Response {
+    let all: Vec<ScheduleOut> = match api.schedules.view(&login.user).await {
         Ok(v) => {
-            let now = now_ms();
-            let all: Vec<ScheduleOut> = v.visible().map(|e| ScheduleOut::of(e, now, 1)).collect();
-            json(StatusCode::OK, &serde_json::json!({ "schedules": all }))
+            let (now, mut crons) = (now_ms(), Crons::default());
+            v.visible()
+                .map(|e| ScheduleOut::of_with(e, now, 1, &mut crons))
+                .collect()
         }
-        Err(e) => refused(e),
+        Err(e) => return refused(e),
+    };
+    // written as it is (a `json!` value would copy 100,000 rows into a tree first)
+    #[derive(serde::Serialize)]
+    struct ListOut<'a> {
+        schedules: &'a [ScheduleOut],
     }
+    json(StatusCode::OK, &ListOut { schedules: &all })
 }
 
 async fn show(
-    State(_): State<Arc<Api>>,
+    State(api): State<Arc<Api>>,
     Extension(login): Extension<Login>,
     UrlPath(name): UrlPath<String>,
     RawQuery(raw): RawQuery,
@@ -80,18 +90,20 @@ async fn show(
         Ok(p) => p.into_iter().next().map(|(_, v)| v),
         Err(why) => return error(400, why),
     };
-    let v = match schedules::view(&login.as_user).await {
+    let v = match api.schedules.view(&login.user).await {
         Ok(v) => v,
         Err(e) => return refused(e),
     };
-    match v.get(&name, owner.as_deref()) {
-        Ok(e) => json(StatusCode::OK, &ScheduleOut::of(e, now_ms(), SHOWN_TICKS)),
-        Err(e) => refused(e),
-    }
+    let out = match v.get(&name, owner.as_deref()) {
+        Ok(e) => ScheduleOut::of(e, now_ms(), SHOWN_TICKS),
+        Err(e) => return refused(e),
+    };
+    drop(v);
+    json(StatusCode::OK, &out)
 }
 
 async fn add(
-    State(_): State<Arc<Api>>,
+    State(api): State<Arc<Api>>,
     Extension(login): Extension<Login>,
     body: Bytes,
 ) -> Response {
@@ -116,7 +128,8 @@ async fn add(
         tz: b.tz.unwrap_or_else(|| "UTC".into()),
         ..Definition::new(&b.name, &b.cron, &b.queue, &b.body)
     };
-    match schedules::add(&login.as_user, &def).await {
+    let books = Books::Live(&api.schedules, &login.user);
+    match schedules::add(&login.as_user, books, &def).await {
         Ok(next) => json(
             StatusCode::CREATED,
             &serde_json::json!({ "name": def.name, "next_tick": rfc3339(next) }),
@@ -126,7 +139,7 @@ async fn add(
 }
 
 async fn steer(
-    State(_): State<Arc<Api>>,
+    State(api): State<Arc<Api>>,
     Extension(login): Extension<Login>,
     UrlPath((name, action)): UrlPath<(String, String)>,
     body: Bytes,
@@ -136,13 +149,14 @@ async fn steer(
         Err(why) => return error(400, why),
     };
     let (s, owner) = (&login.as_user, b.owner.as_deref());
+    let books = Books::Live(&api.schedules, &login.user);
     let done = match action.as_str() {
-        "pause" => schedules::set(s, &name, owner, Action::Pause).await,
-        "resume" => schedules::set(s, &name, owner, Action::Resume).await,
-        "remove" => schedules::set(s, &name, owner, Action::Remove).await,
-        "purge" => schedules::purge(s, &name, owner).await,
+        "pause" => schedules::set(s, books, &name, owner, Action::Pause).await,
+        "resume" => schedules::set(s, books, &name, owner, Action::Resume).await,
+        "remove" => schedules::set(s, books, &name, owner, Action::Remove).await,
+        "purge" => schedules::purge(s, books, &name, owner).await,
         "run-now" => {
-            return match schedules::run_now(s, &name, owner).await {
+            return match schedules::run_now(s, books, &name, owner).await {
                 Ok(id) => json(StatusCode::OK, &serde_json::json!({ "sent": id })),
                 Err(e) => refused(e),
             };
