@@ -49,8 +49,8 @@ async fn bench(args: &[&str]) -> Value {
     })
 }
 
-/// Both runs in one test, one after the other: two benchmarks at once would measure each
-/// other on a shared broker.
+/// Every scenario, then a sustained run. Each test of this file is its own benchmark run
+/// under a prefix of its own, and none asserts a time, so they may run at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quick_run_reports_every_scenario_and_loses_nothing() {
     let report = bench(&[
@@ -85,8 +85,12 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
     ])
     .await;
     check_sustained(&sustained);
-    // a plugin-era application through delay-proxy: the binary beside delay-bench, which cargo
-    // builds with the cli package's suites (the plugin scenario needs a node with the plugin)
+}
+
+/// A plugin-era application through delay-proxy: the binary beside delay-bench, which cargo
+/// builds with the cli package's suites (the plugin scenario needs a node with the plugin).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_scenario_delivers_everything_and_cleans_up() {
     let proxy = bench(&[
         "--quick",
         "-n",
@@ -98,8 +102,12 @@ async fn quick_run_reports_every_scenario_and_loses_nothing() {
     ])
     .await;
     check_proxy(&proxy).await;
-    // recurring schedules through a `recurring serve` child (the delay-publisher beside the
-    // bench): one minute of 120 schedules' ticks, each delivered once, none early
+}
+
+/// Recurring schedules through a `recurring serve` child (the delay-publisher beside the
+/// bench): one minute of 120 schedules' ticks, each delivered once, none early.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_recurring_benchmark_sees_every_tick_once() {
     check_recurring(&recurring_bench().await);
 }
 
