@@ -59,6 +59,8 @@
 #                        fault suite on 4.0.5 (`cargo test --test fault`; ignored when
 #                        arguments are given).
 #   BROKER_WAIT_SECS     how long to wait for the broker to come up (default 120).
+#   RUST_TEST_THREADS    tests run at once in each suite (default 4: most of a test waits on
+#                        the broker; the fault and runbook suites take a lock per test anyway).
 #   Anything else (RUST_BACKTRACE, RUST_LOG, ...) passes through to cargo test.
 #
 # Needs bash (for /dev/tcp) and coreutils `timeout`. Runs unattended in CI
@@ -428,6 +430,7 @@ ensure_chromium() {
 # --- main --------------------------------------------------------------------
 
 TEST_BROKERS="${TEST_BROKERS:-3.10 4.0 4.3}"
+export RUST_TEST_THREADS="${RUST_TEST_THREADS:-4}"
 RUN_310=0
 RUNS_4=()   # "SERIES SUITES" per 4.x run, in order (SUITES: comma separated, or "all")
 for b in ${TEST_BROKERS}; do

@@ -3,13 +3,15 @@
 //! is made of:
 //!
 //! * `serve_ready_ms`: from serve's start to its first answer (its one replay of the stream);
-//! * `cli_ms`: `delay-publisher recurring list` through the server, the whole process, 5 runs;
-//! * `get_ms`: the same GET and JSON parse in this process (`Remote::schedules`), 5 runs;
+//! * `cli_ms`: `delay-publisher recurring list` through the server (its first page, 1 000 by
+//!   default), the whole process, 5 runs;
+//! * `get_ms`: every page of 10 000 (`Remote::schedules`, GET and JSON parse) in this process,
+//!   5 runs;
 //! * `show_ms`: `GET /api/v1/schedules/s0`: the server's catch-up (a barrier it appends and
 //!   reads back) and one HTTP round trip, 5 runs;
 //! * `walk_ms`, `serialize_ms`, `parse_ms`, `bytes`: the book walked into the answer's rows,
 //!   the rows as JSON, and the JSON read back, in this process, on a book replayed here;
-//! * `local_ms`: `recurring list` replaying the stream (no server), once.
+//! * `local_ms`: `recurring list` replaying the stream (no server; its first page), once.
 
 use std::time::{Duration, Instant};
 
@@ -17,7 +19,7 @@ use amqp_delay::ops::control;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Layout, Result, Settings, Topology};
 use amqp_delay_cli::pending::client::Remote;
-use amqp_delay_cli::schedules::{Crons, ScheduleOut};
+use amqp_delay_cli::schedules::{Crons, MAX_PAGE, Page, ScheduleOut};
 use serde_json::json;
 
 use super::{Args, add_schedules, invalid, note, publisher_bin};
@@ -141,13 +143,20 @@ async fn timed(
     ));
     let (mut get_ms, mut show_ms) = (Vec::new(), Vec::new());
     for _ in 0..RUNS {
+        // every page, of the most a page holds
         let t = Instant::now();
-        let all = remote
-            .schedules()
-            .await
-            .map_err(|e| invalid(e.to_string()))?;
+        let (mut got, mut page) = (0, Page::parse(None, Some(MAX_PAGE))?);
+        loop {
+            let (rows, next) =
+                (remote.schedules(&page).await).map_err(|e| invalid(e.to_string()))?;
+            got += rows.len();
+            match next {
+                Some(c) => page = Page::parse(Some(&c), Some(MAX_PAGE))?,
+                None => break,
+            }
+        }
         get_ms.push(t.elapsed().as_millis() as u64);
-        assert_eq!(all.len(), n, "the server lists every schedule");
+        assert_eq!(got, n, "the server's pages list every schedule");
         let t = Instant::now();
         remote
             .schedule("s0", None)

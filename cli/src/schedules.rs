@@ -30,6 +30,65 @@ pub use live::Live;
 
 /// What the error of a schedule nobody the user sees has says (the API answers it with 404).
 pub const NO_SUCH: &str = "has no recurring schedule";
+/// Schedules a list shows by default (`recurring list --limit`, the API's `limit`).
+pub const PAGE: usize = 1_000;
+/// The most a list shows at once.
+pub const MAX_PAGE: usize = 10_000;
+
+/// Which page of a list: at most `limit` schedules after the one `after` names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page {
+    /// The (owner, name) the page starts after.
+    pub after: Option<(String, String)>,
+    /// Schedules it holds, at most (1 to [`MAX_PAGE`]).
+    pub limit: usize,
+}
+
+impl Page {
+    /// A page from a cursor (`OWNER/NAME`, as a list prints it) and a limit, or why not.
+    pub fn parse(after: Option<&str>, limit: Option<usize>) -> Result<Page> {
+        let limit = limit.unwrap_or(PAGE);
+        if !(1..=MAX_PAGE).contains(&limit) {
+            return Err(Error::Invalid(format!(
+                "a list's limit is 1 to {MAX_PAGE}, not {limit}"
+            )));
+        }
+        let after = match after {
+            None => None,
+            Some(c) => match c.rsplit_once('/') {
+                Some((o, n)) if !o.is_empty() && !n.is_empty() => Some((o.into(), n.into())),
+                _ => {
+                    return Err(Error::Invalid(format!(
+                        "'{c}' is not a cursor a list printed (OWNER/NAME)"
+                    )));
+                }
+            },
+        };
+        Ok(Page { after, limit })
+    }
+
+    /// The cursor of the page after one that ended at `e`.
+    pub fn cursor(e: &Entry) -> String {
+        format!("{}/{}", e.owner, e.def.name)
+    }
+
+    /// This page of what `v`'s user sees, each with its next tick, and the cursor of the next
+    /// page when more follow.
+    pub fn of<B: std::ops::Deref<Target = Book>>(
+        &self,
+        v: &View<B>,
+    ) -> (Vec<ScheduleOut>, Option<String>) {
+        let after = self.after.as_ref().map(|(o, n)| (o.as_str(), n.as_str()));
+        let (page, more) = v.book.page(&v.user, &v.trust, after, self.limit);
+        let next = more.then(|| page.last().map(|e| Page::cursor(e))).flatten();
+        let (now, mut crons) = (now_ms(), Crons::default());
+        let rows = (page.into_iter())
+            .map(|e| ScheduleOut::of_with(e, now, 1, &mut crons))
+            .collect();
+        (rows, next)
+    }
+}
+
 /// Ticks one schedule's answer shows ahead.
 pub const SHOWN_TICKS: usize = 5;
 /// Times a stream read is tried again on a new connection when it loses the connection on a

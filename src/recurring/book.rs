@@ -344,6 +344,38 @@ impl Book {
         self.iter().filter(move |e| all || e.owner == user)
     }
 
+    /// A page of the schedules `user` may see ([`Book::visible_to`]) in (owner, name) order: at
+    /// most `limit` after the (owner, name) `after`, and whether more follow. A user who is no
+    /// admin walks only its own.
+    pub fn page<'a>(
+        &'a self,
+        user: &'a str,
+        trust: &Trust,
+        after: Option<(&str, &str)>,
+        limit: usize,
+    ) -> (Vec<&'a Entry>, bool) {
+        use std::ops::Bound::{Excluded, Included, Unbounded};
+        let after = after.map(|(o, n)| (o.to_string(), n.to_string()));
+        let mut walk: Box<dyn Iterator<Item = &'a Entry> + 'a> = if trust.is_admin(user) {
+            let from = after.map_or(Unbounded, Excluded);
+            Box::new(self.entries.range((from, Unbounded)).map(|(_, e)| e))
+        } else {
+            let first = (user.to_string(), String::new());
+            let from = match after {
+                Some(k) if k >= first => Excluded(k),
+                _ => Included(first),
+            };
+            Box::new(
+                (self.entries.range((from, Unbounded)))
+                    .take_while(move |(k, _)| k.0 == user)
+                    .map(|(_, e)| e),
+            )
+        };
+        let page: Vec<&Entry> = walk.by_ref().take(limit).collect();
+        let more = walk.next().is_some();
+        (page, more)
+    }
+
     /// How many schedules it holds.
     pub fn len(&self) -> usize {
         self.entries.len()

@@ -143,6 +143,50 @@ async fn the_live_book_follows_the_stream_and_answers_each_login_its_own() {
         assert_eq!(remote, local, "{role}'s list");
         assert!(!remote.is_empty(), "{role} sees its own");
     }
+    // a page at a time: the admin's first page of one names the cursor of the next, and the
+    // pages together are the whole list, through the server and replayed alike
+    let whole = recurring_json(&w, "adm", &["list"], None).await;
+    assert!(whole.len() >= 2, "{whole:?}");
+    for url in [Some(index_url.as_str()), None] {
+        let (mut pages, mut after) = (Vec::new(), None::<String>);
+        loop {
+            let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"));
+            cmd.arg("--config").arg(&w.cfg);
+            cmd.args(["--url", &w.url("adm"), "recurring", "list", "--json"]);
+            cmd.args(["--limit", "1"]);
+            if let Some(a) = &after {
+                cmd.args(["--after", a]);
+            }
+            if let Some(u) = url {
+                cmd.args(["--index-url", u]);
+            }
+            let out = cmd.output().await.unwrap();
+            assert!(out.status.success(), "{out:?}");
+            let page: Vec<String> = (String::from_utf8_lossy(&out.stdout).lines())
+                .map(str::to_string)
+                .collect();
+            assert_eq!(page.len(), 1, "{page:?}");
+            pages.extend(page);
+            let err = String::from_utf8_lossy(&out.stderr).into_owned();
+            match err.split("more follow: --after ").nth(1) {
+                Some(c) => after = Some(c.trim().to_string()),
+                None => break,
+            }
+        }
+        assert_eq!(pages, whole, "pages through {url:?}");
+    }
+    for bad in ["limit=0", "limit=10001", "after=no-cursor", "limit=x"] {
+        let (status, out) = call(
+            addr,
+            "GET",
+            &format!("/api/v1/schedules?{bad}"),
+            &alice,
+            None,
+        )
+        .await;
+        assert_eq!(status, 400, "{bad}: {out}");
+    }
+
     let remote = recurring_json(&w, "alice", &["show", "weekly"], Some(&index_url)).await;
     let local = recurring_json(&w, "alice", &["show", "weekly"], None).await;
     assert_eq!(remote, local);

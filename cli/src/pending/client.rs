@@ -136,13 +136,23 @@ impl Remote {
 #[derive(serde::Deserialize)]
 struct SchedulesOut {
     schedules: Vec<ScheduleOut>,
+    #[serde(default)]
+    next: Option<String>,
 }
 
 impl Remote {
-    /// The recurring schedules the login sees, from the server's live book.
-    pub async fn schedules(&self) -> Result<Vec<ScheduleOut>, Failure> {
-        let out: SchedulesOut = self.call(None, self.url("api/v1/schedules", &[])?).await?;
-        Ok(out.schedules)
+    /// A page of the recurring schedules the login sees, from the server's live book, and the
+    /// cursor of the next page if more follow.
+    pub async fn schedules(
+        &self,
+        page: &crate::schedules::Page,
+    ) -> Result<(Vec<ScheduleOut>, Option<String>), Failure> {
+        let mut q = vec![("limit", page.limit.to_string())];
+        if let Some((o, n)) = &page.after {
+            q.push(("after", format!("{o}/{n}")));
+        }
+        let out: SchedulesOut = self.call(None, self.url("api/v1/schedules", &q)?).await?;
+        Ok((out.schedules, out.next))
     }
 
     /// Recurring schedule `name` (of `owner`, an admin's question) with its next ticks.

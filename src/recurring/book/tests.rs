@@ -291,3 +291,47 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn pages_walk_what_a_user_sees_in_order_and_say_whether_more_follow() {
+    let t = Trust::new(
+        Some("scheduler".into()),
+        &TrustSettings {
+            admins: vec!["adm".into()],
+            ..Default::default()
+        },
+    );
+    let mut b = Book::default();
+    for (who, name, rev) in [
+        ("alice", "a", "r1"),
+        ("alice", "b", "r2"),
+        ("alice", "c", "r3"),
+        ("bob", "a", "r4"),
+        ("carol", "z", "r5"),
+    ] {
+        b.add(Some(who), &add(name, rev, 0), &t).unwrap();
+    }
+    let names = |p: &[&Entry]| {
+        p.iter()
+            .map(|e| format!("{}/{}", e.owner, e.def.name))
+            .collect::<Vec<_>>()
+    };
+    let (p, more) = b.page("alice", &t, None, 2);
+    assert_eq!(
+        (names(&p), more),
+        (vec!["alice/a".into(), "alice/b".into()], true)
+    );
+    let (p, more) = b.page("alice", &t, Some(("alice", "b")), 2);
+    assert_eq!((names(&p), more), (vec!["alice/c".to_string()], false));
+    // a cursor elsewhere never shows another owner's
+    assert!(b.page("bob", &t, Some(("alice", "z")), 10).0.len() == 1);
+    assert!(b.page("bob", &t, Some(("carol", "a")), 10).0.is_empty());
+    // an admin walks everyone's, across owners
+    let (p, more) = b.page("adm", &t, Some(("alice", "c")), 10);
+    assert_eq!(
+        (names(&p), more),
+        (vec!["bob/a".into(), "carol/z".into()], false)
+    );
+    let (all, _) = b.page("adm", &t, None, 100);
+    assert_eq!(all.len(), 5);
+}

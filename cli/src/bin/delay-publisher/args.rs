@@ -452,12 +452,19 @@ pub(crate) enum RecurringCmd {
         after_help = "CRON: five fields (minute hour day-of-month month day-of-week), six with seconds first, or @yearly, @monthly, @weekly, @daily, @hourly. A wall time the clocks skip runs once at the change; one they repeat runs once, on its first pass."
     )]
     Add(RecurringAddArgs),
-    /// This user's schedules (an admin's: everyone's), with their next tick
+    /// This user's schedules (an admin's: everyone's), with their next tick, a page at a time
+    /// by owner and name; when more follow, stderr names the --after of the next page
     #[command(after_help = RECURRING_READ_HELP)]
     List {
         /// Print JSON lines
         #[arg(long)]
         json: bool,
+        /// Schedules a page shows (1 to 10000)
+        #[arg(long, value_name = "N", default_value_t = 1000)]
+        limit: usize,
+        /// Start after this schedule (OWNER/NAME, as the page before named it)
+        #[arg(long, value_name = "CURSOR")]
+        after: Option<String>,
         #[command(flatten)]
         source: IndexSource,
     },

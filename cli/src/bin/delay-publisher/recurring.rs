@@ -14,7 +14,7 @@ use amqp_delay_cli::outln;
 use amqp_delay_cli::pending::client::index_server;
 use amqp_delay_cli::pending::service::Failure;
 use amqp_delay_cli::recurring::{ServeOptions, serve};
-use amqp_delay_cli::schedules::{self, Books, Crons, ScheduleOut};
+use amqp_delay_cli::schedules::{self, Books, ScheduleOut};
 
 use crate::args::{IndexSource, RecurringAddArgs, RecurringCmd, RecurringName};
 
@@ -22,7 +22,15 @@ use crate::args::{IndexSource, RecurringAddArgs, RecurringCmd, RecurringName};
 pub(crate) async fn run(settings: &Settings, cmd: RecurringCmd) -> amqp_delay::Result<i32> {
     match cmd {
         RecurringCmd::Add(a) => add(settings, a).await,
-        RecurringCmd::List { json, source } => list(&with(settings, &source), json).await,
+        RecurringCmd::List {
+            json,
+            limit,
+            after,
+            source,
+        } => {
+            let page = schedules::Page::parse(after.as_deref(), Some(limit))?;
+            list(&with(settings, &source), &page, json).await
+        }
         RecurringCmd::Show { name, source } => show(&with(settings, &source), &name).await,
         RecurringCmd::Pause(n) => set(settings, &n, Action::Pause).await,
         RecurringCmd::Resume(n) => set(settings, &n, Action::Resume).await,
@@ -77,21 +85,18 @@ fn failed(f: &Failure) -> i32 {
 
 /// `list`: the schedules this user sees, by owner and name: from the index server when
 /// `pending.index_url` names one, else replayed from the control stream.
-async fn list(settings: &Settings, json: bool) -> amqp_delay::Result<i32> {
-    let all = match index_server(settings) {
+async fn list(settings: &Settings, page: &schedules::Page, json: bool) -> amqp_delay::Result<i32> {
+    let (all, next) = match index_server(settings) {
         Err(f) => return Ok(failed(&f)),
-        Ok(Some(r)) => match r.schedules().await {
-            Ok(all) => all,
+        Ok(Some(r)) => match r.schedules(page).await {
+            Ok(out) => out,
             Err(f) => return Ok(failed(&f)),
         },
-        Ok(None) => {
-            let v = schedules::view(settings).await?;
-            let (now, mut crons) = (now_ms(), Crons::default());
-            v.visible()
-                .map(|e| ScheduleOut::of_with(e, now, 1, &mut crons))
-                .collect()
-        }
+        Ok(None) => page.of(&schedules::view(settings).await?),
     };
+    if let Some(next) = &next {
+        eprintln!("more follow: --after {}", escape_controls(next));
+    }
     cli::print_lines(all.iter().map(|s| {
         if json {
             return to_json(s);

@@ -6,7 +6,7 @@
 //!
 //! | method and path | what |
 //! |---|---|
-//! | `GET /api/v1/schedules` | `{"schedules": [...]}`, each with its next tick |
+//! | `GET /api/v1/schedules?after=&limit=` | `{"schedules": [...], "next"}`: a page (1 000 by default, at most 10 000), each with its next tick; `next` is the cursor of the page after it, if any |
 //! | `GET /api/v1/schedules/{name}?owner=` | one, with its next five ticks |
 //! | `POST /api/v1/schedules` | `{"name", "cron", "queue", "tz"?, "body"?, "headers"?: {K: V}, "misfire"?, "from"?, "until"?}`: 201 and its next tick |
 //! | `POST /api/v1/schedules/{name}/{pause,resume,remove,run-now,purge}` | `{"owner"?}` (or no body) |
@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use amqp_delay::recurring::{Action, Definition, Misfire, rfc3339};
 
 use super::*;
-use crate::schedules::{self, Books, Crons, SHOWN_TICKS, ScheduleOut};
+use crate::schedules::{self, Books, Page, SHOWN_TICKS, ScheduleOut};
 
 /// A schedule to add, as the API takes it.
 #[derive(Debug, Deserialize)]
@@ -62,22 +62,36 @@ fn refused(e: amqp_delay::Error) -> Response {
     }
 }
 
-async fn list(State(api): State<Arc<Api>>, Extension(login): Extension<Login>) -> Response {
-    let all: Vec<ScheduleOut> = match api.schedules.view(&login.user).await {
-        Ok(v) => {
-            let (now, mut crons) = (now_ms(), Crons::default());
-            v.visible()
-                .map(|e| ScheduleOut::of_with(e, now, 1, &mut crons))
-                .collect()
-        }
+async fn list(
+    State(api): State<Arc<Api>>,
+    Extension(login): Extension<Login>,
+    RawQuery(raw): RawQuery,
+) -> Response {
+    let page = match params(raw.as_deref(), &["after", "limit"]).and_then(|p| {
+        let get = |k: &str| p.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        let limit = (get("limit").map(|l| l.parse::<usize>()))
+            .transpose()
+            .map_err(|_| "'limit' is not a number".to_string())?;
+        Page::parse(get("after"), limit).map_err(|e| amqp_delay::error_chain(&e))
+    }) {
+        Ok(p) => p,
+        Err(why) => return error(400, why),
+    };
+    let (rows, next) = match api.schedules.view(&login.user).await {
+        Ok(v) => page.of(&v),
         Err(e) => return refused(e),
     };
-    // written as it is (a `json!` value would copy 100,000 rows into a tree first)
+    // written as it is (a `json!` value would copy the rows into a tree first)
     #[derive(serde::Serialize)]
     struct ListOut<'a> {
         schedules: &'a [ScheduleOut],
+        next: Option<String>,
     }
-    json(StatusCode::OK, &ListOut { schedules: &all })
+    let out = ListOut {
+        schedules: &rows,
+        next,
+    };
+    json(StatusCode::OK, &out)
 }
 
 async fn show(
