@@ -93,8 +93,9 @@ pub struct ParkedCopy {
 
 /// The copy of a message read from the old cluster's parking queue `queue` with
 /// `routing_key`: body and properties as parked (a batch in `<prefix>.parked` moves whole), the
-/// parking headers (reason, attempts, from, at) kept when its writer is believed in them, the
-/// queue it was parked from renamed as [`destination_on`] does, its owner named.
+/// parking headers (reason, attempts, from, at) kept when its writer is believed in them (an
+/// unsigned one came through the park exchange, which only workers write), the queue it was
+/// parked from renamed as [`destination_on`] does, its owner named.
 pub fn parked_copy(
     r: &Reading<'_>,
     queue: &str,
@@ -106,9 +107,16 @@ pub fn parked_copy(
         Some(Parking::Of(d)) => (r.to.park_exchange(), destination_on(r.from, r.to, d)),
         None => return Err(format!("'{queue}' is no parking queue")),
     };
+    // a worker parks without a `user_id`: unsigned, it came through the park exchange, which
+    // only the worker roles (and admins) may write, and is believed as `parked` believes it
     let writer = p.user_id().as_ref().map(|u| u.as_str());
-    let owner = r.trust.owner(writer, envelope::owner_header(p).as_deref());
-    let believed = r.trust.vouches_for_headers(writer);
+    let (owner, believed) = match writer {
+        None => (envelope::owner_header(p).filter(|o| !o.is_empty()), true),
+        w => (
+            r.trust.owner(w, envelope::owner_header(p).as_deref()),
+            r.trust.vouches_for_headers(w),
+        ),
+    };
     let removed = std::cell::Cell::new(0);
     let empty = FieldTable::default();
     let mut kept = headers::filter(p.headers().as_ref().unwrap_or(&empty), |k| {
@@ -121,11 +129,14 @@ pub fn parked_copy(
         }
         !stranger
     });
-    let from = kept.inner().get(headers::PARKED_FROM).and_then(|v| match v {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.to_string()),
-        _ => None,
-    });
+    let from = kept
+        .inner()
+        .get(headers::PARKED_FROM)
+        .and_then(|v| match v {
+            AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+            AMQPValue::ShortString(s) => Some(s.to_string()),
+            _ => None,
+        });
     if let Some(f) = from {
         let renamed = destination_on(r.from, r.to, &f);
         kept.insert(
@@ -470,7 +481,13 @@ mod tests {
             ("x-death", AMQPValue::Void),
             ("app", AMQPValue::Boolean(true)),
         ];
-        let c = parked_copy(&r, "old.parked.old.gw.due.in", "k", &props("worker", &parked)).unwrap();
+        let c = parked_copy(
+            &r,
+            "old.parked.old.gw.due.in",
+            "k",
+            &props("worker", &parked),
+        )
+        .unwrap();
         assert_eq!(
             (c.exchange.as_str(), c.routing_key.as_str()),
             ("new.park", "new.gw.due.in")
@@ -484,12 +501,22 @@ mod tests {
         assert!(c.properties.user_id().is_none());
         // what no destination took goes to the new parking exchange, its key kept
         let c = parked_copy(&r, "old.parked", "1.2.q", &props("worker", &[])).unwrap();
-        assert_eq!((c.exchange.as_str(), c.routing_key.as_str()), ("new.parking", "1.2.q"));
+        assert_eq!(
+            (c.exchange.as_str(), c.routing_key.as_str()),
+            ("new.parking", "1.2.q")
+        );
         // a stranger's parking headers are not believed; it owns what it wrote
         let c = parked_copy(&r, "old.parked.q", "q", &props("alice", &parked)).unwrap();
         assert_eq!(c.headers_removed, 3);
         let h = c.properties.headers().clone().unwrap();
         assert_eq!(h.inner().get(headers::OWNER), Some(&s("alice")));
+        // unsigned, as a worker parks: believed
+        let unsigned =
+            BasicProperties::default().with_headers(props("x", &parked).headers().clone().unwrap());
+        let c = parked_copy(&r, "old.parked.q", "q", &unsigned).unwrap();
+        let h = c.properties.headers().clone().unwrap();
+        assert_eq!(c.headers_removed, 0);
+        assert_eq!(h.inner().get(headers::OWNER), Some(&s("bob")));
         assert!(parked_copy(&r, "old.level0.d1", "q", &props("worker", &[])).is_err());
     }
 }

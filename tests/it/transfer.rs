@@ -350,7 +350,11 @@ async fn parked_messages_stay_counted_without_parked_and_move_with_it() {
     let mut opts = options(&new);
     opts.parked = true;
     let c = transfer(&old.settings, opts).await.unwrap();
-    assert_eq!((c.parked, c.parked_left, c.left_total()), (3, 0, 0), "{c:?}");
+    assert_eq!(
+        (c.parked, c.parked_left, c.left_total()),
+        (3, 0, 0),
+        "{c:?}"
+    );
     assert_eq!(ready(&old, &old_parked).await, 0);
     assert_eq!(ready(&new, &new_parked).await, 3);
 
