@@ -144,22 +144,10 @@ pub fn parked_copy(
             AMQPValue::LongString(renamed.as_str().into()),
         );
     }
-    if let Some(o) = &owner {
-        kept.insert(
-            headers::OWNER.into(),
-            AMQPValue::LongString(o.as_str().into()),
-        );
-    }
-    let omit = Omit {
-        headers: true,
-        expiration: true,
-        user_id: true,
-        ..Omit::default()
-    };
     Ok(ParkedCopy {
         exchange,
         routing_key: key,
-        properties: envelope::copy_properties(p, omit).with_headers(kept),
+        properties: copied_properties(p, kept, owner.as_deref()),
         headers_removed: removed.get(),
     })
 }
@@ -318,19 +306,7 @@ fn copy(
         }
         !drop
     });
-    if let Some(o) = &owner {
-        kept.insert(
-            headers::OWNER.into(),
-            AMQPValue::LongString(o.as_str().into()),
-        );
-    }
-    let omit = Omit {
-        headers: true,
-        expiration: true,
-        user_id: true,
-        ..Omit::default()
-    };
-    let properties = envelope::copy_properties(p, omit).with_headers(kept);
+    let properties = copied_properties(p, kept, owner.as_deref());
     let id = p
         .message_id()
         .as_ref()
@@ -353,6 +329,25 @@ fn copy(
         headers_removed: removed.get(),
         message,
     })
+}
+
+/// A copy's properties: `p`'s but `user_id` (the broker checks it against the writer) and
+/// `expiration`, with `table` as headers, naming `owner`.
+fn copied_properties(
+    p: &BasicProperties,
+    mut table: FieldTable,
+    owner: Option<&str>,
+) -> BasicProperties {
+    if let Some(o) = owner {
+        table.insert(headers::OWNER.into(), AMQPValue::LongString(o.into()));
+    }
+    let omit = Omit {
+        headers: true,
+        expiration: true,
+        user_id: true,
+        ..Omit::default()
+    };
+    envelope::copy_properties(p, omit).with_headers(table)
 }
 
 #[cfg(test)]
