@@ -294,7 +294,7 @@ fn copy(
         .map_err(|_| format!("header '{}' is out of range", headers::ATTEMPT))?;
     let believed = r.trust.vouches_for_headers(writer);
     let removed = std::cell::Cell::new(0);
-    let mut kept = headers::filter(h, |k| {
+    let kept = headers::filter(h, |k| {
         let ours = headers::is_ours(k);
         let drop = headers::is_broker_header(k)
             || headers::is_schedule_header(k)
