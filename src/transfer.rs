@@ -42,12 +42,114 @@ pub fn due_queue_ingress<'a>(layout: &Layout, queue: &'a str) -> Option<&'a str>
 }
 
 /// The name on the new cluster of destination `destination` of the old one: a gateway's due
-/// queue is renamed into the new prefix, any other destination keeps its name.
+/// and ingress queues are renamed into the new prefix, any other destination keeps its name.
 pub fn destination_on(from: &Layout, to: &Layout, destination: &str) -> String {
-    match due_queue_ingress(from, destination) {
-        Some(ingress) => to.gateway_due_queue(ingress),
+    if let Some(ingress) = due_queue_ingress(from, destination) {
+        return to.gateway_due_queue(ingress);
+    }
+    match destination
+        .strip_prefix(from.gateway_ingress_queue("").as_str())
+        .filter(|i| !i.is_empty())
+    {
+        Some(ingress) => to.gateway_ingress_queue(ingress),
         None => destination.to_string(),
     }
+}
+
+/// Whose parking queue a queue of the old cluster is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Parking<'a> {
+    /// `<prefix>.parked`: what no destination took.
+    Unroutable,
+    /// `<prefix>.parked.<destination>`.
+    Of(&'a str),
+}
+
+/// Whose parking queue `queue` is on the old cluster `from`, if it is one.
+pub fn parking_of<'a>(from: &Layout, queue: &'a str) -> Option<Parking<'a>> {
+    if queue == from.unroutable_queue() {
+        return Some(Parking::Unroutable);
+    }
+    queue
+        .strip_prefix(from.parked_prefix().as_str())
+        .filter(|d| !d.is_empty())
+        .map(Parking::Of)
+}
+
+/// A parked message's copy for the new cluster's parking queue of the same destination.
+#[derive(Debug, Clone)]
+pub struct ParkedCopy {
+    /// Where to publish it: the new cluster's park exchange (or, for what no destination
+    /// took, its parking exchange).
+    pub exchange: String,
+    /// Its routing key there: the destination on the new cluster (else the one it had).
+    pub routing_key: String,
+    /// Its properties: as parked (not `user_id`, `expiration`), the parking headers kept, the
+    /// owner named in [`crate::headers::OWNER`].
+    pub properties: BasicProperties,
+    /// `x-delay-*` headers left out because its writer is not believed in them.
+    pub headers_removed: usize,
+}
+
+/// The copy of a message read from the old cluster's parking queue `queue` with
+/// `routing_key`: body and properties as parked (a batch in `<prefix>.parked` moves whole), the
+/// parking headers (reason, attempts, from, at) kept when its writer is believed in them (an
+/// unsigned one came through the park exchange, which only workers write), the queue it was
+/// parked from renamed as [`destination_on`] does, its owner named.
+pub fn parked_copy(
+    r: &Reading<'_>,
+    queue: &str,
+    routing_key: &str,
+    p: &BasicProperties,
+) -> Result<ParkedCopy, String> {
+    let (exchange, key) = match parking_of(r.from, queue) {
+        Some(Parking::Unroutable) => (r.to.parking_exchange(), routing_key.to_string()),
+        Some(Parking::Of(d)) => (r.to.park_exchange(), destination_on(r.from, r.to, d)),
+        None => return Err(format!("'{queue}' is no parking queue")),
+    };
+    // a worker parks without a `user_id`: unsigned, it came through the park exchange, which
+    // only the worker roles (and admins) may write, and is believed as `parked` believes it
+    let writer = p.user_id().as_ref().map(|u| u.as_str());
+    let (owner, believed) = match writer {
+        None => (envelope::owner_header(p).filter(|o| !o.is_empty()), true),
+        w => (
+            r.trust.owner(w, envelope::owner_header(p).as_deref()),
+            r.trust.vouches_for_headers(w),
+        ),
+    };
+    let removed = std::cell::Cell::new(0);
+    let empty = FieldTable::default();
+    let mut kept = headers::filter(p.headers().as_ref().unwrap_or(&empty), |k| {
+        if headers::is_broker_header(k) || k == headers::OWNER {
+            return false;
+        }
+        let stranger = headers::is_ours(k) && !headers::is_schedule_header(k) && !believed;
+        if stranger {
+            removed.set(removed.get() + 1);
+        }
+        !stranger
+    });
+    let from = kept
+        .inner()
+        .get(headers::PARKED_FROM)
+        .and_then(|v| match v {
+            AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+            AMQPValue::ShortString(s) => Some(s.to_string()),
+            _ => None,
+        });
+    if let Some(f) = from {
+        let renamed = destination_on(r.from, r.to, &f);
+        kept.insert(
+            headers::PARKED_FROM.into(),
+            AMQPValue::LongString(renamed.as_str().into()),
+        );
+    }
+    Ok(ParkedCopy {
+        exchange,
+        routing_key: key,
+        properties: copied_properties(p, kept, owner.as_deref()),
+        headers_removed: removed.get(),
+    })
 }
 
 /// What a transfer reads with.
@@ -192,7 +294,7 @@ fn copy(
         .map_err(|_| format!("header '{}' is out of range", headers::ATTEMPT))?;
     let believed = r.trust.vouches_for_headers(writer);
     let removed = std::cell::Cell::new(0);
-    let mut kept = headers::filter(h, |k| {
+    let kept = headers::filter(h, |k| {
         let ours = headers::is_ours(k);
         let drop = headers::is_broker_header(k)
             || headers::is_schedule_header(k)
@@ -204,19 +306,7 @@ fn copy(
         }
         !drop
     });
-    if let Some(o) = &owner {
-        kept.insert(
-            headers::OWNER.into(),
-            AMQPValue::LongString(o.as_str().into()),
-        );
-    }
-    let omit = Omit {
-        headers: true,
-        expiration: true,
-        user_id: true,
-        ..Omit::default()
-    };
-    let properties = envelope::copy_properties(p, omit).with_headers(kept);
+    let properties = copied_properties(p, kept, owner.as_deref());
     let id = p
         .message_id()
         .as_ref()
@@ -239,6 +329,25 @@ fn copy(
         headers_removed: removed.get(),
         message,
     })
+}
+
+/// A copy's properties: `p`'s but `user_id` (the broker checks it against the writer) and
+/// `expiration`, with `table` as headers, naming `owner`.
+fn copied_properties(
+    p: &BasicProperties,
+    mut table: FieldTable,
+    owner: Option<&str>,
+) -> BasicProperties {
+    if let Some(o) = owner {
+        table.insert(headers::OWNER.into(), AMQPValue::LongString(o.into()));
+    }
+    let omit = Omit {
+        headers: true,
+        expiration: true,
+        user_id: true,
+        ..Omit::default()
+    };
+    envelope::copy_properties(p, omit).with_headers(table)
 }
 
 #[cfg(test)]
@@ -346,5 +455,63 @@ mod tests {
         // no due time: not ours, stays
         let p = props("alice", &[]);
         assert!(copies(&r, "old.level0.d1", "1.x", &p, b"x").is_err());
+    }
+
+    #[test]
+    fn a_parked_copy_goes_to_the_same_destinations_parking_queue_with_its_parking_headers() {
+        let (from, to) = layouts();
+        let t = trust();
+        let r = Reading {
+            from: &from,
+            to: &to,
+            trust: &t,
+            max_members: 100,
+        };
+        let s = |v: &str| AMQPValue::LongString(v.into());
+        let parked = [
+            (headers::PARKED_REASON, s("no")),
+            (headers::PARKED_FROM, s("old.gw.due.in")),
+            (headers::PARKED_ATTEMPTS, AMQPValue::LongLongInt(3)),
+            (headers::OWNER, s("bob")),
+            ("x-death", AMQPValue::Void),
+            ("app", AMQPValue::Boolean(true)),
+        ];
+        let c = parked_copy(
+            &r,
+            "old.parked.old.gw.due.in",
+            "k",
+            &props("worker", &parked),
+        )
+        .unwrap();
+        assert_eq!(
+            (c.exchange.as_str(), c.routing_key.as_str()),
+            ("new.park", "new.gw.due.in")
+        );
+        let h = c.properties.headers().clone().unwrap();
+        let get = |k: &str| h.inner().get(k).cloned();
+        assert_eq!(get(headers::PARKED_FROM), Some(s("new.gw.due.in")));
+        assert_eq!(get(headers::OWNER), Some(s("bob")));
+        assert_eq!(get(headers::PARKED_REASON), Some(s("no")));
+        assert!(get("x-death").is_none() && get("app").is_some());
+        assert!(c.properties.user_id().is_none());
+        // what no destination took goes to the new parking exchange, its key kept
+        let c = parked_copy(&r, "old.parked", "1.2.q", &props("worker", &[])).unwrap();
+        assert_eq!(
+            (c.exchange.as_str(), c.routing_key.as_str()),
+            ("new.parking", "1.2.q")
+        );
+        // a stranger's parking headers are not believed; it owns what it wrote
+        let c = parked_copy(&r, "old.parked.q", "q", &props("alice", &parked)).unwrap();
+        assert_eq!(c.headers_removed, 3);
+        let h = c.properties.headers().clone().unwrap();
+        assert_eq!(h.inner().get(headers::OWNER), Some(&s("alice")));
+        // unsigned, as a worker parks: believed
+        let unsigned =
+            BasicProperties::default().with_headers(props("x", &parked).headers().clone().unwrap());
+        let c = parked_copy(&r, "old.parked.q", "q", &unsigned).unwrap();
+        let h = c.properties.headers().clone().unwrap();
+        assert_eq!(c.headers_removed, 0);
+        assert_eq!(h.inner().get(headers::OWNER), Some(&s("bob")));
+        assert!(parked_copy(&r, "old.level0.d1", "q", &props("worker", &[])).is_err());
     }
 }

@@ -15,8 +15,10 @@
 //! * **Acks** the old message only once every copy it needed is confirmed. A crash anywhere
 //!   loses nothing: a re-run copies again what was copied but not acked (the same ids; the
 //!   broker marks them redelivered, and they are counted as possible duplicates).
+//! * **Parked messages** ([`parked`]) move with `--parked`, after the tiers in every pass, into
+//!   the new cluster's parking queue of the same destination; without it they are counted.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,6 +38,8 @@ use amqp_delay::{Error, Layout, Publisher, Result, Settings, error_chain as chai
 
 use crate::plugin_store::Period;
 
+mod parked;
+
 /// How long a queue may give nothing before the transfer looks at what it still holds.
 const IDLE: Duration = Duration::from_millis(500);
 /// Passes over every queue, at most (a pass that finds nothing ends the run earlier).
@@ -51,6 +55,8 @@ pub struct Options {
     pub queues: Vec<String>,
     /// Count only: nothing is copied or acked.
     pub dry_run: bool,
+    /// Move the parking queues' messages too (`--parked`).
+    pub parked: bool,
     /// Broker messages (plain or batches) in hand per queue, at most.
     pub prefetch: u16,
 }
@@ -77,6 +83,10 @@ pub struct Counts {
     /// What would move (`--dry-run`) or was read to move, by destination on the new cluster
     /// and due period.
     pub by_destination: BTreeMap<String, [u64; 4]>,
+    /// Parked messages moved (`--dry-run`: that would move) with `--parked`.
+    pub parked: u64,
+    /// Parked messages left on the old cluster because `--parked` was not given.
+    pub parked_left: u64,
 }
 
 impl Counts {
@@ -95,6 +105,7 @@ struct Run {
     from: Layout,
     to: Layout,
     old: Arc<Connection>,
+    new: Arc<Connection>,
     trust: Trust,
     cancels: Cancellations,
     /// Gateway due queues (old names) and their targets.
@@ -103,6 +114,10 @@ struct Run {
     queues: Vec<String>,
     prefetch: u16,
     counts: Counts,
+    /// The old cluster's parking queues known to exist or to be worth a look.
+    parking: BTreeSet<String>,
+    /// The new cluster's parking queues declared by this run.
+    declared: BTreeSet<String>,
 }
 
 /// Transfers (or with `dry_run` counts) what waits on the cluster of `settings` to `opts.to`;
@@ -154,25 +169,30 @@ pub async fn run(
             let cancels = Cancellations::follow_with(&old, &from, follow).await?;
             let mut targets = HashMap::new();
             let mut pairs = settings.gateway.pairs.clone();
+            let mut marked = Vec::new();
             for r in control::read_all(&old, &from, &settings.trust).await? {
-                if let Record::GatewayPair {
-                    ingress, target, ..
-                } = r
-                {
-                    pairs.push(amqp_delay::settings::PairConfig {
+                match r {
+                    Record::GatewayPair {
+                        ingress, target, ..
+                    } => pairs.push(amqp_delay::settings::PairConfig {
                         ingress,
                         target,
                         writers: Vec::new(),
-                    });
+                    }),
+                    Record::BatchMarker { queue } => marked.push(queue),
+                    _ => {}
                 }
             }
             for p in pairs {
+                marked.push(from.gateway_ingress_queue(&p.ingress));
+                marked.push(from.gateway_due_queue(&p.ingress));
                 targets.insert(from.gateway_due_queue(&p.ingress), p.target);
             }
             let mut run = Run {
                 from: from.clone(),
                 to: to.clone(),
                 old: old.clone(),
+                new: new.clone(),
                 trust: Trust::new(Some(old_user), &settings.trust),
                 cancels,
                 targets,
@@ -182,7 +202,10 @@ pub async fn run(
                 queues: opts.queues.clone(),
                 prefetch: opts.prefetch.max(1),
                 counts: Counts::default(),
+                parking: BTreeSet::new(),
+                declared: BTreeSet::new(),
             };
+            run.note_parking(&marked);
             let mut sources = transfer::tier_queues(&from);
             let mut due: Vec<String> = run.targets.keys().cloned().collect();
             due.sort();
@@ -203,12 +226,13 @@ pub async fn run(
                 for q in &sources {
                     run.drain(q, None, &mut progress).await?;
                 }
+                run.count_parked(opts.parked).await?;
                 return Ok(run.counts.clone());
             }
             let publisher = Publisher::with_connection(new.clone(), to.clone(), &new_settings).await?;
             let r = async {
                 for pass in 1..=MAX_PASSES {
-                    let done = |c: &Counts| c.moved + c.cancelled;
+                    let done = |c: &Counts| c.moved + c.cancelled + c.parked;
                     let before = done(&run.counts);
                     // what is left is read again: the last pass says what stays
                     run.counts.left.clear();
@@ -216,11 +240,20 @@ pub async fn run(
                     for q in &sources {
                         run.drain(q, Some(&publisher), &mut progress).await?;
                     }
+                    // after the tiers: what the old workers parked meanwhile moves too
+                    if opts.parked {
+                        for q in run.parking.clone() {
+                            run.drain(&q, Some(&publisher), &mut progress).await?;
+                        }
+                    }
                     let moved = done(&run.counts) - before;
                     tracing::info!(pass, moved, "transfer pass done");
                     if moved == 0 {
                         break;
                     }
+                }
+                if !opts.parked {
+                    run.count_parked(false).await?;
                 }
                 Ok(run.counts.clone())
             }
@@ -320,7 +353,9 @@ impl Run {
             return Ok(());
         }
         // a dry run holds everything it reads; so does a run that skips other destinations
-        let prefetch = match publisher.is_none() || !self.queues.is_empty() {
+        // (a parking queue was chosen whole)
+        let selective = !self.queues.is_empty() && !self.parking.contains(queue);
+        let prefetch = match publisher.is_none() || selective {
             true => 0,
             false => self.prefetch,
         };
@@ -383,7 +418,13 @@ impl Run {
                 }
             }
             got += chunk.len() as u64;
-            match self.chunk(ch, queue, chunk, publisher).await {
+            let r = match publisher {
+                Some(p) if self.parking.contains(queue) => {
+                    self.parked_chunk(ch, queue, chunk, p).await
+                }
+                _ => self.chunk(ch, queue, chunk, publisher).await,
+            };
+            match r {
                 Ok(h) => held += h,
                 Err(e) => break Err(e),
             }
@@ -414,6 +455,7 @@ impl Run {
         };
         let mut fates = Vec::with_capacity(chunk.len());
         let mut items: Vec<(usize, Copy)> = Vec::new();
+        let mut seen = Vec::new();
         for (i, d) in chunk.iter().enumerate() {
             self.counts.read += 1;
             let copies = match transfer::copies(
@@ -432,6 +474,9 @@ impl Run {
             };
             let n = copies.len() as u64;
             self.counts.messages += n;
+            if let Some(c) = copies.first() {
+                seen.push(c.destination.clone());
+            }
             let selected = self.queues.is_empty()
                 || copies
                     .first()
@@ -465,6 +510,8 @@ impl Run {
             }
             fates.push(Fate::Ack);
         }
+        seen.dedup();
+        self.note_parking(&seen);
         let Some(publisher) = publisher else {
             return Ok(chunk.len() as u64);
         };

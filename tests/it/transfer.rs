@@ -3,7 +3,8 @@
 //! due time and never early, with its owner; what was cancelled on the old side never; the
 //! owner cancels a moved message on the new side; a user that is neither admin nor peer is
 //! refused before anything moves; a dry run moves nothing; a transfer killed with SIGKILL and
-//! run again loses nothing and counts what may arrive twice.
+//! run again loses nothing and counts what may arrive twice; parked messages stay (counted)
+//! without `--parked` and move with it into the new parking queue, where `parked` sees them.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -54,6 +55,7 @@ fn options(new: &Env) -> Options {
         to_prefix: Some(new.settings.prefix.clone()),
         queues: vec![],
         dry_run: false,
+        parked: false,
         prefetch: 50,
     }
 }
@@ -263,6 +265,115 @@ async fn a_transfer_killed_midway_and_run_again_loses_nothing() {
     .await;
     check_arrivals(&arrivals(&got), &due, c.maybe_duplicates);
     let _ = std::fs::remove_file(cfg);
+    new.cleanup().await;
+    old.cleanup().await;
+}
+
+/// `parked list --json` on `cfg`'s prefix: (id, reason, attempts, parked_from, owner) each.
+async fn parked_listed(cfg: &std::path::Path, q: &str) -> Vec<[String; 5]> {
+    let (code, out, err) = publisher_cli(cfg, &["parked", "list", "--queue", q, "--json"]).await;
+    assert_eq!(code, Some(0), "parked list: {out}\n{err}");
+    let s = |v: &serde_json::Value| v.as_str().map_or_else(|| v.to_string(), str::to_string);
+    out.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            [
+                s(&v["id"]),
+                s(&v["reason"]),
+                s(&v["attempts"]),
+                s(&v["parked_from"]),
+                s(&v["owner"]),
+            ]
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_messages_stay_counted_without_parked_and_move_with_it() {
+    let (mut old, mut new) = clusters().await;
+    let q = old.queue("parked").await;
+    let old_parked = old.parked_queue(&q);
+    let new_parked = new.parked_queue(&q);
+    // the old cluster's worker parks three; one more waits in the tiers
+    let p = old.publisher().await;
+    for i in 0..3 {
+        p.schedule(Message::new(q.clone(), 200, "x").with_id(format!("x{i}")))
+            .await
+            .unwrap();
+    }
+    p.schedule(Message::new(q.clone(), 50_000, "w").with_id("w0"))
+        .await
+        .unwrap();
+    p.close().await;
+    let (stop, run) = spawn_worker_with(
+        old.settings.clone(),
+        &q,
+        Scripted::new(|_| Outcome::Permanent("no such order".into())),
+    );
+    let parked3 = wait_until_async(Duration::from_secs(20), || async {
+        amqp_delay::ops::broker::queue_state(&old.conn, &old_parked)
+            .await
+            .unwrap()
+            .is_some_and(|s| s.ready == 3)
+    })
+    .await;
+    let _ = stop.send(());
+    run.await.unwrap().expect("the old cluster's worker ran");
+    assert!(parked3, "the old worker did not park three");
+    let ready = async |env: &Env, name: &str| {
+        amqp_delay::ops::broker::queue_state(&env.conn, name)
+            .await
+            .unwrap()
+            .map_or(0, |s| s.ready)
+    };
+
+    // without --parked: the waiting one moves, the parked stay, and the command says so
+    let cfg = old.write_config("[trust]\nadmins = [\"guest\"]\n");
+    let to_prefix = new.settings.prefix.clone();
+    let args = ["transfer", "--to", &broker_url(), "--to-prefix", &to_prefix];
+    let (code, out, err) = publisher_cli(&cfg, &args).await;
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("moved 1,") && out.contains("parked left on the old cluster 3 (--parked"),
+        "{out}"
+    );
+    assert_eq!(ready(&old, &old_parked).await, 3);
+
+    // the dry run counts them, moves nothing
+    let mut dry = options(&new);
+    (dry.dry_run, dry.parked) = (true, true);
+    let c = transfer(&old.settings, dry).await.unwrap();
+    assert_eq!((c.parked, c.parked_left, c.moved), (3, 0, 0), "{c:?}");
+    assert_eq!(ready(&old, &old_parked).await, 3);
+
+    // --parked: into the new cluster's parking queue of the same destination
+    let mut opts = options(&new);
+    opts.parked = true;
+    let c = transfer(&old.settings, opts).await.unwrap();
+    assert_eq!(
+        (c.parked, c.parked_left, c.left_total()),
+        (3, 0, 0),
+        "{c:?}"
+    );
+    assert_eq!(ready(&old, &old_parked).await, 0);
+    assert_eq!(ready(&new, &new_parked).await, 3);
+
+    // `parked list` on the new cluster shows them with their parking headers and owner, and
+    // `parked drop` acts on them
+    let new_cfg = new.write_config("");
+    let listed = parked_listed(&new_cfg, &q).await;
+    let ids: Vec<&str> = listed.iter().map(|l| l[0].as_str()).collect();
+    assert_eq!(ids, ["x0", "x1", "x2"], "{listed:?}");
+    for l in &listed {
+        assert_eq!(l[1..], ["no such order", "1", q.as_str(), "guest"], "{l:?}");
+    }
+    let (code, out, err) =
+        publisher_cli(&new_cfg, &["parked", "drop", "x1", "--queue", &q, "--yes"]).await;
+    assert_eq!(code, Some(0), "drop: {out}\n{err}");
+    assert_eq!(parked_listed(&new_cfg, &q).await.len(), 2);
+    for f in [cfg, new_cfg] {
+        let _ = std::fs::remove_file(f);
+    }
     new.cleanup().await;
     old.cleanup().await;
 }

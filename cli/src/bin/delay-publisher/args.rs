@@ -224,6 +224,10 @@ pub(crate) struct TransferArgs {
     /// Count what would move (by destination and due period); copy and ack nothing
     #[arg(long)]
     pub(crate) dry_run: bool,
+    /// Also move the parked messages, each into the new cluster's parking queue of its
+    /// destination with its parking headers and owner [default: counted, left]
+    #[arg(long)]
+    pub(crate) parked: bool,
     /// Broker messages (a batch is one) in hand per queue
     #[arg(long, value_name = "N", default_value_t = 50, value_parser = clap::value_parser!(u16).range(1..))]
     pub(crate) prefetch: u16,

@@ -17,6 +17,7 @@ pub(crate) async fn transfer(settings: &Settings, a: TransferArgs) -> amqp_delay
         to_prefix: a.to_prefix.clone(),
         queues: a.queues.clone(),
         dry_run: a.dry_run,
+        parked: a.parked,
         prefetch: a.prefetch,
     };
     let tty = std::io::stderr().is_terminal();
@@ -42,10 +43,11 @@ pub(crate) async fn transfer(settings: &Settings, a: TransferArgs) -> amqp_delay
 
 fn progress(c: &Counts) -> String {
     format!(
-        "read {} ({} messages) · moved {} · cancelled {} · left {} · possible duplicates {}",
+        "read {} ({} messages) · moved {} · parked moved {} · cancelled {} · left {} · possible duplicates {}",
         c.read,
         c.messages,
         c.moved,
+        c.parked,
         c.cancelled,
         c.left_total(),
         c.maybe_duplicates
@@ -71,6 +73,16 @@ fn summary(c: &Counts, dry_run: bool) -> String {
     );
     if c.not_selected > 0 {
         s.push_str(&format!("; not selected {}", c.not_selected));
+    }
+    if c.parked > 0 {
+        let verb = if dry_run { "would move" } else { "moved" };
+        s.push_str(&format!("; parked {verb} {}", c.parked));
+    }
+    if c.parked_left > 0 {
+        s.push_str(&format!(
+            "; parked left on the old cluster {} (--parked moves them)",
+            c.parked_left
+        ));
     }
     if c.headers_removed > 0 {
         s.push_str(&format!(
