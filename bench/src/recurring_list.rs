@@ -22,7 +22,7 @@ use amqp_delay_cli::pending::client::Remote;
 use amqp_delay_cli::schedules::{Crons, MAX_PAGE, Page, ScheduleOut};
 use serde_json::json;
 
-use super::{Args, add_schedules, invalid, note, publisher_bin};
+use super::{Args, add_schedules, child_env, invalid, note, publisher_bin};
 
 /// Timed runs of each measure.
 const RUNS: usize = 5;
@@ -47,17 +47,7 @@ pub(super) async fn measure(
     std::fs::create_dir_all(&dir).map_err(|e| invalid(e.to_string()))?;
     let index_url = format!("http://127.0.0.1:{port}");
     let bin = publisher_bin()?;
-    let env = |c: &mut tokio::process::Command| {
-        c.env("AMQP_URL", &settings.url)
-            .env("AMQP_DELAY_PREFIX", &settings.prefix)
-            .env(
-                "AMQP_DELAY_TRUST__MAX_SCHEDULES_PER_USER",
-                settings.trust.max_schedules_per_user.to_string(),
-            );
-        if let Some(c2) = &args.global.config {
-            c.arg("--config").arg(c2);
-        }
-    };
+    let env = |c: &mut tokio::process::Command| child_env(c, settings, args);
     let mut cmd = tokio::process::Command::new(&bin);
     cmd.args(["pending", "serve", "--listen", &format!("127.0.0.1:{port}")])
         .arg("--index")

@@ -138,6 +138,20 @@ fn note(s: &str) {
 }
 
 /// `delay-publisher` beside this binary.
+/// What a `delay-publisher` child of the bench runs with: the bench's broker, prefix, cap
+/// and `--config`.
+fn child_env(c: &mut tokio::process::Command, settings: &Settings, args: &Args) {
+    c.env("AMQP_URL", &settings.url)
+        .env("AMQP_DELAY_PREFIX", &settings.prefix)
+        .env(
+            "AMQP_DELAY_TRUST__MAX_SCHEDULES_PER_USER",
+            settings.trust.max_schedules_per_user.to_string(),
+        );
+    if let Some(config) = &args.global.config {
+        c.arg("--config").arg(config);
+    }
+}
+
 fn publisher_bin() -> Result<PathBuf> {
     let exe = std::env::current_exe().map_err(|e| invalid(format!("current exe: {e}")))?;
     let bin = exe.with_file_name("delay-publisher");
@@ -273,17 +287,7 @@ async fn measure(
 
     // serve, as a child
     let bin = publisher_bin()?;
-    let env = |c: &mut tokio::process::Command| {
-        c.env("AMQP_URL", &settings.url)
-            .env("AMQP_DELAY_PREFIX", &settings.prefix)
-            .env(
-                "AMQP_DELAY_TRUST__MAX_SCHEDULES_PER_USER",
-                settings.trust.max_schedules_per_user.to_string(),
-            );
-        if let Some(c2) = &args.global.config {
-            c.arg("--config").arg(c2);
-        }
-    };
+    let env = |c: &mut tokio::process::Command| child_env(c, settings, args);
     let mut cmd = tokio::process::Command::new(&bin);
     cmd.args(["recurring", "serve", "--ahead", &format!("{}s", args.ahead)]);
     env(&mut cmd);
