@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # scripts/bench-transfer.sh — measures `delay-publisher transfer`: N messages waiting on the old
 # cluster (the main broker, 3.10), a share BATCHED of them to a destination whose workers read
-# batches, the rest plain, all due in about two hours, moved to the new one (the 4.3 node of
-# `RABBITMQ4_SERIES=4.3 scripts/rabbitmq4.sh up`, or NEW_URL). Prints the fill time, the
-# transfer's wall time and peak RSS (/usr/bin/time -v), what the new cluster then holds; tears
-# down both sides. Take `flock /tmp/adbench.lock` around it.
+# batches, the rest plain, due DUE_IN s after the fill starts, spread over SPREAD s, moved to the
+# new one (the 4.3 node of `RABBITMQ4_SERIES=4.3 scripts/rabbitmq4.sh up`, or NEW_URL). Prints
+# the fill time, the transfer's wall time and peak RSS (/usr/bin/time -v), what the new cluster
+# then holds; tears down both sides. Take `flock /tmp/adbench.lock` around it.
+#
+# With MEASURE=1 the moved messages are then run on the new cluster: a `delay-consumer --log`
+# per destination, and a control set (a tenth of N, the same due times, sent straight to the
+# new cluster after the transfer) beside them; when the last is due (+30 s) it prints, for the
+# moved and the control messages, how many arrived, were doubled or early, their lateness
+# (fired - due) p50/p99/p99.9/max, and how many passed the budget of their original delay
+# (max(5 ms, delay/1000), the planner's default). DUE_IN must leave room for the fill and the
+# transfer: a message due before it moved runs on neither cluster (no worker on the old one).
 #
 # Usage: scripts/bench-transfer.sh [N] [BATCHED_PERCENT]      (defaults 100000, 90)
 # Environment: BIN (the tools' directory, default target/release), OLD_URL, NEW_URL, PREFETCH
-# (transfer --prefetch, default 50, as the command).
+# (transfer --prefetch, default 50, as the command), DUE_IN (s, default 7200), SPREAD (s,
+# default 600), MEASURE.
 
 set -euo pipefail
 
@@ -18,6 +27,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN=${BIN:-${ROOT}/target/release}
 OLD_URL=${OLD_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}
 NEW_URL=${NEW_URL:-amqp://guest:guest@127.0.0.1:5841/%2f}
+DUE_IN=${DUE_IN:-7200}
+SPREAD=${SPREAD:-600}
 P=hbto$(printf '%06x' $((RANDOM * RANDOM)))
 NP=hbtn${P#hbto}
 WORK=$(mktemp -d /tmp/bench-transfer.XXXXXX)
@@ -28,6 +39,8 @@ old() { "${BIN}/delay-publisher" --config "${CFG}" --url "${OLD_URL}" --prefix "
 new() { "${BIN}/delay-publisher" --config "${CFG}" --url "${NEW_URL}" --prefix "${NP}" "$@"; }
 
 cleanup() {
+    for pid in ${CONSUMERS:-}; do kill "${pid}" 2>/dev/null || true; done
+    wait 2>/dev/null || true
     for side in old new; do
         for q in "${P}-batched" "${P}-plain"; do
             "${side}" teardown --queue "${q}" --force >/dev/null 2>&1 || true
@@ -44,14 +57,16 @@ for side in old new; do
 done
 
 nb=$((N * BATCHED / 100))
-# due in 2 h, spread over 10 min: a batch per due window (the lateness budget)
-awk -v n="${N}" -v nb="${nb}" -v p="${P}" 'BEGIN {
+# message i (id m<i>) due DUE_IN s after the fill starts, plus its share of SPREAD: a batch per
+# due window (the lateness budget)
+awk -v n="${N}" -v nb="${nb}" -v p="${P}" -v d="${DUE_IN}" -v w="${SPREAD}" 'BEGIN {
     for (i = 0; i < n; i++) {
         q = (i < nb) ? p "-batched" : p "-plain";
-        printf "{\"queue\":\"%s\",\"delay_ms\":%d,\"id\":\"m%d\",\"body\":\"order %d\"}\n", q, 7200000 + (i * 600000) / n, i, i;
+        printf "{\"queue\":\"%s\",\"delay_ms\":%d,\"id\":\"m%d\",\"body\":\"order %d\"}\n", q, d * 1000 + int(i * w * 1000 / n), i, i;
     }
 }' >"${WORK}/fill.jsonl"
 
+FILL_MS=$(date +%s%3N)
 t0=$(date +%s.%N)
 old send --jsonl "${WORK}/fill.jsonl" >"${WORK}/fill.out"
 t1=$(date +%s.%N)
@@ -68,3 +83,60 @@ echo "new cluster:"
 new stats --summary | tail -3
 echo "old cluster:"
 old stats --summary | tail -3
+
+[[ "${MEASURE:-0}" == 1 ]] || exit 0
+
+# the new cluster's workers, one per destination, each logging what it runs
+CONSUMERS=""
+for q in batched plain; do
+    "${BIN}/delay-consumer" --config "${CFG}" --url "${NEW_URL}" --prefix "${NP}" \
+        --queue "${P}-${q}" --log >"${WORK}/got-${q}.jsonl" 2>"${WORK}/consumer-${q}.err" &
+    CONSUMERS="${CONSUMERS} $!"
+done
+# the control set: every tenth message's due time, sent straight to the new cluster
+python3 - "${N}" "${nb}" "${P}" "${FILL_MS}" "${DUE_IN}" "${SPREAD}" >"${WORK}/control.jsonl" <<'PY'
+import json, sys, time
+n, nb, p, fill, due_in, spread = sys.argv[1:]
+n, nb, fill, due_in, spread = int(n), int(nb), int(fill), int(due_in), int(spread)
+now = int(time.time() * 1000)
+for i in range(0, n, 10):
+    due = fill + due_in * 1000 + i * spread * 1000 // n
+    q = p + ("-batched" if i < nb else "-plain")
+    print(json.dumps({"queue": q, "delay_ms": max(0, due - now), "id": f"c{i}", "body": f"control {i}"}))
+PY
+new send --jsonl "${WORK}/control.jsonl" >/dev/null
+end_ms=$((FILL_MS + (DUE_IN + SPREAD + 30) * 1000))
+while (($(date +%s%3N) < end_ms)); do sleep 5; done
+for pid in ${CONSUMERS}; do kill -TERM "${pid}"; done
+wait
+CONSUMERS=""
+python3 - "${N}" "${DUE_IN}" "${SPREAD}" "${WORK}"/got-*.jsonl <<'PY'
+import json, sys
+n, due_in, spread = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+got, doubled = {}, {}
+for path in sys.argv[4:]:
+    for line in open(path):
+        if not line.startswith("{"):
+            continue
+        r = json.loads(line)
+        kind = ("control" if r["id"].startswith("c") else "moved", r["queue"].rsplit("-", 1)[1])
+        seen = got.setdefault(kind, {})
+        if r["id"] in seen:
+            doubled[kind] = doubled.get(kind, 0) + 1
+            continue
+        seen[r["id"]] = r["lateness_ms"]
+# the budget of a message's original delay: max(5 ms, delay / 1000)
+budget = lambda i: max(5, (due_in * 1000 + int(i[1:]) * spread * 1000 // n) // 1000)
+for kind in sorted(got):
+    seen = got[kind]
+    late = sorted(seen.values())
+    pct = lambda q: late[min(len(late) - 1, int(q * len(late)))]
+    over = sum(1 for i, l in seen.items() if l > budget(i))
+    print(f"{kind[0]} {kind[1]}: arrived {len(seen)}, doubled {doubled.get(kind, 0)}, "
+          f"early {sum(1 for l in late if l < 0)}; lateness ms p50 {pct(0.5)} p99 {pct(0.99)} "
+          f"p99.9 {pct(0.999)} max {late[-1]}; over the original budget {over}")
+moved = sum(len(v) for k, v in got.items() if k[0] == "moved")
+control = sum(len(v) for k, v in got.items() if k[0] == "control")
+print(f"arrived: moved {moved} of {n}, control {control} of {len(range(0, n, 10))}")
+PY
+cp "${WORK}"/got-*.jsonl /tmp/ 2>/dev/null || true
