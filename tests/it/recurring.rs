@@ -596,6 +596,42 @@ async fn the_api_steers_schedules_as_the_login_and_no_further() {
     assert_eq!(status, 403);
     let (_, out) = call(addr, "GET", "/api/v1/schedules", &alice, None).await;
     assert_eq!(rows(&out), [(alice.clone(), "nightly".into(), false)]);
+    // a page at a time: the first of one names the next, which ends the list
+    let def = serde_json::json!({"name": "weekly", "cron": "0 3 * * 1", "queue": w.q});
+    let (status, out) = call(addr, "POST", "/api/v1/schedules", &alice, Some(def)).await;
+    assert_eq!(status, 201, "{out}");
+    let first = console.get("/schedules?limit=1", &alice).await;
+    assert!(
+        first.contains(">nightly<") && !first.contains(">weekly<"),
+        "{first}"
+    );
+    let next = first
+        .split("href=\"/schedules?")
+        .nth(1)
+        .and_then(|t| t.split('"').next())
+        .unwrap()
+        .replace("&amp;", "&");
+    let second = console.get(&format!("/schedules?{next}"), &alice).await;
+    assert!(
+        second.contains(">weekly<") && !second.contains(">nightly<"),
+        "{second}"
+    );
+    assert!(!second.contains("Next page"), "{second}");
+    for bad in ["limit=0", "limit=101", "after=no-cursor"] {
+        let (status, page) = console
+            .send(&format!("/schedules?{bad}"), &alice, None)
+            .await;
+        assert_eq!(status, 400, "{bad}: {page}");
+    }
+    let (status, out) = call(
+        addr,
+        "POST",
+        "/api/v1/schedules/weekly/remove",
+        &alice,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{out}");
     console.stop().await;
 
     let (status, out) = call(

@@ -6,10 +6,14 @@ use crate::permissions::{cli_as, tls_node_name};
 use crate::recurring::{add_as, call, rows, tenants};
 
 /// `pending serve`'s API on a free port as the world's pending user (its documented set), the
-/// admin its `trust.admins`; its address.
+/// admin its `trust.admins`; its address, its task and its live book of schedules.
 async fn api_as_pending(
     w: &crate::trust::World,
-) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+) -> (
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<()>,
+    std::sync::Arc<amqp_delay_cli::pending::http::Api>,
+) {
     use amqp_delay_cli::pending::follow::Status;
     use amqp_delay_cli::pending::http::{Api, listen, router};
     use amqp_delay_cli::pending::service::Service;
@@ -20,12 +24,13 @@ async fn api_as_pending(
     let service = Service::new(settings.clone(), Arc::new(Mutex::new(ix)), Status::new());
     let api = Arc::new(Api::new(service, settings));
     api.schedules().start();
+    let book = api.clone();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let server = tokio::spawn(async move {
         let _ = listen::serve(listener, router(api), std::future::pending()).await;
     });
-    (addr, server)
+    (addr, server, book)
 }
 
 /// Closes, from the test node's side, every connection of `user`; how many.
@@ -81,7 +86,7 @@ async fn recurring_json(
 async fn the_live_book_follows_the_stream_and_answers_each_login_its_own() {
     let w = tenants().await;
     let (alice, mallory) = (w.user("alice"), w.user("mallory"));
-    let (addr, server) = api_as_pending(&w).await;
+    let (addr, server, api) = api_as_pending(&w).await;
     // started: the book is read, and empty
     let (status, out) = call(addr, "GET", "/api/v1/schedules", &alice, None).await;
     assert_eq!((status, rows(&out)), (200, vec![]), "{out}");
@@ -127,6 +132,19 @@ async fn the_live_book_follows_the_stream_and_answers_each_login_its_own() {
     )
     .await;
     assert_eq!(status, 404, "{out}");
+
+    // questions asked at once share barriers: 40 GETs append far fewer than 40 records to
+    // the control stream, and each still sees what was confirmed before it
+    let before = api.schedules().barriers();
+    let gets = (0..40).map(|_| call(addr, "GET", "/api/v1/schedules", &alice, None));
+    for (status, out) in futures::future::join_all(gets).await {
+        assert_eq!((status, rows(&out).len()), (200, 2), "{out}");
+    }
+    let appended = api.schedules().barriers() - before;
+    assert!(
+        (1..=20).contains(&appended),
+        "40 GETs appended {appended} barriers"
+    );
 
     // the server loses its connection; what is written meanwhile is seen once it follows again
     assert!(close_connections_of(&w.user("pending")) >= 1);

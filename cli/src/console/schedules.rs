@@ -1,6 +1,7 @@
 //! The Schedules page: the recurring schedules the logged-in user sees (its own; an admin's:
-//! everyone's), each with its next ticks, its last runs as the index knows them, and a pause
-//! or resume button. Read from the console's live book ([`crate::schedules::Live`]) and
+//! everyone's), a page of at most [`MAX_PAGE`] in owner and name order (`?after=OWNER/NAME`,
+//! the cursor its "Next" link carries; `limit`), each with its next ticks, its last runs as the
+//! index knows them, and a pause or resume button. Read from the console's live book ([`crate::schedules::Live`]) and
 //! steered through [`crate::schedules`], the code the CLI's `recurring` commands and `pending
 //! serve`'s API run, on a connection of the logged-in user.
 
@@ -8,7 +9,7 @@ use std::sync::Arc;
 
 use amqp_delay::recurring::Action;
 use amqp_delay::time::now_ms;
-use axum::extract::{Extension, State};
+use axum::extract::{Extension, Query, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use minijinja::context;
@@ -50,11 +51,32 @@ struct Row {
     list_query: String,
 }
 
+/// The Schedules page's query: where the page starts and how many it shows.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub(super) struct PageQuery {
+    after: Option<String>,
+    limit: Option<usize>,
+}
+
 /// `GET /schedules`.
 pub(super) async fn page(
     State(app): State<Arc<App>>,
     Extension(login): Extension<Login>,
+    Query(q): Query<PageQuery>,
 ) -> Response {
+    let shown = match schedules::Page::parse(q.after.as_deref(), Some(q.limit.unwrap_or(MAX_PAGE)))
+    {
+        Ok(p) if p.limit <= MAX_PAGE => p,
+        Ok(p) => {
+            return bad_page(
+                &app,
+                &login,
+                &format!("a page shows 1 to {MAX_PAGE}, not {}", p.limit),
+            );
+        }
+        Err(e) => return bad_page(&app, &login, &amqp_delay::error_chain(&e)),
+    };
     let v = match app.schedules.view(&login.user).await {
         Ok(v) => v,
         Err(e) => {
@@ -76,7 +98,15 @@ pub(super) async fn page(
     let total = v.visible().count();
     let mut rows: Vec<Row> = Vec::new();
     let mut ids: Vec<(String, String)> = Vec::new();
-    for e in v.visible().take(MAX_PAGE) {
+    let after = (shown.after.as_ref()).map(|(o, n)| (o.as_str(), n.as_str()));
+    let (entries, more) = v.book.page(&v.user, &v.trust, after, shown.limit);
+    let next = (more.then(|| entries.last()).flatten()).map(|e| {
+        url::form_urlencoded::Serializer::new(String::new())
+            .append_pair("after", &schedules::Page::cursor(e))
+            .append_pair("limit", &shown.limit.to_string())
+            .finish()
+    });
+    for e in entries {
         let last: Vec<Tick> = schedules::last_ticks(e, now, TICKS)
             .into_iter()
             .map(|t| {
@@ -137,9 +167,16 @@ pub(super) async fn page(
     let ctx = context! {
         rows => rows,
         total => total,
+        next => next,
         ..base(&app, &login, &Search::default(), "schedules", "Schedules")
     };
     app.views.page(StatusCode::OK, "schedules.html", ctx)
+}
+
+/// A 400 for a page the query cannot name.
+fn bad_page(app: &App, login: &Login, why: &str) -> Response {
+    let text = format!("No such page of schedules: {why}");
+    notice(app, login, StatusCode::BAD_REQUEST, "Bad page", &text, None)
 }
 
 /// The form of a schedule's pause or resume.

@@ -4,14 +4,17 @@
 //!
 //! Each answer is fresh: [`Live::view`] first appends a barrier on the follower's connection
 //! and waits (at most [`SYNC_TIMEOUT`]) until the follower has read it, so whatever was
-//! confirmed before the question (an add through the API, or the CLI's) is in the answer. A
+//! confirmed before the question (an add through the API, or the CLI's) is in the answer.
+//! Questions share barriers: one is in flight at a time, and a question is answered by the
+//! first barrier appended after it was asked, so however many come at once they append at
+//! most one barrier per round trip of the stream, not one each. A
 //! lost connection is followed again from the last record applied; a read that loses its
 //! connection on a record over `frame_max` is read again past it (as [`super::view`] does).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use amqp_delay::ops::connection::Connector;
 use amqp_delay::ops::control::{self, Record, Start};
@@ -36,6 +39,10 @@ pub struct Live {
     settings: Settings,
     started: AtomicBool,
     stop: watch::Sender<bool>,
+    /// When the last barrier that was read back was appended; held while one is in flight.
+    synced: tokio::sync::Mutex<Option<Instant>>,
+    /// Barriers appended so far.
+    barriers: std::sync::atomic::AtomicU64,
 }
 
 struct Shared {
@@ -69,7 +76,14 @@ impl Live {
             settings,
             started: AtomicBool::new(false),
             stop: watch::channel(false).0,
+            synced: tokio::sync::Mutex::new(None),
+            barriers: Default::default(),
         }
+    }
+
+    /// How many barriers this book has appended to the control stream.
+    pub fn barriers(&self) -> u64 {
+        self.barriers.load(Ordering::Relaxed)
     }
 
     /// Starts the follower (once; in a tokio runtime).
@@ -99,29 +113,43 @@ impl Live {
         })
     }
 
-    /// Waits until the follower has read a barrier appended now, at most [`SYNC_TIMEOUT`].
+    /// Waits until the follower has read a barrier appended after now (its own, or one that
+    /// another question appended meanwhile), at most [`SYNC_TIMEOUT`] in all.
     pub async fn sync(&self) -> Result<()> {
         self.start();
-        let nonce = uuid::Uuid::now_v7().to_string();
-        let mut moved = self.shared.moved.subscribe();
-        self.shared.state().waiting.insert(nonce.clone(), false);
-        let r = tokio::time::timeout(SYNC_TIMEOUT, self.wait_for(&nonce, &mut moved)).await;
-        let why = {
-            let mut s = self.shared.state();
-            s.waiting.remove(&nonce);
-            s.error.clone()
-        };
-        match r {
+        let asked = Instant::now();
+        match tokio::time::timeout(SYNC_TIMEOUT, self.sync_after(asked)).await {
             Ok(r) => r,
             Err(_) => Err(Error::Timeout {
                 context: format!(
                     "the schedules this server follows did not catch up with the control \
                      stream ({})",
-                    why.as_deref().unwrap_or("still reading it")
+                    self.shared
+                        .state()
+                        .error
+                        .clone()
+                        .as_deref()
+                        .unwrap_or("still reading it")
                 ),
                 timeout_ms: SYNC_TIMEOUT.as_millis() as u64,
             }),
         }
+    }
+
+    /// One barrier at a time: a question that waited for another's uses it when it was
+    /// appended after the question was asked.
+    async fn sync_after(&self, asked: Instant) -> Result<()> {
+        let mut last = self.synced.lock().await;
+        if last.is_some_and(|appended| appended >= asked) {
+            return Ok(());
+        }
+        let appended = Instant::now();
+        let nonce = uuid::Uuid::now_v7().to_string();
+        let mut moved = self.shared.moved.subscribe();
+        let waiting = Waiting::new(&self.shared, nonce);
+        self.wait_for(&waiting.0, &mut moved).await?;
+        *last = Some(appended);
+        Ok(())
     }
 
     async fn wait_for(&self, nonce: &str, moved: &mut watch::Receiver<u64>) -> Result<()> {
@@ -140,6 +168,7 @@ impl Live {
                     nonce: nonce.to_string(),
                 };
                 control::append(&conn, &layout, &barrier).await?;
+                self.barriers.fetch_add(1, Ordering::Relaxed);
                 appended = true;
                 continue;
             }
@@ -147,6 +176,23 @@ impl Live {
                 return Err(Error::Stopped("the schedules' follower ended".into()));
             }
         }
+    }
+}
+
+/// A barrier's nonce that the follower marks when it reads it; forgotten when dropped (also
+/// when the question timed out).
+struct Waiting<'a>(String, &'a Shared);
+
+impl<'a> Waiting<'a> {
+    fn new(shared: &'a Shared, nonce: String) -> Waiting<'a> {
+        shared.state().waiting.insert(nonce.clone(), false);
+        Waiting(nonce, shared)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.1.state().waiting.remove(&self.0);
     }
 }
 
