@@ -237,11 +237,12 @@ fn plan_groups(inner: &Inner, held: Vec<Held>) -> Vec<Group<Held>> {
 
 /// Publishes every group concurrently.
 async fn publish_groups(inner: Arc<Inner>, groups: Vec<Group>) {
+    let now = now_ms();
     futures::stream::iter(groups)
         .for_each_concurrent(None, |(members, window)| {
             let inner = &inner;
             async move {
-                let _ = inner.publish_group(members, window).await;
+                let _ = inner.publish_group(now, members, window).await;
             }
         })
         .await;

@@ -22,72 +22,51 @@ use crate::planner::{self, Route};
 use crate::time::now_ms;
 
 impl Inner {
-    /// Publishes one message on its own and answers its caller too.
+    /// Publishes one message on its own, planned from now, and answers its caller too.
     pub(super) async fn publish_alone(&self, p: Prepared) -> Result<Scheduled> {
-        let r = self.publish_group(vec![p], None).await;
+        let now = now_ms();
+        let r = self.publish_group(now, vec![p], None).await;
         r.into_iter().next().expect("one result")
     }
 
     /// Publishes `members` (one destination) as one broker message — alone when there is one,
-    /// as a batch otherwise — planned in `window` (`None`: one message, between its due time
-    /// and its deadline), and answers every member's caller. Returns the results too.
+    /// as a batch otherwise — planned in `window` (`None`: one message, planned from its own
+    /// request), and answers every member's caller. Returns the results too.
     pub(super) async fn publish_group(
         &self,
+        now: u64,
         mut members: Vec<Prepared>,
         window: Option<(u64, u64)>,
     ) -> Vec<Result<Scheduled>> {
+        // A message on its own is planned from its request, as if published when it was
+        // prepared (publishing a moment later only makes it that much later); a group is
+        // planned from now, within the window every member accepts.
         let earliest = match window {
             Some((e, _)) => e,
-            None => members.iter().map(|m| m.due_at_ms).max().unwrap_or(0),
+            None => members.iter().map(|m| m.due_at_ms).max().unwrap_or(now),
+        };
+        let planned = match window {
+            None => planner::plan(&self.layout, &self.precision, members[0].delay_ms),
+            Some((e, l)) => {
+                let lo = e.saturating_sub(now);
+                planner::plan_window(&self.layout, lo, l.saturating_sub(now).max(lo))
+            }
         };
         // journaled before it is published: a message the broker confirmed is in the journal
         // (one that cannot be planned is journaled only when its intent was queued already:
         // then it is named failed)
-        let first = self.plan(&members, window, now_ms());
         let flushes = match &self.journal {
-            Some(j) => j.intents(&mut members, first.is_ok()).await,
+            Some(j) => j.intents(&mut members, planned.is_ok()).await,
             None => Vec::new(),
         };
-        let (now, result) = match first {
-            Err(e) => (now_ms(), Err(Error::from(e))),
-            Ok(_) => {
-                // planned again at the instant it leaves ([`Inner::plan`]): a group's or a
-                // chunk's waits for journal intents and a place in flight (a transfer's or a
-                // bulk send's thousands) are taken off its route
-                let _permit = self.in_flight.acquire().await.expect("never closed");
-                let now = now_ms();
-                let result = match self.plan(&members, window, now) {
-                    Err(e) => Err(Error::from(e)),
-                    Ok(route) => self.publish_members(&mut members, route, earliest).await,
-                };
-                (now, result)
-            }
+        let result = match planned {
+            Err(e) => Err(Error::from(e)),
+            Ok(route) => self.publish_members(&mut members, route, earliest).await,
         };
         if let Some(j) = &self.journal {
             j.settled(&flushes, &members, &result);
         }
         self.settle(now, members, result)
-    }
-
-    /// The route of `members` leaving at `now`: to arrive in `window`, or, for one message
-    /// given its due time, between that and its deadline (absolute times, so the waits before
-    /// it leaves shorten the route rather than make it late; a fixed level of its delay is
-    /// still one hop while it fits). One given a delay is planned as it was asked, a fixed
-    /// level of exactly that delay one hop (its waits, the linger and its journal intent, make
-    /// it that much later). Never early: `now` is no earlier than its request.
-    fn plan(
-        &self,
-        members: &[Prepared],
-        window: Option<(u64, u64)>,
-        now: u64,
-    ) -> std::result::Result<Route, planner::PlanError> {
-        let (from, to) = match (window, &members[0]) {
-            (Some(w), _) => w,
-            (None, m) if m.absolute => (m.due_at_ms, m.deadline_ms),
-            (None, m) => return planner::plan(&self.layout, &self.precision, m.delay_ms),
-        };
-        let lo = from.saturating_sub(now);
-        planner::plan_window(&self.layout, lo, to.saturating_sub(now).max(lo))
     }
 
     /// Counts what `result` put into the tiers (in the ledger, by due time, while it is
@@ -129,8 +108,8 @@ impl Inner {
     }
 
     /// Publishes `members` (one destination) as one broker message travelling `route`: alone
-    /// when there is one, else as a batch due from `earliest`; with a confirm (the caller holds
-    /// its place within the in-flight limit).
+    /// when there is one, else as a batch due from `earliest`; with a confirm, within the
+    /// in-flight limit.
     async fn publish_members(
         &self,
         members: &mut [Prepared],
@@ -151,6 +130,7 @@ impl Inner {
         let batch_id = (members.len() > 1)
             .then(|| props.message_id().as_ref().map(|s| s.to_string()))
             .flatten();
+        let _permit = self.in_flight.acquire().await.expect("never closed");
         let r = self
             .publish_confirmed(&exchange, &key, &body, props)
             .await

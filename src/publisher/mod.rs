@@ -129,10 +129,6 @@ struct Prepared {
     journal: Option<journal::Pending>,
     /// Its destination holds early messages until due (it travels in grain batches).
     holds: bool,
-    /// It was given its due time (a transfer's copy, an import's, an occurrence), not a
-    /// delay: planned from that time when it leaves, so the waits before (a chunk of
-    /// thousands waits for its journal intents and confirms) do not make it late.
-    absolute: bool,
     reply: oneshot::Sender<Result<Scheduled>>,
 }
 
@@ -439,7 +435,6 @@ impl Publisher {
                 retry: msg.internal && msg.attempt > 0 && !msg.transferred,
                 journal: journal.map(journal::Pending::Item),
                 holds,
-                absolute: msg.due_at.is_some(),
                 reply,
             },
             reads,
