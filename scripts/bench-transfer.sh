@@ -6,8 +6,9 @@
 # the fill time, the transfer's wall time and peak RSS (/usr/bin/time -v), what the new cluster
 # then holds; tears down both sides. Take `flock /tmp/adbench.lock` around it.
 #
-# With MEASURE=1 the moved messages are then run on the new cluster: a `delay-consumer --log`
-# per destination, and a control set (a tenth of N, the same due times, sent straight to the
+# With MEASURE=1 the moved messages are then run on the new cluster (our worker on the batched
+# destination, a plain AMQP consumer on the plain one, both started before the transfer), and a
+# control set (a tenth of N, the same due times, sent straight to the
 # new cluster after the transfer) beside them; when the last is due (+30 s) it prints, for the
 # moved and the control messages, how many arrived, were doubled or early, their lateness
 # (fired - due) p50/p99/p99.9/max, and how many passed the budget of their original delay
@@ -73,6 +74,32 @@ t1=$(date +%s.%N)
 echo "fill: ${N} messages (${nb} batched) in $(echo "${t1} - ${t0}" | bc) s"
 old stats --summary | tail -3
 
+# with MEASURE=1, the new cluster's consumers run from before the transfer, as in a blue-green
+# move: our worker on the batched destination (logging each message it runs), and a plain AMQP
+# consumer (not ours: no hold marker) on the plain one, logging each arrival
+CONSUMERS=""
+if [[ "${MEASURE:-0}" == 1 ]]; then
+    "${BIN}/delay-consumer" --config "${CFG}" --url "${NEW_URL}" --prefix "${NP}" \
+        --queue "${P}-batched" --log >"${WORK}/got-batched.jsonl" 2>"${WORK}/consumer.err" &
+    CONSUMERS="$!"
+    python3 - "${NEW_URL}" "${P}-plain" >"${WORK}/got-plain.jsonl" <<'PY' &
+import json, signal, sys, time, pika
+url, queue = sys.argv[1], sys.argv[2]
+ch = pika.BlockingConnection(pika.URLParameters(url)).channel()
+ch.basic_qos(prefetch_count=1000)
+def got(ch, method, props, body):
+    at = int(time.time() * 1000)
+    due = (props.headers or {}).get("x-delay-due-at")
+    print(json.dumps({"id": props.message_id, "queue": queue,
+                      "lateness_ms": None if due is None else at - int(due)}), flush=True)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+ch.basic_consume(queue, got, auto_ack=True)
+ch.start_consuming()
+PY
+    CONSUMERS="${CONSUMERS} $!"
+    sleep 3
+fi
+
 t0=$(date +%s.%N)
 /usr/bin/time -v "${BIN}/delay-publisher" --config "${CFG}" --url "${OLD_URL}" --prefix "${P}" \
     transfer --to "${NEW_URL}" --to-prefix "${NP}" --prefetch "${PREFETCH:-50}" >"${WORK}/transfer.out" 2>"${WORK}/transfer.err" || true
@@ -86,13 +113,6 @@ old stats --summary | tail -3
 
 [[ "${MEASURE:-0}" == 1 ]] || exit 0
 
-# the new cluster's workers, one per destination, each logging what it runs
-CONSUMERS=""
-for q in batched plain; do
-    "${BIN}/delay-consumer" --config "${CFG}" --url "${NEW_URL}" --prefix "${NP}" \
-        --queue "${P}-${q}" --log >"${WORK}/got-${q}.jsonl" 2>"${WORK}/consumer-${q}.err" &
-    CONSUMERS="${CONSUMERS} $!"
-done
 # the control set: every tenth message's due time, sent straight to the new cluster
 python3 - "${N}" "${nb}" "${P}" "${FILL_MS}" "${DUE_IN}" "${SPREAD}" >"${WORK}/control.jsonl" <<'PY'
 import json, sys, time
