@@ -42,11 +42,15 @@ new() { "${BIN}/delay-publisher" --config "${CFG}" --url "${NEW_URL}" --prefix "
 cleanup() {
     for pid in ${CONSUMERS:-}; do kill "${pid}" 2>/dev/null || true; done
     wait 2>/dev/null || true
+    # a topology left behind holds the broker's file handles (3 a quorum queue): say so loudly
     for side in old new; do
         for q in "${P}-batched" "${P}-plain"; do
             "${side}" teardown --queue "${q}" --force >/dev/null 2>&1 || true
         done
-        "${side}" teardown --force >/dev/null 2>&1 || true
+        local prefix=${P}
+        [[ "${side}" == new ]] && prefix=${NP}
+        "${side}" teardown --force >/dev/null 2>"${WORK}/teardown.err" ||
+            echo "bench-transfer.sh: the ${side} cluster's topology '${prefix}' was NOT removed ($(tail -1 "${WORK}/teardown.err")); remove it with: delay-publisher --prefix ${prefix} teardown --force" >&2
     done
     rm -rf "${WORK}"
 }
