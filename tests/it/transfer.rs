@@ -269,12 +269,13 @@ async fn a_transfer_killed_midway_and_run_again_loses_nothing() {
     old.cleanup().await;
 }
 
-/// `parked list --json` on `cfg`'s prefix: (id, reason, attempts, parked_from, owner) each.
+/// `parked list --json` on `cfg`'s prefix: (id, reason, attempts, parked_from, owner) each, by id.
 async fn parked_listed(cfg: &std::path::Path, q: &str) -> Vec<[String; 5]> {
     let (code, out, err) = publisher_cli(cfg, &["parked", "list", "--queue", q, "--json"]).await;
     assert_eq!(code, Some(0), "parked list: {out}\n{err}");
     let s = |v: &serde_json::Value| v.as_str().map_or_else(|| v.to_string(), str::to_string);
-    out.lines()
+    let mut rows: Vec<[String; 5]> = out
+        .lines()
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
             [
@@ -285,7 +286,11 @@ async fn parked_listed(cfg: &std::path::Path, q: &str) -> Vec<[String; 5]> {
                 s(&v["owner"]),
             ]
         })
-        .collect()
+        .collect();
+    // by id: the transfer moves parked messages several at a time, so their order in the new
+    // parking queue is not the old one's
+    rows.sort();
+    rows
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
