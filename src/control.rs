@@ -405,14 +405,18 @@ async fn read_named(
 /// believed as far as its writer's `user_id` allows (with the connection's own user as a
 /// scheduler: [`Trust::may_compact`]), and the offset of the barrier the read ended at, to
 /// follow the stream from. An empty book when the stream does not exist.
+///
+/// With `only`, the book keeps that owner's schedules alone ([`Book::of_owner`]): what a user's
+/// own `recurring serve` or `list` needs, in memory bounded by its own cap.
 pub async fn read_schedules(
     conn: &Connection,
     layout: &Layout,
     trust: &TrustSettings,
+    only: Option<&str>,
 ) -> Result<(Book, Option<u64>)> {
     let trust = Trust::new(crate::connection::user_of(conn), trust);
     let log = log(layout);
-    let mut book = Book::default();
+    let mut book = only.map_or_else(Book::default, Book::of_owner);
     if !log.exists(conn).await? {
         return Ok((book, None));
     }
@@ -473,6 +477,22 @@ impl Record {
             skipped(KIND, "recurring", &format!("by '{by}': {why}"));
         }
         true
+    }
+
+    /// Whose schedule a recurring record written by `by` is about, as the book believes it
+    /// (`None`: no recurring record, or none with a writer).
+    pub fn schedule_owner<'a>(&'a self, by: Option<&'a str>, trust: &Trust) -> Option<&'a str> {
+        match self {
+            Record::RecurringAdd(_) => by,
+            Record::RecurringSet(s) => match (&s.owner, by) {
+                (Some(o), Some(b)) if trust.is_admin(b) => Some(o.as_str()),
+                _ => by,
+            },
+            Record::RecurringMark(m) => Some(&m.owner),
+            Record::RecurringMarks(m) => Some(&m.owner),
+            Record::RecurringKeep(k) => Some(&k.owner),
+            _ => None,
+        }
     }
 
     /// What a named record is about: a pair's ingress and target (registered or ended alike),

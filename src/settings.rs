@@ -164,7 +164,8 @@ impl JournalSettings {
     }
 }
 
-/// Recurring schedules a control stream's book holds, at most (`amqp_delay::recurring`).
+/// Recurring schedules the admins own together, at most (`amqp_delay::recurring`); each other
+/// user has `trust.max_schedules_per_user` of its own.
 pub const MAX_SCHEDULES: usize = 200_000;
 /// `trust.max_schedules_per_user` by default.
 pub const DEFAULT_MAX_SCHEDULES_PER_USER: usize = 10_000;
@@ -182,8 +183,9 @@ pub struct TrustSettings {
     /// snapshots count, their copies of others' messages (retries, gateway hops) name the
     /// owner, and the gateway's due stage takes what they wrote.
     pub peers: Vec<String>,
-    /// Recurring schedules one user who is no admin may have, at most (of the
-    /// [`MAX_SCHEDULES`] all users share): no tenant crowds out the others.
+    /// Recurring schedules one user who is no admin may have, at most: its own room, which
+    /// no other tenant's schedules take (a book holds at most users × this, plus the admins'
+    /// [`MAX_SCHEDULES`]).
     /// Every process reading the control stream must hold the same value.
     pub max_schedules_per_user: usize,
 }
@@ -199,8 +201,8 @@ impl Default for TrustSettings {
 }
 
 impl TrustSettings {
-    /// Names must be user names: non-empty short strings; the per-user cap is 1 to the
-    /// shared one.
+    /// Names must be user names: non-empty short strings; the per-user cap is 1 to
+    /// [`MAX_SCHEDULES`].
     pub fn validate(&self) -> Result<(), String> {
         let most = MAX_SCHEDULES;
         if !(1..=most).contains(&self.max_schedules_per_user) {

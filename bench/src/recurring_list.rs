@@ -156,7 +156,7 @@ async fn timed(
     }
 
     // the parts, in this process, on a book replayed here
-    let (book, _) = control::read_schedules(conn, layout, &settings.trust).await?;
+    let (book, _) = control::read_schedules(conn, layout, &settings.trust, None).await?;
     let (t, now, mut crons) = (Instant::now(), now_ms(), Crons::default());
     let rows: Vec<ScheduleOut> = book
         .iter()

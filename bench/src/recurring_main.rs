@@ -369,7 +369,7 @@ async fn measure(
 
     // the replay alone, in this process: what `list` spends reading the stream
     let t = Instant::now();
-    let (book, _) = control::read_schedules(conn, layout, &settings.trust).await?;
+    let (book, _) = control::read_schedules(conn, layout, &settings.trust, None).await?;
     let replay_ms = t.elapsed().as_millis() as u64;
     let booked = book.len();
     drop(book);

@@ -9,7 +9,8 @@
 //! schedules, follows the stream, and every second publishes what [`recurring::plan`] says
 //! of every due schedule at once, then appends the round's marks (after the confirms), a few
 //! thousand schedules to a record. After a takeover, the next replica starts from the marks,
-//! less what the journal shows the one before published past them ([`takeover`]).
+//! less what the pending index or the journal shows the one before published past them
+//! ([`takeover`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -109,12 +110,13 @@ async fn run(settings: &Settings, opts: ServeOptions, conn: &Connection) -> Resu
     let lock = layout.recurring_lock(&user);
     let _lock = take_lock(conn, &lock).await?;
     tracing::info!(%user, "active: publishing this user's recurring schedules");
-    let (book, at) = control::read_schedules(conn, &layout, &settings.trust).await?;
+    // this user's schedules alone: another's records take none of its memory or rounds
+    let (book, at) = control::read_schedules(conn, &layout, &settings.trust, Some(&user)).await?;
     let from = at.map_or(Start::Next, |o| Start::Offset(o + 1));
     let mut tail = control::tail(conn, &layout, from).await?;
     let publisher = Publisher::connect(settings).await?;
     let already =
-        takeover::already_published(conn, &layout, &user, &book, now_ms(), opts.ahead_ms).await;
+        takeover::already_published(conn, settings, &user, &book, now_ms(), opts.ahead_ms).await;
     let mut s = Scheduler {
         already,
         trust: Trust::new(Some(user.clone()), &settings.trust),
@@ -207,6 +209,8 @@ impl Scheduler {
     /// A record read from the stream: a schedule's change wakes it.
     fn apply(&mut self, record: Option<&Record>, by: Option<&str>) {
         if let Some(r) = record
+            && r.schedule_owner(by, &self.trust)
+                .is_some_and(|o| self.book.keeps(o))
             && r.apply_to(&mut self.book, by, &self.trust)
             && !matches!(r, Record::RecurringMark(_) | Record::RecurringMarks(_))
         {

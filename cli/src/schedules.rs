@@ -139,11 +139,13 @@ pub async fn view(as_user: &Settings) -> Result<View> {
     loop {
         let conn = connector.connect("amqp-delay recurring").await?;
         let user = conn.status().username();
-        let r = control::read_schedules(&conn, &layout, &as_user.trust).await;
+        let trust = Trust::new(Some(user.clone()), &as_user.trust);
+        // an admin sees every owner's; a user keeps only its own in memory
+        let only = (!trust.is_admin(&user)).then_some(user.as_str());
+        let r = control::read_schedules(&conn, &layout, &as_user.trust, only).await;
         amqp_delay::ops::broker::close_connection(&conn, "bye").await;
         match r {
             Ok((book, _)) => {
-                let trust = Trust::new(Some(user.clone()), &as_user.trust);
                 return Ok(View {
                     book: Box::new(book),
                     user,

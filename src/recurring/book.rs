@@ -13,8 +13,12 @@
 //!   revision that was removed or replaced, and never overrides what the records before it
 //!   said.
 //!
-//! Anything else is skipped with a reason. The book holds at most [`MAX_SCHEDULES`], and a
-//! user who is no admin at most `trust.max_schedules_per_user` ([`MAX_PER_OWNER`] by default).
+//! Anything else is skipped with a reason. Each user who is no admin has a book of its own
+//! within the book, of at most `trust.max_schedules_per_user` ([`MAX_PER_OWNER`] by default),
+//! and the admins share one of [`MAX_SCHEDULES`]: what one tenant writes never takes room
+//! another's adds need, so the book holds at most users × the per-user cap plus the admins'.
+//! A book of one owner ([`Book::of_owner`], what its `recurring serve` keeps) holds only that
+//! owner's schedules; the rest are not its to keep.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque, btree_map};
 
@@ -23,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use super::{Definition, check_name};
 use crate::trust::Trust;
 
-/// Schedules a book holds, at most.
+/// Schedules the admins own together, at most.
 pub const MAX_SCHEDULES: usize = crate::settings::MAX_SCHEDULES;
 /// Schedules of one owner who is no admin, at most, by default
 /// (`trust.max_schedules_per_user`, [`Trust::max_schedules_per_user`]).
@@ -202,18 +206,46 @@ pub struct Book {
     entries: BTreeMap<(String, String), Entry>,
     /// Schedules of each owner.
     per_owner: HashMap<String, usize>,
+    /// Schedules the admins own.
+    admins_own: usize,
     /// The name of each owner's revision held ([`Marks`] name revisions).
     revs: HashMap<(String, String), String>,
-    /// Revisions removed or replaced, newest last, at most [`MAX_SCHEDULES`]: no keep brings
-    /// them back.
-    gone: HashSet<String>,
-    gone_order: VecDeque<String>,
+    /// Each owner's revisions removed or replaced, newest last, as many as it may hold: no
+    /// keep brings them back, and no other owner's churn pushes them out.
+    gone: HashMap<String, Gone>,
+    /// The only owner whose schedules this book keeps ([`Book::of_owner`]).
+    only: Option<String>,
+}
+
+/// One owner's revisions removed or replaced.
+#[derive(Debug, Default)]
+struct Gone {
+    set: HashSet<String>,
+    order: VecDeque<String>,
 }
 
 impl Book {
+    /// A book of `owner`'s schedules only: records about anyone else's are not applied (and
+    /// take none of its room or time).
+    pub fn of_owner(owner: &str) -> Book {
+        Book {
+            only: Some(owner.to_string()),
+            ..Book::default()
+        }
+    }
+
+    /// Whether this book keeps `owner`'s schedules (every owner's, unless it is
+    /// [`Book::of_owner`] another).
+    pub fn keeps(&self, owner: &str) -> bool {
+        self.only.as_deref().is_none_or(|o| o == owner)
+    }
+
     /// Applies an add written by `by`.
     pub fn add(&mut self, by: Option<&str>, a: &Add, trust: &Trust) -> Result<(), String> {
         let owner = writer(by)?;
+        if !self.keeps(owner) {
+            return Ok(());
+        }
         a.schedule.check()?;
         tag("revision", &a.rev)?;
         self.put(owner, &a.rev, a.schedule.clone(), trust)?;
@@ -234,6 +266,9 @@ impl Book {
             Some(o) if trust.is_admin(by) => o.as_str(),
             _ => by,
         };
+        if !self.keeps(owner) {
+            return Ok(());
+        }
         let key = (owner.to_string(), s.name.clone());
         let Some(e) = self.entries.get_mut(&key) else {
             return Err(format!("{owner} has no schedule {:?}", s.name));
@@ -249,7 +284,7 @@ impl Book {
             Action::Remove => {
                 let rev = e.rev.clone();
                 self.entries.remove(&key);
-                self.forget(owner, &s.name, rev);
+                self.forget(owner, &s.name, rev, trust);
             }
         }
         Ok(())
@@ -258,6 +293,9 @@ impl Book {
     /// Applies a scheduler's mark written by `by`.
     pub fn mark(&mut self, by: Option<&str>, m: &Mark, trust: &Trust) -> Result<(), String> {
         scheduler(by, &m.owner, trust)?;
+        if !self.keeps(&m.owner) {
+            return Ok(());
+        }
         let key = (m.owner.clone(), m.name.clone());
         match self.entries.get_mut(&key) {
             Some(e) if e.rev == m.rev => {
@@ -275,6 +313,9 @@ impl Book {
     /// hold (removed or replaced since: the rest are applied).
     pub fn marks(&mut self, by: Option<&str>, m: &Marks, trust: &Trust) -> Result<(), String> {
         scheduler(by, &m.owner, trust)?;
+        if !self.keeps(&m.owner) {
+            return Ok(());
+        }
         let mut unknown = 0usize;
         for g in &m.groups {
             for rev in &g.revs {
@@ -305,8 +346,15 @@ impl Book {
         scheduler(by, &k.owner, trust)?;
         tag("owner", &k.owner)?;
         tag("revision", &k.rev)?;
+        if !self.keeps(&k.owner) {
+            return Ok(());
+        }
         k.schedule.check()?;
-        if self.gone.contains(&k.rev) {
+        if self
+            .gone
+            .get(&k.owner)
+            .is_some_and(|g| g.set.contains(&k.rev))
+        {
             return Err(format!("revision {} was removed or replaced", k.rev));
         }
         let key = (k.owner.clone(), k.schedule.name.clone());
@@ -387,7 +435,8 @@ impl Book {
     }
 
     /// Whether an add of `owner`'s schedule `name` would be kept: it replaces one of that name,
-    /// or the owner and the book are under their caps. The error says which cap.
+    /// or the owner is under its cap (an admin: the admins under theirs). The error says which
+    /// cap.
     pub fn admits(&self, owner: &str, name: &str, trust: &Trust) -> Result<(), String> {
         if self
             .entries
@@ -395,16 +444,21 @@ impl Book {
         {
             return Ok(());
         }
+        if trust.is_admin(owner) {
+            if self.admins_own >= MAX_SCHEDULES {
+                return Err(format!(
+                    "the admins have {MAX_SCHEDULES} schedules, the most they may"
+                ));
+            }
+            return Ok(());
+        }
         let mine = self.per_owner.get(owner).copied().unwrap_or(0);
         let cap = trust.max_schedules_per_user();
-        if !trust.is_admin(owner) && mine >= cap {
+        if mine >= cap {
             return Err(format!(
                 "{owner} has {cap} schedules, the most a user may \
                  (trust.max_schedules_per_user)"
             ));
-        }
-        if self.entries.len() >= MAX_SCHEDULES {
-            return Err(format!("{MAX_SCHEDULES} schedules, the most a book holds"));
         }
         Ok(())
     }
@@ -422,9 +476,12 @@ impl Book {
         let key = (owner.to_string(), def.name.clone());
         if let Some(old) = self.entries.get(&key) {
             let old = old.rev.clone();
-            self.forget(owner, &def.name, old);
+            self.forget(owner, &def.name, old, trust);
         }
         *self.per_owner.entry(owner.to_string()).or_default() += 1;
+        if trust.is_admin(owner) {
+            self.admins_own += 1;
+        }
         self.revs
             .insert((owner.to_string(), rev.to_string()), def.name.clone());
         let entry = Entry {
@@ -445,7 +502,7 @@ impl Book {
     }
 
     /// Revision `rev` of `owner`'s schedule `name` is gone (removed, or about to be replaced).
-    fn forget(&mut self, owner: &str, name: &str, rev: String) {
+    fn forget(&mut self, owner: &str, name: &str, rev: String, trust: &Trust) {
         let key = (owner.to_string(), rev.clone());
         if self.revs.get(&key).is_some_and(|n| n == name) {
             self.revs.remove(&key);
@@ -456,13 +513,23 @@ impl Book {
                 self.per_owner.remove(owner);
             }
         }
-        if self.gone_order.len() >= MAX_SCHEDULES
-            && let Some(old) = self.gone_order.pop_front()
-        {
-            self.gone.remove(&old);
+        let admin = trust.is_admin(owner);
+        if admin {
+            self.admins_own = self.admins_own.saturating_sub(1);
         }
-        if self.gone.insert(rev.clone()) {
-            self.gone_order.push_back(rev);
+        let most = if admin {
+            MAX_SCHEDULES
+        } else {
+            trust.max_schedules_per_user()
+        };
+        let gone = self.gone.entry(owner.to_string()).or_default();
+        if gone.order.len() >= most
+            && let Some(old) = gone.order.pop_front()
+        {
+            gone.set.remove(&old);
+        }
+        if gone.set.insert(rev.clone()) {
+            gone.order.push_back(rev);
         }
     }
 }

@@ -247,7 +247,7 @@ async fn follow_on(shared: &Shared, settings: &Settings, conn: &Arc<Connection>)
     let at = shared.state().at;
     let from = match at {
         Some(o) => Start::Offset(o + 1),
-        None => match control::read_schedules(conn, &layout, &settings.trust).await {
+        None => match control::read_schedules(conn, &layout, &settings.trust, None).await {
             Ok((book, None)) => {
                 // no stream yet: an empty book, read again on the next connection
                 *shared.book.write().await = book;

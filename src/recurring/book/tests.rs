@@ -154,7 +154,7 @@ fn marks_and_keeps_count_only_from_the_owner_or_a_scheduler_and_for_their_revisi
 }
 
 #[test]
-fn an_owner_and_the_book_are_capped() {
+fn an_owner_and_the_admins_are_capped() {
     let t = trust();
     let mut b = Book::default();
     for i in 0..MAX_PER_OWNER {
@@ -176,6 +176,90 @@ fn an_owner_and_the_book_are_capped() {
         .unwrap();
     b.add(Some("alice"), &add("one-more", "z", 0), &t).unwrap();
     assert_eq!(b.len(), MAX_PER_OWNER + 1);
+}
+
+#[test]
+fn tenants_at_their_caps_crowd_out_no_one() {
+    // 21 tenants of 10 000 each hold more than the 200 000 all shared before: the 22nd and
+    // the admins still add
+    let t = Trust::new(
+        Some("scheduler".into()),
+        &TrustSettings {
+            admins: vec!["admin".into()],
+            max_schedules_per_user: 10_000,
+            ..Default::default()
+        },
+    );
+    let mut b = Book::default();
+    for u in 0..21 {
+        let user = format!("tenant{u}");
+        for i in 0..10_000 {
+            b.add(
+                Some(&user),
+                &add(&format!("n{i}"), &format!("{user}-{i}"), 0),
+                &t,
+            )
+            .unwrap();
+        }
+        assert!(b.admits(&user, "one-more", &t).is_err());
+    }
+    assert_eq!(b.len(), 210_000);
+    b.add(Some("latecomer"), &add("n", "late", 0), &t).unwrap();
+    b.add(Some("admin"), &add("n", "adm", 0), &t).unwrap();
+    assert_eq!(b.len(), 210_002);
+}
+
+#[test]
+fn another_tenants_churn_never_brings_a_removed_schedule_back() {
+    let t = Trust::new(
+        Some("scheduler".into()),
+        &TrustSettings {
+            max_schedules_per_user: 3,
+            ..Default::default()
+        },
+    );
+    let mut b = Book::default();
+    b.add(Some("alice"), &add("n", "ra", 0), &t).unwrap();
+    let kept = b.get("alice", "n").unwrap().keep();
+    b.set(Some("alice"), &set("n", None, Action::Remove, 1), &t)
+        .unwrap();
+    // mallory adds and removes far more than any one owner's remembered removals
+    for i in 0..100 {
+        b.add(Some("mallory"), &add("m", &format!("m{i}"), 0), &t)
+            .unwrap();
+        b.set(Some("mallory"), &set("m", None, Action::Remove, 1), &t)
+            .unwrap();
+    }
+    let e = b.keep(Some("scheduler"), &kept, &t).unwrap_err();
+    assert!(e.contains("removed or replaced"), "{e}");
+    assert!(b.get("alice", "n").is_none());
+}
+
+#[test]
+fn a_book_of_one_owner_keeps_nothing_of_anyone_else() {
+    let t = trust();
+    let mut b = Book::of_owner("alice");
+    b.add(Some("alice"), &add("a", "ra", 0), &t).unwrap();
+    b.add(Some("bob"), &add("b", "rb", 0), &t).unwrap();
+    b.set(Some("bob"), &set("b", None, Action::Pause, 1), &t)
+        .unwrap();
+    // an admin's pause of alice's counts; of bob's, not here
+    b.set(
+        Some("admin"),
+        &set("a", Some("alice"), Action::Pause, 1),
+        &t,
+    )
+    .unwrap();
+    b.marks(
+        Some("scheduler"),
+        &Marks::of("bob", &[("rb".into(), 9)], 99)[0],
+        &t,
+    )
+    .unwrap();
+    assert_eq!(b.len(), 1);
+    assert!(b.get("alice", "a").unwrap().paused);
+    assert!(b.keeps("alice") && !b.keeps("bob"));
+    assert!(Book::default().keeps("bob"));
 }
 
 #[test]
