@@ -600,7 +600,17 @@ pub(crate) async fn parked_by_delivery_limit(
 /// A `--config` file for prefix `p` with the small topology and `extra` TOML after it, at
 /// `temp_path(p, name)`.
 pub(crate) fn small_config(p: &str, name: &str, extra: &str) -> std::path::PathBuf {
-    let t = small_topology();
+    config_of(p, name, &small_topology(), extra)
+}
+
+/// A `--config` file for prefix `p` with topology `t` and `extra` TOML after it, at
+/// `temp_path(p, name)`.
+pub(crate) fn config_of(
+    p: &str,
+    name: &str,
+    t: &TopologySettings,
+    extra: &str,
+) -> std::path::PathBuf {
     let fixed: Vec<String> = t
         .fixed_levels
         .iter()

@@ -68,7 +68,11 @@ pub(crate) async fn add_as(w: &crate::trust::World, role: &str, name: &str) -> S
 /// [`world`] with alice and mallory holding the recurring set each, as permissions.sh prints
 /// it, and the world's queue declared by the admin.
 pub(crate) async fn tenants() -> crate::trust::World {
-    let w = world().await;
+    tenants_of(world().await).await
+}
+
+/// [`tenants`] in `w`.
+async fn tenants_of(w: crate::trust::World) -> crate::trust::World {
     let (alice, mallory) = (w.user("alice"), w.user("mallory"));
     let sets = documented_sets(&[
         "--prefix",
@@ -1007,4 +1011,137 @@ async fn a_tick_published_but_not_marked_before_a_kill_9_runs_once() {
     assert_eq!(journaled.get(&id), Some(&1), "{journaled:?}");
     assert!(journaled.values().all(|&n| n == 1), "{journaled:?}");
     env.cleanup().await;
+}
+
+/// A tenant's replica takes over from one that published a tick and died before marking it.
+/// The tenant holds exactly the documented `recurring` set, which cannot read the journal; with
+/// `pending.index_url` (a `pending serve` as the documented pending user) the new replica asks
+/// that index what its user journaled past the marks, and the tick runs once.
+#[tokio::test]
+async fn a_tenants_takeover_asks_the_pending_index_and_runs_a_published_tick_once() {
+    use amqp_delay::time::now_ms;
+    let mut topology = small_topology();
+    topology.max_delay = amqp_delay::time::DurationMs(10_000);
+    let w = tenants_of(crate::trust::world_of(topology).await).await;
+    // pending serve, as the pending user, on a free port
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let index = std::env::temp_dir().join(format!("{}-takeover-index.db", w.p));
+    let pending_log = std::env::temp_dir().join(format!("{}-takeover-pending.log", w.p));
+    let mut pending = std::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .arg("--config")
+        .arg(&w.cfg)
+        .args(["--url", &w.url("pending"), "pending", "serve", "--listen"])
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--index")
+        .arg(&index)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&pending_log).unwrap())
+        .spawn()
+        .expect("starting pending serve");
+    let up = tokio::time::Instant::now() + Duration::from_secs(60);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        assert!(
+            tokio::time::Instant::now() < up,
+            "pending serve did not listen:\n{}",
+            std::fs::read_to_string(&pending_log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // alice's configuration: the world's, and the index, as OPERATIONS tells
+    let cfg = temp_path(&w.p, "takeover-alice.toml");
+    let text = std::fs::read_to_string(&w.cfg).unwrap();
+    std::fs::write(
+        &cfg,
+        format!("{text}\n[pending]\nindex_url = \"http://127.0.0.1:{port}\"\n"),
+    )
+    .unwrap();
+    let (ok, err) = try_as(
+        &w,
+        "alice",
+        &["add", "every5", "--cron", "*/5 * * * * *", "--queue", &w.q],
+    )
+    .await;
+    assert!(ok, "{err}");
+    // what the dead replica did: the next tick's occurrence (3 to 8 s ahead) published as
+    // alice, journaled and confirmed, and then no mark
+    let def = amqp_delay::recurring::Definition::new("every5", "*/5 * * * * *", &w.q, "");
+    let tick = def.check().unwrap().next_after(now_ms() + 3_000).unwrap();
+    let p = amqp_delay::Publisher::connect(&w.as_role("alice"))
+        .await
+        .unwrap();
+    let delay = tick.saturating_sub(now_ms());
+    p.schedule(amqp_delay_cli::recurring::occurrence(&def, tick, delay))
+        .await
+        .unwrap();
+    p.close().await;
+    let id = amqp_delay::recurring::occurrence_id("every5", tick);
+    // the next replica, as alice
+    let log = std::env::temp_dir().join(format!("{}-takeover-serve.log", w.p));
+    let mut serve = std::process::Command::new(env!("CARGO_BIN_EXE_delay-publisher"))
+        .arg("--config")
+        .arg(&cfg)
+        .args([
+            "--url",
+            &w.url("alice"),
+            "recurring",
+            "serve",
+            "--ahead",
+            "3s",
+        ])
+        .env("RUST_LOG", "warn,amqp_delay=info,amqp_delay_cli=info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("starting recurring serve");
+    let conn = amqp_delay::ops::connection::Connector::new(&w.settings)
+        .unwrap()
+        .connect("test takeover")
+        .await
+        .unwrap();
+    let mut got = collect(&conn, &w.q, 3, Duration::from_secs(60), Duration::ZERO).await;
+    let _ = serve.kill();
+    let _ = serve.wait();
+    let _ = pending.kill();
+    let _ = pending.wait();
+    let serve_log = std::fs::read_to_string(&log).unwrap_or_default();
+    got.extend(
+        collect(
+            &conn,
+            &w.q,
+            usize::MAX,
+            Duration::from_secs(5),
+            Duration::ZERO,
+        )
+        .await,
+    );
+    amqp_delay::ops::broker::close_connection(&conn, "bye").await;
+    for f in [&log, &pending_log, &index, &cfg] {
+        let _ = std::fs::remove_file(f);
+    }
+    assert!(
+        !serve_log.contains("cannot be read back"),
+        "the takeover was not checked:\n{serve_log}"
+    );
+    let mut ran: Vec<u64> = (got.iter())
+        .map(|m| m.int_header("x-delay-recurring-tick").unwrap() as u64)
+        .collect();
+    ran.sort_unstable();
+    let mut once = ran.clone();
+    once.dedup();
+    assert_eq!(once, ran, "a tick ran twice:\n{serve_log}");
+    // a tick before the replayed one may be sent once as a catch-up (serve started within
+    // its grace); from the replayed tick on, each once and none missing
+    let from_tick: Vec<u64> = ran.iter().copied().filter(|&t| t >= tick).collect();
+    assert!(from_tick.len() >= 2, "too few ticks: {ran:?}\n{serve_log}");
+    let every: Vec<u64> = (tick..=ran[ran.len() - 1]).step_by(5_000).collect();
+    assert_eq!(
+        from_tick, every,
+        "the replayed tick {id} ran twice, or a tick is missing:\n{serve_log}"
+    );
 }

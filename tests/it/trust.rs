@@ -61,6 +61,11 @@ impl World {
 }
 
 pub(crate) async fn world() -> World {
+    world_of(small_topology()).await
+}
+
+/// [`world`] with topology `topology`.
+pub(crate) async fn world_of(topology: amqp_delay::TopologySettings) -> World {
     let node = crate::security::tls_node();
     let port = node["AMQP_PORT"].clone();
     let p = random_prefix();
@@ -95,13 +100,13 @@ pub(crate) async fn world() -> World {
     let settings = Settings {
         url: root.clone(),
         prefix: p.clone(),
-        topology: small_topology(),
+        topology: topology.clone(),
         ..Settings::default()
     };
     let pair = format!(
         "[trust]\nadmins = [\"{p}-adm\"]\n\n[[gateway.pairs]]\ningress = \"{ingress}\"\ntarget = \"{target}\"\n"
     );
-    let cfg = small_config(&p, "trust.toml", &pair);
+    let cfg = config_of(&p, "trust.toml", &topology, &pair);
     let layout = settings.layout().unwrap();
     let _cleanup = Cleanup {
         cfg: cfg.clone(),

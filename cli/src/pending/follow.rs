@@ -78,6 +78,10 @@ pub struct Lag {
     pub journal_position: Option<u64>,
     /// The journal's next offset, as last polled.
     pub journal_end: Option<u64>,
+    /// When that poll was (ms since the epoch): once `journal_position` reaches its
+    /// `journal_end`, the index holds everything journaled before then.
+    #[serde(default)]
+    pub end_polled_ms: Option<u64>,
     /// Journal records not applied yet (`None`: not known yet).
     pub behind_records: Option<u64>,
     /// For how long the follower has not been caught up (0 when it is).

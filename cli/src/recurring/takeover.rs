@@ -3,25 +3,38 @@
 //!
 //! Every occurrence is journaled before it is published (the journal's group commit is
 //! confirmed first), under the id `NAME@<tick>`, in a record whose `user_id` the broker
-//! checked. So the new replica reads the journal back from a little before the oldest moment
-//! such a publish can have happened, collects the ids of its own schedules' occurrences past
-//! their marks that its user journaled (less those a confirm names as refused), and publishes
-//! none of them again. What stays open, and is documented (OPERATIONS, recurring):
+//! checked. So the new replica collects the ids of its own schedules' occurrences past their
+//! marks that its user journaled (less those a confirm names as refused), and publishes none of
+//! them again. It asks, in this order:
+//!
+//! * the `pending serve` of `pending.index_url`, as its own user (who sees only its own
+//!   messages there: what the documented `recurring` permission set allows), once that index
+//!   holds everything journaled before the takeover ([`from_index`]); or
+//! * the journal itself, read back from a little before the oldest moment such a publish can
+//!   have happened, when its user may read `P.journal` ([`read`]).
+//!
+//! What stays open, and is documented (OPERATIONS, recurring):
 //!
 //! * an intent journaled whose publish never left the dead process (killed between the
 //!   journal's confirm and the publish): that tick is taken as published and does not run;
 //! * publishes the journal did not hold (a journal outage lets publishes go on unjournaled),
 //!   or older than the look-back: published again (a duplicate is possible);
-//! * a journal the replica cannot read: everything past the marks is published again, counted
-//!   in `amqp_delay_recurring_takeover_unchecked_total`.
+//! * with the index, a tick whose first copy already ran (no longer pending: a takeover later
+//!   than `--ahead`) is taken as not published;
+//! * neither an index nor a journal the replica can read: everything past the marks is
+//!   published again, counted in `amqp_delay_recurring_takeover_unchecked_total`.
 
 use std::collections::HashSet;
 use std::time::Duration;
 
 use amqp_delay::ops::journal::{self, Record, Start};
 use amqp_delay::recurring::{Book, occurrence_id};
+use amqp_delay::settings::Settings;
 use amqp_delay::{Error, Layout, Result};
 use lapin::Connection;
+
+use crate::pending::client::{Remote, Source, index_server};
+use crate::pending::service::Query;
 
 /// Read back at least this far: a replica standing by takes over within seconds of a death,
 /// so the dead one's last publish is this recent unless no replica was running.
@@ -30,14 +43,19 @@ const LOOK_BACK_MS: u64 = 10 * 60_000;
 const MAX_LOOK_BACK_MS: u64 = 24 * 3_600_000;
 /// How long the read waits for the next record before it gives up.
 const READ_STALL: Duration = Duration::from_secs(10);
+/// How long the index may take to hold what was journaled before the takeover.
+const INDEX_CATCH_UP: Duration = Duration::from_secs(20);
+/// Rows a page of the index's answer holds.
+const INDEX_PAGE: usize = 1_000;
 
 /// The occurrence ids of `user`'s live schedules in `book` past their marks that the journal
-/// holds as published by `user`, the journal read from the look-back on (`now`; `ahead_ms` is
-/// how far ahead the replicas publish). An empty set, counted and logged, when the journal
-/// cannot be read.
+/// holds as published by `user`: from `settings`' pending index when it names one, else from
+/// the journal read from the look-back on (`now`, after the lock was taken: the replica
+/// before can journal nothing later; `ahead_ms` is how far ahead the replicas publish). An
+/// empty set, counted and logged, when neither can be read.
 pub(super) async fn already_published(
     conn: &Connection,
-    layout: &Layout,
+    settings: &Settings,
     user: &str,
     book: &Book,
     now: u64,
@@ -59,21 +77,94 @@ pub(super) async fn already_published(
     let from = earliest.max(now.saturating_sub(MAX_LOOK_BACK_MS));
     // only ids of this user's live schedules past their marks are kept: as many as the replica
     // before can have left unmarked, whatever else the user journaled
-    match read(conn, layout, user, from, |id| past_mark(book, user, id)).await {
+    let keep = |id: &str| past_mark(book, user, id);
+    let found = match index_server(settings) {
+        Ok(Some(remote)) => {
+            let queues: HashSet<&str> = (book.iter())
+                .filter(|e| e.owner == user && !e.paused)
+                .map(|e| e.def.queue.as_str())
+                .collect();
+            from_index(remote, user, &queues, from, now, keep)
+                .await
+                .map_err(|e| format!("the pending index (pending.index_url): {e}"))
+        }
+        Ok(None) => match settings.layout() {
+            Ok(layout) => read(conn, &layout, user, from, keep)
+                .await
+                .map_err(|e| format!("the journal: {}", amqp_delay::error_chain(&e))),
+            Err(e) => Err(amqp_delay::error_chain(&e)),
+        },
+        Err(f) => Err(format!("pending.index_url: {f}")),
+    };
+    match found {
         Ok(ids) => ids,
-        Err(e) => {
+        Err(why) => {
             amqp_delay::metrics::global()
                 .recurring_takeover_unchecked
                 .inc();
             tracing::warn!(
-                "recurring serve: the journal cannot be read back ({}): occurrences past \
-                 each schedule's mark are published again, so one the replica before \
-                 published just now may run twice",
-                amqp_delay::error_chain(&e)
+                "recurring serve: what the replica before published cannot be read back \
+                 ({why}): occurrences past each schedule's mark are published again, so one \
+                 it published just now may run twice"
             );
             HashSet::new()
         }
     }
+}
+
+/// The ids `keep` takes among `user`'s messages to `queues` due from `from_ms` on that the
+/// pending index at `remote` lists, once it holds everything journaled before `since_ms`.
+async fn from_index(
+    remote: Remote,
+    user: &str,
+    queues: &HashSet<&str>,
+    from_ms: u64,
+    since_ms: u64,
+    keep: impl Fn(&str) -> bool,
+) -> std::result::Result<HashSet<String>, String> {
+    let source = Source::Remote(remote);
+    // the first end polled after the takeover began, then the index applied up to it
+    let deadline = tokio::time::Instant::now() + INDEX_CATCH_UP;
+    let mut end = None;
+    loop {
+        let lag = source.status().await.map_err(|f| f.to_string())?.lag;
+        if end.is_none() && lag.end_polled_ms.is_some_and(|t| t >= since_ms) {
+            end = lag.journal_end;
+        }
+        if let Some(end) = end
+            && lag.journal_position.is_some_and(|p| p >= end)
+        {
+            break;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(format!(
+                "it did not catch up with the journal within {INDEX_CATCH_UP:?} ({})",
+                lag.describe()
+                    .unwrap_or_else(|| "not polled since the takeover".into())
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut ids = HashSet::new();
+    for queue in queues {
+        let mut q = Query {
+            queue: Some(queue.to_string()),
+            due_after_ms: Some(from_ms.saturating_sub(1)),
+            limit: Some(INDEX_PAGE),
+            ..Query::default()
+        };
+        loop {
+            let page = source.list(&q).await.map_err(|f| f.to_string())?;
+            let mine = (page.rows.into_iter())
+                .filter(|r| r.owner == user && r.state != "refused" && keep(&r.id));
+            ids.extend(mine.map(|r| r.id));
+            match page.next {
+                Some(next) => q.after = Some(next),
+                None => break,
+            }
+        }
+    }
+    Ok(ids)
 }
 
 /// Whether `id` (`NAME@<tick>`) names a tick of `user`'s live schedule past its mark.

@@ -183,8 +183,13 @@ async fn poll_end(
     every: Duration,
 ) -> Result<()> {
     loop {
+        // taken before the end is asked: whatever was journaled before then lies before it
+        let polled = now_ms();
         let end = journal::end_offset(conn, layout).await?.unwrap_or(0);
-        status.update(|i| i.lag.journal_end = Some(end));
+        status.update(|i| {
+            i.lag.journal_end = Some(end);
+            i.lag.end_polled_ms = Some(polled);
+        });
         let lag = status.lag();
         if lag.rebuilding && lag.journal_position.unwrap_or(0) >= end {
             let started = std::time::Instant::now();
