@@ -114,13 +114,15 @@ impl Counters {
     /// [`Counters::count`], with the queue's metrics looked up already.
     pub(crate) fn count_in(&self, event: Event<'_>, queue: &str, qm: &QueueMetrics) {
         match event {
-            Event::Delivered => qm.delivered.inc(),
+            Event::Delivered => {
+                qm.delivered.inc();
+            }
             Event::Succeeded => {
                 qm.executed.inc();
-                self.succeeded.fetch_add(1, Ordering::Relaxed)
+                self.succeeded.fetch_add(1, Ordering::Relaxed);
             }
-            other => return self.count(other, queue),
-        };
+            other => self.count(other, queue),
+        }
     }
 
     /// `(succeeded, retried, parked, cancelled)` so far, for a log line.
