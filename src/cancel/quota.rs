@@ -105,6 +105,11 @@ impl<R: Rule> Pool<R> {
         self.rules.len()
     }
 
+    /// Whether it holds no rule.
+    pub(super) fn is_empty(&self) -> bool {
+        self.rules.is_empty()
+    }
+
     pub(super) fn get(&self, key: &R::Key) -> Option<&R> {
         self.rules.get(key).map(|(_, r)| r)
     }

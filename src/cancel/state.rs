@@ -54,6 +54,53 @@ impl Key {
     }
 }
 
+/// A tombstone's name borrowed (`(by, id)`), to look a message up without building a [`Key`]:
+/// a worker asks for every message it runs.
+trait KeyView {
+    fn by(&self) -> &str;
+    fn id(&self) -> &str;
+}
+
+impl KeyView for Key {
+    fn by(&self) -> &str {
+        &self.by
+    }
+    fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+impl KeyView for (&str, &str) {
+    fn by(&self) -> &str {
+        self.0
+    }
+    fn id(&self) -> &str {
+        self.1
+    }
+}
+
+impl<'a> std::borrow::Borrow<dyn KeyView + 'a> for Key {
+    fn borrow(&self) -> &(dyn KeyView + 'a) {
+        self
+    }
+}
+
+// as `Key`'s derived `Hash` and `Eq` (its fields in order; a `str` hashes as a `String`)
+impl std::hash::Hash for dyn KeyView + '_ {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.by().hash(h);
+        self.id().hash(h);
+    }
+}
+
+impl PartialEq for dyn KeyView + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        self.by() == other.by() && self.id() == other.id()
+    }
+}
+
+impl Eq for dyn KeyView + '_ {}
+
 /// Tombstones as a follower hands them to its checkpoint: `(key, until_ms)`.
 pub(super) type Items = Vec<(Key, u64)>;
 
@@ -283,10 +330,10 @@ impl State {
         owner
             .into_iter()
             .chain(self.trust.admins())
-            .any(|by| self.holds(&Key::new(by, id), now))
+            .any(|by| self.holds(&(by, id), now))
     }
 
-    fn holds(&self, key: &Key, now: u64) -> bool {
+    fn holds(&self, key: &dyn KeyView, now: u64) -> bool {
         // a tombstone past its `until` counts as expired even before `prune` moves it
         self.tombstones
             .get(key)

@@ -273,6 +273,10 @@ impl Rules {
         let (0, Some(due)) = (s.attempt, s.due_at_ms) else {
             return Steer::Run;
         };
+        // no reschedule held: nothing to look up (a worker asks for every message it runs)
+        if self.moves.is_empty() {
+            return Steer::Run;
+        }
         let owned = s.owner.map(|o| (Some(o.to_string()), s.id.to_string()));
         let m = owned
             .and_then(|k| self.moves.get(&k))

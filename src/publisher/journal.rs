@@ -38,6 +38,12 @@ const OUTAGE_PAUSE: Duration = Duration::from_secs(5);
 /// Runs kept waiting for their record, at most: past it the oldest are dropped (counted as
 /// skipped): the journal must never hold up or grow a worker.
 const MAX_RUNS_WAITING: usize = 100_000;
+/// How long before held messages are due a worker's runs are not written ([`JournalWriter::busy_at`]).
+const BUSY_BEFORE_MS: u64 = 30;
+/// How long after held messages are due a worker's runs are not written.
+const BUSY_AFTER_MS: u64 = 50;
+/// Windows of [`JournalWriter::busy_at`] kept, at most (one for each due time to come).
+const MAX_BUSY: usize = 64;
 /// Items waiting that are written at once, whatever their instants: four full records.
 const ROUND_ITEMS: usize = journal::MAX_ITEMS * 4;
 
@@ -101,6 +107,10 @@ struct Shared {
     runs: VecDeque<Run>,
     /// Until when intents are not tried (the journal could not be written).
     down_until: Option<Instant>,
+    /// A worker releases held messages in this window (ms since the epoch, the wall clock):
+    /// runs are not written then, so that their record does not take the CPU from the
+    /// messages due.
+    busy: Vec<(u64, u64)>,
 }
 
 impl Shared {
@@ -313,6 +323,24 @@ impl JournalWriter {
         }
     }
 
+    /// A worker releases held messages due at `due_ms`: no runs are written from a little
+    /// before it to a little after.
+    pub(super) fn busy_at(&self, due_ms: u64) {
+        let (from, until) = (
+            due_ms.saturating_sub(BUSY_BEFORE_MS),
+            due_ms + BUSY_AFTER_MS,
+        );
+        let now = now_ms();
+        let mut s = lock(&self.shared);
+        s.busy.retain(|&(_, u)| u >= now);
+        let room = s.busy.len() < MAX_BUSY;
+        match s.busy.iter_mut().find(|(f, u)| from <= *u && *f <= until) {
+            Some(w) => *w = (w.0.min(from), w.1.max(until)),
+            None if room => s.busy.push((from, until)),
+            None => {}
+        }
+    }
+
     /// A worker's run, written with the next batch.
     pub(super) fn ran(&self, run: Run) {
         let mut s = lock(&self.shared);
@@ -380,7 +408,16 @@ async fn run(inner: Weak<Inner>, shared: Arc<Mutex<Shared>>, wake: Arc<Notify>) 
             if last_intent.elapsed() >= CONFIRM_IDLE {
                 write_confirmed(&inner, &session, &shared).await;
             }
-            if write_runs(&inner, &shared, last_runs.elapsed() >= RUN_PERIOD).await {
+            // not while a worker releases held messages (unless runs pile up): the next tick
+            let busy = {
+                let s = lock(&shared);
+                let now = now_ms();
+                s.busy
+                    .iter()
+                    .any(|&(from, until)| (from..=until).contains(&now))
+                    && s.runs.len() < MAX_RUNS_WAITING / 2
+            };
+            if !busy && write_runs(&inner, &shared, last_runs.elapsed() >= RUN_PERIOD).await {
                 last_runs = Instant::now();
             }
         }
@@ -498,15 +535,18 @@ async fn write_runs(inner: &Weak<Inner>, shared: &Mutex<Shared>, all: bool) -> b
         };
         s.runs.drain(..n).collect()
     };
-    for chunk in runs.chunks(journal::MAX_ITEMS) {
+    let mut runs = runs;
+    while !runs.is_empty() {
+        let rest = runs.split_off(runs.len().min(journal::MAX_ITEMS));
+        let n = runs.len();
         let record = Record::Ran {
-            items: chunk.to_vec(),
+            items: std::mem::replace(&mut runs, rest),
         };
         if let Err(e) = append(inner, &record).await {
             // runs are what `pending` shows as history: dropping some is better than a
             // worker that grows
             tracing::warn!(
-                runs = chunk.len(),
+                runs = n,
                 "could not write runs to the journal: {}",
                 crate::error::chain(&e)
             );

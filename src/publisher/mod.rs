@@ -155,6 +155,13 @@ impl Publisher {
         }
     }
 
+    /// A worker releases held messages due at `due_ms`: the journal writes no runs around then.
+    pub(crate) fn journal_busy_at(&self, due_ms: u64) {
+        if let Some(j) = &self.inner.journal {
+            j.busy_at(due_ms);
+        }
+    }
+
     /// Appends `record` to the control stream on this publisher's confirm channel (re-opened
     /// after a loss, unlike a stream log's own); a missing stream is the stream log's error.
     pub(crate) async fn append_control(&self, record: &Record) -> Result<()> {

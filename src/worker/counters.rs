@@ -3,7 +3,32 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::Histogram;
+
 use crate::metrics::{Metrics, global};
+
+/// One queue's metrics a message touches on its way, looked up once per delivery rather than
+/// once per batch member (each lookup builds a label and takes the family's lock).
+pub(crate) struct QueueMetrics {
+    pub(crate) delivered: Counter,
+    pub(crate) executed: Counter,
+    pub(crate) lateness: Histogram,
+    pub(crate) handler_duration: Histogram,
+}
+
+impl QueueMetrics {
+    pub(crate) fn of(queue: &str) -> QueueMetrics {
+        let m = global();
+        let label = Metrics::queue(queue);
+        QueueMetrics {
+            delivered: m.delivered.get_or_create(&label).clone(),
+            executed: m.executed.get_or_create(&label).clone(),
+            lateness: m.lateness.get_or_create(&label).clone(),
+            handler_duration: m.handler_duration.get_or_create(&label).clone(),
+        }
+    }
+}
 
 /// Counters of what a worker did, readable while it runs. Batches count once per member.
 #[derive(Debug, Default)]
@@ -84,6 +109,20 @@ impl Counters {
             Event::Stalled => &self.stalled,
         };
         mine.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// [`Counters::count`], with the queue's metrics looked up already.
+    pub(crate) fn count_in(&self, event: Event<'_>, queue: &str, qm: &QueueMetrics) {
+        match event {
+            Event::Delivered => {
+                qm.delivered.inc();
+            }
+            Event::Succeeded => {
+                qm.executed.inc();
+                self.succeeded.fetch_add(1, Ordering::Relaxed);
+            }
+            other => self.count(other, queue),
+        }
     }
 
     /// `(succeeded, retried, parked, cancelled)` so far, for a log line.

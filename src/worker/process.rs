@@ -2,17 +2,18 @@
 //! Never panics on bad input; what it cannot resolve (the broker refuses the retry or the
 //! parked copy) goes back to the queue, so nothing is lost.
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use rand::Rng;
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 
 use super::acks::Settle;
-use super::hold::{Hold, hold_until};
+use super::counters::QueueMetrics;
+use super::hold::{Hold, hold_sleep, hold_until};
 use super::trusted::{believed_headers, member_properties, owner_of, strip_our_headers};
 use super::{Context, Counters, Event, Handler, Outcome};
 use crate::batch;
@@ -23,7 +24,6 @@ use crate::headers;
 use crate::journal::{Run, RunOutcome};
 use crate::layout::Layout;
 use crate::message::Message;
-use crate::metrics::Metrics;
 use crate::publisher::Publisher;
 use crate::settings::ConsumerSettings;
 use crate::time::now_ms;
@@ -117,7 +117,8 @@ pub(super) async fn delivery<H: Handler>(
     );
     decoded.0.owner = owner;
     let id = decoded.0.message_id.clone();
-    match one(decoded, handler, ctx, true).await {
+    let qm = QueueMetrics::of(queue);
+    match one(decoded, handler, ctx, &qm, true).await {
         Ok((_, Done::NotStarted)) => {
             let _ = acker.give_back().await;
         }
@@ -196,36 +197,32 @@ async fn batch_delivery<H: Handler>(
         .unwrap_or_default();
     let (key, exchange) = (raw.routing_key.as_str(), raw.exchange.as_str());
     tracing::debug!(queue, batch = %batch_id, redelivered, members = announced, "batch received");
-    let batch_props = &raw.properties;
-    // members are decoded as they are started, a window of them at a time (as many as the
-    // handlers that may run at once): a batch in hand costs its body and the window, whatever
-    // its size. They come in due-time order, so the window holds the next ones due.
-    let window = if handler.io_bound() {
+    let batch = Batch {
+        queue,
+        props: &raw.properties,
+        key,
+        exchange,
+        redelivered,
+        metrics: QueueMetrics::of(queue),
+    };
+    // as many members run at once as the handlers that may run at once, each in one of that
+    // many lanes (not a task or a future per member)
+    let lanes = if handler.io_bound() {
         ctx.settings.io_concurrency
     } else {
         ctx.settings.concurrency
+    }
+    .clamp(1, announced.max(1) as usize);
+    let hand = Hand {
+        ready: Mutex::new(VecDeque::new()),
+        more: Notify::new(),
+        finished: AtomicBool::new(false),
     };
-    let runs = futures::stream::iter(members).map(|m| async move {
-        // the whole batch was parsed before the first member was given out
-        let m = m.map_err(|reason| Error::Invalid(format!("invalid batch: {reason}")))?;
-        let owner = owner_of(&m.properties, Some(batch_props), &ctx.trust);
-        let props = member_properties(m.properties, batch_props, &ctx.trust, queue);
-        let mut decoded = envelope::decode(queue, m.body, props, key, exchange, redelivered);
-        decoded.0.owner = owner;
-        // a batch that started runs to the end (within the shutdown grace): its members are
-        // never skipped
-        match one(decoded, handler, ctx, false).await {
-            // a member cannot go back to the queue alone: re-schedule it, attempt kept
-            Ok((d, Done::PutBack(reason))) => reschedule(&d, &reason, ctx, d.attempt, 1_000).await,
-            Ok(_) => Ok(()),
-            Err(e) => Err(e),
-        }
-    });
-    // every member runs to its end, whatever another's result: the first error decides
-    let first_error = runs
-        .buffer_unordered(window.max(1))
-        .fold(None, |first, r| std::future::ready(first.or(r.err())))
-        .await;
+    let driving = drive(members, &batch, &hand, lanes, handler, ctx);
+    let running = futures::future::join_all((0..lanes).map(|_| lane(&hand, &batch, handler, ctx)));
+    let (driven, ran) = tokio::join!(driving, running);
+    // every member ran to its end, whatever another's result: the first error decides
+    let first_error = driven.or(ran.into_iter().flatten().next());
     settle(
         acker,
         queue,
@@ -234,6 +231,233 @@ async fn batch_delivery<H: Handler>(
         requeue,
     )
     .await;
+}
+
+/// How long before its due time a held batch member is decoded and its cancel sync done (one
+/// sync for the members due together): at its due time only the cancel check and its handler
+/// are left. A batch thus holds decoded only its members due within this time; the rest stay
+/// in its body.
+const PREP_LEAD_MS: u64 = 100;
+
+/// What every member of a batch shares.
+struct Batch<'a> {
+    queue: &'a str,
+    props: &'a lapin::BasicProperties,
+    key: &'a str,
+    exchange: &'a str,
+    redelivered: bool,
+    metrics: QueueMetrics,
+}
+
+impl Batch<'_> {
+    /// A member as if it had been delivered alone (its owner the batch writer's, see
+    /// [`member_properties`]).
+    fn decode(&self, m: batch::Member, ctx: &TaskCtx) -> (Delivery, Option<String>) {
+        let owner = owner_of(&m.properties, Some(self.props), &ctx.trust);
+        let props = member_properties(m.properties, self.props, &ctx.trust, self.queue);
+        let mut decoded = envelope::decode(
+            self.queue,
+            m.body,
+            props,
+            self.key,
+            self.exchange,
+            self.redelivered,
+        );
+        decoded.0.owner = owner;
+        decoded
+    }
+}
+
+/// A member's turn in a lane.
+enum Turn {
+    /// Decoded, its cancel sync done, due: it runs at once.
+    Due(Delivery),
+    /// Anything else (an invalid envelope, no due time, due too far off to hold, a sync that
+    /// failed): it goes the whole way of a message alone ([`one`]).
+    Whole((Delivery, Option<String>)),
+}
+
+/// The members of one batch whose turn has come, for its lanes.
+struct Hand {
+    ready: Mutex<VecDeque<Turn>>,
+    more: Notify,
+    /// Every member was handed out.
+    finished: AtomicBool,
+}
+
+impl Hand {
+    fn push(&self, turns: impl IntoIterator<Item = Turn>, lanes: usize) {
+        let n = {
+            let mut r = self.ready.lock().unwrap_or_else(|p| p.into_inner());
+            let before = r.len();
+            r.extend(turns);
+            r.len() - before
+        };
+        if n >= lanes {
+            self.more.notify_waiters();
+        } else {
+            (0..n).for_each(|_| self.more.notify_one());
+        }
+    }
+
+    fn pop(&self) -> Option<Turn> {
+        self.ready
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop_front()
+    }
+
+    /// The next member's turn; `None` once all were handed out.
+    async fn next(&self) -> Option<Turn> {
+        loop {
+            let notified = self.more.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(t) = self.pop() {
+                return Some(t);
+            }
+            if self.finished.load(Ordering::Acquire) {
+                return self.pop();
+            }
+            notified.await;
+        }
+    }
+}
+
+/// Decodes the members of a batch as they come within [`PREP_LEAD_MS`] of their due time
+/// (they come in due-time order), syncs with the cancels for them, and hands each to the lanes
+/// at its due time, never before it (the wall clock is read again after every wake-up). The
+/// first error it met (a member unreadable after all).
+async fn drive<H: Handler>(
+    mut members: impl Iterator<Item = std::result::Result<batch::Member, String>>,
+    b: &Batch<'_>,
+    hand: &Hand,
+    lanes: usize,
+    handler: &H,
+    ctx: &TaskCtx,
+) -> Option<Error> {
+    let held = &crate::metrics::global().held;
+    let max_hold = ctx.settings.max_hold.as_millis();
+    let mut first_error = None;
+    // the next member, decoded, not yet within the lead
+    let mut next: Option<(Delivery, Option<String>)> = None;
+    let mut exhausted = false;
+    // decoded, synced, waiting for their due time (in due order)
+    let mut staged: VecDeque<Delivery> = VecDeque::new();
+    // the latest due time synced for, and told the journal of
+    let (mut synced, mut busy): (Option<u64>, Option<u64>) = (None, None);
+    loop {
+        let now = now_ms();
+        while !exhausted {
+            if next.is_none() {
+                match members.next() {
+                    None => {
+                        exhausted = true;
+                        break;
+                    }
+                    Some(Err(reason)) => {
+                        // the whole batch was parsed before the first member was given out
+                        first_error
+                            .get_or_insert(Error::Invalid(format!("invalid batch: {reason}")));
+                        continue;
+                    }
+                    Some(Ok(m)) => next = Some(b.decode(m, ctx)),
+                }
+            }
+            let (d, invalid) = next.as_mut().expect("decoded");
+            if d.due_at_ms.is_none() {
+                d.due_at_ms = handler.due_at(d);
+            }
+            let due = match (invalid.is_none(), d.due_at_ms) {
+                (true, Some(due)) if due.saturating_sub(now) <= max_hold => due,
+                _ => {
+                    let whole = next.take().expect("decoded");
+                    hand.push([Turn::Whole(whole)], lanes);
+                    continue;
+                }
+            };
+            if due > now + PREP_LEAD_MS {
+                break;
+            }
+            // every cancel confirmed `cancel.notice` before its due time is read before it
+            // runs: the sync starts now, at most the lead before it
+            if synced.is_none_or(|s| s < due) {
+                match ctx.cancels.sync_for(Some(due)).await {
+                    Ok(appended) => {
+                        if appended {
+                            ctx.counters.count(Event::CancelSync, b.queue);
+                        }
+                        synced = Some(due);
+                    }
+                    Err(_) => {
+                        // it goes the whole way, which syncs again (or fails) on its own
+                        let whole = next.take().expect("decoded");
+                        hand.push([Turn::Whole(whole)], lanes);
+                        continue;
+                    }
+                }
+            }
+            if busy != Some(due) {
+                ctx.publisher.journal_busy_at(due);
+                busy = Some(due);
+            }
+            let (d, _) = next.take().expect("decoded");
+            staged.push_back(d);
+            held.inc();
+        }
+        // hand out what is due
+        let now = now_ms();
+        let due = staged
+            .iter()
+            .take_while(|d| d.due_at_ms.is_some_and(|due| due <= now))
+            .count();
+        if due > 0 {
+            held.dec_by(due as i64);
+            hand.push(staged.drain(..due).map(Turn::Due), lanes);
+        }
+        if exhausted && next.is_none() && staged.is_empty() {
+            break;
+        }
+        // sleep until the first staged member is due, or the next one is within the lead
+        let staged_due = staged.front().and_then(|d| d.due_at_ms);
+        let next_prep = next
+            .as_ref()
+            .and_then(|(d, _)| d.due_at_ms)
+            .map(|due| due.saturating_sub(PREP_LEAD_MS));
+        let target = match (staged_due, next_prep) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b).unwrap_or(now),
+        };
+        if let Some(step) = hold_sleep(now_ms(), target, false) {
+            tokio::time::sleep(Duration::from_millis(step)).await;
+        }
+    }
+    hand.finished.store(true, Ordering::Release);
+    hand.more.notify_waiters();
+    first_error
+}
+
+/// Runs the members handed out, one at a time, until all were; the first error it met.
+async fn lane<H: Handler>(hand: &Hand, b: &Batch<'_>, handler: &H, ctx: &TaskCtx) -> Option<Error> {
+    let mut first_error = None;
+    while let Some(turn) = hand.next().await {
+        let r = match turn {
+            Turn::Due(d) => run_due(d, handler, ctx, &b.metrics, false, true).await,
+            // a batch that started runs to the end (within the shutdown grace): its members
+            // are never skipped
+            Turn::Whole(decoded) => one(decoded, handler, ctx, &b.metrics, false).await,
+        };
+        let r = match r {
+            // a member cannot go back to the queue alone: re-schedule it, attempt kept
+            Ok((d, Done::PutBack(reason))) => reschedule(&d, &reason, ctx, d.attempt, 1_000).await,
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        };
+        if let (None, Err(e)) = (&first_error, r) {
+            first_error = Some(e);
+        }
+    }
+    first_error
 }
 
 /// What `settle` needs to return a message it could not settle.
@@ -291,6 +515,7 @@ async fn one<H: Handler>(
     decoded: (Delivery, Option<String>),
     handler: &H,
     ctx: &TaskCtx,
+    qm: &QueueMetrics,
     may_skip: bool,
 ) -> Result<(Delivery, Done)> {
     let (mut d, invalid) = decoded;
@@ -311,6 +536,19 @@ async fn one<H: Handler>(
     {
         return Ok((d, done));
     }
+    run_due(d, handler, ctx, qm, may_skip, false).await
+}
+
+/// Runs `d`, due now: its cancel sync unless `synced` (one started no earlier than its due
+/// time less `cancel.notice`), the cancel check, the handler, its outcome.
+async fn run_due<H: Handler>(
+    d: Delivery,
+    handler: &H,
+    ctx: &TaskCtx,
+    qm: &QueueMetrics,
+    may_skip: bool,
+    synced: bool,
+) -> Result<(Delivery, Done)> {
     let permits = if handler.io_bound() {
         &ctx.io
     } else {
@@ -326,18 +564,18 @@ async fn one<H: Handler>(
     }
     // every cancel confirmed `cancel.notice` before the due time has been read before anything
     // runs; if the stream cannot be read, the message waits (it goes back to the queue)
-    ctx.counters.count(Event::Delivered, &d.queue);
-    if ctx.cancels.sync_for(d.due_at_ms).await? {
+    ctx.counters.count_in(Event::Delivered, &d.queue, qm);
+    if !synced && ctx.cancels.sync_for(d.due_at_ms).await? {
         ctx.counters.count(Event::CancelSync, &d.queue);
     }
     if let Some(done) = steered(&d, ctx).await? {
         return Ok((d, done));
     }
-    let Some(outcome) = run_handler(&d, handler, ctx).await else {
+    let Some(outcome) = run_handler(&d, handler, ctx, qm).await else {
         cancelled(&d, ctx, "acked while held by \"not now\", not run again");
         return Ok((d, Done::Cancelled));
     };
-    let done = carry_out(&d, outcome, ctx).await?;
+    let done = carry_out(&d, outcome, ctx, qm).await?;
     Ok((d, done))
 }
 
@@ -446,9 +684,13 @@ async fn hold_until_due(
 /// Runs the handler (within `consumer.handler_timeout`), again with a growing pause while it
 /// says "not now", for up to `consumer.requeue_hold`; `None` when the message was cancelled
 /// meanwhile. Observes lateness, time in the handler and the handlers in flight.
-async fn run_handler<H: Handler>(d: &Delivery, handler: &H, ctx: &TaskCtx) -> Option<Outcome> {
+async fn run_handler<H: Handler>(
+    d: &Delivery,
+    handler: &H,
+    ctx: &TaskCtx,
+    qm: &QueueMetrics,
+) -> Option<Outcome> {
     let metrics = crate::metrics::global();
-    let label = Metrics::queue(&d.queue);
     // DESIGN rule 10: both stay below the broker's consumer_timeout (checked in settings)
     let timeout = ctx.settings.handler_timeout.as_duration();
     let hold = ctx.settings.requeue_hold.as_duration();
@@ -461,10 +703,7 @@ async fn run_handler<H: Handler>(d: &Delivery, handler: &H, ctx: &TaskCtx) -> Op
     let mut pause = Duration::from_millis(250);
     if let Some(due) = d.due_at_ms {
         let late = now_ms().saturating_sub(due);
-        metrics
-            .lateness
-            .get_or_create(&label)
-            .observe(late as f64 / 1000.0);
+        qm.lateness.observe(late as f64 / 1000.0);
     }
     metrics.in_flight.inc();
     let outcome = loop {
@@ -488,20 +727,22 @@ async fn run_handler<H: Handler>(d: &Delivery, handler: &H, ctx: &TaskCtx) -> Op
         }
     };
     metrics.in_flight.dec();
-    metrics
-        .handler_duration
-        .get_or_create(&label)
-        .observe(held.elapsed().as_secs_f64());
+    qm.handler_duration.observe(held.elapsed().as_secs_f64());
     outcome
 }
 
 /// Does what the handler decided: acks (by returning), re-schedules with backoff, parks, or
 /// puts back. `Err` when a re-schedule or park could not be published.
-async fn carry_out(d: &Delivery, outcome: Outcome, ctx: &TaskCtx) -> Result<Done> {
+async fn carry_out(
+    d: &Delivery,
+    outcome: Outcome,
+    ctx: &TaskCtx,
+    qm: &QueueMetrics,
+) -> Result<Done> {
     Ok(match outcome {
         Outcome::Success => {
             ctx.cancels.executed(&d.message_id, &d.queue);
-            ctx.counters.count(Event::Succeeded, &d.queue);
+            ctx.counters.count_in(Event::Succeeded, &d.queue, qm);
             ran(ctx, d, RunOutcome::Done);
             Done::Succeeded
         }

@@ -31,17 +31,19 @@ pub(super) fn member_properties(
     trust: &Trust,
     queue: &str,
 ) -> lapin::BasicProperties {
-    let omit = envelope::Omit {
-        user_id: true,
-        ..envelope::Omit::default()
-    };
     let writer = batch.user_id().as_ref().map(|u| u.as_str());
-    let p = believed_headers(
-        envelope::copy_properties(&member, omit),
-        writer,
-        trust,
-        queue,
-    );
+    // the member's own `user_id` is dropped (a copy without it: lapin cannot unset one)
+    let member = match member.user_id() {
+        Some(_) => {
+            let omit = envelope::Omit {
+                user_id: true,
+                ..envelope::Omit::default()
+            };
+            envelope::copy_properties(&member, omit)
+        }
+        None => member,
+    };
+    let p = believed_headers(member, writer, trust, queue);
     match batch.user_id() {
         Some(u) => p.with_user_id(u.clone()),
         None => p,
