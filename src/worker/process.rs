@@ -234,10 +234,17 @@ async fn batch_delivery<H: Handler>(
 }
 
 /// How long before its due time a held batch member is decoded and its cancel sync done (one
-/// sync for the members due together): at its due time only the cancel check and its handler
-/// are left. A batch thus holds decoded only its members due within this time; the rest stay
+/// sync for the members due together), at most: at its due time only the cancel check and its
+/// handler are left. Never more than half a `cancel.notice` ([`prep_lead_ms`]). A batch thus holds decoded only its members due within this time; the rest stay
 /// in its body.
 const PREP_LEAD_MS: u64 = 100;
+
+/// How long before its due time a batch member is prepared with a cancel notice of
+/// `notice_ms`: a sync that starts then is still within the notice, so a cancel confirmed
+/// `notice_ms` before the due time is read before the member runs.
+fn prep_lead_ms(notice_ms: u64) -> u64 {
+    PREP_LEAD_MS.min(notice_ms / 2)
+}
 
 /// What every member of a batch shares.
 struct Batch<'a> {
@@ -324,7 +331,7 @@ impl Hand {
     }
 }
 
-/// Decodes the members of a batch as they come within [`PREP_LEAD_MS`] of their due time
+/// Decodes the members of a batch as they come within [`prep_lead_ms`] of their due time
 /// (they come in due-time order), syncs with the cancels for them, and hands each to the lanes
 /// at its due time, never before it (the wall clock is read again after every wake-up). The
 /// first error it met (a member unreadable after all).
@@ -338,6 +345,7 @@ async fn drive<H: Handler>(
 ) -> Option<Error> {
     let held = &crate::metrics::global().held;
     let max_hold = ctx.settings.max_hold.as_millis();
+    let lead = prep_lead_ms(ctx.cancels.notice_ms());
     let mut first_error = None;
     // the next member, decoded, not yet within the lead
     let mut next: Option<(Delivery, Option<String>)> = None;
@@ -376,11 +384,11 @@ async fn drive<H: Handler>(
                     continue;
                 }
             };
-            if due > now + PREP_LEAD_MS {
+            if due > now + lead {
                 break;
             }
             // every cancel confirmed `cancel.notice` before its due time is read before it
-            // runs: the sync starts now, at most the lead before it
+            // runs: the sync starts now, at most the lead (half a notice) before it
             if synced.is_none_or(|s| s < due) {
                 match ctx.cancels.sync_for(Some(due)).await {
                     Ok(appended) => {
@@ -423,7 +431,7 @@ async fn drive<H: Handler>(
         let next_prep = next
             .as_ref()
             .and_then(|(d, _)| d.due_at_ms)
-            .map(|due| due.saturating_sub(PREP_LEAD_MS));
+            .map(|due| due.saturating_sub(lead));
         let target = match (staged_due, next_prep) {
             (Some(a), Some(b)) => a.min(b),
             (a, b) => a.or(b).unwrap_or(now),

@@ -1,4 +1,4 @@
-use super::believed_headers;
+use super::{believed_headers, prep_lead_ms};
 use crate::settings::TrustSettings;
 use crate::trust::Trust;
 use crate::worker::hold::hold_sleep;
@@ -109,4 +109,13 @@ fn an_exact_timer_ends_the_hold_on_its_target() {
             "wait {wait}, may_skip {may_skip}"
         );
     }
+}
+
+#[test]
+fn a_batch_member_is_prepared_within_half_a_notice_of_its_due_time() {
+    // the default notice (1 s): 100 ms ahead
+    assert_eq!(prep_lead_ms(1_000), 100);
+    // a short notice: its half, so the sync still starts within the notice
+    assert_eq!(prep_lead_ms(50), 25);
+    assert_eq!(prep_lead_ms(1), 0);
 }
