@@ -19,13 +19,15 @@ use std::time::{Duration, Instant};
 use amqp_delay::ops::connection::Connector;
 use amqp_delay::ops::control::{self, Record, Start};
 use amqp_delay::ops::trust::Trust;
-use amqp_delay::recurring::{self, Book, Definition, Entry, Marks, Ticks, Window};
+use amqp_delay::recurring::{self, Book, Entry, Marks, Ticks, Window};
 use amqp_delay::settings::Settings;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Error, Message, Publisher, Result};
 use lapin::Connection;
 use lapin::options::QueueDeclareOptions;
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::FieldTable;
+
+pub use crate::schedules::occurrence;
 
 mod takeover;
 
@@ -360,16 +362,4 @@ async fn publish(
             out
         })
         .collect()
-}
-
-/// The occurrence of `def` at `tick_ms`, due after `delay_ms`: its queue, body and headers,
-/// named by its tick.
-pub fn occurrence(def: &Definition, tick_ms: u64, delay_ms: u64) -> Message {
-    let mut headers = FieldTable::default();
-    for (k, v) in &def.headers {
-        headers.insert(k.as_str().into(), AMQPValue::LongString(v.as_str().into()));
-    }
-    Message::new(def.queue.as_str(), delay_ms, def.body.as_bytes().to_vec())
-        .with_headers(headers)
-        .occurrence(&def.name, tick_ms)
 }

@@ -19,10 +19,9 @@ use amqp_delay::ops::trust::Trust;
 use amqp_delay::recurring::{Action, Add, Book, Definition, Entry, Set, Ticks, rfc3339};
 use amqp_delay::settings::Settings;
 use amqp_delay::time::now_ms;
-use amqp_delay::{Error, Publisher, Result};
+use amqp_delay::{Error, Message, Publisher, Result};
+use lapin::types::{AMQPValue, FieldTable};
 use serde::{Deserialize, Serialize};
-
-use crate::recurring::occurrence;
 
 pub mod live;
 
@@ -468,4 +467,16 @@ impl ScheduleOut {
                 .collect(),
         }
     }
+}
+
+/// The occurrence of `def` at `tick_ms`, due after `delay_ms`: its queue, body and headers,
+/// named by its tick.
+pub fn occurrence(def: &Definition, tick_ms: u64, delay_ms: u64) -> Message {
+    let mut headers = FieldTable::default();
+    for (k, v) in &def.headers {
+        headers.insert(k.as_str().into(), AMQPValue::LongString(v.as_str().into()));
+    }
+    Message::new(def.queue.as_str(), delay_ms, def.body.as_bytes().to_vec())
+        .with_headers(headers)
+        .occurrence(&def.name, tick_ms)
 }

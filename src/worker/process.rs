@@ -390,6 +390,8 @@ async fn drive<H: Handler>(
             // every cancel confirmed `cancel.notice` before its due time is read before it
             // runs: the sync starts now, at most the lead (half a notice) before it
             if synced.is_none_or(|s| s < due) {
+                // what is due already does not wait for a barrier's round trip
+                release_due(&mut staged, hand, lanes, held);
                 match ctx.cancels.sync_for(Some(due)).await {
                     Ok(appended) => {
                         if appended {
@@ -413,16 +415,7 @@ async fn drive<H: Handler>(
             staged.push_back(d);
             held.inc();
         }
-        // hand out what is due
-        let now = now_ms();
-        let due = staged
-            .iter()
-            .take_while(|d| d.due_at_ms.is_some_and(|due| due <= now))
-            .count();
-        if due > 0 {
-            held.dec_by(due as i64);
-            hand.push(staged.drain(..due).map(Turn::Due), lanes);
-        }
+        release_due(&mut staged, hand, lanes, held);
         if exhausted && next.is_none() && staged.is_empty() {
             break;
         }
@@ -443,6 +436,24 @@ async fn drive<H: Handler>(
     hand.finished.store(true, Ordering::Release);
     hand.more.notify_waiters();
     first_error
+}
+
+/// Hands the lanes every staged member due by now (the wall clock read now).
+fn release_due(
+    staged: &mut VecDeque<Delivery>,
+    hand: &Hand,
+    lanes: usize,
+    held: &prometheus_client::metrics::gauge::Gauge,
+) {
+    let now = now_ms();
+    let due = staged
+        .iter()
+        .take_while(|d| d.due_at_ms.is_some_and(|due| due <= now))
+        .count();
+    if due > 0 {
+        held.dec_by(due as i64);
+        hand.push(staged.drain(..due).map(Turn::Due), lanes);
+    }
 }
 
 /// Runs the members handed out, one at a time, until all were; the first error it met.
