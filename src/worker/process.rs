@@ -357,8 +357,9 @@ async fn drive<H: Handler>(
     loop {
         let now = now_ms();
         while !exhausted {
-            if next.is_none() {
-                match members.next() {
+            let (mut d, invalid) = match next.take() {
+                Some(decoded) => decoded,
+                None => match members.next() {
                     None => {
                         exhausted = true;
                         break;
@@ -369,22 +370,22 @@ async fn drive<H: Handler>(
                             .get_or_insert(Error::Invalid(format!("invalid batch: {reason}")));
                         continue;
                     }
-                    Some(Ok(m)) => next = Some(b.decode(m, ctx)),
-                }
-            }
-            let (d, invalid) = next.as_mut().expect("decoded");
+                    Some(Ok(m)) => b.decode(m, ctx),
+                },
+            };
             if d.due_at_ms.is_none() {
-                d.due_at_ms = handler.due_at(d);
+                d.due_at_ms = handler.due_at(&d);
             }
             let due = match (invalid.is_none(), d.due_at_ms) {
                 (true, Some(due)) if due.saturating_sub(now) <= max_hold => due,
                 _ => {
-                    let whole = next.take().expect("decoded");
-                    hand.push([Turn::Whole(whole)], lanes);
+                    hand.push([Turn::Whole((d, invalid))], lanes);
                     continue;
                 }
             };
             if due > now + lead {
+                // not yet within the lead: the next turn of the outer loop takes it up
+                next = Some((d, invalid));
                 break;
             }
             // every cancel confirmed `cancel.notice` before its due time is read before it
@@ -392,26 +393,17 @@ async fn drive<H: Handler>(
             if synced.is_none_or(|s| s < due) {
                 // what is due already does not wait for a barrier's round trip
                 release_due(&mut staged, hand, lanes, held);
-                match ctx.cancels.sync_for(Some(due)).await {
-                    Ok(appended) => {
-                        if appended {
-                            ctx.counters.count(Event::CancelSync, b.queue);
-                        }
-                        synced = Some(due);
-                    }
-                    Err(_) => {
-                        // it goes the whole way, which syncs again (or fails) on its own
-                        let whole = next.take().expect("decoded");
-                        hand.push([Turn::Whole(whole)], lanes);
-                        continue;
-                    }
+                if !synced_for(due, b, ctx).await {
+                    // it goes the whole way, which syncs again (or fails) on its own
+                    hand.push([Turn::Whole((d, invalid))], lanes);
+                    continue;
                 }
+                synced = Some(due);
             }
             if busy != Some(due) {
                 ctx.publisher.journal_busy_at(due);
                 busy = Some(due);
             }
-            let (d, _) = next.take().expect("decoded");
             staged.push_back(d);
             held.inc();
         }
@@ -421,14 +413,9 @@ async fn drive<H: Handler>(
         }
         // sleep until the first staged member is due, or the next one is within the lead
         let staged_due = staged.front().and_then(|d| d.due_at_ms);
-        let next_prep = next
-            .as_ref()
-            .and_then(|(d, _)| d.due_at_ms)
-            .map(|due| due.saturating_sub(lead));
-        let target = match (staged_due, next_prep) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => a.or(b).unwrap_or(now),
-        };
+        let next_prep =
+            (next.as_ref().and_then(|(d, _)| d.due_at_ms)).map(|t| t.saturating_sub(lead));
+        let target = staged_due.into_iter().chain(next_prep).min().unwrap_or(now);
         if let Some(step) = hold_sleep(now_ms(), target, false) {
             tokio::time::sleep(Duration::from_millis(step)).await;
         }
@@ -436,6 +423,20 @@ async fn drive<H: Handler>(
     hand.finished.store(true, Ordering::Release);
     hand.more.notify_waiters();
     first_error
+}
+
+/// Syncs with the cancels for members due at `due` (counted when it appended a barrier):
+/// whether it did.
+async fn synced_for(due: u64, b: &Batch<'_>, ctx: &TaskCtx) -> bool {
+    match ctx.cancels.sync_for(Some(due)).await {
+        Ok(appended) => {
+            if appended {
+                ctx.counters.count(Event::CancelSync, b.queue);
+            }
+            true
+        }
+        Err(_) => false,
+    }
 }
 
 /// Hands the lanes every staged member due by now (the wall clock read now).
