@@ -26,9 +26,7 @@ use amqp_delay::{Message, Publisher, Result, Settings, Topology};
 use amqp_delay_cli::cli::GlobalArgs;
 use clap::Parser;
 use futures::StreamExt;
-use hdrhistogram::Histogram;
-use lapin::options::{BasicConsumeOptions, BasicQosOptions};
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::AMQPValue;
 use serde_json::json;
 
 /// The worker's side of recurring load: N messages due at one tick each second.
@@ -65,29 +63,12 @@ struct Got {
     id: String,
 }
 
+mod tool;
+
+use tool::{hist, invalid, lat, note};
+
 fn main() -> std::process::ExitCode {
-    let args = Args::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a runtime");
-    match rt.block_on(run(args)) {
-        Ok(true) => std::process::ExitCode::SUCCESS,
-        Ok(false) => std::process::ExitCode::from(1),
-        Err(e) => {
-            eprintln!("delay-bench-burst: {}", amqp_delay::error_chain(&e));
-            std::process::ExitCode::from(2)
-        }
-    }
-}
-
-fn invalid(s: String) -> amqp_delay::Error {
-    amqp_delay::Error::Invalid(s)
-}
-
-fn note(s: &str) {
-    eprintln!("[{}] {s}", amqp_delay::recurring::rfc3339(now_ms()));
+    tool::main("delay-bench-burst", run(Args::parse()))
 }
 
 async fn run(args: Args) -> Result<bool> {
@@ -106,20 +87,8 @@ async fn run(args: Args) -> Result<bool> {
     if let Some(mut c) = child {
         stop(&mut c).await;
     }
-    note("deleting what the run declared");
-    for q in [&src, &out, &layout.parked_queue(&src)] {
-        let _ = delete_queue(&conn, q).await;
-    }
-    let trust = settings.trust.clone();
-    let t = amqp_delay_cli::admin::teardown_with(&conn, &layout, None, true, &[], &trust).await;
-    if let Err(e) = t {
-        eprintln!(
-            "teardown of {}: {}",
-            settings.prefix,
-            amqp_delay::error_chain(&e)
-        );
-    }
-    broker::close_connection(&conn, "bye").await;
+    let parked = layout.parked_queue(&src);
+    tool::tear_down(&conn, &settings, &layout, &[&src, &out, &parked]).await;
     let report = r?;
     let ok = report["lost"] == 0 && report["duplicated"] == 0 && report["early"] == 0;
     match args.json {
@@ -130,13 +99,6 @@ async fn run(args: Args) -> Result<bool> {
         ),
     }
     Ok(ok)
-}
-
-async fn delete_queue(conn: &lapin::Connection, q: &str) -> Result<()> {
-    let ch = broker::open(conn).await?;
-    let _ = ch.queue_delete(q.into(), Default::default()).await;
-    broker::close(&ch, "ok").await;
-    Ok(())
 }
 
 /// SIGTERM, then a kill after 10 s.
@@ -156,18 +118,9 @@ async fn stop(c: &mut tokio::process::Child) {
 }
 
 fn consumer_bin(args: &Args) -> Result<PathBuf> {
-    let bin = match &args.consumer {
-        Some(b) => b.clone(),
-        None => std::env::current_exe()
-            .map_err(|e| invalid(format!("current exe: {e}")))?
-            .with_file_name("delay-consumer"),
-    };
-    match bin.is_file() {
-        true => Ok(bin),
-        false => Err(invalid(format!(
-            "{} does not exist: build it (`cargo build --release -p amqp-delay-cli`)",
-            bin.display()
-        ))),
+    match &args.consumer {
+        Some(b) => tool::existing(b.clone()),
+        None => tool::beside("delay-consumer"),
     }
 }
 
@@ -222,22 +175,7 @@ async fn measure(
 
     // the plain consumer of the relayed copies
     let got: Arc<Mutex<Vec<Got>>> = Arc::default();
-    let cch = broker::open(conn).await?;
-    cch.basic_qos(5_000, BasicQosOptions::default())
-        .await
-        .map_err(|e| invalid(format!("qos: {e}")))?;
-    let mut consumer = cch
-        .basic_consume(
-            out.into(),
-            "burst".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..BasicConsumeOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|e| invalid(format!("consume: {e}")))?;
+    let (cch, mut consumer) = tool::consume_no_ack(conn, out, "burst").await?;
     let sink = got.clone();
     let consuming = tokio::spawn(async move {
         while let Some(Ok(d)) = consumer.next().await {
@@ -358,20 +296,6 @@ async fn measure(
             "us_per_message": (c1.0 - c0.0) * 1e6 / members,
         },
     }))
-}
-
-fn hist() -> Histogram<u64> {
-    Histogram::new_with_bounds(1, 3_600_000, 3).expect("histogram")
-}
-
-fn lat(h: &Histogram<u64>) -> serde_json::Value {
-    json!({
-        "n": h.len(),
-        "p50": h.value_at_quantile(0.5),
-        "p99": h.value_at_quantile(0.99),
-        "p99.9": h.value_at_quantile(0.999),
-        "max": h.max(),
-    })
 }
 
 /// CPU seconds of `pid` so far: the process's, and each thread's.

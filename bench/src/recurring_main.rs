@@ -33,7 +33,6 @@ use amqp_delay_cli::cli::GlobalArgs;
 use clap::Parser;
 use futures::StreamExt;
 use hdrhistogram::Histogram;
-use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::json;
 
@@ -111,33 +110,14 @@ fn record(sink: &Sink, headers: Option<&FieldTable>, id: String) {
 }
 
 mod recurring_list;
+mod tool;
+
+use tool::{hist, invalid, lat, note};
 
 fn main() -> std::process::ExitCode {
-    let args = Args::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a runtime");
-    match rt.block_on(run(args)) {
-        Ok(true) => std::process::ExitCode::SUCCESS,
-        Ok(false) => std::process::ExitCode::from(1),
-        Err(e) => {
-            eprintln!("delay-bench-recurring: {}", amqp_delay::error_chain(&e));
-            std::process::ExitCode::from(2)
-        }
-    }
+    tool::main("delay-bench-recurring", run(Args::parse()))
 }
 
-fn invalid(s: String) -> amqp_delay::Error {
-    amqp_delay::Error::Invalid(s)
-}
-
-fn note(s: &str) {
-    eprintln!("[{}] {s}", amqp_delay::recurring::rfc3339(now_ms()));
-}
-
-/// `delay-publisher` beside this binary.
 /// What a `delay-publisher` child of the bench runs with: the bench's broker, prefix, cap
 /// and `--config`.
 fn child_env(c: &mut tokio::process::Command, settings: &Settings, args: &Args) {
@@ -152,16 +132,9 @@ fn child_env(c: &mut tokio::process::Command, settings: &Settings, args: &Args) 
     }
 }
 
+/// `delay-publisher` beside this binary.
 fn publisher_bin() -> Result<PathBuf> {
-    let exe = std::env::current_exe().map_err(|e| invalid(format!("current exe: {e}")))?;
-    let bin = exe.with_file_name("delay-publisher");
-    if !bin.is_file() {
-        return Err(invalid(format!(
-            "{} does not exist: build it (`cargo build --release -p amqp-delay-cli`)",
-            bin.display()
-        )));
-    }
-    Ok(bin)
+    tool::beside("delay-publisher")
 }
 
 async fn run(args: Args) -> Result<bool> {
@@ -181,19 +154,8 @@ async fn run(args: Args) -> Result<bool> {
     } else {
         measure(&args, &settings, &layout, &conn, &queue).await
     };
-    note("deleting what the run declared");
-    let _ = delete_queue(&conn, &queue).await;
-    let _ = delete_queue(&conn, &layout.parked_queue(&queue)).await;
-    let trust = settings.trust.clone();
-    let t = amqp_delay_cli::admin::teardown_with(&conn, &layout, None, true, &[], &trust).await;
-    if let Err(e) = t {
-        eprintln!(
-            "teardown of {}: {}",
-            settings.prefix,
-            amqp_delay::error_chain(&e)
-        );
-    }
-    broker::close_connection(&conn, "bye").await;
+    let parked = layout.parked_queue(&queue);
+    tool::tear_down(&conn, &settings, &layout, &[&queue, &parked]).await;
     let report = r?;
     let ok =
         args.list_only || report["lost"] == 0 && report["duplicated"] == 0 && report["early"] == 0;
@@ -206,13 +168,6 @@ async fn run(args: Args) -> Result<bool> {
         );
     }
     Ok(ok)
-}
-
-async fn delete_queue(conn: &lapin::Connection, q: &str) -> Result<()> {
-    let ch = broker::open(conn).await?;
-    let _ = ch.queue_delete(q.into(), Default::default()).await;
-    broker::close(&ch, "ok").await;
-    Ok(())
 }
 
 /// One delivery: when it arrived, its tick, its due time (as the publisher reckoned it), its
@@ -257,22 +212,7 @@ async fn measure(
                 .await;
         })
     } else {
-        let cch = broker::open(conn).await?;
-        cch.basic_qos(5_000, BasicQosOptions::default())
-            .await
-            .map_err(|e| invalid(format!("qos: {e}")))?;
-        let mut consumer = cch
-            .basic_consume(
-                queue.into(),
-                "rbench".into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..BasicConsumeOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| invalid(format!("consume: {e}")))?;
+        let (cch, mut consumer) = tool::consume_no_ack(conn, queue, "rbench").await?;
         plain = Some(cch);
         let sink = got.clone();
         tokio::spawn(async move {
@@ -472,20 +412,6 @@ pub(crate) async fn add_schedules(
     let add_secs = t0.elapsed().as_secs_f64();
     note(&format!("added {n} schedules in {add_secs:.1} s"));
     Ok(add_secs)
-}
-
-fn hist() -> Histogram<u64> {
-    Histogram::new_with_bounds(1, 3_600_000, 3).expect("histogram")
-}
-
-fn lat(h: &Histogram<u64>) -> serde_json::Value {
-    json!({
-        "n": h.len(),
-        "p50": h.value_at_quantile(0.5),
-        "p99": h.value_at_quantile(0.99),
-        "p99.9": h.value_at_quantile(0.999),
-        "max": h.max(),
-    })
 }
 
 /// Resident memory of `pid`, kB (0 when gone).
