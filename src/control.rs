@@ -406,7 +406,7 @@ async fn read_named(
 /// scheduler: [`Trust::may_compact`]), and the offset of the barrier the read ended at, to
 /// follow the stream from. An empty book when the stream does not exist.
 ///
-/// With `only`, the book keeps that owner's schedules alone ([`Book::of_owner`]): what a user's
+/// With `only`, the book keeps that owner's schedules alone: what a user's
 /// own `recurring serve` or `list` needs, in memory bounded by its own cap.
 pub async fn read_schedules(
     conn: &Connection,
@@ -461,9 +461,11 @@ impl Record {
         )
     }
 
-    /// Applies a recurring schedule's record written by `by` to `book` (whether it is one):
-    /// one no writer of ours makes, or whose writer may not, is skipped, logged and counted.
+    /// Applies a recurring schedule's record written by `by` to `book`: whether the book took
+    /// it (a record about a schedule it keeps, applied). One no writer of ours makes, or whose
+    /// writer may not, is skipped, logged and counted.
     pub fn apply_to(&self, book: &mut Book, by: Option<&str>, trust: &Trust) -> bool {
+        let owner = self.schedule_owner(by, trust);
         let applied = match self {
             Record::RecurringAdd(a) => book.add(by, a, trust),
             Record::RecurringSet(s) => book.set(by, s, trust),
@@ -475,13 +477,14 @@ impl Record {
         if let Err(why) = applied {
             let by = by.unwrap_or("no user_id");
             skipped(KIND, "recurring", &format!("by '{by}': {why}"));
+            return false;
         }
-        true
+        owner.is_some_and(|o| book.keeps(o))
     }
 
     /// Whose schedule a recurring record written by `by` is about, as the book believes it
     /// (`None`: no recurring record, or none with a writer).
-    pub fn schedule_owner<'a>(&'a self, by: Option<&'a str>, trust: &Trust) -> Option<&'a str> {
+    fn schedule_owner<'a>(&'a self, by: Option<&'a str>, trust: &Trust) -> Option<&'a str> {
         match self {
             Record::RecurringAdd(_) => by,
             Record::RecurringSet(s) => match (&s.owner, by) {

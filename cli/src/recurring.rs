@@ -211,8 +211,6 @@ impl Scheduler {
     /// A record read from the stream: a schedule's change wakes it.
     fn apply(&mut self, record: Option<&Record>, by: Option<&str>) {
         if let Some(r) = record
-            && r.schedule_owner(by, &self.trust)
-                .is_some_and(|o| self.book.keeps(o))
             && r.apply_to(&mut self.book, by, &self.trust)
             && !matches!(r, Record::RecurringMark(_) | Record::RecurringMarks(_))
         {

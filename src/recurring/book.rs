@@ -17,7 +17,7 @@
 //! within the book, of at most `trust.max_schedules_per_user` ([`MAX_PER_OWNER`] by default),
 //! and the admins share one of [`MAX_SCHEDULES`]: what one tenant writes never takes room
 //! another's adds need, so the book holds at most users × the per-user cap plus the admins'.
-//! A book of one owner ([`Book::of_owner`], what its `recurring serve` keeps) holds only that
+//! A book of one owner (what its `recurring serve` keeps) holds only that
 //! owner's schedules; the rest are not its to keep.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque, btree_map};
@@ -227,7 +227,7 @@ struct Gone {
 impl Book {
     /// A book of `owner`'s schedules only: records about anyone else's are not applied (and
     /// take none of its room or time).
-    pub fn of_owner(owner: &str) -> Book {
+    pub(crate) fn of_owner(owner: &str) -> Book {
         Book {
             only: Some(owner.to_string()),
             ..Book::default()
@@ -236,7 +236,7 @@ impl Book {
 
     /// Whether this book keeps `owner`'s schedules (every owner's, unless it is
     /// [`Book::of_owner`] another).
-    pub fn keeps(&self, owner: &str) -> bool {
+    pub(crate) fn keeps(&self, owner: &str) -> bool {
         self.only.as_deref().is_none_or(|o| o == owner)
     }
 
