@@ -168,10 +168,7 @@ impl Inner {
                 .with_delivery_mode(2)
                 .with_content_type("application/json".into()),
         );
-        let written = self
-            .publish_confirmed(log.exchange(), stream, &log.encode(&entry), props)
-            .await;
-        match written.map_err(|e| log.or_missing(e)) {
+        match self.append_log(&log, &entry, props).await {
             Ok(()) => {}
             Err(e @ Error::NotDeclared { .. }) => {
                 self.ledger_on.store(false, Ordering::Relaxed);
@@ -262,6 +259,30 @@ impl Inner {
                 }
                 r => return r,
             }
+        }
+    }
+
+    /// Appends `record` to the stream `log` on the confirm channel and waits for its confirm,
+    /// at most [`crate::stream_log::CONFIRM_TIMEOUT`]: a stream whose leader's node was lost
+    /// may answer neither confirm nor nack (RabbitMQ 3.10.8, kill -9 of the node leading the
+    /// ledger stream: nothing for the 150 s we waited), and a log write must not hold up a
+    /// publish, a cancel or a close for ever. A missing stream is [`StreamLog::or_missing`]'s
+    /// error.
+    pub(super) async fn append_log<R: crate::stream_log::LogRecord>(
+        &self,
+        log: &crate::stream_log::StreamLog<R>,
+        record: &R,
+        props: BasicProperties,
+    ) -> Result<()> {
+        let limit = crate::stream_log::CONFIRM_TIMEOUT;
+        let body = log.encode(record);
+        let appended = self.publish_confirmed(log.exchange(), log.name(), &body, props);
+        match tokio::time::timeout(limit, appended).await {
+            Ok(r) => r.map_err(|e| log.or_missing(e)),
+            Err(_) => Err(Error::Timeout {
+                context: format!("awaiting the confirm of an append to '{}'", log.name()),
+                timeout_ms: limit.as_millis() as u64,
+            }),
         }
     }
 

@@ -566,10 +566,7 @@ async fn append(inner: &Weak<Inner>, record: &Record) -> Result<()> {
             .with_delivery_mode(2)
             .with_content_type("application/json".into()),
     );
-    inner
-        .publish_confirmed(log.exchange(), log.name(), &log.encode(record), props)
-        .await
-        .map_err(|e| log.or_missing(e))?;
+    inner.append_log(&log, record, props).await?;
     crate::metrics::global().journal_records.inc();
     Ok(())
 }

@@ -169,10 +169,7 @@ impl Publisher {
         let props = self
             .inner
             .signed(BasicProperties::default().with_delivery_mode(2));
-        self.inner
-            .publish_confirmed(log.exchange(), log.name(), &log.encode(record), props)
-            .await
-            .map_err(|e| log.or_missing(e))
+        self.inner.append_log(&log, record, props).await
     }
 
     /// Uses an existing connection (not closed by [`Publisher::close`]).

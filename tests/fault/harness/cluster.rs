@@ -453,6 +453,16 @@ pub(crate) fn local_ports(pid: u32, node: usize) -> Vec<u16> {
 /// Leaders of the queues under `prefix`, per node (1-based), from `rabbitmqctl list_queues`
 /// asked of `via`.
 pub(crate) async fn leaders(prefix: &str, via: usize) -> HashMap<usize, usize> {
+    let mut m = HashMap::new();
+    for (_, i) in leader_of_each(prefix, via).await {
+        *m.entry(i).or_insert(0) += 1;
+    }
+    m
+}
+
+/// The node (1-based) leading each queue under `prefix`, from `rabbitmqctl list_queues` asked
+/// of `via`.
+pub(crate) async fn leader_of_each(prefix: &str, via: usize) -> HashMap<String, usize> {
     let out = cluster(&["ctl", &via.to_string(), "list_queues", "name", "leader"]).await;
     let mut m = HashMap::new();
     for line in out.lines() {
@@ -464,7 +474,7 @@ pub(crate) async fn leaders(prefix: &str, via: usize) -> HashMap<usize, usize> {
             continue;
         }
         if let Some(i) = (1..=NODES).find(|i| leader == format!("{}localhost", node_name(*i))) {
-            *m.entry(i).or_insert(0) += 1;
+            m.insert(name.to_string(), i);
         }
     }
     m

@@ -118,11 +118,16 @@ impl Fault {
 
     /// `bin --config CFG --url URLS ARGS...`, output piped.
     pub(crate) fn command(&self, bin: &str, args: &[&str]) -> Command {
+        self.command_to(&urls(), bin, args)
+    }
+
+    /// [`Fault::command`] with the broker URLs `urls`.
+    fn command_to(&self, urls: &str, bin: &str, args: &[&str]) -> Command {
         let mut c = Command::new(bin);
         c.arg("--config")
             .arg(&self.config)
             .arg("--url")
-            .arg(urls())
+            .arg(urls)
             .args(args)
             .env_remove("AMQP_DELAY_PREFIX")
             .env("AMQP_DELAY_MANAGEMENT_URL", management_url())
@@ -197,19 +202,32 @@ impl Fault {
 
     /// Runs `delay-publisher ARGS` to the end (at most 90 s).
     pub(crate) async fn publisher(&self, args: &[&str]) -> Output {
+        self.publisher_to(&urls(), args).await
+    }
+
+    /// [`Fault::publisher`] connected to `urls`.
+    async fn publisher_to(&self, urls: &str, args: &[&str]) -> Output {
         let t = Instant::now();
-        let child = self
-            .command(env!("CARGO_BIN_EXE_delay-publisher"), args)
+        let mut child = self
+            .command_to(urls, env!("CARGO_BIN_EXE_delay-publisher"), args)
             .spawn()
             .unwrap();
-        let out = tokio::time::timeout(Duration::from_secs(90), child.wait_with_output())
-            .await
-            .unwrap_or_else(|_| panic!("delay-publisher {args:?} did not finish in 90 s"))
-            .unwrap();
+        let stdout = drain(child.stdout.take());
+        let stderr = drain(child.stderr.take());
+        let status = tokio::time::timeout(Duration::from_secs(90), child.wait()).await;
+        if status.is_err() {
+            let _ = child.kill().await;
+        }
+        let (stdout, stderr) = (stdout.await.unwrap(), stderr.await.unwrap());
+        let Ok(status) = status else {
+            panic!(
+                "delay-publisher {args:?} did not finish in 90 s; it printed:\n{stdout}\n{stderr}"
+            )
+        };
         Output {
-            code: out.status.code(),
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            code: status.unwrap().code(),
+            stdout,
+            stderr,
             took: t.elapsed(),
         }
     }
@@ -229,6 +247,18 @@ impl Fault {
 
     /// `declare --queue Q --worker` for each destination.
     pub(crate) async fn declare(&self, queues: &[&str]) -> Output {
+        self.declare_to(&urls(), queues).await
+    }
+
+    /// [`Fault::declare`] through node `i` alone: the streams (control, journal, ledger) are
+    /// then led from node `i`, their leader locator being `client-local`; for a scenario
+    /// that loses node `i` with them.
+    pub(crate) async fn declare_via(&self, i: usize, queues: &[&str]) -> Output {
+        let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", port(i));
+        self.declare_to(&url, queues).await
+    }
+
+    async fn declare_to(&self, urls: &str, queues: &[&str]) -> Output {
         let mut args = vec!["declare"];
         for q in queues {
             args.extend(["--queue", q]);
@@ -236,7 +266,15 @@ impl Fault {
         if !queues.is_empty() {
             args.push("--worker");
         }
-        self.publisher_ok(&args).await
+        let out = self.publisher_to(urls, &args).await;
+        assert_eq!(
+            out.code,
+            Some(0),
+            "declare failed:\n{}\n{}",
+            out.stdout,
+            out.stderr
+        );
+        out
     }
 
     /// Starts `delay-consumer --queue Q --log` and waits until it consumes.
@@ -374,4 +412,19 @@ pub(crate) async fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     cond()
+}
+
+/// Reads a child's pipe to its end in a task of its own, so what it printed can be shown even
+/// when the child is killed for taking too long.
+fn drain<R>(pipe: Option<R>) -> tokio::task::JoinHandle<String>
+where
+    R: tokio::io::AsyncRead + Unpin + Send + 'static,
+{
+    tokio::spawn(async move {
+        let mut buf = Vec::new();
+        if let Some(mut p) = pipe {
+            let _ = tokio::io::AsyncReadExt::read_to_end(&mut p, &mut buf).await;
+        }
+        String::from_utf8_lossy(&buf).into_owned()
+    })
 }
