@@ -343,6 +343,16 @@ async fn measure(
     }
     let expected = n as u64 * args.minutes;
     let lost = expected.saturating_sub(in_window);
+    // the ticks short of their schedules (the first 20): where lost occurrences were
+    let mut short: Vec<serde_json::Value> = Vec::new();
+    for tick in (from_ms..until_ms).step_by(1000) {
+        let s = (tick / 1000 % 60) as usize;
+        let want = (n / 60 + usize::from(s < n % 60)) as u64;
+        let got = per_tick.get(&tick).copied().unwrap_or(0);
+        if got < want && short.len() < 20 {
+            short.push(json!([amqp_delay::recurring::rfc3339(tick), got, want]));
+        }
+    }
     let secs = (until_ms - from_ms) as f64 / 1000.0;
     let cpu_of = |i: usize| {
         cpu_at_from
@@ -368,6 +378,7 @@ async fn measure(
         "early": early,
         "occurrences_per_sec": in_window as f64 / secs,
         "ticks_seen": per_tick.len(),
+        "ticks_short": short,
         "lateness_ms": lat(&all),
         "lateness_ms_per_minute": minutes.iter().map(lat).collect::<Vec<_>>(),
         "due_after_tick_ms": lat(&reckoning),

@@ -23,6 +23,7 @@ use amqp_delay::recurring::{self, Book, Entry, Marks, Ticks, Window};
 use amqp_delay::settings::Settings;
 use amqp_delay::time::now_ms;
 use amqp_delay::{Error, Message, Publisher, Result};
+use futures::StreamExt;
 use lapin::Connection;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
@@ -49,6 +50,8 @@ const MAX_ROUND_OCCURRENCES: usize = 20_000;
 /// the confirms): each delay is reckoned before its chunk's publish, so the last occurrence of
 /// a chunk arrives as much after its tick as the chunk takes to publish.
 const PUBLISH_CHUNK: usize = 100;
+/// Chunks of a round published at once.
+const CHUNKS_AT_ONCE: usize = 16;
 /// The bytes of revisions one [`Marks`] record names, at most (a revision of `recurring
 /// add` takes 39: some 25,000 schedules), well within a control record.
 const MARKS_RECORD_BYTES: usize = 1024 * 1024;
@@ -208,11 +211,16 @@ struct Scheduler {
 }
 
 impl Scheduler {
-    /// A record read from the stream: a schedule's change wakes it.
+    /// A record read from the stream. A new revision (an add, or a keep that brings one
+    /// back) has no wake time yet, so the next round plans it; a pause, resume or remove
+    /// wakes every schedule. Marks and keeps of revisions held change no plan: were they to
+    /// wake every schedule, each round would plan the same first [`MAX_ROUND_OCCURRENCES`]
+    /// schedules again while a serve reads back its own keeps (one per schedule at its
+    /// start), and the others would wait.
     fn apply(&mut self, record: Option<&Record>, by: Option<&str>) {
         if let Some(r) = record
             && r.apply_to(&mut self.book, by, &self.trust)
-            && !matches!(r, Record::RecurringMark(_) | Record::RecurringMarks(_))
+            && matches!(r, Record::RecurringSet(_))
         {
             self.wake.clear();
         }
@@ -220,8 +228,9 @@ impl Scheduler {
 
     /// Publishes what each of this user's live schedules needs now, at most
     /// [`MAX_ROUND_OCCURRENCES`] (the rest in the next round), in chunks of
-    /// [`PUBLISH_CHUNK`] schedules each published at once; then the marks of those published
-    /// (after their confirms), [`MARKS_RECORD_BYTES`] of revisions to a [`Marks`] record.
+    /// [`PUBLISH_CHUNK`] schedules each published at once, [`CHUNKS_AT_ONCE`] chunks at a
+    /// time; then the marks of those published (after their confirms), [`MARKS_RECORD_BYTES`]
+    /// of revisions to a [`Marks`] record.
     async fn round(
         &mut self,
         publisher: &Publisher,
@@ -277,8 +286,12 @@ impl Scheduler {
             planned.push((e, plan, wake));
         }
         let mut marks: Vec<(String, u64)> = Vec::new();
-        for chunk in planned.chunks(PUBLISH_CHUNK) {
-            let results = publish(publisher, chunk).await;
+        // a chunk's wait in the batcher (up to `publisher.grain_linger`) and for its confirms
+        // does not hold the next chunk back: a round's chunks go out together
+        let mut published = futures::stream::iter(planned.chunks(PUBLISH_CHUNK))
+            .map(|chunk| async move { (chunk, publish(publisher, chunk).await) })
+            .buffer_unordered(CHUNKS_AT_ONCE);
+        while let Some((chunk, results)) = published.next().await {
             for ((e, plan, wake), r) in chunk.iter().zip(results) {
                 if let Err(err) = r {
                     tracing::error!(
@@ -360,4 +373,70 @@ async fn publish(
             out
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use amqp_delay::recurring::{Action, Add, Definition, Keep, Mark, Set};
+    use amqp_delay::settings::TrustSettings;
+
+    fn scheduler() -> Scheduler {
+        Scheduler {
+            already: Default::default(),
+            user: "alice".into(),
+            trust: Trust::new(Some("alice".into()), &TrustSettings::default()),
+            book: Book::default(),
+            ticks: HashMap::new(),
+            wake: HashMap::new(),
+            opts: ServeOptions::default(),
+            max_delay_ms: 3_600_000,
+        }
+    }
+
+    fn add(name: &str, rev: &str) -> Record {
+        Record::RecurringAdd(Add {
+            rev: rev.into(),
+            at_ms: 1,
+            schedule: Definition::new(name, "* * * * *", "q", "b"),
+        })
+    }
+
+    #[test]
+    fn only_a_pause_resume_or_remove_wakes_every_schedule() {
+        let mut s = scheduler();
+        let me = Some("alice");
+        s.apply(Some(&add("a", "r1")), me);
+        s.wake.insert("r1".into(), u64::MAX);
+        // a keep and a mark of the revision held, and another schedule's add, change no plan
+        let keep = Record::RecurringKeep(Keep {
+            owner: "alice".into(),
+            rev: "r1".into(),
+            since_ms: 1,
+            paused: false,
+            through_ms: Some(60_000),
+            schedule: Definition::new("a", "* * * * *", "q", "b"),
+        });
+        let mark = Record::RecurringMark(Mark {
+            owner: "alice".into(),
+            name: "a".into(),
+            rev: "r1".into(),
+            through_ms: 120_000,
+        });
+        for r in [keep, mark, add("b", "r2")] {
+            s.apply(Some(&r), me);
+            assert_eq!(s.wake.get("r1"), Some(&u64::MAX), "{r:?}");
+        }
+        assert_eq!(s.book.len(), 2);
+        // the new revision has no wake time: the next round plans it
+        assert!(!s.wake.contains_key("r2"));
+        let pause = Record::RecurringSet(Set {
+            name: "a".into(),
+            owner: None,
+            action: Action::Pause,
+            at_ms: 2,
+        });
+        s.apply(Some(&pause), me);
+        assert!(s.wake.is_empty());
+    }
 }
