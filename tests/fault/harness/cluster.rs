@@ -395,10 +395,12 @@ pub(crate) fn management_url() -> String {
 }
 
 pub(crate) fn urls() -> String {
-    (1..=NODES)
-        .map(|i| format!("amqp://guest:guest@127.0.0.1:{}/%2f", port(i)))
-        .collect::<Vec<_>>()
-        .join(",")
+    (1..=NODES).map(url).collect::<Vec<_>>().join(",")
+}
+
+/// Node `i`'s AMQP URL.
+pub(crate) fn url(i: usize) -> String {
+    format!("amqp://guest:guest@127.0.0.1:{}/%2f", port(i))
 }
 
 /// Node index of an AMQP port of the cluster.

@@ -234,7 +234,12 @@ impl Fault {
 
     /// Like [`Fault::publisher`], and asserts that it exited 0.
     pub(crate) async fn publisher_ok(&self, args: &[&str]) -> Output {
-        let out = self.publisher(args).await;
+        self.publisher_ok_to(&urls(), args).await
+    }
+
+    /// [`Fault::publisher_ok`] connected to `urls`.
+    async fn publisher_ok_to(&self, urls: &str, args: &[&str]) -> Output {
+        let out = self.publisher_to(urls, args).await;
         assert_eq!(
             out.code,
             Some(0),
@@ -254,8 +259,7 @@ impl Fault {
     /// then led from node `i`, their leader locator being `client-local`; for a scenario
     /// that loses node `i` with them.
     pub(crate) async fn declare_via(&self, i: usize, queues: &[&str]) -> Output {
-        let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", port(i));
-        self.declare_to(&url, queues).await
+        self.declare_to(&url(i), queues).await
     }
 
     async fn declare_to(&self, urls: &str, queues: &[&str]) -> Output {
@@ -266,15 +270,7 @@ impl Fault {
         if !queues.is_empty() {
             args.push("--worker");
         }
-        let out = self.publisher_to(urls, &args).await;
-        assert_eq!(
-            out.code,
-            Some(0),
-            "declare failed:\n{}\n{}",
-            out.stdout,
-            out.stderr
-        );
-        out
+        self.publisher_ok_to(urls, &args).await
     }
 
     /// Starts `delay-consumer --queue Q --log` and waits until it consumes.
